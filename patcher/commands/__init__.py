@@ -1,0 +1,1 @@
+"""Click commands, one module per command family. No logic beyond argument handling and rendering."""

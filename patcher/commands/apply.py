@@ -1,0 +1,87 @@
+"""apply / continue / skip / abort: put a stack onto its pinned checkout, git-am style."""
+
+from __future__ import annotations
+
+import click
+
+from .. import workspace
+from ..errors import ConflictStop
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+
+
+def _line(o: workspace.PatchOutcome) -> str:
+    commit = (o.commit or "")[:12]
+    return f"  {o.index:>3}  {o.outcome:<8} {o.name}  {commit}"
+
+
+def _report(res: workspace.StackResult, as_json: bool, verb: str) -> None:
+    if as_json:
+        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()})
+        return
+    if res.noop:
+        say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
+        return
+    src = res.source or {}
+    say(f"{res.ref}: {verb} {len(res.outcomes)} patch(es) onto {res.base[:12]} "
+        f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
+    say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
+    if res.backup_ref:
+        say(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")
+
+
+def _on_patch(as_json: bool):
+    return None if as_json else (lambda o: say(_line(o)))
+
+
+@click.command("apply")
+@pinref_arg()
+@click.option("--force", is_flag=True, help="Apply over uncommitted changes or unexported commits (kept in backup refs).")
+@json_option
+@pass_ctx
+def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
+    """Materialize + verify the pinned checkout, then apply the stack as commits."""
+    ref = to_ref(pin)
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.apply_stack(ctx.cfg, ctx.lock, ref, force=force,
+                                    progress=progress_printer(not as_json), on_patch=_on_patch(as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("continue")
+@pinref_arg(required=False)
+@json_option
+@pass_ctx
+def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Commit the resolved patch and apply the rest of the stack."""
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.continue_apply(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("skip")
+@pinref_arg(required=False)
+@json_option
+@pass_ctx
+def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Drop the patch that stopped the apply and go on with the rest."""
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.skip_patch(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("abort")
+@pinref_arg(required=False)
+@json_option
+@pass_ctx
+def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Undo the whole apply: branches, HEAD and work tree as they were before it."""
+    with workspace.workdir_lock(ctx.cfg):
+        co = workspace.abort_apply(ctx.cfg, to_ref(pin))
+    if as_json:
+        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path)})
+    else:
+        say(f"{co.ref}: apply aborted; {co.path} is back where it was")
+
+
+COMMANDS = [apply_cmd, continue_cmd, skip_cmd, abort_cmd]
+__all__ = ["COMMANDS", "ConflictStop"]

@@ -1,0 +1,39 @@
+"""verify: lint stacks and check that they apply, without touching the user's checkout."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..verify import verify_stack
+from ..workspace import workdir_lock
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+
+
+@click.command("verify")
+@pinref_arg(required=False)
+@json_option
+@pass_ctx
+def verify_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Lint one stack (or every pinned stack) and apply it in a temporary worktree."""
+    refs = [to_ref(pin)] if pin else [p.ref for p in sorted(ctx.lock.pins.values(), key=lambda p: str(p.ref))
+                                      if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
+    results = []
+    with workdir_lock(ctx.cfg):
+        for ref in refs:
+            results.append(verify_stack(ctx.cfg, ctx.lock, ref, progress_printer(not as_json)))
+    if as_json:
+        emit_json({"ok": all(r.ok for r in results), "stacks": [r.to_json() for r in results]})
+    else:
+        for r in results:
+            verdict = "ok" if r.ok else "FAILED"
+            say(f"{r.ref}: {verdict} — {r.patches} patch(es), applies: {'yes' if r.applied else 'no'}, "
+                f"{r.compiled} .py file(s) compile, source {r.source}")
+            for p in r.problems:
+                say(f"  - {p}")
+    if not all(r.ok for r in results):
+        sys.exit(1)
+
+
+COMMANDS = [verify_cmd]

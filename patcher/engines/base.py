@@ -1,0 +1,82 @@
+"""What an engine adapter declares: sources, build kind rules, install recipe, runner."""
+
+from __future__ import annotations
+
+import fnmatch
+import platform
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..lock import LockEntry
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """A build variant: which pinned wheel it overlays and what it needs to run."""
+
+    name: str
+    dist: str                      # PyPI distribution of the base wheel
+    device: str                    # cpu | cuda
+    python: tuple[str, ...] = ()   # python versions it runs on ('' = any); empty = any
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    name: str
+    git_url: str
+    pypi: tuple[str, ...]
+    packages: tuple[str, ...]                  # top-level import packages in its wheels
+    variants: tuple[VariantSpec, ...]
+    build_kind: str = "overlay"                # overlay | backend
+    compiled_patterns: tuple[str, ...] = ()    # paths that force a full source build
+    tag_prefix: str = "v"
+    runner: str | None = None                  # runner script name under patcher/runners
+    # pip arguments for `dsadapt install` besides the built artifact
+    install_extra: Callable[[LockEntry, str], list[str]] = field(default=lambda e, v: [])
+    # packages to uninstall after install (builds that break imports)
+    install_remove: tuple[str, ...] = ()
+    notes: str = ""
+
+    def variant(self, name: str | None) -> VariantSpec:
+        from ..errors import UsageError
+
+        if name is None:
+            return self.variants[0]
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise UsageError(f"{self.name} has no variant '{name}'",
+                         hint=f"variants: {', '.join(v.name for v in self.variants)}")
+
+    def tag_to_version(self, tag: str) -> str:
+        return tag[len(self.tag_prefix):] if self.tag_prefix and tag.startswith(self.tag_prefix) else tag
+
+    def version_to_tag(self, version: str) -> str:
+        return f"{self.tag_prefix}{version}"
+
+    def is_compiled(self, path: str) -> bool:
+        return any(fnmatch.fnmatch(path, pat) for pat in self.compiled_patterns)
+
+    def run_blocker(self, entry: LockEntry, variant: VariantSpec) -> str | None:
+        """Why this pin/variant cannot run on this machine, or None if it can."""
+        if variant.device == "cuda" and not has_cuda():
+            return "needs a CUDA GPU (none on this machine)"
+        if entry.python:
+            here = f"{sys.version_info.major}.{sys.version_info.minor}"
+            allowed = [p.strip() for p in entry.python.split(",")]
+            if here not in allowed:
+                return f"needs Python {entry.python} (this is {here})"
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return f"wheels are x86_64 only (this is {platform.machine()})"
+        return None
+
+
+def has_cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+COMPILED_DEFAULT = ("csrc/*", "*.cu", "*.cuh", "*.cpp", "*.cc", "*.c", "*.h", "*.hpp", "CMakeLists.txt",
+                    "cmake/*", "setup.py", "pyproject.toml", "*.pyx")

@@ -1,0 +1,19 @@
+"""LMDeploy: overlay builds on the pinned wheel; its engines run on CUDA only."""
+
+from __future__ import annotations
+
+from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
+
+ADAPTER = EngineAdapter(
+    name="lmdeploy",
+    git_url="https://github.com/InternLM/lmdeploy.git",
+    pypi=("lmdeploy",),
+    packages=("lmdeploy",),
+    variants=(
+        VariantSpec("cuda", "lmdeploy", "cuda", description="full wheel (TurboMind + PyTorch engine)"),
+        VariantSpec("pytorch", "lmdeploy", "cuda",
+                    description="PyTorch engine only: TurboMind's 364 MB extension left out"),
+    ),
+    compiled_patterns=COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*"),
+    runner="lmdeploy_runner.py",
+)
