@@ -163,9 +163,12 @@ def _pip_download(art: Artifact, version: str, dest: Path) -> None:
     if art.is_wheel:
         _, _, _, tags = parse_wheel_filename(art.file)
         tag = sorted(tags, key=str)[0]
-        pyver = tag.interpreter[2:] if tag.interpreter.startswith("cp") else "3"
-        args += ["--only-binary=:all:", "--implementation", "cp", "--python-version",
-                 f"{pyver[0]}.{pyver[1:]}" if len(pyver) > 1 else pyver, "--abi", tag.abi]
+        here = f"{sys.version_info.major}{sys.version_info.minor}"
+        pyver = tag.interpreter[2:] if tag.interpreter.startswith("cp") else here
+        if tag.abi == "abi3" or tag.interpreter.startswith("py"):
+            pyver = max(pyver, here, key=lambda v: (int(v[0]), int(v[1:] or 0)))
+        args += ["--only-binary=:all:", "--implementation", "cp", "--python-version", f"{pyver[0]}.{pyver[1:]}",
+                 "--abi", tag.abi]
         for t in tags:
             args += ["--platform", t.platform]
     else:

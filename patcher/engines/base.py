@@ -21,6 +21,8 @@ class VariantSpec:
     device: str                    # cpu | cuda
     python: tuple[str, ...] = ()   # python versions it runs on ('' = any); empty = any
     description: str = ""
+    toolchain: tuple[str, ...] = ()  # programs a full source build needs
+    leave_out: tuple[str, ...] = ()  # wheel members (fnmatch) an overlay build drops
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class EngineAdapter:
     # packages to uninstall after install (builds that break imports)
     install_remove: tuple[str, ...] = ()
     notes: str = ""
+    # backend-kind engines: assemble the build (cfg, lock, entry, stack, out_dir, progress) -> BuildResult
+    build_backend: Callable | None = None
 
     def variant(self, name: str | None) -> VariantSpec:
         from ..errors import UsageError

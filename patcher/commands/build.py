@@ -1,0 +1,102 @@
+"""build / install / build-all: patched engines as installable artifacts."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from ..build import build_pin, buildable_here
+from ..engines import adapter
+from ..errors import DsadaptError
+from ..venvs import install_pin
+from ..workspace import workdir_lock
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
+
+
+@click.command("build")
+@pinref_arg()
+@click.option("--variant", default=None, help="Build variant (vllm: cpu|cuda; lmdeploy: cuda|pytorch).")
+@json_option
+@pass_ctx
+def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
+    """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
+    ref = to_ref(pin)
+    with workdir_lock(ctx.cfg):
+        res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
+    if as_json:
+        emit_json(res.to_json())
+        return
+    click.echo(res.artifact)
+    say(f"  sha256 {res.sha256}")
+    say(f"  {res.kind} build in {res.seconds:.1f} s: {res.how}")
+    for p in res.replaced:
+        say(f"  replaced {p}")
+    for p in res.added:
+        say(f"  added    {p}")
+    for p in res.removed:
+        say(f"  removed  {p}")
+    if res.left_out:
+        say(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
+    blocker = adapter(ref.engine).run_blocker(ctx.lock.pin(ref), adapter(ref.engine).variant(res.variant))
+    if blocker:
+        say(f"  note: built here, but it cannot run here: {blocker}")
+
+
+@click.command("install")
+@pinref_arg()
+@click.option("--variant", default=None)
+@json_option
+@pass_ctx
+def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
+    """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
+    ref = to_ref(pin)
+    with workdir_lock(ctx.cfg):
+        res = install_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json), stream=not as_json)
+    if as_json:
+        emit_json(res.to_json())
+        return
+    say(f"{ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    if res.removed:
+        say(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
+    say(f"  activate: {res.activate}")
+
+
+@click.command("build-all")
+@json_option
+@pass_ctx
+def build_all_cmd(ctx: Context, as_json: bool) -> None:
+    """Build every pin (and variant) that can be built on this machine; a table of the rest says why not."""
+    rows, data, failed = [], [], False
+    with workdir_lock(ctx.cfg):
+        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+            ad = adapter(entry.engine)
+            variants = [v.name for v in ad.variants if entry.artifact(v.name, wheel=True) or ad.build_kind == "backend"]
+            for v in variants or [ad.variants[0].name]:
+                t0 = time.monotonic()
+                reason = buildable_here(ctx.cfg, ctx.lock, entry, v)
+                runs = ad.run_blocker(entry, ad.variant(v))
+                row = {"pin": str(entry.ref), "variant": v, "kind": None, "artifact": None, "seconds": None,
+                       "status": "skipped", "reason": reason, "runs_here": runs is None, "run_blocker": runs}
+                if reason is None:
+                    try:
+                        res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer(not as_json))
+                        row.update(kind=res.kind, artifact=res.artifact, sha256=res.sha256,
+                                   seconds=round(time.monotonic() - t0, 1), status="built")
+                    except DsadaptError as e:
+                        row.update(status="failed", reason=e.message)
+                        failed = True
+                data.append(row)
+                note = row["reason"] or ("" if row["runs_here"] else f"built; cannot run here: {runs}")
+                rows.append([row["pin"], v, row["kind"] or "-", (row["artifact"] or "-").rsplit("/", 1)[-1],
+                             f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", row["status"], note])
+    if as_json:
+        emit_json({"builds": data, "ok": not failed})
+    else:
+        table("build-all", ["pin", "variant", "kind", "artifact", "s", "status", "note"], rows)
+    if failed:
+        sys.exit(1)
+
+
+COMMANDS = [build_cmd, install_cmd, build_all_cmd]
