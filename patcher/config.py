@@ -9,6 +9,7 @@ Precedence: environment > `dsadapt.toml` in the project root > defaults.
 - DSADAPT_MIRRORS     "engine=PATH[,PATH...];engine2=PATH" local git dirs, bare repos or bundles
 - DSADAPT_ARTIFACTS   colon list of directories searched for release artifacts before PyPI
 - DSADAPT_GIT_TIMEOUT seconds for a network git operation (default 120)
+- DSADAPT_VENVS       where per-pin virtual environments live (default: <workdir>/venvs)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Config:
     mirrors: dict[str, tuple[Path, ...]] = field(default_factory=dict)
     artifact_dirs: tuple[Path, ...] = ()
     git_timeout: float = 120.0
+    venvs: Path | None = None
 
     @property
     def lock_path(self) -> Path:
@@ -53,8 +55,12 @@ class Config:
     def checkout_dir(self, engine: str, tag: str) -> Path:
         return self.workdir / "checkouts" / engine / tag
 
+    @property
+    def venvs_root(self) -> Path:
+        return self.venvs or self.workdir / "venvs"
+
     def venv_dir(self, engine: str, tag: str, variant: str) -> Path:
-        return self.workdir / "venvs" / f"{engine}-{tag}-{variant}"
+        return self.venvs_root / f"{engine}-{tag}-{variant}"
 
 
 def find_project(start: Path) -> Path:
@@ -121,5 +127,7 @@ def load_config(project: Path | None = None, env: dict[str, str] | None = None) 
     art_dirs = tuple(Path(p).resolve() for p in env.get("DSADAPT_ARTIFACTS", "").split(":") if p)
     art_dirs += tuple((project / p).resolve() for p in file_cfg.get("artifact_dirs", []))
     timeout = float(env.get("DSADAPT_GIT_TIMEOUT") or file_cfg.get("git_timeout") or 120)
+    venvs = env.get("DSADAPT_VENVS") or file_cfg.get("venvs")
+    venvs_path = None if not venvs else (Path(venvs) if Path(venvs).is_absolute() else (project / venvs)).resolve()
     return Config(project=project, workdir=workdir, cache=cache, sources=sources, mirrors=mirrors,
-                  artifact_dirs=art_dirs, git_timeout=timeout)
+                  artifact_dirs=art_dirs, git_timeout=timeout, venvs=venvs_path)

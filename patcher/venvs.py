@@ -64,8 +64,8 @@ def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None
                 stream: bool = True, build: BuildResult | None = None) -> InstallResult:
     t0 = time.monotonic()
     ad = adapter(ref.engine)
-    spec = ad.variant(variant)
     entry = lock.pin(ref)
+    spec = ad.variant_for(entry, variant)
     build = build or build_pin(cfg, lock, ref, spec.name, progress=progress)
     venv = cfg.venv_dir(ref.engine, ref.tag, spec.name)
     py = venv_python(venv)

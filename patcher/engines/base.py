@@ -55,6 +55,15 @@ class EngineAdapter:
         raise UsageError(f"{self.name} has no variant '{name}'",
                          hint=f"variants: {', '.join(v.name for v in self.variants)}")
 
+    def variant_for(self, entry: LockEntry, name: str | None) -> VariantSpec:
+        """The named variant, or the first one the pin has a wheel for."""
+        if name is not None or self.build_kind == "backend":
+            return self.variant(name)
+        for v in self.variants:
+            if entry.artifact(v.name, wheel=True):
+                return v
+        return self.variants[0]
+
     def tag_to_version(self, tag: str) -> str:
         return tag[len(self.tag_prefix):] if self.tag_prefix and tag.startswith(self.tag_prefix) else tag
 

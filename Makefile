@@ -1,0 +1,47 @@
+# dsadapt — see README.md. `make demo` is the main job, `make test` the test suite.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# The CPU build of torch (this machine's pip config serves it from a local wheel folder;
+# elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
+TORCH   ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast build-all bench gpu-check clean
+
+setup: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton]'
+	touch $@
+
+## The main job: apply the vLLM stack, build and install the patched engine, and run the
+## logit-equivalence gate on the built-in tiny DeepSeek-V3 model (CPU, float32).
+demo: setup
+	$(BIN)/dsadapt apply vllm@v0.32.0
+	$(BIN)/dsadapt build vllm@v0.32.0 --variant cpu
+	$(BIN)/dsadapt install vllm@v0.32.0 --variant cpu
+	$(BIN)/dsadapt check vllm@v0.32.0 --model v3 --config-style transformers
+
+## Every test, including the slow ones that install and run vLLM on CPU (CI runs this).
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Fast feedback: no network, no engines.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow and not network and not engine" $(PYTEST_ARGS)
+
+build-all: setup
+	$(BIN)/dsadapt build-all
+
+bench: setup
+	$(BIN)/dsadapt bench
+
+gpu-check: setup
+	$(BIN)/dsadapt gpu-bundle lmdeploy@v0.18.0
+
+clean:
+	rm -rf dist .pytest_cache
