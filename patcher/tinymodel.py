@@ -381,8 +381,10 @@ def make_model(out: Path, variant: str = "v3", config_style: str = "deepseek", s
         )
     if seed < 0:
         raise UsageError(f"seed must be >= 0, got {seed}", hint="pass a non-negative --seed")
-    safetensors_torch = _import("safetensors.torch")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a folder", hint="pass a folder path to --out")
+    safetensors_torch = _import("safetensors.torch")
     out.mkdir(parents=True, exist_ok=True)
     ds = deepseek_config(variant)
     if config_style == "deepseek":

@@ -141,6 +141,12 @@ def test_bad_arguments_are_usage_errors(tmp_path, kwargs):
     assert not (tmp_path / "x").exists()
 
 
+def test_out_must_be_a_folder(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError):
+        tm.make_model(tmp_path / "file")
+
+
 # ---------------------------------------------------------------- config styles
 
 
