@@ -194,6 +194,20 @@ def test_patched_files_compile(tree: Path) -> None:
         compile(path.read_text(), str(path), "exec")  # SyntaxError fails the test
 
 
+def test_covered_by_ids_exist() -> None:
+    """Every Covered-By trailer of the stack names a test of this module."""
+    here = Path(__file__)
+    tests = {n.name for n in ast.parse(here.read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    for patch in series_patches():
+        ids = [ln.split(":", 1)[1].strip() for ln in patch.read_text().splitlines()
+               if ln.startswith("Covered-By:")]
+        assert ids, patch.name
+        for test_id in ids:
+            path, _, name = test_id.partition("::")
+            assert path == f"tests/{here.name}" and name in tests, f"{patch.name}: {test_id}"
+
+
 def test_series_applies_onto_wheel_tree(tree: Path) -> None:
     log = subprocess.run(["git", "log", "--format=%s", "base..HEAD"], cwd=tree, check=True,
                          capture_output=True, text=True).stdout.splitlines()
