@@ -3,9 +3,10 @@
 The fixture builds the patched tree (wheel .py files + `git am` of the series).
 The stack's pure-PyTorch parts are loaded by file path (v0.3.3's package
 __init__ pulls in vllm._C, xformers and ray) and compared with
-transformers.models.deepseek_v2 on the same inputs. What needs CUDA (the
-kernels, the full model) is covered on a GPU host by
-`dsadapt check vllm@v0.3.3 --model v2-lite`; see docs/engines/vllm-v0.3.3.md.
+transformers.models.deepseek_v2 on the same inputs; the whole model runs with
+its CUDA-only pieces emulated in torch (section 5). The kernels themselves are
+left to a GPU host: `dsadapt check vllm@v0.3.3 --model v2-lite`; see
+docs/engines/vllm-v0.3.3.md.
 """
 
 from __future__ import annotations
