@@ -43,6 +43,9 @@ class EngineAdapter:
     notes: str = ""
     # backend-kind engines: assemble the build (cfg, lock, entry, stack, out_dir, progress) -> BuildResult
     build_backend: Callable | None = None
+    # engines checked through a server (Triton): a context manager
+    # (cfg, lock, entry, spec, unpatched, progress, stream) -> (python, RunnerSpec, env, installed)
+    check_session: Callable | None = None
 
     def variant(self, name: str | None) -> VariantSpec:
         from ..errors import UsageError

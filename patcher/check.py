@@ -1,0 +1,309 @@
+"""dsadapt check: orchestration of the logit-equivalence gate.
+
+reference (HF transformers, float32, its own pinned environment) and engine (the patched pin,
+in its own venv, or the pristine release with --unpatched) run the same prompt set as
+token ids; `equivalence.compare` applies the rule; the report (JSON) and a plot (PNG) are
+written under reports/<engine>/<tag>/.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .config import Config
+from .engines import adapter
+from .engines.base import EngineAdapter, VariantSpec
+from .equivalence import Comparison, LogitReport, compare, explain
+from .errors import CheckFailed, DsadaptError, EngineUnavailable, UsageError
+from .lock import Lock, LockEntry
+from .pinref import PinRef
+from .prompts import build_prompt_set, write_prompts_json
+from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
+from .sources import fetch_artifact
+from .stack import load_stack
+
+#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
+#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
+#: were measured with, and it is recorded in every report.
+REFERENCE_TRANSFORMERS = "5.24.0"
+ENGINE_TOP_K = 5
+MAX_TOKENS = 16
+CONFIG_STYLES = ("transformers", "deepseek")
+
+
+@dataclass
+class CheckResult:
+    pin: str
+    engine: str
+    variant: str
+    model: str
+    config_style: str | None
+    dtype: str
+    unpatched: bool
+    verdict: str
+    reasons: list[str]
+    explanation: list[str]
+    report_path: str
+    plot_path: str | None
+    provenance: dict
+    timings: dict
+    comparison: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def resolve_model(cfg: Config, model: str, config_style: str | None, progress=None) -> tuple[Path, str, str | None]:
+    """(model dir, label, config style) for a built-in variant name or a directory."""
+    from . import tinymodel
+
+    if model in tinymodel.VARIANTS:
+        style = config_style or "transformers"
+        if style not in tinymodel.CONFIG_STYLES:
+            raise UsageError(f"unknown config style {style!r}", hint=f"one of {', '.join(tinymodel.CONFIG_STYLES)}")
+        out = cfg.workdir / "models" / f"{model}-{style}-seed0"
+        meta = out / "dsadapt.json"
+        if not meta.is_file():
+            if progress:
+                progress(f"making the built-in {model} model ({style} config) in {out}")
+            tinymodel.make_model(out, variant=model, config_style=style, seed=0)
+        return out, model, style
+    d = Path(model)
+    if not (d / "config.json").is_file():
+        raise UsageError(f"--model {model}: neither a built-in model (v3, v2-lite) nor a directory with config.json",
+                         hint="use --model v3, --model v2-lite, or a local HF model directory")
+    return d.resolve(), d.name, config_style
+
+
+def model_fingerprint(d: Path) -> str:
+    from .tinymodel import model_fingerprint as fp
+
+    return fp(d)
+
+
+# ---------------------------------------------------------------- environments
+
+
+def reference_python(cfg: Config, progress=None) -> Path:
+    """An interpreter with exactly REFERENCE_TRANSFORMERS: dsadapt's own when it matches, else a venv."""
+    try:
+        if importlib.metadata.version("transformers") == REFERENCE_TRANSFORMERS:
+            return Path(sys.executable)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    venv = cfg.venvs_root / f"reference-transformers-{REFERENCE_TRANSFORMERS}"
+    py = venv / "bin" / "python"
+    if not (venv / "dsadapt-reference.ok").exists():
+        if progress:
+            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS})")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        import os
+
+        torch_spec = os.environ.get("DSADAPT_TORCH_SPEC", "torch")
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_spec, f"transformers=={REFERENCE_TRANSFORMERS}",
+                            "safetensors", "tokenizers"], stdout=sys.stderr, stderr=sys.stderr)
+        if r.returncode != 0:
+            raise EngineUnavailable(f"could not create the reference environment {venv}",
+                                    hint="see pip's output; set DSADAPT_TORCH_SPEC to pick a torch build")
+        (venv / "dsadapt-reference.ok").write_text("ok\n")
+    return py
+
+
+def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, unpatched: bool,
+                  progress=None, stream=True) -> tuple[Path, dict]:
+    """The interpreter of the pin's environment (patched build, or the pristine release)."""
+    from .venvs import install_pin, venv_python, _pip, installed_marker
+
+    if not unpatched:
+        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream)
+        return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
+    art = entry.artifact(spec.name, wheel=True)
+    if art is None:
+        raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
+    wheel = fetch_artifact(cfg, entry, art, progress)
+    venv = cfg.venvs_root / f"{entry.engine}-{entry.tag}-{spec.name}-unpatched"
+    py = venv_python(venv)
+    marker = installed_marker(venv)
+    if not (marker and marker.get("sha256") == art.sha256 and py.exists()):
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        if progress:
+            progress(f"installing the pristine {art.file} into {venv}")
+        _pip(py, "install", str(wheel), stream=stream)
+        ad = adapter(entry.engine)
+        for name in ad.install_remove:
+            if subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True).returncode == 0:
+                _pip(py, "uninstall", "-y", name, stream=False)
+        (venv / "dsadapt-install.json").write_text(json.dumps({"ref": str(entry.ref), "artifact": art.file,
+                                                               "sha256": art.sha256, "unpatched": True}) + "\n")
+    return py, {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def device_description() -> str:
+    gpu = None
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        gpu = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    cores = os.cpu_count()
+    return f"GPU {gpu}" if gpu else f"CPU {cpu} ({cores} cores)"
+
+
+def _hash_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- the check
+
+
+def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
+                  progress=None, on_line=None) -> LogitReport:
+    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script)."""
+    spec = RUNNERS["hf_reference"]
+    key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
+                      "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest()})
+    cached = cfg.cache / "reference" / f"{key}.json"
+    if cached.is_file():
+        if progress:
+            progress("reference: reusing cached HF transformers report")
+        return LogitReport.load(cached)
+    py = reference_python(cfg, progress)
+    if progress:
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on CPU")
+    return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
+                      fingerprint=fingerprint, on_line=on_line)
+
+
+def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool) -> Path:
+    name = "-".join(x for x in (label, style, dtype, "unpatched" if unpatched else None) if x)
+    return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
+
+
+@contextmanager
+def _default_session(cfg, lock, entry, spec, unpatched, progress, stream) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
+    ad = adapter(entry.engine)
+    if ad.runner is None or ad.runner.removesuffix(".py").removesuffix("_runner") not in RUNNERS:
+        raise EngineUnavailable(f"{entry}: no runner for {ad.name} in the gate", hint="see docs/equivalence.md")
+    py, installed = engine_python(cfg, lock, entry, spec, unpatched, progress, stream)
+    yield py, RUNNERS[ad.runner.removesuffix(".py").removesuffix("_runner")], {}, installed
+
+
+def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
+              dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
+              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
+              on_line=None) -> CheckResult:
+    t_start = time.monotonic()
+    entry = lock.pin(ref)
+    ad = adapter(ref.engine)
+    spec = ad.variant_for(entry, variant)
+    blocker = ad.run_blocker(entry, spec)
+    if blocker:
+        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
+                                hint=f"run `dsadapt check {ref}` on a machine that has what it needs "
+                                     f"(docs/engines/{ref.engine}.md says where it was verified)")
+    stack = load_stack(cfg.patches_root, ref)
+    model_dir, label, style = resolve_model(cfg, model, config_style, progress)
+    fingerprint = model_fingerprint(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    prompts = build_prompt_set(model_dir, MAX_TOKENS)
+    out = report_paths(cfg, ref, label, style, dtype, unpatched)
+    work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_path = write_prompts_json(prompts, work / "prompts.json")
+    prompts_doc = json.loads(prompts_path.read_text())
+    timings: dict = {}
+    t0 = time.monotonic()
+    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
+    timings["reference_s"] = round(time.monotonic() - t0, 2)
+    session = ad.check_session or _default_session
+    t0 = time.monotonic()
+    with session(cfg, lock, entry, spec, unpatched, progress, stream) as (py, runner, env, installed):
+        timings["install_s"] = round(time.monotonic() - t0, 2)
+        if progress:
+            progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
+        t0 = time.monotonic()
+        engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
+                            work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+        timings["engine_s"] = round(time.monotonic() - t0, 2)
+    for k, v in engine.timings.items():
+        timings[f"engine_{k}"] = v
+    t0 = time.monotonic()
+    comparison = compare(reference, engine, ENGINE_TOP_K)
+    explanation = explain(comparison, config) if want_explain else []
+    timings["compare_s"] = round(time.monotonic() - t0, 3)
+    verdict = "pass" if comparison.passed else "fail"
+    provenance = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device_description(),
+        "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
+                   + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
+        "stack_hash": None if unpatched else stack.hash,
+        "patches": [] if unpatched else [e.name for e in stack.entries],
+        "installed": installed,
+        "engine_version": engine.engine_version, "engine_versions": engine.versions,
+        "reference_versions": reference.versions,
+        "model_fingerprint": fingerprint, "model_dir": str(model_dir),
+        "dsadapt": _dsadapt_version(),
+    }
+    timings["total_s"] = round(time.monotonic() - t_start, 2)
+    result = CheckResult(
+        pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
+        unpatched=unpatched, verdict=verdict, reasons=list(comparison.reasons), explanation=explanation,
+        report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
+        comparison=comparison.to_json())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from .plot import plot_deltas
+
+        png = out.with_suffix(".png")
+        plot_deltas(comparison, png, title=f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}")
+        result.plot_path = str(png)
+    except ImportError:  # matplotlib is optional
+        result.plot_path = None
+    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def _dsadapt_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def check_or_raise(result: CheckResult) -> None:
+    if not result.passed:
+        raise CheckFailed(f"{result.pin}: logits differ from the HF reference beyond tolerance "
+                          f"({'; '.join(result.reasons[:2])})",
+                          hint=f"report: {result.report_path}; rerun with --explain for the likely layer")
