@@ -427,7 +427,9 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _log_says_port_in_use(text: str) -> bool:
-    return "Address already in use" in text or "address already in use" in text
+    # tritonserver 2.51: "failed to start HTTP service: Unavailable - Socket
+    # '127.0.0.1:PORT' already in use"; gRPC reports "Address already in use".
+    return "already in use" in text.lower()
 
 
 def _http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -546,7 +548,8 @@ def _wait_ready(
         if code is not None:
             tail = log_tail(log_path)
             if _log_says_port_in_use(tail):
-                busy = next((p for p in ports if f":{p}" in tail), ports[0])
+                busy = next((p for p in ports if f":{p}' already in use" in tail), None)
+                busy = busy or next((p for p in ports if f":{p}" in tail), ports[0])
                 raise _port_in_use_error(busy, log_path)
             raise TritonBackendCrashed(
                 f"tritonserver exited with status {code} before it was ready; log tail:\n{tail}",

@@ -163,3 +163,18 @@ def test_never_ready_times_out_and_kills_everything(tmp_path):
             pass
     assert e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []
+
+
+@needs_triton
+def test_port_taken_after_the_check_is_read_from_the_log(tmp_path, monkeypatch):
+    layout = _layout(tmp_path, "echo")
+    monkeypatch.setattr(ts, "port_is_free", lambda port, host="127.0.0.1": True)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e:
+            with ts.serve(layout, port=port, ready_timeout_s=60, grace_s=5):
+                pass
+    assert e.value.log_path.is_file()
+    assert sup.processes_under(layout.root) == []
