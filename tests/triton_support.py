@@ -191,3 +191,54 @@ def processes_under(root: Path) -> list[int]:
         if needle in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+# --- pins and mirrors -------------------------------------------------------------
+
+#: The vllm_backend pins the stacks target: tag -> (commit, tree). The lead's
+#: upstream.lock carries the same values as pins triton@r24.08 / triton@r26.01.
+PINS: dict[str, tuple[str, str]] = {
+    "r24.08": ("5b68128a11a52278afbb3ecf84b4be01e948e34c", "9161955df88be633540962384e4df6f8ba715ab1"),
+    "r26.01": ("c70d65474833bac171cc33470c5e723c604558d6", "83da771fac5bd3fb96953dedac786f8110061dae"),
+}
+STACKS_DIR = Path(__file__).resolve().parent.parent / "patches" / "triton"
+
+
+def triton_mirror() -> Path | None:
+    """The first triton entry of DSADAPT_MIRRORS ("triton=PATH[,PATH];vllm=PATH")."""
+    for part in os.environ.get("DSADAPT_MIRRORS", "").split(";"):
+        engine, _, paths = part.partition("=")
+        if engine.strip() == "triton" and paths.strip():
+            return Path(paths.split(",")[0].strip())
+    return None
+
+
+def series(tag: str) -> list[Path]:
+    d = STACKS_DIR / tag
+    names = [
+        line.strip()
+        for line in (d / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    return [d / name for name in names]
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout.strip()
+
+
+def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
+    """Clone `mirror` into `dest`, check out the pinned commit (tree id verified) and
+    `git am -3` the stack. Returns the checkout."""
+    commit, tree = PINS[tag]
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(mirror), str(dest)], check=True)
+    _git(dest, "-c", "advice.detachedHead=false", "checkout", "-q", commit)
+    assert _git(dest, "rev-parse", "HEAD^{tree}") == tree, f"{tag}: pinned tree moved"
+    for patch in series(tag):
+        _git(dest, "am", "-3", "-q", str(patch))
+    return dest
