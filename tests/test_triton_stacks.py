@@ -25,9 +25,9 @@ def test_series_patches_carry_trailers_and_covering_tests(tag):
         assert text.startswith("From: "), patch.name
         message = text.split("\n---\n", 1)[0]
         assert re.search(r"^Upstream-Status: (Pending|Backport \S+)$", message, re.M), patch.name
-        covered = re.search(r"^Covered-By: (.+)$", message, re.M)
+        covered = re.findall(r"^Covered-By: (.+)$", message, re.M)
         assert covered, f"{patch.name}: no Covered-By"
-        for test_id in covered.group(1).split(","):
+        for test_id in covered:
             path, _, name = test_id.strip().partition("::")
             source = (tests_dir.parent / path).read_text()
             assert f"def {name}(" in source, f"{patch.name}: {test_id} does not exist"
