@@ -258,6 +258,19 @@ def write_model_repository(repo: Path, models: list[ModelSpec]) -> Path:
     return repo
 
 
+def backend_source(tree: Path) -> Path:
+    """The directory holding vllm_backend's model.py: `tree` itself (a built backend
+    directory) or its ``src/`` (an applied checkout)."""
+    tree = Path(tree)
+    for candidate in (tree, tree / "src"):
+        if (candidate / "model.py").is_file():
+            return candidate
+    raise TritonError(
+        f"{tree} holds no vllm_backend (no model.py, no src/model.py)",
+        hint="pass the applied checkout (`dsadapt apply triton@TAG`) or its built backend directory",
+    )
+
+
 def assemble_backends(
     dest: Path, install: TritonInstall, python_version: str, backends: Mapping[str, Path]
 ) -> Path:

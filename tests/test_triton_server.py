@@ -93,6 +93,15 @@ def test_sitecustomize_not_overwritten_when_foreign(tmp_path):
         ts.write_sitecustomize(info)
 
 
+def test_backend_source_accepts_checkout_or_built_dir(tmp_path):
+    (tmp_path / "co" / "src").mkdir(parents=True)
+    (tmp_path / "co" / "src" / "model.py").write_text("")
+    assert ts.backend_source(tmp_path / "co") == tmp_path / "co" / "src"
+    assert ts.backend_source(tmp_path / "co" / "src") == tmp_path / "co" / "src"
+    with pytest.raises(ts.TritonError, match="no model.py"):
+        ts.backend_source(tmp_path)
+
+
 def test_group_members_finds_own_group():
     import os
 

@@ -16,7 +16,8 @@ Venvs (skip with the reason when absent):
       V/bin/pip install nvidia-pytriton==0.7.0 'numpy<2' 'tritonclient[http]'
       V/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-`make_triton_venv` runs the first recipe (for .ci/run).
+`make_triton_venv` runs the first recipe; from .ci/run:
+``python tests/triton_support.py make-venv /tmp/tritonenv``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from patcher import tritonserver as ts
+if __name__ == "__main__":  # run as a script from .ci/run: import this checkout's patcher
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from patcher import tritonserver as ts  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
 
@@ -242,3 +246,9 @@ def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
     for patch in series(tag):
         _git(dest, "am", "-3", "-q", str(patch))
     return dest
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "make-venv":
+        sys.exit("usage: python tests/triton_support.py make-venv PATH")
+    print(make_triton_venv(Path(sys.argv[2])))
