@@ -21,11 +21,18 @@ import pytest
 import triton_support as sup
 from patcher import tritonserver as ts
 
-VENV, WHY = sup.vllm_triton_venv()
-needs_vllm_triton = pytest.mark.skipif(VENV is None, reason=WHY)
 RUNNER = Path(__file__).resolve().parent.parent / "patcher" / "runners" / "triton_runner.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    """The vllm + nvidia-pytriton venv (checked lazily: importing vllm takes seconds)."""
+    found, why = sup.vllm_triton_venv()
+    if found is None:
+        pytest.skip(why)
+    return found
 
 
 def _tiny_model(tmp_path) -> Path:
@@ -56,14 +63,13 @@ def _bos_and_text_ids(model_dir: Path, text: str) -> list[int]:
     return [tok.token_to_id(cfg["bos_token"])] + tok.encode(text, add_special_tokens=False).ids
 
 
-@needs_vllm_triton
-def test_custom_vllm_backend_serves_prompt_logprobs(tmp_path):
+def test_custom_vllm_backend_serves_prompt_logprobs(tmp_path, venv):
     model_dir = _tiny_model(tmp_path)
     src = sup.write_backend(tmp_path, "llmtest", sup.VLLM_LLM_BACKEND)
     spec = ts.ModelSpec(
         name="llm", backend="llmtest", engine_args={"model": str(model_dir), **ts.CPU_ENGINE_ARGS}
     )
-    layout = ts.prepare(tmp_path / "srv", VENV, [spec], {"llmtest": src})
+    layout = ts.prepare(tmp_path / "srv", venv, [spec], {"llmtest": src})
     ids = _bos_and_text_ids(model_dir, "The quick brown fox")
     with ts.serve(layout, ready_timeout_s=480, grace_s=20) as server:
         pgid = server.pid
@@ -79,13 +85,12 @@ mirror = sup.triton_mirror()
 
 
 @pytest.mark.mirror
-@needs_vllm_triton
 @pytest.mark.skipif(mirror is None, reason="no triton mirror: set DSADAPT_MIRRORS='triton=PATH'")
-def test_patched_backend_serves_gate_outputs(tmp_path):
+def test_patched_backend_serves_gate_outputs(tmp_path, venv):
     model_dir = _tiny_model(tmp_path)
     checkout = sup.apply_stack(mirror, "r26.01", tmp_path / "vllm_backend")
     layout = ts.prepare(
-        tmp_path / "srv", VENV, [ts.vllm_model("tiny_v3", model_dir)], {"vllm": checkout / "src"}
+        tmp_path / "srv", venv, [ts.vllm_model("tiny_v3", model_dir)], {"vllm": ts.backend_source(checkout)}
     )
     prompts = {
         "prompts": [
