@@ -439,6 +439,17 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def load_failure(text: str) -> str | None:
+    """The first model-load failure a tritonserver log states, on one line (pure).
+    tritonserver 2.51 writes ``failed to load 'NAME' version 1: Internal: <error>``,
+    with the traceback after an escaped newline."""
+    for line in text.splitlines():
+        at = line.find("failed to load '")
+        if at >= 0:
+            return line[at:].split("\\n", 1)[0].rstrip('"').strip()[:400]
+    return None
+
+
 def _log_says_port_in_use(text: str) -> bool:
     # tritonserver 2.51: "failed to start HTTP service: Unavailable - Socket
     # '127.0.0.1:PORT' already in use"; gRPC reports "Address already in use".
@@ -564,8 +575,11 @@ def _wait_ready(
                 busy = next((p for p in ports if f":{p}' already in use" in tail), None)
                 busy = busy or next((p for p in ports if f":{p}" in tail), ports[0])
                 raise _port_in_use_error(busy, log_path)
+            cause = load_failure(Path(log_path).read_text(errors="replace"))
             raise TritonBackendCrashed(
-                f"tritonserver exited with status {code} before it was ready; log tail:\n{tail}",
+                f"tritonserver exited with status {code} before it was ready"
+                + (f": {cause}" if cause else "")
+                + f"; log tail:\n{tail}",
                 hint=f"read the full log at {log_path}; a model that fails to load stops the server",
                 log_path=log_path,
             )

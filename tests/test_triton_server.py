@@ -102,6 +102,17 @@ def test_backend_source_accepts_checkout_or_built_dir(tmp_path):
         ts.backend_source(tmp_path)
 
 
+def test_load_failure_is_the_models_error_line():
+    log = (
+        'I1129 12:30:53.5 1 model_lifecycle.cc:472] "loading: tiny:1"\n'
+        "E1129 12:30:53.5 1 model_lifecycle.cc:642] \"failed to load 'tiny' version 1: Internal: "
+        "ImportError: cannot import name 'x' from 'y'\\n\\nAt:\\n  model.py(33)\"\n"
+        "| tiny | 1 | UNAVAILABLE: Internal: ImportError |\n"
+    )
+    assert ts.load_failure(log) == "failed to load 'tiny' version 1: Internal: ImportError: cannot import name 'x' from 'y'"
+    assert ts.load_failure("all good\n") is None
+
+
 def test_group_members_finds_own_group():
     import os
 
@@ -159,6 +170,7 @@ def test_backend_crash_at_load_reports_log_tail(tmp_path):
     with pytest.raises(ts.TritonBackendCrashed) as e:
         with ts.serve(layout, ready_timeout_s=120, grace_s=10):
             pass
+    assert "failed to load 'echo' version 1" in e.value.message.splitlines()[0]
     assert "crash at load" in e.value.message
     assert e.value.log_path and e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []
