@@ -84,6 +84,25 @@ def test_custom_vllm_backend_serves_prompt_logprobs(tmp_path, venv):
 mirror = sup.triton_mirror()
 
 
+def _max_diff_vs_hf(model_dir: Path, report: dict) -> float:
+    """Max |served - HF| over each prompt's actual-token and top-k logprobs."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for result in report["prompts"]:
+        ids = result["prompt_token_ids"] + result["generated_token_ids"]
+        with torch.no_grad():
+            rows = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        entries = result["prompt_logprobs"][1:] + result["generated_logprobs"]
+        for p, entry in enumerate(entries, start=1):
+            row = rows[p - 1]
+            worst = max(worst, abs(entry["logprob"] - float(row[ids[p]])))
+            for token, lp in entry["top"].items():
+                worst = max(worst, abs(lp - float(row[int(token)])))
+    return worst
+
+
 @pytest.mark.mirror
 @pytest.mark.skipif(mirror is None, reason="no triton mirror: set DSADAPT_MIRRORS='triton=PATH'")
 def test_patched_backend_serves_gate_outputs(tmp_path, venv):
@@ -124,6 +143,9 @@ def test_patched_backend_serves_gate_outputs(tmp_path, venv):
         assert len(result["generated_token_ids"]) == 4
         for entry, token in zip(result["generated_logprobs"], result["generated_token_ids"]):
             assert entry["token"] == token and str(token) in entry["top"]  # greedy: chosen is top-1
+    # the served logprobs are the model's: HF transformers float32 agrees to 1e-4
+    # (the gate's float32 tolerance; measured max 1.24e-5 on this model)
+    assert _max_diff_vs_hf(model_dir, report) < 1e-4
     # the model's own template: BOS once, then the user turn, then the assistant marker
     chat_ids = json.loads(chat["prompt_token_ids"])
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
