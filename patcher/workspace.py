@@ -15,13 +15,14 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from email.utils import formatdate
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import Config
 from .errors import ConflictStop, VerificationError, WorkspaceError
 from .fsutil import atomic_write_text
-from .gitutil import Git, init_repo
+from .gitutil import FIXED_DATE, Git, init_repo
 from .lock import Lock, LockEntry
 from .patchfile import parse_patch
 from .pinref import PinRef
@@ -30,6 +31,7 @@ from .stack import Stack, expected_preimages, load_stack, preimage_mismatches, w
 
 BASE_REF = "refs/dsadapt/base"
 BACKUP_PREFIX = "refs/dsadapt/backup/"
+FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
 
 Progress = Callable[[str], None]
 
@@ -260,7 +262,7 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
         shutil.rmtree(co.op_dir)
     co.op_dir.mkdir(parents=True)
     for i, e in enumerate(stack.entries, 1):
-        (co.op_dir / f"{i:04d}.patch").write_text(e.text, encoding="utf-8")
+        (co.op_dir / f"{i:04d}.patch").write_text(_with_fixed_date(e.text), encoding="utf-8")
     state["op"] = op
     co.save_state(state)
     if dirty:
@@ -272,6 +274,15 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     co.save_state(state)
     co.git.run("checkout", "-q", "-f", "-B", co.branch, base)
     return _run_patches(co, state, on_patch)
+
+
+def _with_fixed_date(text: str) -> str:
+    """The patch with a fixed Date header: `git am` takes the author date from the mail and
+    ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
+    first, sep, rest = text.partition("\n")
+    if first.startswith("From ") and not first.startswith("From:"):
+        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
+    return f"Date: {FIXED_MAIL_DATE}\n{text}"
 
 
 def _conflicted_files(co: Checkout) -> list[str]:
