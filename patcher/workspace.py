@@ -427,8 +427,14 @@ def abort_apply(cfg: Config, ref: PinRef | None = None) -> Checkout:
         co.git.run("checkout", "-q", "-f", "--detach", orig_head)
     if orig_branch != co.branch and not before:
         co.git.run("branch", "-q", "-D", co.branch, check=False)
+    # The backup refs this apply made are redundant once everything is restored: drop them,
+    # so the checkout is exactly as before (a dirty backup is kept if it could not be re-applied).
+    if op.get("backup_ref") and co.git.rev(f"refs/heads/{co.branch}") == co.git.rev(op["backup_ref"]):
+        co.git.delete_ref(op["backup_ref"])
     if op.get("dirty_backup"):
-        co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
+        r = co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
+        if r.ok:
+            co.git.delete_ref(op["dirty_backup"])
     state["op"] = None
     co.save_state(state)
     shutil.rmtree(co.op_dir, ignore_errors=True)
