@@ -306,6 +306,7 @@ def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
         r = co.git.run("am", "-3", "--no-signoff", str(co.op_dir / f"{i:04d}.patch"), check=False, fixed_dates=True)
         if not r.ok:
             files = _conflicted_files(co)
+            op["stopped"] = i  # a real stop, for the user to resolve (not a run killed inside git am)
             co.save_state(state)
             ref = state["ref"]
             raise ConflictStop(
@@ -364,6 +365,13 @@ def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None) -> Sta
     state = co.load_state()
     op = state["op"]
     _reconcile_killed(co, state)
+    if co.am_in_progress() and op.get("stopped") != len(op["outcomes"]) + 1:
+        # killed inside `git am`: the patch was not committed and nobody resolved anything;
+        # undo the partial am (HEAD stays on the last committed patch) and apply it again.
+        co.git.run("am", "--abort", check=False)
+        if co.am_in_progress():
+            shutil.rmtree(co.path / ".git" / "rebase-apply")
+        co.git.run("reset", "-q", "--hard")
     if co.am_in_progress():
         r = co.git.run("am", "--continue", check=False, fixed_dates=True)
         if not r.ok:
@@ -530,11 +538,13 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
     if op or co.am_in_progress():
         done = len(op["outcomes"]) if op else 0
         total = len(op["patches"]) if op else 0
-        stopped = co.am_in_progress()
+        stopped = co.am_in_progress() and bool(op) and op.get("stopped") == done + 1
+        killed_in_am = co.am_in_progress() and not stopped
         st.state = "mid-apply"
         st.detail = (f"{done}/{total} patches done; " +
                      (f"stopped on {op['patches'][done]['name']}" if stopped and op and done < total
-                      else "interrupted between patches") +
+                      else f"interrupted while applying {op['patches'][done]['name']}" if killed_in_am and op
+                      and done < total else "interrupted between patches") +
                      f"; run `dsadapt continue {entry.ref}` or `dsadapt abort {entry.ref}`")
         return st
     if co.git.is_dirty():
