@@ -231,3 +231,22 @@ def test_git_am_accepts_normalized_form_and_format_patch_round_trips(am_repo, p)
     finally:
         git(am_repo, "am", "--abort", check=False)
         git(am_repo, "checkout", "-q", "-f", "main")
+
+
+def test_diff_ending_in_a_removed_dash_line_is_not_taken_for_a_signature(tmp_path):
+    """A hunk whose last line deletes a line "- " reads "-- ": that is diff content, not a signature."""
+    old, new = "items:\n- a\n- \n", "items:\n- a\n"
+    diff = (f"diff --git a/l.md b/l.md\nindex {_blob(old)}..{_blob(new)} 100644\n--- a/l.md\n+++ b/l.md\n"
+            "@@ -1,3 +1,2 @@\n items:\n - a\n-- \n")
+    p = parse_patch(format_patch(Patch("drop the empty item", "why", diff=diff)))
+    assert p.diff == diff
+    # and with git's signature after it, only the signature goes
+    signed = format_patch(Patch("drop the empty item", "why", diff=diff)) + "-- \n2.39.5\n\n"
+    assert parse_patch(signed).diff == diff
+    git(tmp_path, "init", "-q")
+    (tmp_path / "l.md").write_text(old)
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "base")
+    r = subprocess.run(["git", "am", "-q"], cwd=tmp_path, input=format_patch(p).encode(), capture_output=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "l.md").read_text() == new
