@@ -9,8 +9,7 @@ import signal
 import threading
 import time
 
-from conftest import (MOD_V1, P1_MOD, REF1, TAG1, clean_stack_edits, commit_msg, edit, git, make_patches,
-                      refs_snapshot)
+from conftest import MOD_V1, P1_MOD, REF1, TAG1, commit_msg, edit, git, make_patches, refs_snapshot
 
 
 def _am_tree(project, texts, tmp, base=TAG1) -> str:
@@ -216,7 +215,6 @@ def test_unexported_commits_refused_without_force(project, clean_stack):
 
 HOOK = """#!/bin/sh
 # fixture hook: on the 2nd patch, say so and hang until killed
-n=$(cat "$GIT_DIR/rebase-apply/next" 2>/dev/null || cat .git/rebase-apply/next)
 if grep -q "bigger step" "$1"; then
   touch "{marker}"
   sleep 60

@@ -14,12 +14,8 @@ def _bad_lock(project):
     project.write_lock(lock_text(project.upstream).replace('version = "1.0.0"', 'version = 1'))
 
 
-def _unknown_engine(project):
-    return "sglang@v1.0.0"
-
-
 def _missing_series_file(project):
-    names = project.write_stack([])
+    project.write_stack([])
     (project.stack_dir() / "series").write_text("0001-gone.patch\n")
 
 

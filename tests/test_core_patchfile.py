@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import git
@@ -181,6 +181,10 @@ _author = st.tuples(_sentence.filter(lambda n: 3 <= len(n.encode()) <= 60), _wor
     lambda t: f"{t[0]} <{'x' if not t[1].isascii() else t[1]}@example.org>")
 
 
+NON_ASCII = Patch("modèle: gérer les clés ünicode 日本", "Zoë a trouvé ça.\n\nDeuxième paragraphe, ещё.",
+                  (("Upstream-Status", "Pending"), ("Reported-by", "Zoë Tester")), DIFF, "Zoë Dév <zoe@example.org>")
+
+
 @st.composite
 def patches(draw):
     return Patch(draw(_subject), draw(_body), draw(_trailers), DIFF, draw(_author))
@@ -188,6 +192,7 @@ def patches(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(patches())
+@example(NON_ASCII)
 def test_round_trip_property(p):
     text = format_patch(p)
     q = parse_patch(text)
@@ -211,6 +216,7 @@ def am_repo():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(patches())
+@example(NON_ASCII)
 def test_git_am_accepts_normalized_form_and_format_patch_round_trips(am_repo, p):
     """Real `git am` applies the normalized text; the commit it makes has our subject, body,
     trailers and author; `git format-patch` of that commit parses back to the same Patch."""

@@ -73,7 +73,7 @@ def test_refresh_keeps_hand_written_trailers(project):
 
 def test_refresh_exports_a_patch_ending_in_blank_context_lines_intact(project, clean_stack):
     """format-patch output ending in blank context lines must not be stripped (it would corrupt the hunk)."""
-    co = _applied(project)
+    _applied(project)
     d = project.stack_dir()
     for f in d.glob("*.patch"):
         f.unlink()
@@ -81,7 +81,7 @@ def test_refresh_exports_a_patch_ending_in_blank_context_lines_intact(project, c
     r = project.run("refresh", REF1)
     assert r.rc == 0, r
     for f in sorted(d.glob("*.patch")):
-        assert f.read_text() in [t for t in map(str, clean_stack)], f.name
+        assert f.read_text() in clean_stack, f.name
     assert project.run("verify", REF1).rc == 0
 
 

@@ -12,7 +12,7 @@ def _state(project, tag=TAG1) -> dict:
     return json.loads((project.checkout(tag) / ".git" / "dsadapt" / "state.json").read_text())
 
 
-def _assert_applied_tree(project, clean_stack_texts=None):
+def _assert_applied_tree(project):
     co = project.checkout()
     assert git(co, "rev-list", "--count", "refs/dsadapt/base..HEAD") == "3"
     assert (co / "vllm" / "newmod.py").is_file()
