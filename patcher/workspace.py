@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 from .config import Config
 from .errors import ConflictStop, VerificationError, WorkspaceError
 from .fsutil import atomic_write_text
-from .gitutil import FIXED_DATE, Git, init_repo
+from .gitutil import DSADAPT_IDENT, FIXED_DATE, Git, init_repo
 from .lock import Lock, LockEntry
 from .patchfile import parse_patch
 from .pinref import PinRef
@@ -186,7 +186,7 @@ def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progres
     tmp = co.path.with_name(f".{co.path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        g = init_repo(tmp)
+        g = init_repo(tmp, identity=False)
         src: SourceResult = materialize(cfg, lock.engine(entry.engine), entry, g, progress)
         g.run("update-ref", BASE_REF, src.commit)
         g.run("checkout", "-q", "-B", branch_name(entry.tag), src.commit)
@@ -266,7 +266,8 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     state["op"] = op
     co.save_state(state)
     if dirty:
-        co.git.run("stash", "push", "-q", "--include-untracked", "-m", f"dsadapt apply --force {ref}")
+        co.git.run("stash", "push", "-q", "--include-untracked", "-m", f"dsadapt apply --force {ref}",
+                   env={"GIT_AUTHOR_NAME": DSADAPT_IDENT["name"], "GIT_AUTHOR_EMAIL": DSADAPT_IDENT["email"]})
         op["dirty_backup"] = co.new_backup(co.git.out("rev-parse", "stash@{0}"), "uncommitted changes before apply --force")
         co.git.run("stash", "drop", "-q")
     if head_branch and head_branch != base:

@@ -194,6 +194,21 @@ def test_abort_after_force_over_dirty_work_gives_the_work_back(project, clean_st
     assert (co / "scratch.txt").read_text() == "untracked notes\n"
 
 
+def test_force_works_without_any_git_identity(project, clean_stack, tmp_path):
+    """The checkout carries no identity of its own (the user's commits must carry theirs); dsadapt's
+    own backup commits still work where the user has configured none."""
+    assert project.run("apply", REF1).rc == 0
+    co = project.checkout()
+    assert git(co, "config", "--local", "user.name", check=False) == ""
+    (co / "vllm" / "util.py").write_text("# wip\n")
+    empty = tmp_path / "empty.gitconfig"
+    empty.write_text("")
+    r = project.run("apply", REF1, "--force", env={"GIT_CONFIG_GLOBAL": str(empty)})
+    assert r.rc == 0, r
+    backups = git(co, "for-each-ref", "--format=%(refname)", "refs/dsadapt/backup/").splitlines()
+    assert [b for b in backups if git(co, "show", f"{b}:vllm/util.py") == "# wip"]
+
+
 def test_unexported_commits_refused_without_force(project, clean_stack):
     assert project.run("apply", REF1).rc == 0
     co = project.checkout()

@@ -36,8 +36,8 @@ def test_refresh_writes_normalized_patches_for_new_and_amended_commits(project, 
     new = project.stack_dir() / "0004-mod-untouched-says-patched.patch"
     text = new.read_text()
     assert format_patch(parse_patch(text)) == text
-    author = git(co, "log", "-1", "--format=%an <%ae>")
-    assert text.startswith(f"From: {author}\nSubject: [PATCH] mod: untouched says patched\n")
+    # the user's own identity (their git config), not dsadapt's
+    assert text.startswith("From: Fixture <fixture@example.org>\nSubject: [PATCH] mod: untouched says patched\n")
     assert "-    return \"upstream\"\n+    return \"patched\"\n" in text
     assert "Date:" not in text and "index " in text
     assert project.stack_dir().joinpath("series").read_text().splitlines()[-1] == new.name
