@@ -346,3 +346,16 @@ def test_lock_held_by_another_process(project, clean_stack):
         holder.kill()
         holder.wait()
     assert project.run("apply", REF1).rc == 0
+
+
+def test_abort_of_the_very_first_apply_leaves_the_clean_base(project):
+    _conflicting_stack(project)
+    assert project.run("apply", REF1).rc == 4
+    assert project.run("abort", REF1).rc == 0
+    co = project.checkout()
+    base = git(co, "rev-parse", "refs/dsadapt/base")
+    assert git(co, "rev-parse", "HEAD") == base == git(co, "rev-parse", f"refs/heads/dsadapt/{TAG1}")
+    assert git(co, "for-each-ref", "--format=%(refname)").splitlines() == ["refs/dsadapt/base",
+                                                                          f"refs/heads/dsadapt/{TAG1}"]
+    assert git(co, "status", "--porcelain") == ""
+    assert project.run("status", "--json").json()["checkouts"][0]["state"] == "clean base"

@@ -181,3 +181,14 @@ def test_pypi_artifact_found_in_cache_is_still_verified(project, clean_stack, tm
     r = project.run("apply", REF1)
     assert r.rc == 3 and "sha256" in r.err, r
     assert not project.checkout().exists()
+
+
+def test_verify_through_pypi_reports_preimage_mismatch(project, clean_stack, tmp_path):
+    from conftest import MOD_V1
+
+    _pypi_project(project, tmp_path, overrides={"vllm/mod.py": MOD_V1 + "# rebuilt by the packager\n"})
+    r = project.run("verify", REF1, "--json")
+    assert r.rc == 1, r
+    problems = r.json()["stacks"][0]["problems"]
+    assert any(p.startswith("pre-image: 0001-") and "vllm/mod.py" in p for p in problems), problems
+    assert r.json()["stacks"][0]["source"].startswith("pypi ")
