@@ -120,3 +120,22 @@ def test_list_of_the_real_project_parses():
     assert r.rc == 0, r
     pins = {p["pin"]: p for p in r.json()["pins"]}
     assert pins["vllm@v0.32.0"]["patches"] >= 1 and pins["vllm@v0.32.0"]["build_kind"] == "overlay"
+
+
+def test_project_option_instead_of_env(project, clean_stack, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {k: v for k, v in project.env.items() if k != "DSADAPT_PROJECT"}
+    project.env = env
+    r = project.run("--project", str(project.root), "list", "--json")
+    assert r.rc == 0 and r.json()["pins"][0]["pin"] == REF1, r
+    assert project.run("list").rc == 2  # tmp_path has no upstream.lock above it
+
+
+@pytest.mark.parametrize("cmd", ["continue", "skip", "abort"])
+def test_nothing_in_progress(project, clean_stack, cmd):
+    assert project.run("apply", REF1).rc == 0
+    r = project.run(cmd)
+    lines = r.err.strip().split("\n")
+    assert r.rc == 1 and lines[0] == "error: no apply in progress" and lines[1].startswith("hint: "), r
+    r = project.run(cmd, REF1)
+    assert r.rc == 1 and "no apply in progress" in r.err, r
