@@ -63,6 +63,8 @@ def test_same_inputs_give_same_commit_ids(project, clean_stack, tmp_path):
     """dsadapt commits with fixed dates: two fresh applies give identical heads."""
     assert project.run("apply", REF1).rc == 0
     head1 = git(project.checkout(), "rev-parse", "HEAD")
+    dates = git(project.checkout(), "log", "--format=%ad %cd", "--date=raw", "refs/dsadapt/base..HEAD")
+    assert dates.splitlines() == ["1700000000 +0000 1700000000 +0000"] * 3
     r = project.run("apply", REF1, env={"DSADAPT_WORKDIR": str(tmp_path / "work2")})
     assert r.rc == 0, r
     assert git(tmp_path / "work2" / "checkouts" / "vllm" / TAG1, "rev-parse", "HEAD") == head1
