@@ -361,3 +361,32 @@ def test_abort_of_the_very_first_apply_leaves_the_clean_base(project):
                                                                           f"refs/heads/dsadapt/{TAG1}"]
     assert git(co, "status", "--porcelain") == ""
     assert project.run("status", "--json").json()["checkouts"][0]["state"] == "clean base"
+
+
+def test_patch_made_on_another_tree_stops_naming_its_files(project):
+    """A patch whose pre-image blob is not in the checkout cannot 3-way merge: the stop still names
+    the files it touches, and skip goes on."""
+    from conftest import TAG2, UTIL_V1
+
+    newer = UTIL_V1 + "\n\ndef third(x):\n    return x - 1\n"
+    (stale,) = make_patches(project.upstream, project.tmp / "mk-newer", TAG2, [
+        (commit_msg("util: third subtracts two"), {"vllm/util.py": edit(newer, "return x - 1", "return x - 2")})])
+    (ok,) = make_patches(project.upstream, project.tmp / "mk-ok", TAG1, [
+        (commit_msg("add a new helper module"), {"vllm/newmod.py": "VALUE = 1\n"})])
+    project.write_stack([stale, ok])
+    r = project.run("apply", REF1)
+    assert r.rc == 4, r
+    assert "patch 1/2 0001-util-third-subtracts-two.patch" in r.err and "vllm/util.py" in r.err
+    r = project.run("skip", REF1, "--json")
+    assert r.rc == 0, r
+    assert [o["outcome"] for o in r.json()["outcomes"]] == ["skipped", "clean"]
+    assert (project.checkout() / "vllm" / "util.py").read_text() == UTIL_V1
+
+
+def test_existing_foreign_directory_is_not_overwritten(project, clean_stack):
+    co = project.checkout()
+    co.mkdir(parents=True)
+    (co / "precious.txt").write_text("mine\n")
+    r = project.run("apply", REF1)
+    assert r.rc == 1 and "is not a dsadapt checkout" in r.err, r
+    assert sorted(p.name for p in co.iterdir()) == ["precious.txt"]
