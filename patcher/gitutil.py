@@ -139,12 +139,15 @@ class Git:
         self.run("update-ref", "-d", ref, check=False)
 
 
-def init_repo(path: Path, bare: bool = False) -> Git:
+def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
+    """A new repository; identity=False leaves user.name/email to the user's own git config
+    (for the user's checkout, where their commits must carry their name)."""
     path.mkdir(parents=True, exist_ok=True)
     g = Git(path)
     g.run("init", "-q", *(["--bare"] if bare else []), "-b", "main" if not bare else "main")
-    g.run("config", "user.name", DSADAPT_IDENT["name"])
-    g.run("config", "user.email", DSADAPT_IDENT["email"])
+    if identity:
+        g.run("config", "user.name", DSADAPT_IDENT["name"])
+        g.run("config", "user.email", DSADAPT_IDENT["email"])
     g.run("config", "core.autocrlf", "false")
     g.run("config", "gc.auto", "0")
     return g

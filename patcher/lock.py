@@ -141,11 +141,28 @@ def version_key(v: str):
 # ---------------------------------------------------------------- loading
 
 
-def _line_of(text: str, *needles: str) -> int | None:
-    """1-based line of the first line containing all needles, in order of preference."""
+def _line_of(text: str, *needles: str, start: int = 1, end: int | None = None) -> int | None:
+    """1-based line of the first line in [start, end) containing all needles."""
     for i, line in enumerate(text.splitlines(), 1):
+        if i < start or (end is not None and i >= end):
+            continue
         if all(n in line for n in needles):
             return i
+    return None
+
+
+def _section(text: str, header: str, nth: int = 1) -> tuple[int, int | None] | None:
+    """Line range [start, end) of the nth table whose header line starts with `header`."""
+    lines = text.splitlines()
+    seen = 0
+    for i, line in enumerate(lines, 1):
+        if line.strip().startswith(header):
+            seen += 1
+            if seen == nth:
+                for j in range(i + 1, len(lines) + 1):
+                    if lines[j - 1].lstrip().startswith("["):
+                        return i, j
+                return i, None
     return None
 
 
@@ -153,10 +170,18 @@ class _Ctx:
     def __init__(self, path: Path, text: str):
         self.path, self.text = path, text
 
-    def fail(self, msg: str, *needles: str, hint: str | None = None) -> LockError:
+    def fail(self, msg: str, *needles: str, hint: str | None = None,
+             section: tuple[str, int] | None = None) -> LockError:
+        """The error, located at the first line matching a needle (inside `section`, the nth
+        table with that header, when given: a key repeated in other tables is not the culprit)."""
         line = None
+        rng = _section(self.text, *section) if section else None
         for n in needles:
-            line = _line_of(self.text, n) if isinstance(n, str) else _line_of(self.text, *n)
+            parts = (n,) if isinstance(n, str) else n
+            if rng:
+                line = _line_of(self.text, *parts, start=rng[0], end=rng[1])
+            if not line:
+                line = _line_of(self.text, *parts)
             if line:
                 break
         where = f"{self.path.name}:{line}" if line else f"{self.path.name}"
@@ -182,21 +207,25 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
     engines: dict[str, EngineDecl] = {}
     for name, e in (data.get("engines") or {}).items():
         needle = f"[engines.{name}]"
+        sec = (needle, 1)
         if not isinstance(e, dict):
             raise ctx.fail(f"engine '{name}' must be a table", needle)
         bad = set(e) - _ENGINE_KEYS
         if bad:
-            raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle)
+            raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle,
+                           section=sec)
         git = e.get("git")
         if not isinstance(git, str) or not git:
-            raise ctx.fail(f"engine '{name}': 'git' must be a URL string", needle)
+            raise ctx.fail(f"engine '{name}': 'git' must be a URL string", ("git", "="), needle, section=sec)
         pypi = e.get("pypi", [])
         if not isinstance(pypi, list) or not all(isinstance(x, str) and x for x in pypi):
-            raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", needle)
+            raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", ("pypi", "="), needle,
+                           section=sec)
         engines[name] = EngineDecl(name, git, tuple(pypi))
     pins: dict[str, LockEntry] = {}
     for key, p in (data.get("pins") or {}).items():
         needle = f'[pins."{key}"]'
+        sec = (needle, 1)
         try:
             ref = parse_pinref(key)
         except UsageError as e:
@@ -209,54 +238,59 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
         bad = set(p) - _PIN_KEYS
         if bad:
             k = sorted(bad)[0]
-            raise ctx.fail(f"pin '{key}': unknown key '{k}'", (k, "="), needle)
+            raise ctx.fail(f"pin '{key}': unknown key '{k}'", (k, "="), needle, section=sec)
         version = p.get("version")
         if not isinstance(version, str) or not version:
             raise ctx.fail(f"pin '{key}': 'version' (the release version) is required", needle)
         for hk in ("commit", "tree"):
             v = p.get(hk)
             if v is not None and (not isinstance(v, str) or not _HEX40.match(v)):
-                raise ctx.fail(f"pin '{key}': '{hk}' must be a 40-hex git id, got {v!r}", (hk, "=", str(v)), needle)
+                raise ctx.fail(f"pin '{key}': '{hk}' must be a 40-hex git id, got {v!r}", (hk, "=", str(v)), needle,
+                               section=sec)
         for sk in ("serves", "python", "note"):
             v = p.get(sk)
             if v is not None and not isinstance(v, str):
-                raise ctx.fail(f"pin '{key}': '{sk}' must be a string", (sk, "="), needle)
+                raise ctx.fail(f"pin '{key}': '{sk}' must be a string", (sk, "="), needle, section=sec)
         if p.get("serves") is not None:
             try:
                 parse_pinref(p["serves"])
             except UsageError:
-                raise ctx.fail(f"pin '{key}': 'serves' must be ENGINE@TAG", ("serves", "="), needle) from None
+                raise ctx.fail(f"pin '{key}': 'serves' must be ENGINE@TAG", ("serves", "="), needle,
+                               section=sec) from None
         arts = []
         raw_arts = p.get("artifacts", [])
         if not isinstance(raw_arts, list):
             raise ctx.fail(f"pin '{key}': 'artifacts' must be an array of tables", needle)
-        for a in raw_arts:
+        for n_art, a in enumerate(raw_arts, 1):
             aneedle = f'[[pins."{key}".artifacts]]'
+            asec = (aneedle, n_art)
             if not isinstance(a, dict):
-                raise ctx.fail(f"pin '{key}': artifact must be a table", aneedle)
+                raise ctx.fail(f"pin '{key}': artifact must be a table", aneedle, section=asec)
             bad = set(a) - _ART_KEYS
             if bad:
                 k = sorted(bad)[0]
-                raise ctx.fail(f"pin '{key}': artifact has unknown key '{k}'", (k, "="), aneedle)
+                raise ctx.fail(f"pin '{key}': artifact has unknown key '{k}'", (k, "="), aneedle, section=asec)
             for req in ("dist", "variant", "file", "sha256"):
                 if not isinstance(a.get(req), str) or not a.get(req):
-                    raise ctx.fail(f"pin '{key}': artifact lacks '{req}'", aneedle)
+                    raise ctx.fail(f"pin '{key}': artifact lacks '{req}'", aneedle, section=asec)
             if not _FILE_RE.match(a["file"]):
                 raise ctx.fail(f"pin '{key}': artifact file name {a['file']!r} is not a wheel or sdist name",
-                               a["file"], aneedle)
+                               ("file", "="), aneedle, section=asec)
             if not _HEX64.match(a["sha256"]):
                 raise ctx.fail(f"pin '{key}': artifact sha256 must be 64 lower-case hex digits, got {a['sha256']!r}",
-                               a["sha256"], aneedle)
+                               ("sha256", "="), aneedle, section=asec)
             if engines[ref.engine].pypi and a["dist"] not in engines[ref.engine].pypi:
                 raise ctx.fail(f"pin '{key}': artifact dist '{a['dist']}' is not one of engine "
                                f"'{ref.engine}' PyPI distributions {list(engines[ref.engine].pypi)}",
-                               a["file"], aneedle)
+                               ("dist", "="), aneedle, section=asec)
             size = a.get("size")
             if size is not None and (not isinstance(size, int) or size <= 0):
-                raise ctx.fail(f"pin '{key}': artifact size must be a positive integer", ("size", "="), aneedle)
+                raise ctx.fail(f"pin '{key}': artifact size must be a positive integer", ("size", "="), aneedle,
+                               section=asec)
             source = a.get("source", False)
             if not isinstance(source, bool):
-                raise ctx.fail(f"pin '{key}': artifact 'source' must be true or false", ("source", "="), aneedle)
+                raise ctx.fail(f"pin '{key}': artifact 'source' must be true or false", ("source", "="), aneedle,
+                               section=asec)
             arts.append(Artifact(a["dist"], a["variant"], a["file"], a["sha256"], source, size))
         pins[key] = LockEntry(
             engine=ref.engine, tag=ref.tag, version=version, commit=p.get("commit"), tree=p.get("tree"),
@@ -264,7 +298,8 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
         )
     for key, p in pins.items():
         if p.serves and p.serves not in pins:
-            raise ctx.fail(f"pin '{key}' serves '{p.serves}', which is not pinned", ("serves", p.serves))
+            raise ctx.fail(f"pin '{key}' serves '{p.serves}', which is not pinned", ("serves", p.serves),
+                           section=(f'[pins."{key}"]', 1))
     return Lock(engines=engines, pins=pins, path=path)
 
 

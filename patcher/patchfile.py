@@ -254,9 +254,10 @@ def parse_patch(text: str, where: str = "patch") -> Patch:
     if diff_start is None:
         raise PatchFormatError(f"{where}: no diff found", hint="the patch must contain a `diff --git` section")
     diff_lines = rest[diff_start:]
-    # drop a trailing version signature ("-- " then version) and trailing blank lines
+    # drop a trailing version signature ("-- " then version) and trailing blank lines; a "-- "
+    # with nothing after it is the diff's own last line (deleting a line "- "), not a signature
     for j in range(len(diff_lines) - 1, -1, -1):
-        if diff_lines[j] == "-- ":
+        if diff_lines[j] == "-- " and any(diff_lines[j + 1:]):
             diff_lines = diff_lines[:j]
             break
         if diff_lines[j].startswith(("+", "-", " ", "@@", "\\")) and diff_lines[j] != "":

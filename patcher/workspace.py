@@ -15,13 +15,14 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from email.utils import formatdate
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import Config
 from .errors import ConflictStop, VerificationError, WorkspaceError
 from .fsutil import atomic_write_text
-from .gitutil import Git, init_repo
+from .gitutil import DSADAPT_IDENT, FIXED_DATE, Git, init_repo
 from .lock import Lock, LockEntry
 from .patchfile import parse_patch
 from .pinref import PinRef
@@ -30,6 +31,7 @@ from .stack import Stack, expected_preimages, load_stack, preimage_mismatches, w
 
 BASE_REF = "refs/dsadapt/base"
 BACKUP_PREFIX = "refs/dsadapt/backup/"
+FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
 
 Progress = Callable[[str], None]
 
@@ -184,7 +186,7 @@ def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progres
     tmp = co.path.with_name(f".{co.path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        g = init_repo(tmp)
+        g = init_repo(tmp, identity=False)
         src: SourceResult = materialize(cfg, lock.engine(entry.engine), entry, g, progress)
         g.run("update-ref", BASE_REF, src.commit)
         g.run("checkout", "-q", "-B", branch_name(entry.tag), src.commit)
@@ -260,11 +262,12 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
         shutil.rmtree(co.op_dir)
     co.op_dir.mkdir(parents=True)
     for i, e in enumerate(stack.entries, 1):
-        (co.op_dir / f"{i:04d}.patch").write_text(e.text, encoding="utf-8")
+        (co.op_dir / f"{i:04d}.patch").write_text(_with_fixed_date(e.text), encoding="utf-8")
     state["op"] = op
     co.save_state(state)
     if dirty:
-        co.git.run("stash", "push", "-q", "--include-untracked", "-m", f"dsadapt apply --force {ref}")
+        co.git.run("stash", "push", "-q", "--include-untracked", "-m", f"dsadapt apply --force {ref}",
+                   env={"GIT_AUTHOR_NAME": DSADAPT_IDENT["name"], "GIT_AUTHOR_EMAIL": DSADAPT_IDENT["email"]})
         op["dirty_backup"] = co.new_backup(co.git.out("rev-parse", "stash@{0}"), "uncommitted changes before apply --force")
         co.git.run("stash", "drop", "-q")
     if head_branch and head_branch != base:
@@ -272,6 +275,15 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     co.save_state(state)
     co.git.run("checkout", "-q", "-f", "-B", co.branch, base)
     return _run_patches(co, state, on_patch)
+
+
+def _with_fixed_date(text: str) -> str:
+    """The patch with a fixed Date header: `git am` takes the author date from the mail and
+    ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
+    first, sep, rest = text.partition("\n")
+    if first.startswith("From ") and not first.startswith("From:"):
+        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
+    return f"Date: {FIXED_MAIL_DATE}\n{text}"
 
 
 def _conflicted_files(co: Checkout) -> list[str]:
@@ -295,6 +307,7 @@ def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
         r = co.git.run("am", "-3", "--no-signoff", str(co.op_dir / f"{i:04d}.patch"), check=False, fixed_dates=True)
         if not r.ok:
             files = _conflicted_files(co)
+            op["stopped"] = i  # a real stop, for the user to resolve (not a run killed inside git am)
             co.save_state(state)
             ref = state["ref"]
             raise ConflictStop(
@@ -353,6 +366,13 @@ def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None) -> Sta
     state = co.load_state()
     op = state["op"]
     _reconcile_killed(co, state)
+    if co.am_in_progress() and op.get("stopped") != len(op["outcomes"]) + 1:
+        # killed inside `git am`: the patch was not committed and nobody resolved anything;
+        # undo the partial am (HEAD stays on the last committed patch) and apply it again.
+        co.git.run("am", "--abort", check=False)
+        if co.am_in_progress():
+            shutil.rmtree(co.path / ".git" / "rebase-apply")
+        co.git.run("reset", "-q", "--hard")
     if co.am_in_progress():
         r = co.git.run("am", "--continue", check=False, fixed_dates=True)
         if not r.ok:
@@ -416,8 +436,14 @@ def abort_apply(cfg: Config, ref: PinRef | None = None) -> Checkout:
         co.git.run("checkout", "-q", "-f", "--detach", orig_head)
     if orig_branch != co.branch and not before:
         co.git.run("branch", "-q", "-D", co.branch, check=False)
+    # The backup refs this apply made are redundant once everything is restored: drop them,
+    # so the checkout is exactly as before (a dirty backup is kept if it could not be re-applied).
+    if op.get("backup_ref") and co.git.rev(f"refs/heads/{co.branch}") == co.git.rev(op["backup_ref"]):
+        co.git.delete_ref(op["backup_ref"])
     if op.get("dirty_backup"):
-        co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
+        r = co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
+        if r.ok:
+            co.git.delete_ref(op["dirty_backup"])
     state["op"] = None
     co.save_state(state)
     shutil.rmtree(co.op_dir, ignore_errors=True)
@@ -451,13 +477,15 @@ def export_commits(git: Git, base: str, head: str) -> list:
     commits = git.out("rev-list", "--reverse", f"{base}..{head}").split()
     patches = []
     for c in commits:
-        text = git.out(
+        # .out, not .out(): stripping the output would drop trailing blank context lines
+        # (" \n") of the last hunk and corrupt the patch.
+        text = git.run(
             "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
             "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
             "format-patch", "-1", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",
             "--zero-commit", "--no-numbered", "--subject-prefix=PATCH", "--no-renames", "--no-color",
-            "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter", c)
-        p = parse_patch(text + "\n", where=f"commit {c[:12]}")
+            "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter", c).out
+        p = parse_patch(text, where=f"commit {c[:12]}")
         patches.append(p)
     return patches
 
@@ -513,11 +541,13 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
     if op or co.am_in_progress():
         done = len(op["outcomes"]) if op else 0
         total = len(op["patches"]) if op else 0
-        stopped = co.am_in_progress()
+        stopped = co.am_in_progress() and bool(op) and op.get("stopped") == done + 1
+        killed_in_am = co.am_in_progress() and not stopped
         st.state = "mid-apply"
         st.detail = (f"{done}/{total} patches done; " +
                      (f"stopped on {op['patches'][done]['name']}" if stopped and op and done < total
-                      else "interrupted between patches") +
+                      else f"interrupted while applying {op['patches'][done]['name']}" if killed_in_am and op
+                      and done < total else "interrupted between patches") +
                      f"; run `dsadapt continue {entry.ref}` or `dsadapt abort {entry.ref}`")
         return st
     if co.git.is_dirty():

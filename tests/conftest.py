@@ -1,0 +1,369 @@
+"""Shared fixtures for dsadapt's core tests.
+
+Everything is local: each test builds its own fixture "upstream" git repository (with tags)
+in tmp_path, a project (upstream.lock + patches/) pointing at it, and a DSADAPT_* environment
+that keeps the work dir, cache and artifact dirs inside tmp_path. The CLI runs in-process
+through `patcher.cli.main` (exit code, stdout and stderr captured), or in a subprocess where
+a test needs to kill it or hold a lock from another process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Make sure the code under test is this worktree's, not whatever an editable install points at.
+if str(REPO_ROOT) not in sys.path or sys.path[0] != str(REPO_ROOT):
+    sys.path.insert(0, str(REPO_ROOT))
+
+import patcher  # noqa: E402
+
+assert Path(patcher.__file__).resolve().parent == REPO_ROOT / "patcher", patcher.__file__
+
+from patcher.patchfile import format_patch, parse_patch  # noqa: E402
+
+TAG1, TAG2 = "v1.0.0", "v1.1.0"
+REF1 = f"vllm@{TAG1}"
+
+
+# ---------------------------------------------------------------- git helpers
+
+
+def git(repo: Path, *args: str, check: bool = True, input: str | None = None, env: dict | None = None,
+        strip: bool = True) -> str:
+    r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, input=input,
+                       env={**os.environ, **(env or {})})
+    if check and r.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed in {repo}: {r.stderr}{r.stdout}")
+    return r.stdout.strip() if strip else r.stdout
+
+
+def refs_snapshot(repo: Path) -> dict:
+    """Everything `abort` promises to restore: every ref, HEAD, and the work tree state."""
+    return {
+        "refs": git(repo, "for-each-ref", "--format=%(refname) %(objectname)"),
+        "HEAD": git(repo, "rev-parse", "HEAD"),
+        "symbolic": git(repo, "symbolic-ref", "--quiet", "HEAD", check=False),
+        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
+        "diff": git(repo, "diff", "HEAD"),
+    }
+
+
+def files_snapshot(*roots: Path, ignore: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 of every file under the roots (paths relative to /), minus ignored names."""
+    out: dict[str, str] = {}
+    for root in roots:
+        if not root.exists():
+            continue
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and not any(part in ignore for part in p.relative_to(root).parts):
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# ---------------------------------------------------------------- fixture upstream
+
+MOD_V1 = """\
+\"\"\"A fixture module standing in for an engine's model file.\"\"\"
+
+
+def routing(config):
+    scoring = getattr(config, "scoring_func", "softmax")
+    method = getattr(config, "topk_method", None)
+    return scoring, method
+
+
+def width(config):
+    return getattr(config, "hidden_size", 16)
+
+
+def depth(config):
+    return getattr(config, "num_layers", 2)
+
+
+def untouched():
+    return "upstream"
+"""
+
+UTIL_V1 = """\
+def helper(x):
+    return x + 1
+
+
+def other(x):
+    return x * 2
+"""
+
+
+@dataclass
+class Upstream:
+    path: Path
+    commits: dict[str, str] = field(default_factory=dict)
+    trees: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return str(self.path)
+
+
+def make_upstream(root: Path) -> Upstream:
+    """An upstream repo: v1.0.0 (annotated tag) and v1.1.0 (lightweight) with a changed module."""
+    path = root / "upstream"
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    (path / "vllm").mkdir()
+    (path / "vllm" / "__init__.py").write_text('__version__ = "1.0.0"\n')
+    (path / "vllm" / "mod.py").write_text(MOD_V1)
+    (path / "vllm" / "util.py").write_text(UTIL_V1)
+    (path / "csrc").mkdir()
+    (path / "csrc" / "kernel.cu").write_text("// kernel\n")
+    (path / "README.md").write_text("fixture upstream\n")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "release 1.0.0")
+    git(path, "tag", "-a", TAG1, "-m", "v1.0.0")
+    (path / "vllm" / "__init__.py").write_text('__version__ = "1.1.0"\n')
+    (path / "vllm" / "util.py").write_text(UTIL_V1 + "\n\ndef third(x):\n    return x - 1\n")
+    git(path, "commit", "-q", "-am", "release 1.1.0")
+    git(path, "tag", TAG2)
+    up = Upstream(path)
+    for t in (TAG1, TAG2):
+        up.commits[t] = git(path, "rev-parse", f"{t}^{{commit}}")
+        up.trees[t] = git(path, "rev-parse", f"{t}^{{tree}}")
+    return up
+
+
+# ---------------------------------------------------------------- patches made with real git
+
+TRAILERS = "Upstream-Status: Pending\nCovered-By: tests/test_core_apply.py::test_apply_git_source"
+
+
+def commit_msg(subject: str, body: str = "Because the fixture needs it.", trailers: str = TRAILERS) -> str:
+    return f"{subject}\n\n{body}\n\n{trailers}\n"
+
+
+def make_patches(up: Upstream, work: Path, base: str, edits: list[tuple[str, dict[str, str | None]]],
+                 *, independent: bool = False) -> list[str]:
+    """Normalized patch texts, one per (message, {path: new content or None=delete}).
+
+    Made by committing in a clone at `base` and exporting with `git format-patch --full-index`.
+    With independent=True every commit is made directly on `base` (so later ones may conflict).
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    clone = work / f"clone-{len(list(work.iterdir()))}"
+    git(work, "clone", "-q", up.url, str(clone))
+    git(clone, "checkout", "-q", "--detach", base)
+    texts = []
+    for msg, files in edits:
+        if independent:
+            git(clone, "checkout", "-q", "--detach", base)
+        for rel, content in files.items():
+            p = clone / rel
+            if content is None:
+                p.unlink()
+            else:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(content)
+        git(clone, "add", "-A")
+        git(clone, "commit", "-q", "-m", msg, env={"GIT_AUTHOR_NAME": "Ada Dev", "GIT_AUTHOR_EMAIL": "ada@example.org"})
+        raw = git(clone, "format-patch", "-1", "--stdout", "--full-index", "--no-signature", "--no-stat",
+                  "--zero-commit", "HEAD", strip=False)
+        texts.append(format_patch(parse_patch(raw)))
+    return texts
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+P1_MOD = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
+              'scoring = getattr(config, "scoring_func", None) or "sigmoid"')
+P2_MOD = edit(P1_MOD, "return getattr(config, \"num_layers\", 2)", "return getattr(config, \"num_layers\", 4)")
+P2_UTIL = edit(UTIL_V1, "return x + 1", "return x + 2")
+
+
+def clean_stack_edits() -> list[tuple[str, dict[str, str | None]]]:
+    return [
+        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
+        (commit_msg("mod and util: deeper default, bigger step"), {"vllm/mod.py": P2_MOD, "vllm/util.py": P2_UTIL}),
+        (commit_msg("add a new helper module"), {"vllm/newmod.py": "VALUE = 1\n"}),
+    ]
+
+
+# ---------------------------------------------------------------- project + CLI
+
+
+def lock_text(up: Upstream, *, pins: str | None = None, git_url: str | None = None, artifact: str | None = None) -> str:
+    if pins is None:
+        pins = (f'[pins."vllm@{TAG1}"]\nversion = "1.0.0"\ncommit = "{up.commits[TAG1]}"\n'
+                f'tree = "{up.trees[TAG1]}"\n')
+        if artifact:
+            pins += artifact
+        pins += (f'\n[pins."vllm@{TAG2}"]\nversion = "1.1.0"\ncommit = "{up.commits[TAG2]}"\n'
+                 f'tree = "{up.trees[TAG2]}"\n')
+    return ("version = 1\n\n[engines.vllm]\n"
+            f'git = "{git_url or up.url}"\npypi = [\n    "vllm",\n]\n\n' + pins)
+
+
+@dataclass
+class Project:
+    root: Path
+    upstream: Upstream
+    env: dict[str, str]
+    tmp: Path
+
+    @property
+    def workdir(self) -> Path:
+        return Path(self.env["DSADAPT_WORKDIR"])
+
+    def checkout(self, tag: str = TAG1) -> Path:
+        return self.workdir / "checkouts" / "vllm" / tag
+
+    def stack_dir(self, tag: str = TAG1) -> Path:
+        return self.root / "patches" / "vllm" / tag
+
+    def write_stack(self, texts: list[str], tag: str = TAG1, names: list[str] | None = None,
+                    series_extra: str = "") -> list[str]:
+        from patcher.patchfile import patch_filename
+
+        d = self.stack_dir(tag)
+        if d.exists():
+            for f in d.iterdir():
+                f.unlink()
+        d.mkdir(parents=True, exist_ok=True)
+        names = names or [patch_filename(i, parse_patch(t).subject) for i, t in enumerate(texts, 1)]
+        for n, t in zip(names, texts):
+            (d / n).write_text(t)
+        (d / "series").write_text("# fixture stack\n" + "".join(n + "\n" for n in names) + series_extra)
+        return names
+
+    def write_lock(self, text: str) -> None:
+        (self.root / "upstream.lock").write_text(text)
+
+    def run(self, *args: str, env: dict[str, str] | None = None) -> "CliResult":
+        """`dsadapt ARGS` in-process with main() semantics (exit code, stdout, stderr)."""
+        from patcher.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        full_env = {**self.env, **(env or {})}
+        with mock.patch.dict(os.environ, full_env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(list(args))
+        return CliResult(rc, out.getvalue(), err.getvalue())
+
+    def spawn(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        """`dsadapt ARGS` as a subprocess running this worktree's code, in its own process group."""
+        full_env = {**os.environ, **self.env, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
+        return subprocess.Popen([sys.executable, "-m", "patcher.cli", *args], env=full_env, cwd=self.root,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, **kw)
+
+    def config(self):
+        from patcher.config import load_config
+
+        return load_config(self.root, env=self.env)
+
+    def lock(self):
+        from patcher.lock import load_lock
+
+        return load_lock(self.root / "upstream.lock")
+
+
+@dataclass
+class CliResult:
+    rc: int
+    out: str
+    err: str
+
+    def json(self):
+        return json.loads(self.out)
+
+    def __repr__(self) -> str:  # readable assertion failures
+        return f"CliResult(rc={self.rc}, out={self.out[-2000:]!r}, err={self.err[-2000:]!r})"
+
+
+@pytest.fixture(autouse=True)
+def _git_identity(tmp_path_factory, monkeypatch):
+    """Isolate git from the user's config and give fixture commits a fixed identity."""
+    home = tmp_path_factory.getbasetemp() / "home"
+    home.mkdir(exist_ok=True)
+    cfg = home / ".gitconfig"
+    if not cfg.exists():
+        cfg.write_text("[user]\n\tname = Fixture\n\temail = fixture@example.org\n[init]\n\tdefaultBranch = main\n"
+                       "[advice]\n\tdetachedHead = false\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(cfg))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for k in list(os.environ):
+        if k.startswith("DSADAPT_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.fixture
+def upstream(tmp_path) -> Upstream:
+    return make_upstream(tmp_path)
+
+
+@pytest.fixture
+def project(tmp_path, upstream) -> Project:
+    root = tmp_path / "project"
+    root.mkdir()
+    env = {
+        "DSADAPT_PROJECT": str(root),
+        "DSADAPT_WORKDIR": str(tmp_path / "work"),
+        "DSADAPT_CACHE": str(tmp_path / "work" / "cache"),
+        "DSADAPT_SOURCES": "git",
+        "DSADAPT_MIRRORS": "",
+        "DSADAPT_ARTIFACTS": str(tmp_path / "artifacts"),
+        "DSADAPT_LOCK_TIMEOUT": "5",
+    }
+    (tmp_path / "artifacts").mkdir()
+    proj = Project(root, upstream, env, tmp_path)
+    proj.write_lock(lock_text(upstream))
+    return proj
+
+
+@pytest.fixture
+def clean_stack(project) -> list[str]:
+    """A three-patch stack on v1.0.0 that applies cleanly; returns the patch texts."""
+    texts = make_patches(project.upstream, project.tmp / "mk", TAG1, clean_stack_edits())
+    project.write_stack(texts)
+    return texts
+
+
+# ---------------------------------------------------------------- fixture wheels
+
+
+def make_wheel(up: Upstream, dest_dir: Path, tag: str = TAG1, *, overrides: dict[str, str] | None = None,
+               name: str = "vllm-1.0.0-py3-none-any.whl") -> tuple[Path, str]:
+    """A wheel-shaped zip of the tag's vllm/ package + a .dist-info and a .so (to be left out)."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    path = dest_dir / name
+    files = git(up.path, "ls-tree", "-r", "--name-only", tag, "vllm").splitlines()
+    with zipfile.ZipFile(path, "w") as z:
+        for f in files:
+            data = (overrides or {}).get(f)
+            if data is None:
+                data = subprocess.run(["git", "show", f"{tag}:{f}"], cwd=up.path, capture_output=True,
+                                      check=True).stdout
+            z.writestr(f, data)
+        z.writestr("vllm/_C.abi3.so", b"\x7fELF not really")
+        z.writestr("vllm-1.0.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\n")
+        z.writestr("vllm-1.0.0.dist-info/RECORD", "")
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def artifact_toml(file: str, sha: str, tag: str = TAG1) -> str:
+    return (f'\n[[pins."vllm@{tag}".artifacts]]\ndist = "vllm"\nvariant = "cpu"\nfile = "{file}"\n'
+            f'sha256 = "{sha}"\nsource = true\n')
