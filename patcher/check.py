@@ -206,13 +206,15 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
                       fingerprint=fingerprint, on_line=on_line)
 
 
-def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool) -> Path:
-    name = "-".join(x for x in (label, style, dtype, "unpatched" if unpatched else None) if x)
+def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
+                 unpatched_engine: bool = False) -> Path:
+    name = "-".join(x for x in (label, style, dtype, "unpatched" if unpatched else None,
+                                "unpatched-engine" if unpatched_engine else None) if x)
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
 @contextmanager
-def _default_session(cfg, lock, entry, spec, unpatched, progress, stream) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
+def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
     ad = adapter(entry.engine)
     if ad.runner is None or ad.runner.removesuffix(".py").removesuffix("_runner") not in RUNNERS:
         raise EngineUnavailable(f"{entry}: no runner for {ad.name} in the gate", hint="see docs/equivalence.md")
@@ -223,7 +225,7 @@ def _default_session(cfg, lock, entry, spec, unpatched, progress, stream) -> Ite
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
               dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None) -> CheckResult:
+              on_line=None, unpatched_engine: bool = False) -> CheckResult:
     t_start = time.monotonic()
     entry = lock.pin(ref)
     ad = adapter(ref.engine)
@@ -238,7 +240,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     fingerprint = model_fingerprint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     prompts = build_prompt_set(model_dir, MAX_TOKENS)
-    out = report_paths(cfg, ref, label, style, dtype, unpatched)
+    out = report_paths(cfg, ref, label, style, dtype, unpatched, unpatched_engine)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
     prompts_path = write_prompts_json(prompts, work / "prompts.json")
@@ -249,7 +251,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     session = ad.check_session or _default_session
     t0 = time.monotonic()
-    with session(cfg, lock, entry, spec, unpatched, progress, stream) as (py, runner, env, installed):
+    with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
+                 unpatched_engine=unpatched_engine) as (py, runner, env, installed):
         timings["install_s"] = round(time.monotonic() - t0, 2)
         if progress:
             progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
@@ -270,6 +273,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
                    + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
         "stack_hash": None if unpatched else stack.hash,
+        "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
         "engine_version": engine.engine_version, "engine_versions": engine.versions,

@@ -78,6 +78,8 @@ class EngineAdapter:
 
     def run_blocker(self, entry: LockEntry, variant: VariantSpec) -> str | None:
         """Why this pin/variant cannot run on this machine, or None if it can."""
+        if self.build_kind == "backend" and not entry.serves:
+            return entry.note or "serves no pinned engine"
         if variant.device == "cuda" and not has_cuda():
             return "needs a CUDA GPU (none on this machine)"
         if entry.python:

@@ -1,0 +1,114 @@
+"""check: the logit-equivalence gate, from the command line."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from ..check import CheckResult, check_or_raise, run_check
+from ..engines import adapter
+from ..errors import DsadaptError, EngineUnavailable, UsageError
+from ..stack import load_stack
+from ..workspace import workdir_lock
+from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table, to_ref
+
+
+def _fmt(x, spec=".2g"):
+    return "-" if x is None else format(x, spec)
+
+
+def render(res: CheckResult) -> None:
+    c = res.comparison
+    rows = []
+    for r in c["rows"]:
+        rows.append([r["id"], str(r.get("length", "")), _fmt(r.get("max_abs")), _fmt(r.get("mean_abs")),
+                     f"{r.get('top1_agree', '-')}/{r.get('positions', '-')}",
+                     {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match")),
+                     "-" if r.get("first_divergence") is None else str(r["first_divergence"]),
+                     "pass" if r.get("passed") else "FAIL"])
+    title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers — "
+             f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
+             f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
+    table(title, ["prompt", "len", "max |Δ|", "mean |Δ|", "top-1", "greedy", "1st div", "verdict"], rows)
+    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    for line in res.explanation if not res.passed else []:
+        say(f"  explain: {line}")
+    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+
+
+@click.command("check")
+@click.argument("pin", metavar="ENGINE@TAG", required=False)
+@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite) or a model directory.")
+@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
+              help="config.json style of a built-in model (default: transformers, what save_pretrained writes).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
+@click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
+@click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
+@click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
+@click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
+@json_option
+@pass_ctx
+def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
+              as_json) -> None:
+    """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
+    if bool(pin) == all_pins:
+        raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
+    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    progress = progress_printer(not as_json)
+    if not all_pins:
+        ref = to_ref(pin)
+        with workdir_lock(ctx.cfg):
+            res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype,
+                            variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
+                            command=command, unpatched_engine=unpatched_engine)
+        if as_json:
+            emit_json(res.to_json())
+        else:
+            render(res)
+            if explain and res.passed:
+                say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+        check_or_raise(res)
+        return
+    results, rows, failed = [], [], False
+    with workdir_lock(ctx.cfg):
+        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+            ad = adapter(entry.engine)
+            spec = ad.variant_for(entry, None)
+            blocker = ad.run_blocker(entry, spec)
+            if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
+                blocker = "no stack"
+            if blocker:
+                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": blocker})
+                rows.append([str(entry.ref), "not run", blocker])
+                continue
+            try:
+                res = run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dtype,
+                                progress=progress, stream=not as_json, command=command)
+                results.append({"pin": str(entry.ref), "verdict": res.verdict, "report": res.report_path,
+                                "reasons": res.reasons})
+                rows.append([str(entry.ref), res.verdict, res.report_path if res.passed else "; ".join(res.reasons[:2])])
+                failed |= not res.passed
+            except EngineUnavailable as e:
+                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": e.message})
+                rows.append([str(entry.ref), "not run", e.message])
+            except DsadaptError as e:
+                results.append({"pin": str(entry.ref), "verdict": "error", "reason": e.message})
+                rows.append([str(entry.ref), "error", e.message])
+                failed = True
+    ran = [r for r in results if r["verdict"] in ("pass", "fail")]
+    if as_json:
+        emit_json({"results": results, "ok": bool(ran) and not failed})
+    else:
+        table(f"dsadapt check --all (model {model}, {dtype})", ["pin", "verdict", "detail"], rows)
+        say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
+            f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
+    if failed:
+        sys.exit(1)
+    if not ran:
+        sys.exit(EngineUnavailable.exit_code)
+
+
+COMMANDS = [check_cmd]
