@@ -43,7 +43,7 @@ class PatchOutcome:
     index: int
     name: str
     subject: str
-    outcome: str  # clean | merged | changed | skipped | conflict
+    outcome: str  # clean | merged | changed | skipped | conflict | upstream (rebase only)
     commit: str | None = None
 
 
@@ -286,6 +286,10 @@ def _conflicted_files(co: Checkout) -> list[str]:
 
 def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
     op = state["op"]
+    if op.get("kind") == "rebase":  # same transaction; rebase classifies and finishes differently
+        from .rebase import run_rebase_patches
+
+        return run_rebase_patches(co, state, on_patch)
     patches = op["patches"]
     outcomes = op["outcomes"]
     while len(outcomes) < len(patches):
@@ -418,6 +422,10 @@ def abort_apply(cfg: Config, ref: PinRef | None = None) -> Checkout:
         co.git.run("branch", "-q", "-D", co.branch, check=False)
     if op.get("dirty_backup"):
         co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
+    if op.get("kind") == "rebase":  # undo what a rebase did outside the checkout (lock entry, refs)
+        from .rebase import undo_rebase_extras
+
+        undo_rebase_extras(co, op)
     state["op"] = None
     co.save_state(state)
     shutil.rmtree(co.op_dir, ignore_errors=True)
@@ -430,7 +438,7 @@ def _reconcile_killed(co: Checkout, state: dict) -> None:
     if co.am_in_progress():
         return
     n_commits = int(co.git.out("rev-list", "--count", f"{co.base()}..HEAD"))
-    n_recorded = sum(1 for o in op["outcomes"] if o["outcome"] != "skipped")
+    n_recorded = sum(1 for o in op["outcomes"] if o["outcome"] not in ("skipped", "upstream"))
     while n_commits > n_recorded and len(op["outcomes"]) < len(op["patches"]):
         i = len(op["outcomes"]) + 1
         meta = op["patches"][i - 1]
