@@ -459,13 +459,13 @@ def export_commits(git: Git, base: str, head: str) -> list:
     commits = git.out("rev-list", "--reverse", f"{base}..{head}").split()
     patches = []
     for c in commits:
-        text = git.out(
+        text = git.run(  # not git.out: stripping would eat a final context line of one space
             "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
             "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
             "format-patch", "-1", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",
             "--zero-commit", "--no-numbered", "--subject-prefix=PATCH", "--no-renames", "--no-color",
-            "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter", c)
-        p = parse_patch(text + "\n", where=f"commit {c[:12]}")
+            "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter", c).out
+        p = parse_patch(text, where=f"commit {c[:12]}")
         patches.append(p)
     return patches
 
