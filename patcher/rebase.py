@@ -211,7 +211,7 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         if identity:
             co.git.update_ref(FROM_BASE, base)
         else:
-            co.git.run("fetch", "-q", "--no-tags", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
+            co.git.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
         from_base = co.git.rev(FROM_BASE)
         assert from_base
         if progress:
