@@ -55,7 +55,7 @@ def hunks_key(diff: str) -> str:
 
 def changed_lines(diff: str) -> list[str]:
     """The +/- lines of a diff (file headers excluded): the change itself, without context."""
-    return [l for l in diff.split("\n") if l[:1] in "+-" and not l.startswith(("+++ ", "--- "))]
+    return [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++ ", "--- "))]
 
 
 def drop_when_hit(patch: Patch, dists: tuple[str, ...], version: str) -> str | None:
