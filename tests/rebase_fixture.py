@@ -147,3 +147,41 @@ def config(proj: Path, root: Path, sources: str = "git", mirror: Path | None = N
 def snapshot(d: Path) -> dict[str, bytes]:
     """Every file under d (relative path -> bytes)."""
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()} if d.exists() else {}
+
+
+def make_wheels(up: Path, dest: Path, tags=("v1.0.0", "v1.1.0")) -> dict[str, Path]:
+    """A wheel per tag holding the upstream tree at that tag (as a release artifact would)."""
+    import zipfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for tag in tags:
+        version = tag[1:]
+        path = dest / f"vllm-{version}-py3-none-any.whl"
+        files = git(up, "ls-tree", "-r", "--name-only", tag).split("\n")
+        with zipfile.ZipFile(path, "w") as z:
+            for f in sorted(files):
+                z.writestr(f, subprocess.run(["git", "-C", str(up), "show", f"{tag}:{f}"], check=True,
+                                             capture_output=True).stdout)
+            z.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+        out[tag] = path
+    return out
+
+
+def make_pypi_project(root: Path, up: Path) -> tuple[Path, Path]:
+    """Project whose pins (v1.0.0 and v1.1.0) have only wheel artifacts; returns (project, wheel dir)."""
+    from patcher.fsutil import sha256_file
+    from patcher.lock import Artifact
+
+    wheels = make_wheels(up, root / "wheels")
+    proj = root / "project"
+    proj.mkdir()
+    pins = {}
+    for tag, path in wheels.items():
+        art = Artifact("vllm", "cuda", path.name, sha256_file(path), source=True, size=path.stat().st_size)
+        pins[f"{ENGINE}@{tag}"] = LockEntry(ENGINE, tag, tag[1:], artifacts=(art,))
+    lock = Lock(engines={ENGINE: EngineDecl(ENGINE, str(root / "unreachable"), ("vllm",))}, pins=pins)
+    (proj / "upstream.lock").write_text(format_lock(lock))
+    commit = git(up, "rev-parse", "v1.0.0^{commit}")
+    write_stack(proj / "patches" / ENGINE / "v1.0.0", export_commits(Git(up), commit, git(up, "rev-parse", "ours")))
+    return proj, root / "wheels"

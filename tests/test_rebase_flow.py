@@ -174,3 +174,36 @@ def test_a_second_rebase_onto_a_stopped_one_is_refused(env):
     with pytest.raises(WorkspaceError, match="in progress"):
         rebase_stack(cfg, load_lock(cfg.lock_path), OLD, NEW.tag)
     assert workspace.Checkout(cfg, NEW).load_state()["op"]["kind"] == "rebase"
+
+
+def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
+    """PyPI-style trees are parentless snapshots: the 3-way merge only works because OLD's base
+    (holding the blobs named on the patches' index lines) is fetched into NEW's checkout."""
+    up = fx.make_upstream(tmp_path)
+    proj, wheels = fx.make_pypi_project(tmp_path, up)
+    from patcher.config import load_config
+
+    cfg = load_config(proj, env={"DSADAPT_WORKDIR": str(tmp_path / "work"), "DSADAPT_SOURCES": "pypi",
+                                 "DSADAPT_ARTIFACTS": str(wheels)})
+    lock_before = cfg.lock_path.read_bytes()
+    seen = _start(cfg)
+    co = workspace.Checkout(cfg, NEW)
+    assert co.load_state()["source"]["kind"] == "pypi"
+    assert co.git.out("rev-list", "--count", co.base()) == "1"  # a snapshot: no upstream history
+    assert [o.outcome for o in seen] == ["upstream", "upstream", "upstream", "merged"]
+    res = _resolve_and_continue(cfg)
+    assert [o.outcome for o in res.outcomes] == ["upstream", "upstream", "upstream", "merged", "changed",
+                                                "upstream", "clean"]
+    assert cfg.lock_path.read_bytes() == lock_before  # NEW was pinned already
+    report = json.loads((proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
+    assert report["pinned_new"] is False and report["new_source"].startswith("pypi vllm-1.1.0-")
+    assert "reverse-applies" in report["patches"][0]["detail"]
+    assert [e.name for e in load_stack(cfg.patches_root, NEW).entries][0] == "0001-c-double-the-total.patch"
+
+    # control: in a NEW snapshot checkout without OLD's base fetched, the same patch cannot merge
+    other = load_config(proj, env={"DSADAPT_WORKDIR": str(tmp_path / "work2"), "DSADAPT_SOURCES": "pypi",
+                                   "DSADAPT_ARTIFACTS": str(wheels)})
+    co2, _ = workspace.ensure_checkout(other, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW))
+    c_patch = proj / "patches" / fx.ENGINE / "v1.0.0" / "0004-c-double-the-total.patch"
+    r = co2.git.run("am", "-3", str(c_patch), check=False)
+    assert not r.ok and "lacks necessary blobs to fall back on 3-way merge" in r.err
