@@ -201,6 +201,8 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         write_lock(lock, cfg.lock_path)
         lock_after = cfg.lock_path.read_text(encoding="utf-8")
         notes.append(f"pinned {new_ref} in upstream.lock")
+        for n in notes if progress else ():
+            progress(n)
     started = False
     try:
         new_entry = lock.pin(new_ref)

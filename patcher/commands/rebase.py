@@ -63,8 +63,6 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     if as_json:
         emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report})
         return
-    for n in notes:
-        say(f"  {n}")
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
     say(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
     say(f"  report: {md.relative_to(ctx.cfg.project)} (+ .json)")
