@@ -207,3 +207,11 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
     c_patch = proj / "patches" / fx.ENGINE / "v1.0.0" / "0004-c-double-the-total.patch"
     r = co2.git.run("am", "-3", str(c_patch), check=False)
     assert not r.ok and "lacks necessary blobs to fall back on 3-way merge" in r.err
+
+
+def test_plain_apply_is_untouched_by_the_rebase_hooks(env):
+    root, up, proj = env
+    cfg = fx.config(proj, root)
+    res = workspace.apply_stack(cfg, load_lock(cfg.lock_path), OLD)
+    assert [o.outcome for o in res.outcomes] == ["clean"] * 7
+    assert not (proj / "reports").exists()
