@@ -102,6 +102,15 @@ def build_matrix(cfg: Config, lock: Lock, tags: dict[str, TagsResult], only: str
     return cells
 
 
+def blocker_here(cell: Cell, lock: Lock) -> str | None:
+    """Why this machine could not run the cell's check (the adapter's run_blocker), or None.
+
+    Machine-local, so it is shown by the human table only; CI asks the runner itself."""
+    ad = adapter(cell.engine)
+    entry = lock.pins.get(cell.pin) or LockEntry(cell.engine, cell.tag, ad.tag_to_version(cell.tag))
+    return ad.run_blocker(entry, ad.variant(cell.variant))
+
+
 def github_matrix(cells: list[Cell]) -> dict:
     """What `strategy.matrix` takes: only an include list (any other key would become a dimension)."""
     return {"include": [c.to_json() for c in cells]}

@@ -162,3 +162,16 @@ def test_drop_candidates_need_a_newer_pin_satisfying_the_spec():
     assert drop_candidates(stack, here, [_entry("v0.32.1", "0.32.1")], ("vllm",)) == []
     got = drop_candidates(stack, here, [_entry("v0.32.1", "0.32.1"), _entry("v0.33.0", "0.33.0")], ("vllm",))
     assert [(d.patch, d.satisfied_by) for d in got] == [("0001-s.patch", "vllm@v0.33.0")]
+
+
+def test_blocker_here_uses_the_adapters_run_blocker(monkeypatch):
+    import patcher.engines.base as base
+    from patcher.lock import Lock
+
+    monkeypatch.setattr(base, "has_cuda", lambda: False)
+    cell = Cell("n", "vllm", "v9.0.0", "vllm@v9.0.0", "new", "cuda", "cuda", ["self-hosted", "gpu"], "3.11", [])
+    from patcher.matrix import blocker_here
+
+    assert blocker_here(cell, Lock(engines={}, pins={})) == "needs a CUDA GPU (none on this machine)"
+    monkeypatch.setattr(base, "has_cuda", lambda: True)
+    assert blocker_here(cell, Lock(engines={}, pins={})) is None

@@ -6,7 +6,7 @@ import click
 
 from .. import workspace
 from ..errors import DsadaptError, UsageError
-from ..matrix import build_matrix, github_matrix
+from ..matrix import blocker_here, build_matrix, github_matrix
 from ..pinref import parse_pinref
 from ..rebase import load_report, rebase_stack, report_paths
 from ..tags import upstream_tags
@@ -89,8 +89,9 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     if as_json:
         emit_json(github_matrix(cells))
         return
-    table("CI matrix", ["cell", "runs on", "python", "steps", "skipped"],
-          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps), "; ".join(c.skip) or "-"] for c in cells])
+    table("CI matrix", ["cell", "runs on", "python", "steps", "skipped", "check here"],
+          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps), "; ".join(c.skip) or "-",
+            blocker_here(c, ctx.lock) or "yes"] for c in cells])
 
 
 COMMANDS = [tags_cmd, rebase_cmd, matrix_cmd]
