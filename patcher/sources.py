@@ -167,8 +167,6 @@ def _pip_download(art: Artifact, version: str, dest: Path) -> None:
         _, _, _, tags = parse_wheel_filename(art.file)
         tag = sorted(tags, key=str)[0]
         pyver = tag.interpreter[2:] if tag.interpreter.startswith("cp") else "3"
-        if tag.abi == "abi3":  # cp38-abi3 is a floor, not a target: Requires-Python may exclude 3.8
-            pyver = f"{sys.version_info.major}{sys.version_info.minor}"
         args += ["--only-binary=:all:", "--implementation", "cp", "--python-version",
                  f"{pyver[0]}.{pyver[1:]}" if len(pyver) > 1 else pyver, "--abi", tag.abi]
         for t in tags:
