@@ -1,9 +1,10 @@
 """report: one row per pin: stack size, patches by Upstream-Status, the last check verdict, and
 patches whose Drop-When a newer pin already satisfies (candidates to drop).
 
-Check verdicts come from the JSON files `dsadapt check` writes under
-reports/<engine>/<tag>/*.json (top-level keys pin, verdict, date, device, stack_hash); the
-newest by date wins. Files without those keys (e.g. reports/rebase/) are not verdicts.
+Check verdicts come from the JSON reports under reports/ (any depth; `dsadapt check` writes
+reports/<engine>/<tag>/<model>-<dtype>.json) that state `pin` and `verdict`, with `date`,
+`device` and `stack_hash` at the top level or under `provenance`; the newest by date wins.
+Other JSON (e.g. reports/rebase/) and unpatched control runs are not verdicts.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from .lock import Lock, LockEntry
 from .patchfile import drop_when_satisfied
 from .stack import Stack, load_stack
 
-_GPU_RE = re.compile(r"gpu|cuda|nvidia|\b[ahlb]\d{2,3}\b|h200|h100|rocm|hip", re.IGNORECASE)
-_VERDICT_KEYS = {"pin", "verdict", "date", "device", "stack_hash"}
+_GPU_RE = re.compile(r"\bgpu\b|cuda|nvidia|rocm", re.IGNORECASE)
+_VERDICT_KEYS = ("pin", "verdict", "date", "device", "stack_hash")
 
 
 @dataclass(frozen=True)
 class Verdict:
     file: str
+    pin: str
     verdict: str
     date: str
     device: str
@@ -61,18 +63,34 @@ class PinReport:
         return asdict(self)
 
 
-def read_verdicts(reports_root: Path, entry: LockEntry) -> list[Verdict]:
-    d = reports_root / entry.engine / entry.tag
-    out = []
-    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
+def verdict_of(data, file: str) -> Verdict | None:
+    """Pure: the verdict a check report states, or None if the JSON is not a check report.
+
+    Accepts `pin`/`verdict` at the top level with `date`/`device`/`stack_hash` either at the top
+    level or under `provenance` (where `dsadapt check` puts them). Reports of the unpatched
+    engine (`"unpatched": true`, a control run) are not the stack's verdict.
+    """
+    if not isinstance(data, dict) or data.get("unpatched"):
+        return None
+    prov = data.get("provenance") if isinstance(data.get("provenance"), dict) else {}
+    fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
+    if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
+        return None
+    return Verdict(file, str(fields["pin"]), str(fields["verdict"]), str(fields["date"]), str(fields["device"]),
+                   str(fields["stack_hash"] or ""))
+
+
+def read_verdicts(reports_root: Path) -> dict[str, list[Verdict]]:
+    """Every check report under reports/ (any depth), by pin."""
+    out: dict[str, list[Verdict]] = {}
+    for f in sorted(reports_root.rglob("*.json")) if reports_root.is_dir() else []:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if not isinstance(data, dict) or not _VERDICT_KEYS <= set(data) or data.get("pin") != str(entry.ref):
-            continue
-        out.append(Verdict(str(f), str(data["verdict"]), str(data["date"]), str(data["device"]),
-                           str(data["stack_hash"])))
+        v = verdict_of(data, str(f))
+        if v is not None:
+            out.setdefault(v.pin, []).append(v)
     return out
 
 
@@ -110,6 +128,7 @@ def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dist
 
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     rows = []
+    verdicts = read_verdicts(cfg.reports_root)
     for engine in sorted(lock.engines):
         ad = adapter(engine)
         dists = (ad.name, *ad.pypi)
@@ -120,7 +139,7 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
             except DsadaptError as e:
                 rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
                 continue
-            words, last = check_words(read_verdicts(cfg.reports_root, entry), stack.hash if stack.exists else None)
+            words, last = check_words(verdicts.get(str(entry.ref), []), stack.hash if stack.exists else None)
             statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
             rows.append(PinReport(
                 str(entry.ref), len(stack), stack.exists, stack.hash if stack.exists else None,

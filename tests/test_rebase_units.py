@@ -13,7 +13,7 @@ from patcher.matrix import Cell, github_matrix, new_tag_cells, pin_cells
 from patcher.patchfile import parse_patch
 from patcher.rebase import applied_detail, changed_lines, drop_when_hit, hunks_key
 from patcher.rebase_report import PatchReport, RebaseReport, format_markdown, split_range_diff
-from patcher.report import Verdict, check_words, drop_candidates, read_verdicts
+from patcher.report import check_words, drop_candidates, read_verdicts, verdict_of
 from patcher.stack import Stack, StackEntry
 from patcher.pinref import PinRef
 from patcher.tags import TagsResult, UpstreamTag, newer_tags
@@ -130,29 +130,39 @@ def test_github_matrix_is_only_an_include_list_of_scalars_and_lists():
     assert all(isinstance(v, (str, list)) for v in m["include"][0].values())
 
 
-def _verdict(tmp: Path, name: str, **kw) -> None:
+def _verdict(tmp: Path, name: str, nested: bool = False, **kw) -> None:
     d = tmp / "reports" / "vllm" / "v0.32.0"
     d.mkdir(parents=True, exist_ok=True)
-    data = {"pin": "vllm@v0.32.0", "verdict": "pass", "date": "2026-11-01", "device": "cpu", "stack_hash": "h"}
+    data = {"pin": "vllm@v0.32.0", "verdict": "pass", "date": "2026-11-01", "device": "CPU AMD EPYC 7B13 (2 cores)",
+            "stack_hash": "h"}
     data.update(kw)
+    if nested:  # the shape `dsadapt check` writes: provenance holds date, device, stack_hash
+        data = {"schema": "dsadapt.check-report/1", "pin": data.pop("pin"), "verdict": data.pop("verdict"),
+                "unpatched": data.pop("unpatched", False), "provenance": data}
     (d / name).write_text(json.dumps(data))
 
 
 def test_check_words_from_check_reports(tmp_path):
-    entry = _entry("v0.32.0", "0.32.0")
-    assert check_words(read_verdicts(tmp_path / "reports", entry), "h") == ("never checked", None)
-    _verdict(tmp_path, "tiny-v3-float32.json")
-    (tmp_path / "reports" / "vllm" / "v0.32.0" / "notes.json").write_text('{"something": "else"}')
-    words, last = check_words(read_verdicts(tmp_path / "reports", entry), "h")
-    assert words == "pass 2026-11-01 (cpu)"
-    _verdict(tmp_path, "tiny-v3-bfloat16.json", date="2026-11-29T10:00:00Z", device="cuda:0 NVIDIA H200")
-    words, last = check_words(read_verdicts(tmp_path / "reports", entry), "h")
+    reports = tmp_path / "reports"
+    pin = "vllm@v0.32.0"
+    assert check_words(read_verdicts(reports).get(pin, []), "h") == ("never checked", None)
+    _verdict(tmp_path, "v3-float32.json")
+    (reports / "vllm" / "v0.32.0" / "notes.json").write_text('{"something": "else"}')
+    (reports / "rebase").mkdir()
+    (reports / "rebase" / "vllm-v0.32.0-to-v0.33.0.json").write_text('{"engine": "vllm", "old": "v0.32.0"}')
+    words, last = check_words(read_verdicts(reports)[pin], "h")
+    assert words == "pass 2026-11-01 (CPU AMD EPYC 7B13 (2 cores))"
+    _verdict(tmp_path, "v3-bfloat16.json", nested=True, date="2026-11-29T10:00:00Z", device="GPU NVIDIA H200")
+    words, last = check_words(read_verdicts(reports)[pin], "h")
     assert words == "GPU-verified 2026-11-29T10:00:00Z" and last.gpu
-    words, _ = check_words(read_verdicts(tmp_path / "reports", entry), "other")
+    words, _ = check_words(read_verdicts(reports)[pin], "other")
     assert words.endswith("; stack changed since")
+    _verdict(tmp_path, "v3-float32-unpatched.json", nested=True, date="2026-12-01", verdict="fail", unpatched=True)
+    assert check_words(read_verdicts(reports)[pin], "h")[0].startswith("GPU-verified")  # controls do not count
     _verdict(tmp_path, "z.json", date="2026-11-30", verdict="fail")
-    assert check_words(read_verdicts(tmp_path / "reports", entry), "h")[0] == "fail 2026-11-30 (cpu)"
-    assert not Verdict("f", "pass", "d", "cpu (AMD EPYC)", "h").gpu
+    assert check_words(read_verdicts(reports)[pin], "h")[0] == "fail 2026-11-30 (CPU AMD EPYC 7B13 (2 cores))"
+    assert len(read_verdicts(reports)[pin]) == 3
+    assert verdict_of({"pin": pin, "verdict": "pass"}, "f") is None  # no date/device: not a check report
 
 
 def test_drop_candidates_need_a_newer_pin_satisfying_the_spec():
