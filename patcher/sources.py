@@ -135,7 +135,10 @@ def from_mirror(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) 
 
 
 def _import_commit(checkout: Git, cache: Git, commit: str) -> None:
-    checkout.run("fetch", "-q", "--no-tags", str(cache.path), f"+refs/dsadapt/fetched/*:refs/dsadapt/fetched/*")
+    # --update-shallow: the cache may be shallow (pin fetches --depth 1); without it the checkout
+    # gets the commit but not the shallow marker, and every walk past it fails (log, range-diff).
+    checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
+                 f"+refs/dsadapt/fetched/*:refs/dsadapt/fetched/*")
     if not checkout.rev(commit):
         raise SourceError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
 

@@ -45,7 +45,7 @@ class PatchOutcome:
     index: int
     name: str
     subject: str
-    outcome: str  # clean | merged | changed | skipped | conflict
+    outcome: str  # clean | merged | changed | skipped | conflict | upstream (rebase only)
     commit: str | None = None
 
 
@@ -298,6 +298,10 @@ def _conflicted_files(co: Checkout) -> list[str]:
 
 def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
     op = state["op"]
+    if op.get("kind") == "rebase":  # same transaction; rebase classifies and finishes differently
+        from .rebase import run_rebase_patches
+
+        return run_rebase_patches(co, state, on_patch)
     patches = op["patches"]
     outcomes = op["outcomes"]
     while len(outcomes) < len(patches):
@@ -444,6 +448,10 @@ def abort_apply(cfg: Config, ref: PinRef | None = None) -> Checkout:
         r = co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
         if r.ok:
             co.git.delete_ref(op["dirty_backup"])
+    if op.get("kind") == "rebase":  # undo what a rebase did outside the checkout (lock entry, refs)
+        from .rebase import undo_rebase_extras
+
+        undo_rebase_extras(co, op)
     state["op"] = None
     co.save_state(state)
     shutil.rmtree(co.op_dir, ignore_errors=True)
@@ -456,7 +464,7 @@ def _reconcile_killed(co: Checkout, state: dict) -> None:
     if co.am_in_progress():
         return
     n_commits = int(co.git.out("rev-list", "--count", f"{co.base()}..HEAD"))
-    n_recorded = sum(1 for o in op["outcomes"] if o["outcome"] != "skipped")
+    n_recorded = sum(1 for o in op["outcomes"] if o["outcome"] not in ("skipped", "upstream"))
     while n_commits > n_recorded and len(op["outcomes"]) < len(op["patches"]):
         i = len(op["outcomes"]) + 1
         meta = op["patches"][i - 1]
@@ -477,9 +485,7 @@ def export_commits(git: Git, base: str, head: str) -> list:
     commits = git.out("rev-list", "--reverse", f"{base}..{head}").split()
     patches = []
     for c in commits:
-        # .out, not .out(): stripping the output would drop trailing blank context lines
-        # (" \n") of the last hunk and corrupt the patch.
-        text = git.run(
+        text = git.run(  # not git.out: stripping would eat a final context line of one space
             "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
             "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
             "format-patch", "-1", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",

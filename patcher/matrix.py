@@ -1,0 +1,116 @@
+"""matrix: the CI matrix, one cell per (pin, variant) plus one per newer upstream tag not yet pinned.
+
+`dsadapt matrix --json` prints ``{"include": [cell, ...]}``, which a GitHub Actions job feeds
+to ``strategy.matrix`` with ``fromJSON``. Every cell says what it needs (device, python, the
+runner labels) and which steps apply; a step that cannot apply is left out with the reason
+in ``skip``, so the workflow can print it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .config import Config
+from .engines import adapter
+from .engines.base import EngineAdapter, VariantSpec
+from .lock import Lock, LockEntry
+from .tags import TagsResult
+
+DEFAULT_PYTHON = "3.11"
+RUNNERS = {"cpu": ["ubuntu-latest"], "cuda": ["self-hosted", "gpu"]}
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str                  # job name shown by GitHub
+    engine: str
+    tag: str
+    pin: str                   # ENGINE@TAG
+    kind: str                  # pinned | new
+    variant: str
+    device: str                # cpu | cuda
+    runs_on: list[str]
+    python: str
+    steps: list[str]           # subset of rebase, apply, build, check, in order
+    rebase_from: str = ""      # new cells: the pin whose stack is carried forward
+    skip: list[str] = field(default_factory=list)  # steps left out, and why
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _python(entry: LockEntry | None) -> str:
+    if entry and entry.python:
+        return entry.python.split(",")[0].strip()
+    return DEFAULT_PYTHON
+
+
+def _variants_for(ad: EngineAdapter, entry: LockEntry | None, dists: tuple[str, ...]) -> list[VariantSpec]:
+    if ad.build_kind == "backend":
+        return list(ad.variants)
+    if entry is not None:
+        return [v for v in ad.variants if entry.artifact(v.name)]
+    if dists:  # a new tag seen on PyPI: the variants whose distribution released it
+        return [v for v in ad.variants if v.dist in dists]
+    return list(ad.variants)  # a new tag seen on git: every variant may exist
+
+
+def pin_cells(ad: EngineAdapter, entry: LockEntry, has_stack: bool) -> list[Cell]:
+    variants = _variants_for(ad, entry, ())
+    cells = []
+    for v in variants or [ad.variants[0]]:
+        steps, skip = [], []
+        if has_stack:
+            steps.append("apply")
+        else:
+            skip.append(f"apply: {entry.ref} has no stack")
+        if v in variants:
+            steps += ["build", "check"]
+        else:
+            skip.append(f"build, check: {entry.ref} pins no release artifact for variant {v.name}")
+        cells.append(Cell(f"{entry.ref} {v.name}", entry.engine, entry.tag, str(entry.ref), "pinned", v.name,
+                          v.device, RUNNERS[v.device], _python(entry), steps, "", skip))
+    return cells
+
+
+def new_tag_cells(ad: EngineAdapter, tags: TagsResult, lock: Lock) -> list[Cell]:
+    if not tags.baseline:
+        return []
+    base = lock.pin(f"{tags.engine}@{tags.baseline}")
+    cells = []
+    for t in tags.tags:
+        if t.pinned:
+            continue
+        for v in _variants_for(ad, None, t.dists):
+            pin = f"{tags.engine}@{t.tag}"
+            cells.append(Cell(f"{pin} {v.name} (new)", tags.engine, t.tag, pin, "new", v.name, v.device,
+                              RUNNERS[v.device], _python(base), ["rebase", "build", "check"], str(base.ref)))
+    return cells
+
+
+def build_matrix(cfg: Config, lock: Lock, tags: dict[str, TagsResult], only: str | None = None) -> list[Cell]:
+    """Cells for every pin (only='pinned'), every new tag (only='new'), or both."""
+    cells: list[Cell] = []
+    for engine in sorted(lock.engines):
+        ad = adapter(engine)
+        if only in (None, "pinned"):
+            for entry in lock.pins_of(engine):
+                has_stack = (cfg.patches_root / entry.engine / entry.tag / "series").is_file()
+                cells += pin_cells(ad, entry, has_stack)
+        if only in (None, "new") and engine in tags:
+            cells += new_tag_cells(ad, tags[engine], lock)
+    return cells
+
+
+def blocker_here(cell: Cell, lock: Lock) -> str | None:
+    """Why this machine could not run the cell's check (the adapter's run_blocker), or None.
+
+    Machine-local, so it is shown by the human table only; CI asks the runner itself."""
+    ad = adapter(cell.engine)
+    entry = lock.pins.get(cell.pin) or LockEntry(cell.engine, cell.tag, ad.tag_to_version(cell.tag))
+    return ad.run_blocker(entry, ad.variant(cell.variant))
+
+
+def github_matrix(cells: list[Cell]) -> dict:
+    """What `strategy.matrix` takes: only an include list (any other key would become a dimension)."""
+    return {"include": [c.to_json() for c in cells]}
