@@ -73,3 +73,9 @@ def make_tiny(out: Path, variant="v3", config_style="deepseek") -> Path:
     pytest.importorskip("transformers")
     tinymodel.make_model(out, variant=variant, config_style=config_style, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_v3(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 (deepseek config style), built once per test session."""
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "v3")
