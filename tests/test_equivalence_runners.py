@@ -19,6 +19,7 @@ from patcher.runners import (
     RunnerSpec,
     RunnerTimeout,
     RunnerUnavailable,
+    root_cause,
     run_runner,
 )
 
@@ -116,3 +117,13 @@ def test_missing_or_inconsistent_output(fake, tmp_path):
 def test_missing_interpreter_is_unavailable(fake, tmp_path):
     with pytest.raises(RunnerUnavailable):
         run_runner(fake(), tmp_path / "nope" / "python", tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json")
+
+
+def test_root_cause_skips_vllm_wrapper_errors():
+    log = ["(Worker pid=13204) ERROR 11-29 12:27:27 [multiproc_executor.py:953] "
+           "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'",
+           "    raise RuntimeError(",
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    assert root_cause(log) == "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'"
+    assert root_cause(log[2:]).startswith("RuntimeError: Engine core")
+    assert root_cause(["all fine"]) is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -98,6 +99,22 @@ def get_runner(name: str) -> RunnerSpec:
         raise DsadaptError(f"unknown runner {name!r}", hint=f"one of: {', '.join(sorted(RUNNERS))}") from None
 
 
+_ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.*)$")
+#: Wrapper errors that only say "see above"; the cause is an earlier error line.
+_WRAPPERS = ("Engine core initialization failed", "See root cause above", "Worker failed")
+
+
+def root_cause(lines: Sequence[str]) -> str | None:
+    """The most telling exception line of a runner's log: the first ``XError: ...`` line
+    that is not a wrapper saying "see above" (vLLM's engine-core failure), else the last
+    error line, else None. Worker-process prefixes such as ``(Worker pid=1) ERROR ...]``
+    are stripped."""
+    found = [m for m in (_ERROR_LINE.search(ln) for ln in lines) if m]
+    real = [m for m in found if not any(w in m.group(2) for w in _WRAPPERS)]
+    pick = real[0] if real else (found[-1] if found else None)
+    return f"{pick.group(1)}: {pick.group(2)}".strip() if pick else None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill the process group we started (the runner and the workers it spawned)."""
     try:
@@ -138,6 +155,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
     argv = spec.argv(python, model_dir, prompts_path, dtype, top_k, max_tokens, out, fingerprint)
     child_env = {**os.environ, **spec.env, **(env or {})}
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+    errors: list[str] = []
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(argv) + "\n")
@@ -156,6 +174,8 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line.rstrip("\n"))
+                if _ERROR_LINE.search(line):
+                    errors.append(line.rstrip("\n"))
                 if on_line:
                     on_line(line.rstrip("\n"))
             rc = proc.wait()
@@ -170,8 +190,8 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
         raise RunnerTimeout(f"runner {spec.name} ran past {timeout:.0f}s and was killed",
                             hint=f"log: {log_path}\n{tail_text}", log_tail=tail_text, log_path=log_path)
     if rc != 0:
-        last = next((ln for ln in reversed(tail) if ln.strip()), "")
-        raise RunnerFailed(f"runner {spec.name} exited with status {rc}: {last[:200]}",
+        cause = root_cause(errors) or next((ln for ln in reversed(tail) if ln.strip()), "no output")
+        raise RunnerFailed(f"runner {spec.name} exited with status {rc}: {cause[:300]}",
                            hint=f"log: {log_path}\n{tail_text}", log_tail=tail_text, log_path=log_path)
     if not out.is_file():
         raise RunnerOutputError(f"runner {spec.name} exited 0 but wrote no report at {out}",
