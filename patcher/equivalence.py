@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.errors import DsadaptError
+from patcher.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
 STRICT_DTYPES = ("float32", "float64")
@@ -432,12 +433,6 @@ POSITIONWISE_HINT = ("a position-independent layer: MoE routing (scoring_func={s
                      "e_score_correction_bias), MLP/experts, RMSNorm, embeddings or lm_head")
 
 
-def _rope_original_max(config: dict) -> int | None:
-    from patcher.prompts import rope_original_max
-
-    return rope_original_max(config)
-
-
 def explain(comparison: Comparison, config: dict) -> list[str]:
     """Where the first divergence happens and the layer family it points to.
 
@@ -484,7 +479,7 @@ def explain(comparison: Comparison, config: dict) -> list[str]:
         lines.append("diverges already at query position 0, where attention sees one key and RoPE is the "
                      "identity: " + POSITIONWISE_HINT.format(**fmt))
         return lines
-    orig = _rope_original_max(config)
+    orig = rope_original_max(config)
     if orig is not None:
         early = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q < orig]
         late = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q >= orig]

@@ -16,7 +16,7 @@ vLLM's).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.errors import DsadaptError
@@ -156,5 +156,4 @@ def write_prompts_json(prompts: list[Prompt], path: Path) -> Path:
 
 def describe(prompts: list[Prompt]) -> list[dict]:
     """Rows for display: id, batch, length."""
-    return [{**{k: v for k, v in asdict(p).items() if k in ("id", "batch")}, "length": len(p.token_ids)}
-            for p in prompts]
+    return [{"id": p.id, "batch": p.batch, "length": len(p.token_ids)} for p in prompts]
