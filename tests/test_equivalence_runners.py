@@ -127,3 +127,26 @@ def test_root_cause_skips_vllm_wrapper_errors():
     assert root_cause(log) == "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'"
     assert root_cause(log[2:]).startswith("RuntimeError: Engine core")
     assert root_cause(["all fine"]) is None
+
+
+def _script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"patcher/runners/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_vllm_position_entry_reads_logprob_mappings():
+    """vLLM's per-position {token_id: Logprob(logprob, rank, decoded_token)} (also what a
+    FlatLogprobs row is): top-k by rank, plus the actual token whatever its rank."""
+    from collections import namedtuple
+
+    vr = _script("vllm_runner")  # importable without vllm: vllm is imported in main()
+    Lp = namedtuple("Logprob", "logprob rank decoded_token")
+    row = {9: Lp(-4.0, 7, None), 5: Lp(-0.1, 1, None), 7: Lp(-2.5, 2, None), 8: Lp(-3.0, 3, None)}
+    assert vr.position_entry(row, 9, 2) == {"token": 9, "logprob": -4.0, "top": {"5": -0.1, "7": -2.5}}
+    assert vr.position_entry({}, 3, 2) is None and vr.position_entry(None, 3, 2) is None
+    docs = [{"id": "a", "batch": None}, {"id": "m0", "batch": "m"}, {"id": "b"}, {"id": "m1", "batch": "m"}]
+    assert [[p["id"] for p in g] for g in vr.groups(docs)] == [["a"], ["m0", "m1"], ["b"]]
