@@ -313,10 +313,11 @@ def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gat
         if c.problems and first is None:
             first = q
         if c.problems and gate_generation:
-            failures.append(f"{where}: {c.problems[0]}" + (f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""))
+            more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+            failures.append(f"{where}: {c.problems[0]}{more}")
 
     for p in range(1, n):
-        take(p - 1, ref.prompt_logprobs[p], eng.prompt_logprobs[p], f"prompt position {p - 1}")
+        take(p - 1, ref.prompt_logprobs[p], eng.prompt_logprobs[p], f"query position {p - 1} (prompt)")
     prompt_checks = [c for c in checks if c]
 
     greedy_match = list(ref.generated_token_ids) == list(eng.generated_token_ids)
@@ -328,7 +329,8 @@ def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gat
     if gate_generation:
         last = len(ref.generated_token_ids) if gen_div is None else gen_div + 1
         for i in range(min(last, len(eng.generated_logprobs), len(ref.generated_logprobs))):
-            take(n - 1 + i, ref.generated_logprobs[i], eng.generated_logprobs[i], f"generated step {i}")
+            take(n - 1 + i, ref.generated_logprobs[i], eng.generated_logprobs[i],
+                 f"query position {n - 1 + i} (generated step {i})")
         if gen_div is not None:
             if gen_div >= min(len(ref.generated_token_ids), len(eng.generated_token_ids)):
                 failures.append(f"generated {len(eng.generated_token_ids)} tokens, "
