@@ -132,7 +132,8 @@ def test_root_cause_skips_vllm_wrapper_errors():
 def _script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"patcher/runners/{name}.py")
+    path = Path(__file__).resolve().parents[1] / f"patcher/runners/{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
