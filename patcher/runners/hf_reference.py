@@ -1,0 +1,202 @@
+"""HF transformers reference runner for dsadapt's logit-equivalence gate.
+
+Standalone: stdlib + torch + transformers only; it runs with the reference
+environment's interpreter in a subprocess and never imports `patcher`.
+
+    python hf_reference.py --model DIR --prompts prompts.json --dtype float32 \
+        --top-k 20 --max-tokens 16 --out report.json [--attn eager|sdpa] \
+        [--experts eager|grouped_mm] [--batch-mode individual|padded] [--fingerprint SHA]
+
+What it computes, on CPU, for each prompt:
+- teacher-forced prompt logprobs: a full ``log_softmax`` over the vocabulary at
+  every position, keeping the top-K values and the logprob of the actual next
+  token (position 0 has none);
+- greedy generation of ``--max-tokens`` tokens (EOS ignored) by full
+  recomputation: no KV cache, each token is the argmax of a causal forward over
+  everything before it. All reported logprobs (prompt and generated) come from
+  one last full forward over prompt + generation; ``settings.greedy_flips``
+  counts generated tokens that are not that forward's argmax (near-ties whose
+  winner changed with the sequence length; expected 0).
+
+Batches: ``--batch-mode individual`` (default; HF is the truth) computes the
+members of a batch one by one. ``padded`` runs them as one left-padded batch
+(attention mask, explicit position ids, full recomputation per generated
+token); it exists to measure the reference's own batching noise.
+
+Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+SCHEMA = "dsadapt.logit-report/1"
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    ap.add_argument("--experts", default="eager",
+                    help="transformers experts_implementation (eager: the plain per-expert loop; "
+                         "grouped_mm has no float64 kernel)")
+    ap.add_argument("--batch-mode", default="individual", choices=("individual", "padded"))
+    ap.add_argument("--fingerprint", default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    return ap.parse_args(argv)
+
+
+def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None):
+    """Load the model on CPU in eval mode. `config_overrides` (a dict) edits the
+    config before the weights load (tests use it to plant known bugs)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation=attn,
+        experts_implementation=experts)
+    return model.eval()
+
+
+def position_entry(logprobs_row, token_id, top_k):
+    """One position: the actual token's logprob and the top-k ``{id: logprob}``
+    (descending) of a full log-softmax row."""
+    vals, ids = logprobs_row.topk(top_k)
+    return {"token": int(token_id), "logprob": float(logprobs_row[token_id]),
+            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+
+
+def _log_softmax(logits):
+    import torch
+
+    return torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), dim=-1)
+
+
+def full_logprobs(model, ids):
+    """log_softmax rows of one causal forward over `ids`: row i predicts token i+1."""
+    import torch
+
+    with torch.no_grad():
+        return _log_softmax(model(torch.tensor([ids])).logits[0])
+
+
+def exact_greedy(model, prompt, n):
+    """Greedy continuation by full recomputation (no KV cache, EOS ignored): each token
+    is the argmax of a full causal forward over everything before it. Returns the
+    generated ids and the log-softmax rows of one last full forward over
+    prompt + generated[:-1], from which all reported logprobs are taken; a final
+    consistency check guards against argmax flips between forward lengths."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(full_logprobs(model, seq)[-1].argmax()))
+    rows = full_logprobs(model, seq[:-1] if n else seq)
+    flips = sum(int(rows[i - 1].argmax()) != seq[i] for i in range(len(prompt), len(seq)))
+    return seq[len(prompt):], rows, flips
+
+
+def result_from_rows(pid, batch, prompt, generated, rows, top_k):
+    """A PromptResult document from the full-forward rows (row i predicts token i+1)."""
+    full = list(prompt) + list(generated)
+    prompt_lp = [None] + [position_entry(rows[i - 1], full[i], top_k) for i in range(1, len(prompt))]
+    gen_lp = [position_entry(rows[i - 1], full[i], top_k) for i in range(len(prompt), len(full))]
+    return {"id": pid, "batch": batch, "prompt_token_ids": list(prompt), "prompt_logprobs": prompt_lp,
+            "generated_token_ids": list(generated), "generated_logprobs": gen_lp}
+
+
+def run_individual(model, prompt_docs, top_k, max_tokens):
+    results, flips = [], 0
+    for p in prompt_docs:
+        generated, rows, f = exact_greedy(model, p["token_ids"], max_tokens)
+        flips += f
+        results.append(result_from_rows(p["id"], p.get("batch"), p["token_ids"], generated, rows, top_k))
+    return results, flips
+
+
+def padded_rows(model, seqs, pad_id=0):
+    """Left-padded batch forward; returns per sequence its log-softmax rows (pads dropped)."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    return [_log_softmax(logits[b, width - len(s):]) for b, s in enumerate(seqs)]
+
+
+def run_padded(model, prompt_docs, top_k, max_tokens):
+    """One left-padded batch, greedy by full recomputation of the whole batch per token."""
+    seqs = [list(p["token_ids"]) for p in prompt_docs]
+    for _ in range(max_tokens):
+        rows = padded_rows(model, seqs)
+        for s, r in zip(seqs, rows):
+            s.append(int(r[-1].argmax()))
+    rows = padded_rows(model, [s[:-1] if max_tokens else s for s in seqs])
+    return [result_from_rows(p["id"], p.get("batch"), p["token_ids"], s[len(p["token_ids"]):], r, top_k)
+            for p, s, r in zip(prompt_docs, seqs, rows)]
+
+
+def run(model, prompt_docs, top_k, max_tokens, batch_mode="individual"):
+    """All prompts: singles alone; each named batch individually or padded. Returns
+    (prompt result documents in input order, greedy flip count)."""
+    if batch_mode == "individual":
+        return run_individual(model, prompt_docs, top_k, max_tokens)
+    out = {}
+    singles = [p for p in prompt_docs if not p.get("batch")]
+    res, flips = run_individual(model, singles, top_k, max_tokens)
+    out.update({r["id"]: r for r in res})
+    for name in dict.fromkeys(p["batch"] for p in prompt_docs if p.get("batch")):
+        members = [p for p in prompt_docs if p.get("batch") == name]
+        out.update({r["id"]: r for r in run_padded(model, members, top_k, max_tokens)})
+    return [out[p["id"]] for p in prompt_docs], flips
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    prompt_docs = json.load(open(args.prompts))["prompts"]
+    t0 = time.time()
+    model = load_model(args.model, args.dtype, args.attn, args.experts)
+    t1 = time.time()
+    results, flips = run(model, prompt_docs, args.top_k, args.max_tokens, args.batch_mode)
+    t2 = time.time()
+    report = {
+        "schema": SCHEMA, "runner": "hf_reference", "engine": "transformers",
+        "engine_version": transformers.__version__,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "engine_path": transformers.__file__, "dtype": args.dtype, "top_k": args.top_k,
+        "max_tokens": args.max_tokens, "model": {"path": args.model, "fingerprint": args.fingerprint},
+        "settings": {"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
+                     "greedy_flips": flips},
+        "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)},
+        "prompts": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    print(f"hf_reference: {len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

