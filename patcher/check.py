@@ -260,6 +260,10 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
                             work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
         timings["engine_s"] = round(time.monotonic() - t0, 2)
+    venv = installed.get("venv")
+    if venv and engine.engine_path and not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
+        raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
+                           hint="something on PYTHONPATH shadows the pin's environment; unset it")
     for k, v in engine.timings.items():
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
@@ -277,6 +281,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
         "engine_version": engine.engine_version, "engine_versions": engine.versions,
+        "engine_path": engine.engine_path,
         "reference_versions": reference.versions,
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
@@ -292,7 +297,10 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         from .plot import plot_deltas
 
         png = out.with_suffix(".png")
-        plot_deltas(comparison, png, title=f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}")
+        from .prompts import rope_original_max
+
+        plot_deltas(comparison, png, title=f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}",
+                    original_max=rope_original_max(config))
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None

@@ -278,6 +278,7 @@ def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
             r = co.git.run("am", "-3", "--no-signoff", str(pf), check=False, fixed_dates=True)
             if not r.ok:
                 files = _conflicted_files(co)
+                op["stopped"] = i  # a real stop for the user (continue must not re-run the patch)
                 co.save_state(state)
                 ref = state["ref"]
                 raise ConflictStop(

@@ -106,7 +106,7 @@ def from_git(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) -> 
     if commit is None:
         raise SourceError(f"{decl.git} has no tag or branch {entry.tag}", hint="check the tag name in upstream.lock")
     verified, snapshot = _verify_commit(cache, entry, commit, decl.git, allow_snapshot=False)
-    _import_commit(checkout, cache, commit)
+    _import_commit(checkout, cache, commit, entry.tag)
     return SourceResult("git", decl.git, commit, checkout.tree_of(commit), verified, snapshot)
 
 
@@ -129,16 +129,17 @@ def from_mirror(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) 
             tried.append(f"{m} (no {entry.tag})")
             continue
         verified, snapshot = _verify_commit(cache, entry, commit, str(m), allow_snapshot=True)
-        _import_commit(checkout, cache, commit)
+        _import_commit(checkout, cache, commit, entry.tag)
         return SourceResult("mirror", str(m), commit, checkout.tree_of(commit), verified, snapshot)
     raise Unreachable(f"no mirror of {decl.name} has {entry.tag}: {'; '.join(tried)}")
 
 
-def _import_commit(checkout: Git, cache: Git, commit: str) -> None:
+def _import_commit(checkout: Git, cache: Git, commit: str, tag: str) -> None:
+    """Bring the verified commit into the checkout as refs/dsadapt/base (and nothing else)."""
     # --update-shallow: the cache may be shallow (pin fetches --depth 1); without it the checkout
     # gets the commit but not the shallow marker, and every walk past it fails (log, range-diff).
     checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
-                 f"+refs/dsadapt/fetched/*:refs/dsadapt/fetched/*")
+                 f"+refs/dsadapt/fetched/{tag}:refs/dsadapt/base")
     if not checkout.rev(commit):
         raise SourceError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
 

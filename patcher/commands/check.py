@@ -23,15 +23,15 @@ def render(res: CheckResult) -> None:
     c = res.comparison
     rows = []
     for r in c["rows"]:
-        rows.append([r["id"], str(r.get("length", "")), _fmt(r.get("max_abs")), _fmt(r.get("mean_abs")),
-                     f"{r.get('top1_agree', '-')}/{r.get('positions', '-')}",
+        rows.append([r["id"], str(r.get("positions", "")), _fmt(r.get("max_abs")), _fmt(r.get("mean_abs")),
+                     _fmt(r.get("top1_agreement"), ".3f"),
                      {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match")),
                      "-" if r.get("first_divergence") is None else str(r["first_divergence"]),
                      "pass" if r.get("passed") else "FAIL"])
     title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers — "
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
              f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
-    table(title, ["prompt", "len", "max |Δ|", "mean |Δ|", "top-1", "greedy", "1st div", "verdict"], rows)
+    table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div", "verdict"], rows)
     say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
     for line in res.explanation if not res.passed else []:
         say(f"  explain: {line}")
