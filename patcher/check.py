@@ -31,7 +31,7 @@ from .errors import CheckFailed, DsadaptError, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
-from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
+from .runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, RunnerSpec, run_runner
 from .sources import fetch_artifact
 from .stack import load_stack
 
@@ -257,8 +257,14 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         if progress:
             progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
         t0 = time.monotonic()
-        engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
-                            work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+        try:
+            engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
+                                work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+        except RunnerFailed as e:
+            # The engine could not load or run the model: that is a verdict, not an accident.
+            timings["engine_s"] = round(time.monotonic() - t0, 2)
+            return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
+                                  e, installed, fingerprint, model_dir, command, model, timings, t_start)
         timings["engine_s"] = round(time.monotonic() - t0, 2)
     venv = installed.get("venv")
     if venv and engine.engine_path and not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
@@ -304,6 +310,31 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None
+    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out, err, installed,
+                   fingerprint, model_dir, command, model, timings, t_start) -> CheckResult:
+    timings["total_s"] = round(time.monotonic() - t_start, 2)
+    provenance = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device_description(),
+        "command": command or f"dsadapt check {ref} --model {model}",
+        "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
+        "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
+        "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
+        "engine_log": str(err.log_path) if err.log_path else None, "engine_log_tail": err.log_tail,
+    }
+    result = CheckResult(
+        pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
+        unpatched=unpatched, verdict="fail", reasons=[f"the engine failed on this model: {err.message}"],
+        explanation=["the engine did not produce logits: see the log tail in the report (a load failure "
+                     "usually means a config key or weight the engine does not understand)"],
+        report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
+        comparison={"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".png").unlink(missing_ok=True)
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
 

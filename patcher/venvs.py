@@ -44,7 +44,7 @@ def venv_python(venv: Path) -> Path:
 
 
 def _pip(py: Path, *args: str, stream: bool) -> None:
-    cmd = [str(py), "-m", "pip", "--disable-pip-version-check", *args]
+    cmd = [str(py), "-m", "pip", "--disable-pip-version-check", *(["-q"] if args and args[0] == "install" else []), *args]
     r = subprocess.run(cmd, stdout=sys.stderr if stream else subprocess.PIPE,
                        stderr=sys.stderr if stream else subprocess.STDOUT, text=True)
     if r.returncode != 0:

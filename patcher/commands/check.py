@@ -31,7 +31,11 @@ def render(res: CheckResult) -> None:
     title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers — "
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
              f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
-    table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div", "verdict"], rows)
+    if not rows:
+        say(f"{res.pin}: the engine produced no logits")
+    else:
+        table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
+                      "verdict"], rows)
     say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
     for line in res.explanation if not res.passed else []:
         say(f"  explain: {line}")
