@@ -347,6 +347,7 @@ def _dsadapt_version() -> str:
 
 def check_or_raise(result: CheckResult) -> None:
     if not result.passed:
-        raise CheckFailed(f"{result.pin}: logits differ from the HF reference beyond tolerance "
-                          f"({'; '.join(result.reasons[:2])})",
-                          hint=f"report: {result.report_path}; rerun with --explain for the likely layer")
+        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}",
+                          hint=f"report: {result.report_path}" +
+                               ("" if result.explanation and "--explain" in (result.provenance.get("command") or "")
+                                else "; rerun with --explain for the likely layer family"))
