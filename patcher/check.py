@@ -130,33 +130,28 @@ def reference_python(cfg: Config, progress=None) -> Path:
 
 
 def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, unpatched: bool,
-                  progress=None, stream=True) -> tuple[Path, dict]:
-    """The interpreter of the pin's environment (patched build, or the pristine release)."""
-    from .venvs import install_pin, venv_python, _pip, installed_marker
+                  progress=None, stream=True, suffix: str = "", post: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    """The interpreter of the pin's environment (patched build, or the pristine release).
 
+    `suffix` names a separate environment (e.g. '-triton', which adds the server's
+    requirements in `post`), so engines served differently never share site-packages.
+    """
+    from .venvs import ensure_env, install_pin, venv_python
+
+    base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
     if not unpatched:
-        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream)
+        venv = base.with_name(base.name + suffix)
+        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
         return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
     art = entry.artifact(spec.name, wheel=True)
     if art is None:
         raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
     wheel = fetch_artifact(cfg, entry, art, progress)
-    venv = cfg.venvs_root / f"{entry.engine}-{entry.tag}-{spec.name}-unpatched"
-    py = venv_python(venv)
-    marker = installed_marker(venv)
-    if not (marker and marker.get("sha256") == art.sha256 and py.exists()):
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        if progress:
-            progress(f"installing the pristine {art.file} into {venv}")
-        _pip(py, "install", str(wheel), stream=stream)
-        ad = adapter(entry.engine)
-        for name in ad.install_remove:
-            if subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True).returncode == 0:
-                _pip(py, "uninstall", "-y", name, stream=False)
-        (venv / "dsadapt-install.json").write_text(json.dumps({"ref": str(entry.ref), "artifact": art.file,
-                                                               "sha256": art.sha256, "unpatched": True}) + "\n")
-    return py, {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
+    venv = base.with_name(base.name + "-unpatched" + suffix)
+    ad = adapter(entry.engine)
+    ensure_env(venv, wheel, art.sha256, extra=ad.install_extra(entry, spec.name), remove=ad.install_remove, post=post,
+               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True})
+    return venv_python(venv), {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
 
 
 # ---------------------------------------------------------------- provenance
