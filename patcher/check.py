@@ -27,11 +27,11 @@ from .config import Config
 from .engines import adapter
 from .engines.base import EngineAdapter, VariantSpec
 from .equivalence import Comparison, LogitReport, compare, explain
-from .errors import CheckFailed, DsadaptError, EngineUnavailable, UsageError
+from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
-from .runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, RunnerSpec, run_runner
+from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
 from .sources import fetch_artifact
 from .stack import load_stack
 
@@ -246,23 +246,25 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     session = ad.check_session or _default_session
     t0 = time.monotonic()
-    with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
-                 unpatched_engine=unpatched_engine) as (py, runner, env, installed):
-        timings["install_s"] = round(time.monotonic() - t0, 2)
-        if progress:
-            progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
-        t0 = time.monotonic()
-        try:
+    installed: dict = {}
+    try:
+        with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
+                     unpatched_engine=unpatched_engine) as (py, runner, env, installed):
+            timings["install_s"] = round(time.monotonic() - t0, 2)
+            if progress:
+                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
+            t0 = time.monotonic()
             engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
                                 work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
-        except RunnerFailed as e:
-            # The engine could not load or run the model: that is a verdict, not an accident.
             timings["engine_s"] = round(time.monotonic() - t0, 2)
-            return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
-                                  e, installed, fingerprint, model_dir, command, model, timings, t_start)
+    except EngineRunFailed as e:
+        # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
+        return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
+                              e, installed, fingerprint, model_dir, command, model, timings, t_start)
     venv = installed.get("venv")
-    if venv and engine.engine_path and not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
+    if venv and (engine.engine_path or "").startswith("/") and \
+            not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
         raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
     for k, v in engine.timings.items():
@@ -319,7 +321,8 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
         "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
-        "engine_log": str(err.log_path) if err.log_path else None, "engine_log_tail": err.log_tail,
+        "engine_log": str(getattr(err, "log_path", None) or "") or None,
+        "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
     }
     result = CheckResult(
         pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
@@ -332,6 +335,13 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     out.with_suffix(".png").unlink(missing_ok=True)
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _tail_of(path, lines: int = 30) -> str | None:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else None
+    except OSError:
+        return None
 
 
 def _dsadapt_version() -> str:

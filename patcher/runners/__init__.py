@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.equivalence import LogitReport, ReportError
-from patcher.errors import DsadaptError, EngineUnavailable
+from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
 from patcher.prompts import Prompt, prompts_from_json, write_prompts_json
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +44,7 @@ class RunnerError(DsadaptError):
         self.log_path = log_path
 
 
-class RunnerFailed(RunnerError):
+class RunnerFailed(RunnerError, EngineRunFailed):
     """The runner exited with a non-zero status (engine failed to load or run)."""
 
 
