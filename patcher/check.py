@@ -326,7 +326,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     }
     result = CheckResult(
         pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-        unpatched=unpatched, verdict="fail", reasons=[f"the engine failed on this model: {err.message}"],
+        unpatched=unpatched, verdict="fail", reasons=[_failure_reason(err, provenance["engine_log"])],
         explanation=["the engine did not produce logits: see the log tail in the report (a load failure "
                      "usually means a config key or weight the engine does not understand)"],
         report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
@@ -335,6 +335,22 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     out.with_suffix(".png").unlink(missing_ok=True)
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _failure_reason(err: DsadaptError, log_path: str | None) -> str:
+    """One line: what failed, and the root cause from the engine's log where one is found."""
+    from .runners import root_cause
+
+    first = err.message.splitlines()[0].rstrip(":; ").removesuffix("; log tail")
+    cause = None
+    if log_path:
+        try:
+            cause = root_cause(Path(log_path).read_text(errors="replace").splitlines())
+        except OSError:
+            cause = None
+    if cause and cause not in first:
+        first += f" (root cause: {cause[:200]})"
+    return f"the engine failed on this model: {first}"
 
 
 def _tail_of(path, lines: int = 30) -> str | None:
