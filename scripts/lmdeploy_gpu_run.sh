@@ -47,15 +47,18 @@ fi
   if [ "$CPU_SIDE" = 1 ]; then
     for m in v2 tm-v2-lite tm-v3; do
       python3 "$C/hf_reference.py" --model "$W/models/$m" --prompts "$C/prompts_$m.json" --dtype float32 \
+        --fingerprint "$(python3 -c "import sys; sys.path.insert(0, sys.argv[1]); from lmdeploy_models import fingerprint; print(fingerprint(sys.argv[2]))" "$C" "$W/models/$m")" \
         --top-k 10 --max-tokens 16 --threads 4 --out "$W/res/hf_$m.json"
     done
   fi
 ) > "$W/res/cpu_side.log" 2>&1 &
 CPU_PID=$!
 
+fingerprint() { python3 -c "import sys; sys.path.insert(0, sys.argv[1]); from lmdeploy_models import fingerprint; print(fingerprint(sys.argv[2]))" "$C" "$1"; }
 runner() {  # tree model dtype
   case "$2" in tm-*) while [ ! -e "$W/tm.ready" ]; do sleep 1; done ;; esac
   PYTHONPATH=/tmp/site:/tmp/lmd-$1 timeout -k 10 150 python3 "$C/lmdeploy_runner.py" --model "$W/models/$2" \
+    --fingerprint "$(fingerprint "$W/models/$2")" \
     --prompts "$C/prompts_$2.json" --dtype "$3" --top-k 10 --max-tokens 16 --out "$W/runners/runner_$1_$2_$3.json" \
     > "$W/runners/runner_$1_$2_$3.log" 2>&1
   echo "runner $1 $2 $3 rc=$?"

@@ -13,9 +13,11 @@ What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
   (``AsyncEngine.async_get_logits``), a full float32 ``log_softmax`` per position,
   the top-K and the actual next token's logprob (position 0 has none);
 - generation: ``--max-tokens`` greedy tokens (``do_sample=False``, ``top_k=1``,
-  EOS ignored) through the engine's decode path with ``logprobs=K`` and the
+  EOS ignored) through the engine's request path with ``logprobs=K`` and the
   engine's ``logprobs_mode="raw_logprobs"`` (log-softmax of the unprocessed
-  logits, computed by LMDeploy in the model dtype).
+  logits, computed by LMDeploy in the model dtype). A request that stops short
+  is continued by another over prompt + tokens so far;
+  ``settings.generation_requests`` says how many each prompt took.
 
 Batches: prompts without a batch are sent one at a time; the members of a named
 batch are sent together (concurrent requests the engine schedules as one batch).
@@ -129,8 +131,8 @@ def make_pipeline(model: str, dtype: str, session_len: int, cache_max_entry_coun
     return pipeline(model, backend_config=config, log_level="ERROR"), config
 
 
-async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
-    """Greedy generation through the engine's request path (the pattern of
+async def _request(engine, ids: list[int], max_tokens: int, top_k: int):
+    """One greedy request through the engine's request path (the pattern of
     ``AsyncEngine.async_get_logits``); returns (token ids, per-step logprob dicts)."""
     from lmdeploy import GenerationConfig
 
@@ -151,6 +153,28 @@ async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
     return tokens, steps
 
 
+async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
+    """Greedy generation of `max_tokens` tokens; returns (token ids, logprob steps, requests).
+
+    On the H200 (lmdeploy 0.18.0, torch 2.11) one request returned 2 tokens whatever
+    max_new_tokens said; until that is understood, a short answer is continued by a new
+    request over prompt + tokens so far (a prefix the engine re-prefills), and the number
+    of requests is reported."""
+    tokens: list[int] = []
+    steps: list[dict] = []
+    requests = 0
+    while len(tokens) < max_tokens:
+        got, got_steps = await _request(engine, list(ids) + tokens, max_tokens - len(tokens), top_k)
+        requests += 1
+        if not got:
+            raise RuntimeError(f"engine returned no token (request {requests}, {len(tokens)} so far)")
+        if len(got_steps) != len(got):
+            raise ValueError(f"engine returned {len(got_steps)} logprob steps for {len(got)} tokens")
+        tokens += got
+        steps += got_steps
+    return tokens[:max_tokens], steps[:max_tokens], requests
+
+
 async def _run_group(engine, group: list[dict], max_tokens: int, top_k: int):
     import asyncio
 
@@ -159,13 +183,16 @@ async def _run_group(engine, group: list[dict], max_tokens: int, top_k: int):
     return logits, gens
 
 
-def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> list[dict]:
+def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[list[dict], dict[str, int]]:
+    """All prompts; returns (prompt result documents in input order, requests per prompt)."""
     out: dict[str, dict] = {}
+    requests: dict[str, int] = {}
     for group in submission_groups(prompt_docs):
         logits, gens = pipe._run(coro=_run_group(pipe.async_engine, group, max_tokens, top_k)).result()
-        for doc, lg, (tokens, steps) in zip(group, logits, gens):
+        for doc, lg, (tokens, steps, n) in zip(group, logits, gens):
             out[doc["id"]] = prompt_result(doc, lg.squeeze(0) if lg.dim() == 3 else lg, tokens, steps, top_k)
-    return [out[p["id"]] for p in prompt_docs]
+            requests[doc["id"]] = n
+    return [out[p["id"]] for p in prompt_docs], requests
 
 
 def main(argv=None):
@@ -179,7 +206,7 @@ def main(argv=None):
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
     t1 = time.time()
     try:
-        results = run(pipe, prompt_docs, args.top_k, args.max_tokens)
+        results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
     finally:
         pipe.close()
     t2 = time.time()
@@ -199,7 +226,8 @@ def main(argv=None):
                      "session_len": args.session_len, "eager_mode": True,
                      "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
                      "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
-                     "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)"},
+                     "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
+                     "generation_requests": requests},
         "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)},
         "prompts": results,
     }
