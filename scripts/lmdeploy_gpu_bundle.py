@@ -10,7 +10,7 @@ Runs here (CPU, network for pip only). The bundle (about 27 MB) holds:
 - ``overlay/``: the files patches/lmdeploy/v0.18.0 changes, after ``git apply`` of the
   stack on that tree (the device copies them over a second copy of ``lmd/``);
 - ``whl/``: the 24 cp312 wheels LMDeploy imports that the device lacks
-  (``--requirements``, default /work/shared/recipes/lmdeploy_gpu_wheels.txt);
+  (``--requirements``, default scripts/lmdeploy_gpu_wheels.txt);
 - ``tok/``: a tokenizer for the probe models; ``tm/``: patcher/tinymodel.py and its data
   (the gate's built-in models, built on the device); ``prompts_*.json``: the gate's
   prompt set for each model (built here with patcher/prompts.py);
@@ -132,7 +132,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dest", default=str(ROOT / ".carry" / "lmdeploy"))
     ap.add_argument("--wheel-dir", default=os.environ.get("DSADAPT_LMDEPLOY_WHEEL_DIR", "/tmp/lmd"))
-    ap.add_argument("--requirements", default="/work/shared/recipes/lmdeploy_gpu_wheels.txt")
+    ap.add_argument("--requirements", default=str(HERE / "lmdeploy_gpu_wheels.txt"))
     ap.add_argument("--gate-src", default=None, help="checkout with patcher/prompts.py and runners/hf_reference.py")
     ap.add_argument("--model-src", default=None, help="checkout with patcher/tinymodel.py")
     args = ap.parse_args()

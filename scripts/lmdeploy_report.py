@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--hf", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--provenance", type=Path, help="JSON merged into summary.json under 'provenance'")
+    ap.add_argument("--extra", type=Path, help="JSON object whose keys are added to summary.json (measurements made elsewhere)")
     args = ap.parse_args()
     runs = load_runs(args.run)
     bisects = {name: doc for name, doc in runs.items() if "runs" in doc and "label" in doc}
@@ -98,11 +99,14 @@ def main() -> int:
                "hf_reference": {k: strip(v) for k, v in runs.items() if k.endswith("/ref.json")},
                "lmdeploy_vs_hf": {name: strip(doc) for name, doc in bisects.items()},
                "gate_verdicts": judge(runner_reports, args.hf) if args.hf else {}}
+    if args.extra:
+        summary.update(json.loads(args.extra.read_text()))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     first = args.run[0].name + "/"
     plot({doc["label"]: doc for name, doc in bisects.items() if name.startswith(first)},
          args.out / "per_position_delta.png")
-    print(json.dumps(summary["gate_verdicts"], indent=1)[:3000])
+    for name, v in summary["gate_verdicts"].items():
+        print(name, "pass" if v.get("passed") else "FAIL", v.get("mean_abs"), v.get("generated_tokens"), v.get("reasons"))
     return 0
 
 

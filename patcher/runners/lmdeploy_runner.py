@@ -17,7 +17,7 @@ What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
   engine's ``logprobs_mode="raw_logprobs"`` (log-softmax of the unprocessed
   logits, computed by LMDeploy in the model dtype). A request that stops short
   is continued by another over prompt + tokens so far;
-  ``settings.generation_requests`` says how many each prompt took.
+  ``settings.generation_requests`` lists, per prompt, the tokens each request gave.
 
 Batches: prompts without a batch are sent one at a time; the members of a named
 batch are sent together (concurrent requests the engine schedules as one batch).
@@ -154,7 +154,8 @@ async def _request(engine, ids: list[int], max_tokens: int, top_k: int):
 
 
 async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
-    """Greedy generation of `max_tokens` tokens; returns (token ids, logprob steps, requests).
+    """Greedy generation of `max_tokens` tokens; returns (token ids, logprob steps, tokens per
+    request).
 
     On the H200 (lmdeploy 0.18.0, torch 2.11) one request returned 2 tokens whatever
     max_new_tokens said; until that is understood, a short answer is continued by a new
@@ -162,12 +163,12 @@ async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
     of requests is reported."""
     tokens: list[int] = []
     steps: list[dict] = []
-    requests = 0
+    requests: list[int] = []
     while len(tokens) < max_tokens:
         got, got_steps = await _request(engine, list(ids) + tokens, max_tokens - len(tokens), top_k)
-        requests += 1
+        requests.append(len(got))
         if not got:
-            raise RuntimeError(f"engine returned no token (request {requests}, {len(tokens)} so far)")
+            raise RuntimeError(f"engine returned no token (request {len(requests)}, {len(tokens)} so far)")
         if len(got_steps) != len(got):
             raise ValueError(f"engine returned {len(got_steps)} logprob steps for {len(got)} tokens")
         tokens += got
@@ -183,10 +184,10 @@ async def _run_group(engine, group: list[dict], max_tokens: int, top_k: int):
     return logits, gens
 
 
-def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[list[dict], dict[str, int]]:
-    """All prompts; returns (prompt result documents in input order, requests per prompt)."""
+def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[list[dict], dict[str, list[int]]]:
+    """All prompts; returns (prompt result documents in input order, tokens per request per prompt)."""
     out: dict[str, dict] = {}
-    requests: dict[str, int] = {}
+    requests: dict[str, list[int]] = {}
     for group in submission_groups(prompt_docs):
         logits, gens = pipe._run(coro=_run_group(pipe.async_engine, group, max_tokens, top_k)).result()
         for doc, lg, (tokens, steps, n) in zip(group, logits, gens):
