@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from lmdeploy_models import build_model, prompt_ids  # noqa: E402
 
 

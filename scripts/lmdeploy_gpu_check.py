@@ -32,7 +32,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from lmdeploy_models import build_model, prompt_ids, save  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,10 +78,11 @@ def hf_pass(model_dir: str, dtype: str, ids, device: str = "cuda") -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="eager")
     model = model.to(device).eval()
     gates = moe_gates(model)
+    moes = {i: model.model.layers[i].mlp for i in gates}
     cap: dict[int, list] = {i: [] for i in gates}
 
     def hook(i):
-        moe = model.model.layers[i].mlp
+        moe = moes[i]
 
         def fn(_m, args, out):
             # transformers returns (logits, weights, ids) from the router, or (older V3)
@@ -156,7 +156,8 @@ def find_causal_lm(root, depth: int = 7):
             kids = list(vars(obj).values())
         else:
             kids = []
-        todo.extend((k, d + 1) for k in kids if not isinstance(k, (str, bytes, int, float, bool, type(None), torch.Tensor)))
+        leaves = (str, bytes, int, float, bool, type(None), torch.Tensor)
+        todo.extend((k, d + 1) for k in kids if not isinstance(k, leaves))
     return None
 
 
@@ -216,11 +217,13 @@ def engine_bisect(pipe, model, ref: dict, dtype: str, ids, model_dir: str) -> di
         if len(cap[i]) == len(ids):
             def rel(a, b):
                 return ((a - b).norm() / b.norm()).item()
-            r["router_input_rel_err_vs_hf_fp32"] = round(sum(rel(c[0], h[0]) for c, h in zip(cap[i], ref32[i])) / len(ids), 6)
+            r["router_input_rel_err_vs_hf_fp32"] = round(
+                sum(rel(c[0], h[0]) for c, h in zip(cap[i], ref32[i])) / len(ids), 6)
             r["hf_same_dtype_router_input_rel_err_vs_hf_fp32"] = round(
                 sum(rel(c[0], h[0]) for c, h in zip(refdt[i], ref32[i])) / len(ids), 6)
             if ref32[i][0][1] is not None:
-                r["in_engine_routing_vs_hf_fp32"] = routing_diff(torch.cat([c[1] for c in cap[i]]), torch.cat([c[2] for c in cap[i]]),
+                r["in_engine_routing_vs_hf_fp32"] = routing_diff(
+                    torch.cat([c[1] for c in cap[i]]), torch.cat([c[2] for c in cap[i]]),
                     torch.cat([h[1] for h in ref32[i]]), torch.cat([h[2] for h in ref32[i]]), n_experts)
         else:
             r["capture_error"] = f"captured {len(cap[i])} router calls for {len(ids)} prompts"

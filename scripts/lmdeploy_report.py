@@ -50,7 +50,7 @@ def judge(runner_reports: dict[str, dict], hf_dir: Path) -> dict:
                      "positions": n, "mean_abs": round(sum(r.mean_abs * r.positions for r in c.rows) / n, 5),
                      "max_abs": round(max(r.max_abs for r in c.rows), 4),
                      "topk_overlap": round(sum(r.topk_overlap * r.positions for r in c.rows) / n, 4),
-                     "generated_tokens": sorted({len(p.generated_token_ids) for p in LogitReport.from_json(rep).prompts})}
+                     "generated_tokens": sorted({len(p["generated_token_ids"]) for p in rep["prompts"]})}
     return out
 
 
@@ -89,7 +89,8 @@ def main() -> int:
     ap.add_argument("--hf", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--provenance", type=Path, help="JSON merged into summary.json under 'provenance'")
-    ap.add_argument("--extra", type=Path, help="JSON object whose keys are added to summary.json (measurements made elsewhere)")
+    ap.add_argument("--extra", type=Path,
+                    help="JSON object whose keys are added to summary.json (measurements made elsewhere)")
     args = ap.parse_args()
     runs = load_runs(args.run)
     bisects = {name: doc for name, doc in runs.items() if "runs" in doc and "label" in doc}
@@ -106,7 +107,8 @@ def main() -> int:
     plot({doc["label"]: doc for name, doc in bisects.items() if name.startswith(first)},
          args.out / "per_position_delta.png")
     for name, v in summary["gate_verdicts"].items():
-        print(name, "pass" if v.get("passed") else "FAIL", v.get("mean_abs"), v.get("generated_tokens"), v.get("reasons"))
+        verdict = "pass" if v.get("passed") else "FAIL"
+        print(name, verdict, v.get("mean_abs"), v.get("generated_tokens"), v.get("reasons"))
     return 0
 
 

@@ -15,7 +15,6 @@ import ast
 import shutil
 
 import pytest
-
 from lmdeploy_support import WHEELS, apply_stack, base_tree, wheel_path
 
 torch = pytest.importorskip("torch")

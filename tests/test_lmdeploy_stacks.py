@@ -9,9 +9,18 @@ import json
 import shutil
 
 import pytest
-
-from lmdeploy_support import (BASE_TREES, WHEELS, apply_stack, base_tree, blob_id, git, load_module,
-                              series, sha256, wheel_path)
+from lmdeploy_support import (
+    BASE_TREES,
+    WHEELS,
+    apply_stack,
+    base_tree,
+    blob_id,
+    git,
+    load_module,
+    series,
+    sha256,
+    wheel_path,
+)
 
 TAGS = ("v0.4.0", "v0.18.0")
 

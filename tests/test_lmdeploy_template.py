@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
 
 BOS = "<｜begin▁of▁sentence｜>"

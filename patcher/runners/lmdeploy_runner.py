@@ -198,9 +198,8 @@ def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[lis
 
 def main(argv=None):
     args = parse_args(argv)
-    import torch
-
     import lmdeploy
+    import torch
 
     prompt_docs = json.load(open(args.prompts))["prompts"]
     t0 = time.time()
