@@ -143,7 +143,7 @@ def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, 
         venv = base.with_name(base.name + suffix)
         res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
         return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
-    art = entry.artifact(spec.name, wheel=True)
+    art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
         raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
     wheel = fetch_artifact(cfg, entry, art, progress)

@@ -84,7 +84,8 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
     with workdir_lock(ctx.cfg):
         for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
             ad = adapter(entry.engine)
-            variants = [v.name for v in ad.variants if entry.artifact(v.name, wheel=True) or ad.build_kind == "backend"]
+            variants = [v.name for v in ad.variants
+                        if entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
             for v in variants or [ad.variants[0].name]:
                 t0 = time.monotonic()
                 reason = buildable_here(ctx.cfg, ctx.lock, entry, v)
