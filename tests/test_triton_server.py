@@ -1,8 +1,10 @@
 """patcher.tritonserver: pure parts always; the lifecycle against a real tritonserver
-(from nvidia-pytriton in DSADAPT_TRITON_VENV) with a trivial python backend."""
+(from nvidia-pytriton: DSADAPT_TRITON_VENV, else a shared venv made on first use) with a
+trivial python backend."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import urllib.request
@@ -121,14 +123,23 @@ def test_group_members_finds_own_group():
 
 # --- real server, trivial backend ---------------------------------------------------
 
-VENV, WHY = sup.triton_venv()
-needs_triton = pytest.mark.skipif(VENV is None, reason=WHY)
+@functools.lru_cache(maxsize=1)
+def _triton_venv() -> tuple:
+    return sup.triton_venv()
+
+
+def _venv() -> Path:
+    """A venv with tritonserver, made on first use (not at collection: it is a pip install)."""
+    venv, why = _triton_venv()
+    if venv is None:
+        pytest.skip(why)
+    return venv
 
 
 def _layout(tmp_path, behaviour):
     src = sup.write_backend(tmp_path, "trivial", sup.TRIVIAL_BACKEND)
     spec = ts.ModelSpec(name="echo", backend="trivial", engine_args={"behaviour": behaviour})
-    return ts.prepare(tmp_path / "srv", VENV, [spec], {"trivial": src})
+    return ts.prepare(tmp_path / "srv", _venv(), [spec], {"trivial": src})
 
 
 def _assert_nothing_left(pgid, root):
@@ -136,7 +147,7 @@ def _assert_nothing_left(pgid, root):
     assert sup.processes_under(root) == []
 
 
-@needs_triton
+@pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_serves_and_stops(tmp_path):
     layout = _layout(tmp_path, "echo")
     with ts.serve(layout, ready_timeout_s=120, grace_s=10) as server:
@@ -150,7 +161,7 @@ def test_serves_and_stops(tmp_path):
     _assert_nothing_left(pgid, layout.root)
 
 
-@needs_triton
+@pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_port_in_use_is_a_clear_error(tmp_path):
     layout = _layout(tmp_path, "echo")
     with socket.socket() as busy:
@@ -164,7 +175,7 @@ def test_port_in_use_is_a_clear_error(tmp_path):
     assert sup.processes_under(layout.root) == []
 
 
-@needs_triton
+@pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_backend_crash_at_load_reports_log_tail(tmp_path):
     layout = _layout(tmp_path, "crash")
     with pytest.raises(ts.TritonBackendCrashed) as e:
@@ -176,7 +187,7 @@ def test_backend_crash_at_load_reports_log_tail(tmp_path):
     assert sup.processes_under(layout.root) == []
 
 
-@needs_triton
+@pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_never_ready_times_out_and_kills_everything(tmp_path):
     layout = _layout(tmp_path, "hang")
     with pytest.raises(ts.TritonNeverReady, match="not ready after 8 s") as e:
@@ -186,7 +197,7 @@ def test_never_ready_times_out_and_kills_everything(tmp_path):
     assert sup.processes_under(layout.root) == []
 
 
-@needs_triton
+@pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_port_taken_after_the_check_is_read_from_the_log(tmp_path, monkeypatch):
     layout = _layout(tmp_path, "echo")
     monkeypatch.setattr(ts, "port_is_free", lambda port, host="127.0.0.1": True)

@@ -29,6 +29,9 @@ from typing import Iterator
 
 import pytest
 
+# the pinned vLLM 0.3.3 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 dsv2 = pytest.importorskip("transformers.models.deepseek_v2.modeling_deepseek_v2")
@@ -43,8 +46,6 @@ if Version(transformers.__version__) < Version("5.15"):
     # so it is not DeepSeek's reference there.
     pytest.skip("the HF reference needs transformers >= 5.15", allow_module_level=True)
 
-WHEEL_ENV = "DSADAPT_VLLM033_WHEEL"
-DEFAULT_WHEEL = "/tmp/wheels/vllm-0.3.3-cp311-cp311-manylinux1_x86_64.whl"
 STACK_DIR = Path(__file__).resolve().parents[1] / "patches" / "vllm" / "v0.3.3"
 
 ROPE = "vllm/model_executor/layers/deepseek_rope.py"
@@ -105,22 +106,27 @@ def series_patches() -> list[Path]:
 
 
 def vllm033_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """vLLM 0.3.3's Python tree from the release wheel with the stack applied by `git am`."""
-    wheel = Path(os.environ.get(WHEEL_ENV, DEFAULT_WHEEL))
-    if not wheel.is_file():
-        pytest.skip(f"vLLM 0.3.3 wheel not found at {wheel} (set {WHEEL_ENV})")
-    root = tmp_path_factory.mktemp("vllm033")
-    with zipfile.ZipFile(wheel) as zf:
-        for info in zf.infolist():
-            name = info.filename
-            if name.endswith("/") or name.endswith(".so") or ".dist-info/" in name:
-                continue
-            zf.extract(info, root)
-    _git(root, "init", "-q")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "vllm 0.3.3 (wheel)")
-    _git(root, "tag", "base")
-    _git(root, "am", "-q", *map(str, series_patches()))
+    """The checkout `dsadapt apply vllm@v0.3.3` makes: the pinned wheel through the pypi source
+    (sha256 and pre-image blob ids verified) with the stack applied as one commit per patch.
+
+    The project (lock + stacks) is this repository's; the work dir is a fresh temporary one,
+    the artifact cache the shared one (tests/shared_envs.py), so the wheel downloads once.
+    """
+    import shutil
+    from dataclasses import replace
+
+    from shared_envs import REPO, pinned_wheel, real_lock, shared_config
+
+    from patcher.pinref import PinRef
+    from patcher.workspace import apply_stack
+
+    pinned_wheel("vllm@v0.3.3")  # skips with the reason when it cannot be had
+    work = tmp_path_factory.mktemp("vllm033")
+    cfg = replace(shared_config(), workdir=work)
+    res = apply_stack(cfg, real_lock(), PinRef("vllm", "v0.3.3"))
+    assert res.source["kind"] == "pypi" and len(res.outcomes) == len(series_patches())
+    root = Path(res.checkout)
+    _git(root, "tag", "base", "refs/dsadapt/base")
     return root
 
 

