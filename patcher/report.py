@@ -73,6 +73,8 @@ def verdict_of(data, file: str) -> Verdict | None:
     if not isinstance(data, dict) or data.get("unpatched"):
         return None
     prov = data.get("provenance") if isinstance(data.get("provenance"), dict) else {}
+    if prov.get("unpatched_engine"):  # Triton served with the pristine engine: a control run too
+        return None
     fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
     if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
         return None
@@ -98,7 +100,8 @@ def check_words(verdicts: list[Verdict], stack_hash: str | None) -> tuple[str, V
     """Pure: the last verdict (newest date) in words."""
     if not verdicts:
         return "never checked", None
-    last = max(verdicts, key=lambda v: (v.date, v.file))
+    # newest first; on equal dates, a report of the current stack wins over an older stack's
+    last = max(verdicts, key=lambda v: (v.date, bool(stack_hash) and v.stack_hash == stack_hash, v.file))
     if last.verdict == "pass":
         words = f"GPU-verified {last.date}" if last.gpu else f"pass {last.date} ({last.device})"
     else:

@@ -15,8 +15,9 @@ from ..config import Config, load_config
 from ..lock import Lock, load_lock
 from ..pinref import PinRef, parse_pinref
 
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-out_console = Console(highlight=False, soft_wrap=True)
+# Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
+out_console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 @dataclass

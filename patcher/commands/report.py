@@ -22,8 +22,22 @@ def report_cmd(ctx: Context, as_json: bool) -> None:
             str(r.patches) if r.stack_exists else "no stack",
             ", ".join(f"{k} {n}" for k, n in r.upstream_status.items()) or "-",
             r.error or r.check,
-            "; ".join(f"{d.patch} ({d.spec}, {d.satisfied_by})" for d in r.drop_candidates) or "-"]
+            _drops(r.drop_candidates)]
            for r in rows])
 
 
 COMMANDS = [report_cmd]
+
+
+def _drops(cands) -> str:
+    """Compact: patch numbers grouped by (spec, newer pin), e.g. '0001-0006: vllm>=0.5.1 (vllm@v0.32.0)'."""
+    if not cands:
+        return "-"
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in cands:
+        groups.setdefault((d.spec, d.satisfied_by), []).append(d.patch[:4])
+    parts = []
+    for (spec, pin), nums in groups.items():
+        span = nums[0] if len(nums) == 1 else f"{nums[0]}-{nums[-1]}" if len(nums) > 2 else ", ".join(nums)
+        parts.append(f"{span}: {spec} holds for {pin}")
+    return "; ".join(parts)
