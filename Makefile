@@ -40,8 +40,10 @@ build-all: setup
 bench: setup
 	$(BIN)/dsadapt bench
 
+## Build the LMDeploy GPU bundle (.carry/lmdeploy) and print the one device command to run.
 gpu-check: setup
-	$(BIN)/dsadapt gpu-bundle lmdeploy@v0.18.0
+	$(BIN)/dsadapt build lmdeploy@v0.18.0 --variant pytorch
+	PYTHON=$(BIN)/python DSADAPT_LMDEPLOY_WHEEL_DIR=$${DSADAPT_CACHE:-.dsadapt/cache}/artifacts bash scripts/gpu_check.sh
 
 clean:
 	rm -rf dist .pytest_cache
