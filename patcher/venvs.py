@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -71,8 +72,17 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), r
     """
     py = venv_python(venv)
     old = installed_marker(venv)
-    if old and old.get("sha256") == sha256 and py.exists():
+    if old and old.get("sha256") == sha256 and py.exists() and old.get("post", []) == list(post):
         return True, []
+    if not py.exists() and not old:
+        seed = _seed_for(venv, post)
+        if seed is not None:
+            # Same engine, same dependencies: a copy plus a swapped engine package takes
+            # seconds where a fresh resolve and install of torch and friends takes minutes.
+            if progress:
+                progress(f"creating {venv} from {seed.name} (same engine dependencies)")
+            shutil.copytree(seed, venv, symlinks=True)
+            old = installed_marker(venv)
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
@@ -86,10 +96,10 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), r
         _pip(py, "install", "--force-reinstall", "--no-deps", str(wheel), stream=stream)
     else:
         _pip(py, "install", str(wheel), *extra, stream=stream)
-        if post:
-            if progress:
-                progress(f"adding {' '.join(post)}")
-            _pip(py, "install", *post, stream=stream)
+    if post and (not old or old.get("post", []) != list(post)):
+        if progress:
+            progress(f"adding {' '.join(post)}")
+        _pip(py, "install", *post, stream=stream)
     removed = []
     for name in remove:
         r = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
@@ -99,6 +109,20 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), r
     (venv / MARKER).write_text(json.dumps({**(marker or {}), "artifact": str(wheel), "sha256": sha256,
                                            "post": list(post)}, indent=2, sort_keys=True) + "\n")
     return False, removed
+
+
+def _seed_for(venv: Path, post: tuple[str, ...]) -> Path | None:
+    """A sibling environment of the same pin and variant (``<engine>-<tag>-<variant>...``) to copy.
+
+    Prefers one with the same extra requirements (`post`); any installed sibling will do, its
+    engine package is then swapped and the extras added.
+    """
+    name = venv.name
+    base = name.split("-unpatched")[0].split("-triton")[0]
+    siblings = [d for d in sorted(venv.parent.glob(base + "*")) if d != venv and d.name.split("-unpatched")[0]
+                .split("-triton")[0] == base and venv_python(d).exists() and installed_marker(d)]
+    same = [d for d in siblings if (installed_marker(d) or {}).get("post", []) == list(post)]
+    return (same or siblings or [None])[0]
 
 
 def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, progress=None,

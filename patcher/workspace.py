@@ -235,7 +235,8 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     head_branch = co.git.rev(f"refs/heads/{co.branch}")
     applied = state.get("applied")
     dirty = co.git.is_dirty()
-    if (not dirty and applied and applied.get("stack_hash") == stack.hash and head_branch == applied.get("head")
+    if (not dirty and applied and not applied.get("needs_refresh") and applied.get("stack_hash") == stack.hash
+            and head_branch == applied.get("head")
             and co.git.current_branch() == co.branch):
         return StackResult(str(ref), str(co.path), state.get("source"), base, head_branch, stack.hash, noop=True)
     if dirty and not force:
@@ -244,6 +245,10 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
                              f"{'…' if len(files) > 3 else ''})",
                              hint="commit them and run `dsadapt refresh`, or pass --force (they are kept in a backup ref)")
     expected_head = applied.get("head") if applied else base
+    if applied and applied.get("needs_refresh") and head_branch == applied.get("head") and not force:
+        raise WorkspaceError(f"{ref}: {co.branch} holds conflict resolutions or skips not exported to the stack "
+                             f"({', '.join(applied['needs_refresh'])})",
+                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
     if head_branch and head_branch != expected_head and not force:
         n = co.git.out("rev-list", "--count", f"{expected_head}..{head_branch}") if co.git.rev(expected_head) else "?"
         raise WorkspaceError(f"{ref}: branch {co.branch} has {n} commit(s) not exported to the stack",
@@ -335,7 +340,10 @@ def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
 def _finish(co: Checkout, state: dict) -> StackResult:
     op = state["op"]
     head = co.git.rev("HEAD")
-    state["applied"] = {"stack_hash": op["stack_hash"], "head": head}
+    edited = [o["name"] for o in op["outcomes"] if o["outcome"] in ("changed", "skipped")]
+    # After a resolved or skipped patch the branch no longer equals the stack's files: record
+    # that, so `status` says to refresh and `apply` will not silently redo the conflict.
+    state["applied"] = {"stack_hash": op["stack_hash"], "head": head, "needs_refresh": edited}
     state["op"] = None
     co.save_state(state)
     shutil.rmtree(co.op_dir, ignore_errors=True)
@@ -560,7 +568,11 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
         st.state, st.detail = "dirty", f"uncommitted changes: {', '.join(co.git.dirty_files()[:5])}"
         return st
     if applied and st.head == applied.get("head"):
-        if applied.get("stack_hash") == stack.hash:
+        if applied.get("needs_refresh"):
+            st.state = "diverged"
+            st.detail = (f"resolved or skipped during apply: {', '.join(applied['needs_refresh'])}; "
+                         f"run `dsadapt refresh {entry.ref}` to export the branch")
+        elif applied.get("stack_hash") == stack.hash:
             st.state, st.detail = "stack applied", f"{len(stack)} patches on {st.base[:12] if st.base else '?'}"
         else:
             st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {entry.ref}`"

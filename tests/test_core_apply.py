@@ -118,6 +118,28 @@ def test_continue_after_resolving_gives_changed(project):
     assert git(co, "status", "--porcelain") == ""
 
 
+def test_a_resolution_must_be_refreshed_before_apply_runs_again(project):
+    """After `continue` (changed) the branch no longer equals the stack: status says so, apply
+    refuses to redo the conflict, and refresh exports the resolution."""
+    _conflicting_stack(project)
+    assert project.run("apply", REF1).rc == 4
+    co = project.checkout()
+    (co / "vllm" / "mod.py").write_text(edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
+                                             'scoring = "tanh"'))
+    git(co, "add", "vllm/mod.py")
+    assert project.run("continue", REF1).rc == 0
+    st = {s["ref"]: s for s in project.run("status", "--json").json()["checkouts"]}[REF1]
+    assert st["state"] == "diverged" and "refresh" in st["detail"]
+    head = git(co, "rev-parse", "HEAD")
+    r = project.run("apply", REF1)
+    assert r.rc == 1 and "not exported" in r.err and "refresh" in r.err, r  # WorkspaceError
+    assert git(co, "rev-parse", "HEAD") == head
+    assert project.run("refresh", REF1).rc == 0
+    st = {s["ref"]: s for s in project.run("status", "--json").json()["checkouts"]}[REF1]
+    assert st["state"] == "stack applied"
+    assert "already applied" in project.run("apply", REF1).err
+
+
 def test_skip_drops_the_patch(project):
     _conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
