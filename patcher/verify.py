@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import Config
-from .errors import DsadaptError
+from .errors import DsadaptError, SourceError
 from .lock import Lock
 from .patchfile import ZERO_ID
 from .pinref import PinRef
@@ -25,6 +25,7 @@ class VerifyResult:
     applied: bool = False
     compiled: int = 0
     source: str | None = None
+    unverifiable: str | None = None  # no source could provide the pinned tree here
 
     @property
     def ok(self) -> bool:
@@ -51,7 +52,11 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
             name = spec.split("<")[0].split(">")[0].split("=")[0].split("!")[0].split("~")[0].strip()
             if name and name not in allowed:
                 res.problems.append(f"{stack.dir / e.name}: Drop-When names {name!r}, not one of {sorted(allowed)}")
-    co, _ = ensure_checkout(cfg, lock, entry, progress)
+    try:
+        co, _ = ensure_checkout(cfg, lock, entry, progress)
+    except SourceError as e:  # lint results stand; applying needs the tree
+        res.unverifiable = e.message
+        return res
     state = co.load_state()
     res.source = f"{state['source']['kind']} {state['source']['origin']}"
     base = co.base()

@@ -175,3 +175,15 @@ def test_verify_all_pinned_stacks_without_argument(project, clean_stack):
     r = project.run("verify", "--json")
     assert r.rc == 0, r
     assert [s["ref"] for s in r.json()["stacks"]] == [REF1]  # v1.1.0 has no series: skipped
+
+
+def test_verify_without_a_source_says_not_verified_never_ok(project, clean_stack, upstream, tmp_path):
+    """A stack whose tree no source can provide is linted, then reported NOT VERIFIED with exit 6."""
+    from conftest import lock_text
+
+    project.write_lock(lock_text(upstream, git_url=str(tmp_path / "no-such-upstream")))
+    r = project.run("verify", REF1, env={"DSADAPT_SOURCES": "git,mirror"})
+    assert r.rc == 6, r
+    assert "NOT VERIFIED" in r.err and "no source could provide" in r.err
+    j = project.run("verify", REF1, "--json", env={"DSADAPT_SOURCES": "git,mirror"})
+    assert j.rc == 6 and j.json()["ok"] is False and j.json()["unverifiable"] == [REF1]

@@ -6,6 +6,7 @@ import click
 
 from .. import workspace
 from ..errors import ConflictStop
+from ..stack import load_stack
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
 
 
@@ -41,6 +42,8 @@ def _on_patch(as_json: bool):
 def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     """Materialize + verify the pinned checkout, then apply the stack as commits."""
     ref = to_ref(pin)
+    ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
+    load_stack(ctx.cfg.patches_root, ref)
     with workspace.workdir_lock(ctx.cfg):
         res = workspace.apply_stack(ctx.cfg, ctx.lock, ref, force=force,
                                     progress=progress_printer(not as_json), on_patch=_on_patch(as_json))

@@ -23,6 +23,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
     ref = to_ref(pin)
+    ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
     with workdir_lock(ctx.cfg):
         res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
     if as_json:
@@ -52,6 +53,7 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
     ref = to_ref(pin)
+    ctx.lock.pin(ref)
     if adapter(ref.engine).build_kind == "backend":  # Triton: the served engine's environment + the server
         from ..engines.triton import server_venv
 

@@ -64,6 +64,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     progress = progress_printer(not as_json)
     if not all_pins:
         ref = to_ref(pin)
+        ctx.lock.pin(ref)
         with workdir_lock(ctx.cfg):
             res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype,
                             variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,

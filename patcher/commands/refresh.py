@@ -15,6 +15,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, 
 def refresh_cmd(ctx: Context, pin: str, as_json: bool) -> None:
     """Write the branch's commits to patches/ENGINE/TAG in normalized form and rewrite series."""
     ref = to_ref(pin)
+    ctx.lock.pin(ref)
     with workspace.workdir_lock(ctx.cfg):
         changed, removed = workspace.refresh_stack(ctx.cfg, ctx.lock, ref)
     if as_json:
