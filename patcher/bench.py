@@ -11,6 +11,7 @@ upstream documents instead. Check wall-time splits come from the check reports o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ from .config import Config
 from .engines import adapter
 from .errors import BuildError, DsadaptError
 from .lock import Lock, LockEntry
+from .sources import fetch_artifact, find_local_artifact
 from .stack import load_stack
 
 #: What upstream documents for a build with compilation, per engine (cited, not measured here).
@@ -52,7 +54,9 @@ class BuildBench:
     kind: str | None
     status: str                    # measured | skipped | not built
     reason: str | None = None
-    first_s: float | None = None   # first build of the run: cold cache includes download + unpack
+    cached: bool | None = None     # the release wheel was already in the cache
+    fetch_s: float | None = None   # download + sha256 check (only the check when cached)
+    first_s: float | None = None   # cold build: fresh work dir (unpack, verify, apply) + overlay
     build_s: float | None = None   # median of the warm rebuilds
     runs_s: list[float] = field(default_factory=list)
     artifact: str | None = None
@@ -110,8 +114,9 @@ def machine_info() -> dict:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     return {"cores": cores, "cpu": model, "memory_gib": mem_gib, "python": platform.python_version(),
-            "os": f"{platform.system()} {platform.release()}"}
+            "os": f"{platform.system()} {platform.release()}", "load_1min": load}
 
 
 # ---------------------------------------------------------------- builds
@@ -123,32 +128,43 @@ def _variants(lock_entry: LockEntry) -> list[str]:
     return names or [ad.variants[0].name]
 
 
-def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat: int, out_dir: Path,
-                progress=None) -> BuildBench:
+def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat: int, work: Path,
+                progress=None) -> tuple[BuildBench, Config]:
+    """Download (if not cached), a cold build in a fresh work dir, then `repeat` warm rebuilds there.
+
+    Returns the row and the config of that work dir (whose checkout the alternative reuses).
+    """
     row = BuildBench(str(entry.ref), variant, _kind(cfg, entry), "skipped")
+    cold = dataclasses.replace(cfg, workdir=work / "work")
     reason = buildable_here(cfg, lock, entry, variant)
     if reason is not None:
         row.reason = reason
-        return row
+        return row, cold
     try:
+        art = entry.artifact(variant, wheel=True) if row.kind == "overlay" else None
+        if art is not None:
+            row.cached = find_local_artifact(cfg, art) is not None
+            t0 = time.monotonic()
+            fetch_artifact(cfg, entry, art, progress)
+            row.fetch_s = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
-        first = build_pin(cfg, lock, entry.ref, variant, out_dir=out_dir, progress=progress)
+        first = build_pin(cold, lock, entry.ref, variant, out_dir=work / "dist", progress=progress)
         row.first_s = round(time.monotonic() - t0, 2)
         shas = {first.sha256}
         for _ in range(repeat):
             t0 = time.monotonic()
-            res = build_pin(cfg, lock, entry.ref, variant, out_dir=out_dir)
+            res = build_pin(cold, lock, entry.ref, variant, out_dir=work / "dist")
             row.runs_s.append(round(time.monotonic() - t0, 2))
             shas.add(res.sha256)
     except DsadaptError as e:
         row.status, row.reason = "not built", e.message
-        return row
+        return row, cold
     row.status, row.kind = "measured", first.kind
-    row.build_s = round(statistics.median(row.runs_s), 2) if row.runs_s else row.first_s
+    row.build_s = round(statistics.median(row.runs_s), 2)
     row.artifact, row.size = Path(first.artifact).name, first.size
     row.files = len(first.replaced) + len(first.added) + len(first.removed)
-    row.reproducible = len(shas) == 1 if row.runs_s else None
-    return row
+    row.reproducible = len(shas) == 1
+    return row, cold
 
 
 def pure_python_rebuild(checkout: Path, packages: tuple[str, ...], name: str, version: str,
@@ -174,12 +190,13 @@ def pure_python_rebuild(checkout: Path, packages: tuple[str, ...], name: str, ve
     seconds = round(time.monotonic() - t0, 2)
     if r.returncode != 0:
         tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
-        raise BuildError(f"pip wheel of {checkout.name} failed: {tail}", hint="needs setuptools in dsadapt's environment")
+        raise BuildError(f"pip wheel of {checkout.name} failed: {tail}",
+                         hint="needs setuptools in dsadapt's environment")
     wheels = list(out.glob("*.whl"))
     return seconds, wheels[0].stat().st_size
 
 
-def add_alternative(cfg: Config, entry: LockEntry, row: BuildBench, measured: dict[str, tuple[float, int] | str],
+def add_alternative(cold: Config, entry: LockEntry, row: BuildBench, measured: dict[str, tuple[float, int] | str],
                     work: Path, progress=None) -> None:
     """Fill in the alternative: the measured pure-Python rebuild (once per pin) and upstream's documented cost."""
     ad = adapter(entry.engine)
@@ -187,7 +204,7 @@ def add_alternative(cfg: Config, entry: LockEntry, row: BuildBench, measured: di
         row.alternative = "nothing to compile upstream: the backend is Python files copied into Triton's backends dir"
         return
     if row.pin not in measured:
-        checkout = cfg.checkout_dir(entry.engine, entry.tag)
+        checkout = cold.checkout_dir(entry.engine, entry.tag)
         if progress:
             progress(f"timing pip wheel --no-deps of {row.pin}'s patched Python packages")
         try:
@@ -238,10 +255,12 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
             for v in _variants(entry):
                 if progress:
                     progress(f"bench {entry.ref} ({v})")
-                row = bench_build(cfg, lock, entry, v, repeat, Path(tmp) / "dist", progress)
+                work = Path(tmp) / f"{entry.engine}-{entry.tag}-{v}"
+                row, cold = bench_build(cfg, lock, entry, v, repeat, work, progress)
                 if alternatives and row.status == "measured":
-                    add_alternative(cfg, entry, row, measured, Path(tmp) / "alt", progress)
+                    add_alternative(cold, entry, row, measured, work / "alt", progress)
                 builds.append(row)
+                shutil.rmtree(work, ignore_errors=True)
     return BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
                        read_check_timings(cfg.reports_root))
 
@@ -264,21 +283,32 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f} s"
 
 
+def _fetch(b: BuildBench) -> str:
+    if b.fetch_s is None:
+        return "-"
+    return f"cached ({b.fetch_s:.2f} s sha256)" if b.cached else f"downloaded in {b.fetch_s:.2f} s"
+
+
+def _short(text: str | None, limit: int = 160) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
 def build_table(report: BenchReport) -> list[list[str]]:
     rows = []
     for b in report.builds:
         if b.status == "measured":
-            note = "byte-identical" if b.reproducible else ("NOT reproducible" if b.reproducible is False else "")
+            note = "byte-identical" if b.reproducible else "NOT reproducible"
         else:
-            note = f"{b.status}: {b.reason}"
-        rows.append([b.pin, b.variant, b.kind or "-", _s(b.first_s), _s(b.build_s), _mb(b.size),
+            note = f"{b.status}: {_short(b.reason)}"
+        rows.append([b.pin, b.variant, b.kind or "-", _fetch(b), _s(b.first_s), _s(b.build_s), _mb(b.size),
                      str(b.files) if b.files is not None else "-", note,
                      _s(b.alternative_s) + (f" ({_mb(b.alternative_size)})" if b.alternative_size else "")])
     return rows
 
 
-BUILD_COLUMNS = ["pin", "variant", "kind", "first build", "rebuild (median)", "artifact", "files", "note",
-                 "pip wheel, no compile"]
+BUILD_COLUMNS = ["pin", "variant", "kind", "release wheel", "cold build", "rebuild (median)", "artifact", "files",
+                 "note", "pip wheel, no compile"]
 CHECK_COLUMNS = ["report", "verdict", "install", "reference", "engine import", "engine start", "generate",
                  "engine total", "compare", "total"]
 
@@ -300,14 +330,17 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench") -> str:
         "# Benchmarks",
         "",
         f"Measured {report.date} by `{command}` on {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
-        f"Python {m['python']}, {m['os']}. Regenerate with `make bench`.",
+        f"Python {m['python']}, {m['os']}; 1-minute load average {m.get('load_1min')} when it started (other "
+        "work on the machine shows up in the times). Regenerate with `make bench`.",
         "",
         "## Builds",
         "",
-        "How: for each pin and variant that can be built here, one overlay build (`first build`: with a cold "
-        "cache it includes downloading and unpacking the release wheel), then "
-        f"{report.repeat} rebuilds; `rebuild` is their median wall time, `note` says whether all builds were "
-        "byte-identical (same sha256). `pip wheel, no compile` is measured in the same run: "
+        "How: for each pin and variant that can be built here, `release wheel` is fetching the pinned wheel "
+        "(download from PyPI unless cached, plus its sha256 check); `cold build` is `dsadapt build` in a fresh "
+        "work dir (the checkout is made from scratch: unpack, pre-image check, `git am` of the stack, then the "
+        f"overlay); then {report.repeat} rebuilds in that work dir, `rebuild` being their median wall time. "
+        "`note` says whether all builds were byte-identical (same sha256). "
+        "`pip wheel, no compile` is measured in the same run: "
         "`pip wheel --no-deps --no-build-isolation` of the patched checkout's Python packages with a minimal "
         "setuptools pyproject, i.e. a source rebuild of the same files without any C++/CUDA compilation (a lower "
         "bound of the upstream build, which also compiles).",

@@ -37,6 +37,7 @@ def test_bench_measures_builds_and_alternative_and_writes_markdown(project, tmp_
     b = rows[(REF1, "cpu")]
     assert b["status"] == "measured" and b["kind"] == "overlay" and len(b["runs_s"]) == 2
     assert 0 < b["build_s"] < 30 and b["first_s"] > 0 and b["reproducible"] is True
+    assert b["cached"] is True and b["fetch_s"] >= 0  # the fixture wheel sits in DSADAPT_ARTIFACTS
     assert b["files"] == 4 and b["size"] > 0 and b["artifact"].startswith("vllm-1.0.0+ds.")
     assert b["alternative_s"] > 0 and b["alternative_size"] > 0 and "pip wheel" in b["alternative"]
     assert "several minutes" in b["alternative"] and "gpu.cuda.inc.md" in b["alternative_source"]
@@ -44,7 +45,8 @@ def test_bench_measures_builds_and_alternative_and_writes_markdown(project, tmp_
     assert skipped["status"] == "skipped" and "no stack" in skipped["reason"]
     assert [c["report"] for c in data["checks"]] == ["reports/vllm/v1.0.0/v3-float32.json"]
     assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
-    assert not (project.root / "dist").exists()  # bench builds into a temporary dir
+    assert not (project.root / "dist").exists()  # bench builds in a temporary work dir
+    assert not (project.workdir / "checkouts").exists()
     md = out.read_text()
     assert md.startswith("# Benchmarks") and data["date"] in md and "| pin | variant |" in md
     assert "| reports/vllm/v1.0.0/v3-float32.json | pass | 0.74 s | 5.29 s |" in md and "47.37 s" in md
@@ -69,15 +71,15 @@ def test_read_check_timings_skips_reports_without_timings(tmp_path):
 
 
 def test_build_table_flags_a_non_reproducible_build():
-    rows = [BuildBench("vllm@v1", "cpu", "overlay", "measured", first_s=2.0, build_s=1.5, runs_s=[1.5],
-                       artifact="x.whl", size=2_500_000, files=1, reproducible=False),
+    rows = [BuildBench("vllm@v1", "cpu", "overlay", "measured", cached=True, fetch_s=0.25, first_s=2.0, build_s=1.5,
+                       runs_s=[1.5], artifact="x.whl", size=2_500_000, files=1, reproducible=False),
             BuildBench("vllm@v2", "cuda", "full", "skipped", reason="full build needs nvcc")]
     report = BenchReport("2026-11-29 13:00 UTC", {"cores": 2, "cpu": "X", "memory_gib": 24, "python": "3.11",
                                                   "os": "Linux"}, 1, rows,
                          [CheckTimings("r.json", "vllm@v1", "cpu", "v3", "float32", "pass", None, None, {})])
     table = build_table(report)
-    assert table[0][:7] == ["vllm@v1", "cpu", "overlay", "2.00 s", "1.50 s", "2.5 MB", "1"]
-    assert table[0][7] == "NOT reproducible"
-    assert table[1][7] == "skipped: full build needs nvcc" and table[1][2] == "full"
+    assert table[0][:8] == ["vllm@v1", "cpu", "overlay", "cached (0.25 s sha256)", "2.00 s", "1.50 s", "2.5 MB", "1"]
+    assert table[0][8] == "NOT reproducible"
+    assert table[1][8] == "skipped: full build needs nvcc" and table[1][2] == "full"
     md = format_markdown(report)
-    assert "| vllm@v2 | cuda | full | - | - | - | - | skipped: full build needs nvcc | - |" in md
+    assert "| vllm@v2 | cuda | full | - | - | - | - | - | skipped: full build needs nvcc | - |" in md

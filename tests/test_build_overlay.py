@@ -54,7 +54,8 @@ def release_wheel(project, dest: Path, *, overrides: dict[str, str] | None = Non
         members[f] = text.encode()
     members[SO] = b"\x7fELF not really a shared object"
     members[f"{DIST_INFO}/METADATA"] = b"Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\nSummary: fixture\n"
-    members[f"{DIST_INFO}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: fixture\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    members[f"{DIST_INFO}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: fixture\nRoot-Is-Purelib: true\n"
+                                     b"Tag: py3-none-any\n")
     rows = [[n, record_hash(d), str(len(d))] for n, d in members.items()] + [[f"{DIST_INFO}/RECORD", "", ""]]
     members[f"{DIST_INFO}/RECORD"] = format_record(rows).encode()
     dest.mkdir(parents=True, exist_ok=True)
