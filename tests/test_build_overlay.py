@@ -43,8 +43,11 @@ OVERLAY_EDITS = [
 # ---------------------------------------------------------------- fixtures
 
 
+DATA_SCRIPT = "vllm-1.0.0.data/scripts/vllm-tool"
+
+
 def release_wheel(project, dest: Path, *, overrides: dict[str, str] | None = None) -> tuple[Path, str]:
-    """A release-shaped wheel of v1.0.0's vllm/: WHEEL, METADATA, a .so and a RECORD of real hashes."""
+    """A release-shaped wheel of v1.0.0's vllm/: WHEEL, METADATA, a .so, a .data script, a RECORD of real hashes."""
     up = project.upstream
     members: dict[str, bytes] = {}
     for f in git(up.path, "ls-tree", "-r", "--name-only", TAG1, "vllm").splitlines():
@@ -53,6 +56,7 @@ def release_wheel(project, dest: Path, *, overrides: dict[str, str] | None = Non
     for f, text in (overrides or {}).items():
         members[f] = text.encode()
     members[SO] = b"\x7fELF not really a shared object"
+    members[DATA_SCRIPT] = b"#!python\nprint('tool')\n"
     members[f"{DIST_INFO}/METADATA"] = b"Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\nSummary: fixture\n"
     members[f"{DIST_INFO}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: fixture\nRoot-Is-Purelib: true\n"
                                      b"Tag: py3-none-any\n")
@@ -158,6 +162,9 @@ def test_local_version_label_in_file_name_dist_info_and_metadata(project):
     meta = got[f"vllm-{version}.dist-info/METADATA"].decode()
     assert f"\nVersion: {version}\n" in meta and "Summary: fixture" in meta
     assert got[f"vllm-{version}.dist-info/WHEEL"].startswith(b"Wheel-Version: 1.0")
+    # the .data directory is named for the version too: installers other than pip only look there
+    assert {n.split("/", 1)[0] for n in got if ".data/" in n} == {f"vllm-{version}.data"}
+    assert f"vllm-{version}.data/scripts/vllm-tool" in record_rows(got)
 
 
 def test_pip_installs_the_overlay_wheel(project, tmp_path):
@@ -169,6 +176,7 @@ def test_pip_installs_the_overlay_wheel(project, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr + r.stdout
     assert (target / "vllm" / "mod.py").read_text() == P1_MOD
+    assert (target / "bin" / "vllm-tool").is_file()
     assert (target / "vllm" / "templates" / "chat.jinja").read_text() == TEMPLATE
     assert not (target / "vllm" / "util.py").exists()
     probe = ("import importlib.metadata as m, vllm.mod, vllm.newmod; "
@@ -208,6 +216,19 @@ def test_leave_out_patterns_drop_members_for_that_variant_only(project, monkeypa
 
 
 # ---------------------------------------------------------------- refusals
+
+
+def test_refuses_to_build_commits_not_exported_to_the_stack(project):
+    """The artifact is labelled with the stack's hash: it must never carry edits the stack lacks."""
+    pin_wheel(project)
+    build(project)
+    co = project.checkout()
+    (co / "vllm" / "mod.py").write_text(P1_MOD + "# local experiment\n")
+    r = project.run("build", REF1)
+    assert r.rc == 1 and "uncommitted changes" in r.err, r
+    git(co, "commit", "-qam", "local experiment")
+    r = project.run("build", REF1)
+    assert r.rc == 1 and "not exported to the stack" in r.err and "dsadapt refresh" in r.err, r
 
 
 def test_refuses_a_wheel_whose_file_differs_from_the_patch_preimage(project):
