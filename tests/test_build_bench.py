@@ -83,3 +83,16 @@ def test_build_table_flags_a_non_reproducible_build():
     assert table[1][8] == "skipped: full build needs nvcc" and table[1][2] == "full"
     md = format_markdown(report)
     assert "| vllm@v2 | cuda | full | - | - | - | - | - | skipped: full build needs nvcc | - |" in md
+
+
+def test_bench_skips_a_full_build_it_cannot_run_and_says_why(project, monkeypatch):
+    from test_build_overlay import COMPILED_EDITS, with_variants
+
+    with_variants(monkeypatch, toolchain=("dsadapt-no-such-nvcc",))
+    pin_wheel(project, COMPILED_EDITS)
+    r = project.run("bench", "--repeat", "1", "--json", "--out", str(project.tmp / "b.md"))
+    assert r.rc == 0, r
+    row = {b["pin"]: b for b in r.json()["builds"]}[REF1]
+    assert row["status"] == "skipped" and row["kind"] == "full"
+    assert row["reason"] == "full build needs dsadapt-no-such-nvcc" and row["build_s"] is None
+    assert "| vllm@v1.0.0 | cpu | full |" in (project.tmp / "b.md").read_text()
