@@ -337,3 +337,19 @@ def test_overlay_version(version, label):
     from patcher.build import overlay_version
 
     assert overlay_version(version, "0123abcd" + "f" * 56) == label
+
+
+def test_full_build_runs_the_upstream_build_when_toolchain_and_tree_are_there(project, monkeypatch):
+    """The other side of the refusals: git source + toolchain present -> `pip wheel` of the patched tree."""
+    pyproject = ('[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+                 '[project]\nname = "vllm"\nversion = "1.0.0"\n\n[tool.setuptools.packages.find]\ninclude = ["vllm*"]\n')
+    edits = [*COMPILED_EDITS, (commit_msg("build: package the fixture"), {"pyproject.toml": pyproject})]
+    with_variants(monkeypatch, toolchain=("git",))
+    pin_wheel(project, edits)
+    # offline: build with dsadapt's own setuptools instead of fetching one
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    res = build(project)
+    assert res["kind"] == "full" and "0002-kernel-fused-routing.patch touches csrc/x.cu" in res["how"]
+    got = read_zip(Path(res["artifact"]))
+    assert got["vllm/mod.py"].decode() == P1_MOD and "vllm/util.py" in got
