@@ -342,7 +342,8 @@ def test_overlay_version(version, label):
 def test_full_build_runs_the_upstream_build_when_toolchain_and_tree_are_there(project, monkeypatch):
     """The other side of the refusals: git source + toolchain present -> `pip wheel` of the patched tree."""
     pyproject = ('[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
-                 '[project]\nname = "vllm"\nversion = "1.0.0"\n\n[tool.setuptools.packages.find]\ninclude = ["vllm*"]\n')
+                 '[project]\nname = "vllm"\nversion = "1.0.0"\n\n'
+                 '[tool.setuptools.packages.find]\ninclude = ["vllm*"]\n')
     edits = [*COMPILED_EDITS, (commit_msg("build: package the fixture"), {"pyproject.toml": pyproject})]
     with_variants(monkeypatch, toolchain=("git",))
     pin_wheel(project, edits)
