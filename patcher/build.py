@@ -95,7 +95,7 @@ def _shipped(ad: EngineAdapter, path: str) -> bool:
 def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, spec: VariantSpec, stack: Stack,
                   out_dir: Path, progress=None) -> BuildResult:
     t0 = time.monotonic()
-    art = entry.artifact(spec.name, wheel=True)
+    art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
         raise BuildError(f"{entry} has no pinned wheel for variant '{spec.name}'",
                          hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
@@ -284,6 +284,6 @@ def buildable_here(cfg: Config, lock: Lock, entry: LockEntry, variant: str) -> s
     if kind.kind == "full":
         missing = missing_toolchain(spec)
         return f"full build needs {', '.join(missing)}" if missing else None
-    if entry.artifact(spec.name, wheel=True) is None:
+    if entry.artifact(spec.artifact_variant, wheel=True) is None:
         return f"no pinned wheel for variant {spec.name}"
     return None

@@ -27,11 +27,11 @@ from .config import Config
 from .engines import adapter
 from .engines.base import EngineAdapter, VariantSpec
 from .equivalence import Comparison, LogitReport, compare, explain
-from .errors import CheckFailed, DsadaptError, EngineUnavailable, UsageError
+from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
-from .runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, RunnerSpec, run_runner
+from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
 from .sources import fetch_artifact
 from .stack import load_stack
 
@@ -130,33 +130,28 @@ def reference_python(cfg: Config, progress=None) -> Path:
 
 
 def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, unpatched: bool,
-                  progress=None, stream=True) -> tuple[Path, dict]:
-    """The interpreter of the pin's environment (patched build, or the pristine release)."""
-    from .venvs import install_pin, venv_python, _pip, installed_marker
+                  progress=None, stream=True, suffix: str = "", post: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    """The interpreter of the pin's environment (patched build, or the pristine release).
 
+    `suffix` names a separate environment (e.g. '-triton', which adds the server's
+    requirements in `post`), so engines served differently never share site-packages.
+    """
+    from .venvs import ensure_env, install_pin, venv_python
+
+    base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
     if not unpatched:
-        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream)
+        venv = base.with_name(base.name + suffix)
+        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
         return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
-    art = entry.artifact(spec.name, wheel=True)
+    art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
         raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
     wheel = fetch_artifact(cfg, entry, art, progress)
-    venv = cfg.venvs_root / f"{entry.engine}-{entry.tag}-{spec.name}-unpatched"
-    py = venv_python(venv)
-    marker = installed_marker(venv)
-    if not (marker and marker.get("sha256") == art.sha256 and py.exists()):
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        if progress:
-            progress(f"installing the pristine {art.file} into {venv}")
-        _pip(py, "install", str(wheel), stream=stream)
-        ad = adapter(entry.engine)
-        for name in ad.install_remove:
-            if subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True).returncode == 0:
-                _pip(py, "uninstall", "-y", name, stream=False)
-        (venv / "dsadapt-install.json").write_text(json.dumps({"ref": str(entry.ref), "artifact": art.file,
-                                                               "sha256": art.sha256, "unpatched": True}) + "\n")
-    return py, {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
+    venv = base.with_name(base.name + "-unpatched" + suffix)
+    ad = adapter(entry.engine)
+    ensure_env(venv, wheel, art.sha256, extra=ad.install_extra(entry, spec.name), remove=ad.install_remove, post=post,
+               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True})
+    return venv_python(venv), {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
 
 
 # ---------------------------------------------------------------- provenance
@@ -251,23 +246,25 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     session = ad.check_session or _default_session
     t0 = time.monotonic()
-    with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
-                 unpatched_engine=unpatched_engine) as (py, runner, env, installed):
-        timings["install_s"] = round(time.monotonic() - t0, 2)
-        if progress:
-            progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
-        t0 = time.monotonic()
-        try:
+    installed: dict = {}
+    try:
+        with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
+                     unpatched_engine=unpatched_engine) as (py, runner, env, installed):
+            timings["install_s"] = round(time.monotonic() - t0, 2)
+            if progress:
+                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
+            t0 = time.monotonic()
             engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
                                 work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
-        except RunnerFailed as e:
-            # The engine could not load or run the model: that is a verdict, not an accident.
             timings["engine_s"] = round(time.monotonic() - t0, 2)
-            return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
-                                  e, installed, fingerprint, model_dir, command, model, timings, t_start)
+    except EngineRunFailed as e:
+        # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
+        return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
+                              e, installed, fingerprint, model_dir, command, model, timings, t_start)
     venv = installed.get("venv")
-    if venv and engine.engine_path and not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
+    if venv and (engine.engine_path or "").startswith("/") and \
+            not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
         raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
     for k, v in engine.timings.items():
@@ -324,11 +321,12 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
         "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
-        "engine_log": str(err.log_path) if err.log_path else None, "engine_log_tail": err.log_tail,
+        "engine_log": str(getattr(err, "log_path", None) or "") or None,
+        "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
     }
     result = CheckResult(
         pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-        unpatched=unpatched, verdict="fail", reasons=[f"the engine failed on this model: {err.message}"],
+        unpatched=unpatched, verdict="fail", reasons=[_failure_reason(err, provenance["engine_log"])],
         explanation=["the engine did not produce logits: see the log tail in the report (a load failure "
                      "usually means a config key or weight the engine does not understand)"],
         report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
@@ -339,6 +337,29 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     return result
 
 
+def _failure_reason(err: DsadaptError, log_path: str | None) -> str:
+    """One line: what failed, and the root cause from the engine's log where one is found."""
+    from .runners import root_cause
+
+    first = err.message.splitlines()[0].rstrip(":; ").removesuffix("; log tail")
+    cause = None
+    if log_path:
+        try:
+            cause = root_cause(Path(log_path).read_text(errors="replace").splitlines())
+        except OSError:
+            cause = None
+    if cause and cause not in first:
+        first += f" (root cause: {cause[:200]})"
+    return f"the engine failed on this model: {first}"
+
+
+def _tail_of(path, lines: int = 30) -> str | None:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else None
+    except OSError:
+        return None
+
+
 def _dsadapt_version() -> str:
     from . import __version__
 
@@ -347,6 +368,7 @@ def _dsadapt_version() -> str:
 
 def check_or_raise(result: CheckResult) -> None:
     if not result.passed:
-        raise CheckFailed(f"{result.pin}: logits differ from the HF reference beyond tolerance "
-                          f"({'; '.join(result.reasons[:2])})",
-                          hint=f"report: {result.report_path}; rerun with --explain for the likely layer")
+        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}",
+                          hint=f"report: {result.report_path}" +
+                               ("" if result.explanation and "--explain" in (result.provenance.get("command") or "")
+                                else "; rerun with --explain for the likely layer family"))

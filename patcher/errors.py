@@ -73,6 +73,14 @@ class ToolchainMissing(BuildError):
     exit_code = 5
 
 
+class EngineRunFailed(DsadaptError):
+    """The engine could not load or run the model (a runner exit, a server that died at load).
+
+    For the gate that is a verdict (fail), not an accident: `check` reports it as such.
+    Subclasses may carry `log_path` / `log_tail`.
+    """
+
+
 class CheckFailed(DsadaptError):
     """The equivalence gate found a divergence."""
 

@@ -49,7 +49,7 @@ def _variants_for(ad: EngineAdapter, entry: LockEntry | None, dists: tuple[str, 
     if ad.build_kind == "backend":
         return list(ad.variants)
     if entry is not None:
-        return [v for v in ad.variants if entry.artifact(v.name)]
+        return [v for v in ad.variants if entry.artifact(v.artifact_variant)]
     if dists:  # a new tag seen on PyPI: the variants whose distribution released it
         return [v for v in ad.variants if v.dist in dists]
     return list(ad.variants)  # a new tag seen on git: every variant may exist

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from patcher.errors import DsadaptError, EngineUnavailable
+from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 INSTALL_COMMAND = f"pip install {PYTRITON_REQUIREMENT} 'numpy<2'"
@@ -92,7 +92,7 @@ class TritonPortInUse(TritonError):
     """The HTTP or gRPC port is taken."""
 
 
-class TritonBackendCrashed(TritonError):
+class TritonBackendCrashed(TritonError, EngineRunFailed):
     """The server exited before it was ready (a model or backend failed to load)."""
 
 

@@ -60,19 +60,19 @@ def installed_marker(venv: Path) -> dict | None:
         return None
 
 
-def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, progress=None,
-                stream: bool = True, build: BuildResult | None = None) -> InstallResult:
-    t0 = time.monotonic()
-    ad = adapter(ref.engine)
-    entry = lock.pin(ref)
-    spec = ad.variant_for(entry, variant)
-    build = build or build_pin(cfg, lock, ref, spec.name, progress=progress)
-    venv = cfg.venv_dir(ref.engine, ref.tag, spec.name)
+def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), remove: tuple[str, ...] = (),
+               post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
+               stream: bool = True) -> tuple[bool, list[str]]:
+    """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
+
+    `post` requirements are installed in a second pip call (they may pin below what the
+    engine asks for, e.g. numpy<2 for Triton's stub). Returns (reused, removed packages).
+    A new build of the same engine is swapped in with --force-reinstall --no-deps.
+    """
     py = venv_python(venv)
-    marker = installed_marker(venv)
-    if marker and marker.get("sha256") == build.sha256 and py.exists():
-        return InstallResult(str(ref), spec.name, str(venv), str(py), build.artifact, build.sha256, True,
-                             round(time.monotonic() - t0, 2))
+    old = installed_marker(venv)
+    if old and old.get("sha256") == sha256 and py.exists():
+        return True, []
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
@@ -80,18 +80,38 @@ def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None
         if r.returncode != 0:
             raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}", hint="check python3-venv is installed")
     if progress:
-        progress(f"installing {Path(build.artifact).name} and its dependencies into {venv} (pip; minutes on first run)")
-    if marker:  # same environment, new build of the engine: swap the engine only
-        _pip(py, "install", "--force-reinstall", "--no-deps", build.artifact, stream=stream)
+        progress(f"installing {wheel.name}{' and its dependencies' if not old else ''} into {venv}"
+                 f"{' (pip; minutes on first run)' if not old else ''}")
+    if old:
+        _pip(py, "install", "--force-reinstall", "--no-deps", str(wheel), stream=stream)
     else:
-        _pip(py, "install", build.artifact, *ad.install_extra(entry, spec.name), stream=stream)
+        _pip(py, "install", str(wheel), *extra, stream=stream)
+        if post:
+            if progress:
+                progress(f"adding {' '.join(post)}")
+            _pip(py, "install", *post, stream=stream)
     removed = []
-    for name in ad.install_remove:
+    for name in remove:
         r = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
         if r.returncode == 0:
             _pip(py, "uninstall", "-y", name, stream=False)
             removed.append(name)
-    (venv / MARKER).write_text(json.dumps({"ref": str(ref), "variant": spec.name, "artifact": build.artifact,
-                                           "sha256": build.sha256, "stack_hash": build.stack_hash}, indent=2) + "\n")
-    return InstallResult(str(ref), spec.name, str(venv), str(py), build.artifact, build.sha256, False,
+    (venv / MARKER).write_text(json.dumps({**(marker or {}), "artifact": str(wheel), "sha256": sha256,
+                                           "post": list(post)}, indent=2, sort_keys=True) + "\n")
+    return False, removed
+
+
+def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, progress=None,
+                stream: bool = True, build: BuildResult | None = None, venv: Path | None = None,
+                post: tuple[str, ...] = ()) -> InstallResult:
+    t0 = time.monotonic()
+    ad = adapter(ref.engine)
+    entry = lock.pin(ref)
+    spec = ad.variant_for(entry, variant)
+    build = build or build_pin(cfg, lock, ref, spec.name, progress=progress)
+    venv = venv or cfg.venv_dir(ref.engine, ref.tag, spec.name)
+    reused, removed = ensure_env(venv, Path(build.artifact), build.sha256, extra=ad.install_extra(entry, spec.name),
+                                 remove=ad.install_remove, post=post, progress=progress, stream=stream,
+                                 marker={"ref": str(ref), "variant": spec.name, "stack_hash": build.stack_hash})
+    return InstallResult(str(ref), spec.name, str(venv), str(venv_python(venv)), build.artifact, build.sha256, reused,
                          round(time.monotonic() - t0, 2), removed)

@@ -52,6 +52,18 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
     ref = to_ref(pin)
+    if adapter(ref.engine).build_kind == "backend":  # Triton: the served engine's environment + the server
+        from ..engines.triton import server_venv
+
+        with workdir_lock(ctx.cfg):
+            py, installed = server_venv(ctx.cfg, ctx.lock, ctx.lock.pin(ref), False,
+                                        progress=progress_printer(not as_json), stream=not as_json)
+        if as_json:
+            emit_json({"ref": str(ref), "python": str(py), **installed})
+        else:
+            say(f"{ref}: serving environment for {installed['served']} ready in {installed['venv']}")
+            say(f"  activate: source {installed['venv']}/bin/activate   (tritonserver: `dsadapt serve {ref}`)")
+        return
     with workdir_lock(ctx.cfg):
         res = install_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json), stream=not as_json)
     if as_json:
@@ -72,7 +84,8 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
     with workdir_lock(ctx.cfg):
         for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
             ad = adapter(entry.engine)
-            variants = [v.name for v in ad.variants if entry.artifact(v.name, wheel=True) or ad.build_kind == "backend"]
+            variants = [v.name for v in ad.variants
+                        if entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
             for v in variants or [ad.variants[0].name]:
                 t0 = time.monotonic()
                 reason = buildable_here(ctx.cfg, ctx.lock, entry, v)

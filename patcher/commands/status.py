@@ -34,7 +34,8 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
             st, err = _stack_info(ctx, entry)
             kind = classify(ad, st) if st is not None else None
             statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
-            blockers = {v.name: ad.run_blocker(entry, v) for v in ad.variants if entry.artifact(v.name) or ad.build_kind == "backend"}
+            blockers = {v.name: ad.run_blocker(entry, v) for v in ad.variants
+                        if entry.artifact(v.artifact_variant) or ad.build_kind == "backend"}
             runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
             d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
                  "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),

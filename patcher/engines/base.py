@@ -23,6 +23,11 @@ class VariantSpec:
     description: str = ""
     toolchain: tuple[str, ...] = ()  # programs a full source build needs
     leave_out: tuple[str, ...] = ()  # wheel members (fnmatch) an overlay build drops
+    wheel_variant: str | None = None  # overlay the wheel pinned for this other variant (default: own name)
+
+    @property
+    def artifact_variant(self) -> str:
+        return self.wheel_variant or self.name
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class EngineAdapter:
         if name is not None or self.build_kind == "backend":
             return self.variant(name)
         for v in self.variants:
-            if entry.artifact(v.name, wheel=True):
+            if entry.artifact(v.artifact_variant, wheel=True):
                 return v
         return self.variants[0]
 

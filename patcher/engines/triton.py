@@ -105,25 +105,18 @@ def build_backend(cfg, lock, entry, stack, out_dir: Path, progress=None):
 
 
 def server_venv(cfg, lock, entry, unpatched_engine: bool, progress=None, stream=True) -> tuple[Path, dict]:
-    """The served engine's environment with tritonserver added (nvidia-pytriton, numpy<2)."""
+    """An environment of the served engine (its own: '<pin>-triton') with tritonserver added."""
     from ..check import engine_python
     from ..engines import adapter
     from ..errors import EngineUnavailable
-    from ..venvs import _pip
 
     if not entry.serves:
         raise EngineUnavailable(f"{entry} serves no pinned engine ({entry.note or 'see upstream.lock'})",
                                 hint="it can be applied and built here, not served")
     served = lock.pin(entry.serves)
-    ad = adapter(served.engine)
-    spec = ad.variant_for(served, None)
-    py, installed = engine_python(cfg, lock, served, spec, unpatched_engine, progress, stream)
-    marker = py.parent.parent / "dsadapt-triton.ok"
-    if not marker.exists():
-        if progress:
-            progress(f"adding tritonserver to {py.parent.parent} ({' '.join(SERVER_REQUIREMENTS)})")
-        _pip(py, "install", *SERVER_REQUIREMENTS, stream=stream)
-        marker.write_text("ok\n")
+    spec = adapter(served.engine).variant_for(served, None)
+    py, installed = engine_python(cfg, lock, served, spec, unpatched_engine, progress, stream,
+                                  suffix="-triton", post=SERVER_REQUIREMENTS)
     return py, {**installed, "served": str(served.ref)}
 
 

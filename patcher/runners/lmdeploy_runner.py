@@ -1,0 +1,242 @@
+"""LMDeploy (PyTorch engine) runner for dsadapt's logit-equivalence gate.
+
+Standalone: stdlib + torch + lmdeploy only; it runs with the pin's environment
+interpreter in a subprocess and never imports `patcher`. Needs a CUDA device.
+
+    python lmdeploy_runner.py --model DIR --prompts prompts.json --dtype bfloat16 \
+        --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA]
+
+What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
+``patcher/equivalence.py``):
+
+- prompt logprobs: one prefill over the prompt with ``output_logits="all"``
+  (``AsyncEngine.async_get_logits``), a full float32 ``log_softmax`` per position,
+  the top-K and the actual next token's logprob (position 0 has none);
+- generation: ``--max-tokens`` greedy tokens (``do_sample=False``, ``top_k=1``,
+  EOS ignored) through the engine's request path with ``logprobs=K`` and the
+  engine's ``logprobs_mode="raw_logprobs"`` (log-softmax of the unprocessed
+  logits, computed by LMDeploy in the model dtype). A request that stops short
+  is continued by another over prompt + tokens so far;
+  ``settings.generation_requests`` lists, per prompt, the tokens each request gave.
+
+Batches: prompts without a batch are sent one at a time; the members of a named
+batch are sent together (concurrent requests the engine schedules as one batch).
+
+LMDeploy has no float32 mode: ``--dtype`` is bfloat16 or float16.
+Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+SCHEMA = "dsadapt.logit-report/1"
+DTYPES = ("bfloat16", "float16")
+#: Context length the engine is started with (the gate's MAX_MODEL_LEN).
+SESSION_LEN = 256
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fingerprint", default=None)
+    ap.add_argument("--session-len", type=int, default=SESSION_LEN)
+    ap.add_argument("--cache-max-entry-count", type=float, default=0.05,
+                    help="fraction of free GPU memory for the KV cache")
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def position_entry(row, token_id: int, top_k: int) -> dict:
+    """One position from a full log-softmax row (a 1-D tensor): the actual token's
+    logprob and the top-k ``{id: logprob}`` in descending order."""
+    vals, ids = row.topk(top_k)
+    return {"token": int(token_id), "logprob": float(row[token_id]),
+            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+
+
+def prompt_entries(logits, prompt: list[int], top_k: int) -> list[dict | None]:
+    """Prompt logprobs from prefill logits ``[len(prompt), vocab]`` (row i predicts
+    token i+1): ``[None, entry(1), ..., entry(n-1)]``."""
+    import torch
+
+    if logits.shape[0] < len(prompt):
+        raise ValueError(f"engine returned {logits.shape[0]} logit rows for a {len(prompt)}-token prompt")
+    rows = torch.log_softmax(logits[: len(prompt)].float(), dim=-1)
+    return [None] + [position_entry(rows[i - 1], prompt[i], top_k) for i in range(1, len(prompt))]
+
+
+def generated_entry(step: dict, token_id: int, top_k: int) -> dict:
+    """One generated position from LMDeploy's per-step ``{token_id: logprob}`` dict
+    (top-K plus the sampled token)."""
+    pairs = sorted(((int(t), float(v)) for t, v in step.items()), key=lambda tv: -tv[1])
+    table = dict(pairs)
+    if token_id not in table:
+        raise ValueError(f"engine logprobs for a step lack the sampled token {token_id}")
+    return {"token": int(token_id), "logprob": table[token_id],
+            "top": {str(t): v for t, v in pairs[:top_k]}}
+
+
+def generated_entries(token_ids: list[int], steps: list[dict], top_k: int) -> list[dict]:
+    if len(steps) != len(token_ids):
+        raise ValueError(f"engine returned {len(steps)} logprob steps for {len(token_ids)} generated tokens")
+    return [generated_entry(s, t, top_k) for t, s in zip(token_ids, steps)]
+
+
+def prompt_result(doc: dict, logits, generated: list[int], steps: list[dict], top_k: int) -> dict:
+    """A PromptResult document."""
+    prompt = list(doc["token_ids"])
+    return {"id": doc["id"], "batch": doc.get("batch"), "prompt_token_ids": prompt,
+            "prompt_logprobs": prompt_entries(logits, prompt, top_k),
+            "generated_token_ids": list(generated),
+            "generated_logprobs": generated_entries(list(generated), steps, top_k)}
+
+
+def submission_groups(prompt_docs: list[dict]) -> list[list[dict]]:
+    """Singles alone, each named batch as one group, in first-appearance order."""
+    groups: dict[str, list[dict]] = {}
+    order: list[list[dict]] = []
+    for p in prompt_docs:
+        name = p.get("batch")
+        if not name:
+            order.append([p])
+        elif name not in groups:
+            groups[name] = [p]
+            order.append(groups[name])
+        else:
+            groups[name].append(p)
+    return order
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def make_pipeline(model: str, dtype: str, session_len: int, cache_max_entry_count: float):
+    from lmdeploy import PytorchEngineConfig, pipeline
+
+    config = PytorchEngineConfig(dtype=dtype, session_len=session_len, eager_mode=True,
+                                 cache_max_entry_count=cache_max_entry_count,
+                                 logprobs_mode="raw_logprobs")
+    return pipeline(model, backend_config=config, log_level="ERROR"), config
+
+
+async def _request(engine, ids: list[int], max_tokens: int, top_k: int):
+    """One greedy request through the engine's request path (the pattern of
+    ``AsyncEngine.async_get_logits``); returns (token ids, per-step logprob dicts)."""
+    from lmdeploy import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                              top_k=1, ignore_eos=True, logprobs=top_k)
+    session = engine.session_mgr.get()
+    tokens: list[int] = []
+    steps: list[dict] = []
+    try:
+        async with session.request_handle() as handle:
+            async with engine.safe_run(handle, session=session, input_ids=list(ids), gen_config=config,
+                                       stream_output=False) as gen:
+                async for out in gen:
+                    tokens.extend(out.token_ids or [])
+                    steps.extend(out.logprobs or [])
+    finally:
+        engine.session_mgr.remove(session)
+    return tokens, steps
+
+
+async def _generate(engine, ids: list[int], max_tokens: int, top_k: int):
+    """Greedy generation of `max_tokens` tokens; returns (token ids, logprob steps, tokens per
+    request).
+
+    On the H200 (lmdeploy 0.18.0, torch 2.11) one request returned 2 tokens whatever
+    max_new_tokens said; until that is understood, a short answer is continued by a new
+    request over prompt + tokens so far (a prefix the engine re-prefills), and the number
+    of requests is reported."""
+    tokens: list[int] = []
+    steps: list[dict] = []
+    requests: list[int] = []
+    while len(tokens) < max_tokens:
+        got, got_steps = await _request(engine, list(ids) + tokens, max_tokens - len(tokens), top_k)
+        requests.append(len(got))
+        if not got:
+            raise RuntimeError(f"engine returned no token (request {len(requests)}, {len(tokens)} so far)")
+        if len(got_steps) != len(got):
+            raise ValueError(f"engine returned {len(got_steps)} logprob steps for {len(got)} tokens")
+        tokens += got
+        steps += got_steps
+    return tokens[:max_tokens], steps[:max_tokens], requests
+
+
+async def _run_group(engine, group: list[dict], max_tokens: int, top_k: int):
+    import asyncio
+
+    logits = await engine.async_get_logits(input_ids=[list(p["token_ids"]) for p in group])
+    gens = await asyncio.gather(*[_generate(engine, p["token_ids"], max_tokens, top_k) for p in group])
+    return logits, gens
+
+
+def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[list[dict], dict[str, list[int]]]:
+    """All prompts; returns (prompt result documents in input order, tokens per request per prompt)."""
+    out: dict[str, dict] = {}
+    requests: dict[str, list[int]] = {}
+    for group in submission_groups(prompt_docs):
+        logits, gens = pipe._run(coro=_run_group(pipe.async_engine, group, max_tokens, top_k)).result()
+        for doc, lg, (tokens, steps, n) in zip(group, logits, gens):
+            out[doc["id"]] = prompt_result(doc, lg.squeeze(0) if lg.dim() == 3 else lg, tokens, steps, top_k)
+            requests[doc["id"]] = n
+    return [out[p["id"]] for p in prompt_docs], requests
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import lmdeploy
+    import torch
+
+    prompt_docs = json.load(open(args.prompts))["prompts"]
+    t0 = time.time()
+    pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
+    t1 = time.time()
+    try:
+        results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
+    finally:
+        pipe.close()
+    t2 = time.time()
+    versions = {"torch": torch.__version__, "lmdeploy": lmdeploy.__version__,
+                "python": platform.python_version(), "cuda": str(torch.version.cuda)}
+    for name in ("transformers", "triton"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    report = {
+        "schema": SCHEMA, "runner": "lmdeploy_runner", "engine": "lmdeploy",
+        "engine_version": lmdeploy.__version__, "versions": versions,
+        "engine_path": lmdeploy.__file__, "dtype": args.dtype, "top_k": args.top_k,
+        "max_tokens": args.max_tokens, "model": {"path": args.model, "fingerprint": args.fingerprint},
+        "settings": {"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
+                     "session_len": args.session_len, "eager_mode": True,
+                     "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
+                     "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
+                     "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
+                     "generation_requests": requests},
+        "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)},
+        "prompts": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    print(f"lmdeploy_runner: {len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
