@@ -124,7 +124,8 @@ def machine_info() -> dict:
 
 def _variants(lock_entry: LockEntry) -> list[str]:
     ad = adapter(lock_entry.engine)
-    names = [v.name for v in ad.variants if lock_entry.artifact(v.name, wheel=True) or ad.build_kind == "backend"]
+    names = [v.name for v in ad.variants
+             if lock_entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
     return names or [ad.variants[0].name]
 
 
@@ -141,7 +142,8 @@ def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat:
         row.reason = reason
         return row, cold
     try:
-        art = entry.artifact(variant, wheel=True) if row.kind == "overlay" else None
+        spec = adapter(entry.engine).variant(variant)
+        art = entry.artifact(spec.artifact_variant, wheel=True) if row.kind == "overlay" else None
         if art is not None:
             row.cached = find_local_artifact(cfg, art) is not None
             t0 = time.monotonic()

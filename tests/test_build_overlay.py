@@ -18,8 +18,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import (MOD_V1, P1_MOD, REF1, TAG1, TAG2, commit_msg, files_snapshot, git, lock_text,
-                      make_patches)
+from conftest import (MOD_V1, P1_MOD, REF1, TAG1, TAG2, artifact_toml, commit_msg, files_snapshot, git,
+                      lock_text, make_patches)
 
 from patcher.engines import ADAPTERS
 from patcher.engines.base import VariantSpec
@@ -70,17 +70,11 @@ def release_wheel(project, dest: Path, *, overrides: dict[str, str] | None = Non
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def artifacts_toml(sha: str, variants: tuple[str, ...] = ("cpu",), tag: str = TAG1, file: str = WHEEL_NAME) -> str:
-    return "".join(f'\n[[pins."vllm@{tag}".artifacts]]\ndist = "vllm"\nvariant = "{v}"\nfile = "{file}"\n'
-                   f'sha256 = "{sha}"\nsource = true\n' for v in variants)
-
-
-def pin_wheel(project, edits=OVERLAY_EDITS, *, overrides=None, sha: str | None = None,
-              variants: tuple[str, ...] = ("cpu",)) -> tuple[Path, str]:
+def pin_wheel(project, edits=OVERLAY_EDITS, *, overrides=None, sha: str | None = None) -> tuple[Path, str]:
     """Write the stack made of `edits` and a lock pinning a release wheel (sha256 from the file unless given)."""
     project.write_stack(make_patches(project.upstream, project.tmp / "mk", TAG1, edits))
     wheel, real_sha = release_wheel(project, project.tmp / "artifacts", overrides=overrides)
-    project.write_lock(lock_text(project.upstream, artifact=artifacts_toml(sha or real_sha, variants)))
+    project.write_lock(lock_text(project.upstream, artifact=artifact_toml(WHEEL_NAME, sha or real_sha)))
     return wheel, real_sha
 
 
@@ -201,9 +195,9 @@ def test_rebuild_is_byte_identical_also_from_a_fresh_work_dir(project, tmp_path)
 
 
 def test_leave_out_patterns_drop_members_for_that_variant_only(project, monkeypatch):
-    """Like lmdeploy's `pytorch` variant: the same pinned wheel, minus the members it names."""
-    with_variants(monkeypatch, VariantSpec("slim", "vllm", "cpu", leave_out=("vllm/_C*.so",)))
-    pin_wheel(project, variants=("cpu", "slim"))
+    """Like lmdeploy's `pytorch` variant: the wheel pinned for another variant, minus the members it names."""
+    with_variants(monkeypatch, VariantSpec("slim", "vllm", "cpu", wheel_variant="cpu", leave_out=("vllm/_C*.so",)))
+    pin_wheel(project)
     full = build(project, "--variant", "cpu")
     assert full["left_out"] == [] and SO in read_zip(Path(full["artifact"]))
     Path(full["artifact"]).unlink()
