@@ -18,8 +18,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import (MOD_V1, P1_MOD, REF1, TAG1, TAG2, artifact_toml, commit_msg, files_snapshot, git,
-                      lock_text, make_patches)
+from conftest import (
+    MOD_V1,
+    P1_MOD,
+    REF1,
+    TAG1,
+    TAG2,
+    artifact_toml,
+    commit_msg,
+    files_snapshot,
+    git,
+    lock_text,
+    make_patches,
+)
 
 from patcher.engines import ADAPTERS
 from patcher.engines.base import VariantSpec
@@ -283,9 +294,8 @@ def test_list_json_shows_build_kind_and_full_build_reasons(project):
 
 def test_classify_uses_each_adapters_rules():
     from patcher.buildkind import classify
-    from patcher.stack import load_stack
-
     from patcher.pinref import PinRef
+    from patcher.stack import load_stack
 
     root = Path(__file__).resolve().parents[1] / "patches"
     assert classify(ADAPTERS["vllm"], load_stack(root, PinRef("vllm", "v0.32.0"))).kind == "overlay"
