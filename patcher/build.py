@@ -128,6 +128,10 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
             raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
         new_version = overlay_version(version, stack.hash)
         new_di = f"{name}-{new_version}.dist-info"
+        # the .data directory carries the version too; installers other than pip (installer, uv)
+        # only treat `{name}-{version}.data/` as data and would copy an old-named one verbatim
+        old_data, new_data = f"{name}-{version}.data/", f"{name}-{new_version}.data/"
+        renamed: dict[str, str] = {}  # new member name -> name in the release wheel
         rows = parse_record(z.read(f"{old_di}/RECORD").decode("utf-8"))
         record_of = {r[0]: r for r in rows}
         out_members = []
@@ -145,6 +149,10 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
                     continue
                 out_members.append(new_member(m.name, data, m.external_attr))
                 replaced.append(m.name)
+            elif m.name.startswith(old_data):
+                new_name = new_data + m.name[len(old_data):]
+                renamed[new_name] = m.name
+                out_members.append(type(m)(**{**m.__dict__, "name": new_name}))
             else:
                 out_members.append(m)
         for path in sorted(files):
@@ -175,11 +183,11 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         changed = {m.name for m in out_members if m.name in replaced or m.name in added}
         new_rows = []
         for m in out_members:
-            r = record_of.get(m.name)
+            r = record_of.get(renamed.get(m.name, m.name))
             if r is not None and m.name not in changed:
-                new_rows.append(r)
+                new_rows.append([m.name, *r[1:]])
             else:
-                data = files[m.name] if m.name in files else z.read(m.name)
+                data = files[m.name] if m.name in files else z.read(renamed.get(m.name, m.name))
                 new_rows.append([m.name, record_hash(data), str(len(data))])  # type: ignore[arg-type]
         for m in di_members:
             data = _member_bytes(z, m, old_di, new_di)
