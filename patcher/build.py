@@ -99,7 +99,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
     if art is None:
         raise BuildError(f"{entry} has no pinned wheel for variant '{spec.name}'",
                          hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
-    res = apply_stack(cfg, lock, entry.ref, progress=progress)
+    apply_stack(cfg, lock, entry.ref, progress=progress)  # no-op when the checkout already holds the stack
     co = Checkout(cfg, entry.ref)
     files = patched_files(co, stack)
     wheel_path = fetch_artifact(cfg, entry, art, progress)
@@ -190,7 +190,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
                 data = files[m.name] if m.name in files else z.read(renamed.get(m.name, m.name))
                 new_rows.append([m.name, record_hash(data), str(len(data))])  # type: ignore[arg-type]
         for m in di_members:
-            data = _member_bytes(z, m, old_di, new_di)
+            data = _member_bytes(m)
             new_rows.append([m.name, record_hash(data), str(len(data))])
         new_rows.append([f"{new_di}/RECORD", "", ""])
         record = new_member(f"{new_di}/RECORD", format_record(new_rows).encode("utf-8"))
@@ -211,12 +211,11 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
             f"pre-images verified by blob id), stack {stack.short_hash}")
 
 
-def _member_bytes(z, m, old_di: str, new_di: str) -> bytes:
-    import zlib as _z
+def _member_bytes(m) -> bytes:
+    """Uncompressed bytes of a member held as raw (stored or deflated) data."""
+    import zlib
 
-    if m.method == 0:
-        return m.raw
-    return _z.decompress(m.raw, -15)
+    return m.raw if m.method == 0 else zlib.decompress(m.raw, -15)
 
 
 def missing_toolchain(spec: VariantSpec) -> list[str]:

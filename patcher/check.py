@@ -13,7 +13,6 @@ import hashlib
 import importlib.metadata
 import json
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -25,8 +24,8 @@ from typing import Callable, Iterator
 
 from .config import Config
 from .engines import adapter
-from .engines.base import EngineAdapter, VariantSpec
-from .equivalence import Comparison, LogitReport, compare, explain
+from .engines.base import VariantSpec
+from .equivalence import LogitReport, compare, explain
 from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .pinref import PinRef

@@ -262,7 +262,7 @@ def _source_words(src: dict | None) -> str:
 def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
     op = state["op"]
     rb = op["rebase"]
-    patches, outcomes, details = op["patches"], op["outcomes"], rb["details"]
+    patches, outcomes = op["patches"], op["outcomes"]
     base = co.base()
     from_base = co.git.rev(FROM_BASE) or base
     dists = tuple(rb["dists"])

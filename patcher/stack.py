@@ -80,7 +80,7 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
     if not series.exists():
         if must_exist:
             raise StackError(f"no stack for {ref}: {series} does not exist",
-                             hint=f"create it (an empty series file is a valid stack) or check the tag")
+                             hint="create it (an empty series file is a valid stack) or check the tag")
         return Stack(ref, d, (), exists=False)
     names = parse_series(series.read_text(encoding="utf-8"), where=str(series))
     entries = []

@@ -10,8 +10,6 @@ import shutil
 
 import pytest
 
-# the pinned LMDeploy wheels come from PyPI (once per machine: tests/shared_envs.py)
-pytestmark = pytest.mark.network
 from lmdeploy_support import (
     BASE_TREES,
     WHEELS,
@@ -24,6 +22,9 @@ from lmdeploy_support import (
     sha256,
     wheel_path,
 )
+
+# the pinned LMDeploy wheels come from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 
 TAGS = ("v0.4.0", "v0.18.0")
 

@@ -11,9 +11,10 @@ import shutil
 
 import pytest
 
+from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
+
 # the pinned LMDeploy 0.4.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
 pytestmark = pytest.mark.network
-from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import types
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -29,8 +28,6 @@ from typing import Iterator
 
 import pytest
 
-# the pinned vLLM 0.3.3 wheel comes from PyPI (once per machine: tests/shared_envs.py)
-pytestmark = pytest.mark.network
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -40,6 +37,9 @@ import torch.nn.functional as F  # noqa: E402
 from packaging.version import Version  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import DeepseekV2Config as HFDeepseekV2Config  # noqa: E402
+
+# the pinned vLLM 0.3.3 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 
 if Version(transformers.__version__) < Version("5.15"):
     # Older DeepseekV2Attention ignores YaRN's mscale_all_dim in the softmax scale (PR #47435),
@@ -112,10 +112,9 @@ def vllm033_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     The project (lock + stacks) is this repository's; the work dir is a fresh temporary one,
     the artifact cache the shared one (tests/shared_envs.py), so the wheel downloads once.
     """
-    import shutil
     from dataclasses import replace
 
-    from shared_envs import REPO, pinned_wheel, real_lock, shared_config
+    from shared_envs import pinned_wheel, real_lock, shared_config
 
     from patcher.pinref import PinRef
     from patcher.workspace import apply_stack

