@@ -5,6 +5,9 @@ BIN     := $(VENV)/bin
 # The CPU build of torch (this machine's pip config serves it from a local wheel folder;
 # elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
 TORCH   ?= torch==2.13.0
+# The gate's reference version (patcher/check.py REFERENCE_TRANSFORMERS): with it in dsadapt's
+# own environment the reference runs there instead of in an extra venv.
+TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-fast build-all bench gpu-check clean
@@ -14,7 +17,7 @@ setup: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRANSFORMERS)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton]'
 	touch $@
 
