@@ -98,14 +98,9 @@ class BenchReport:
 
 
 def machine_info() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from .machine import cpu_model
+
+    model = cpu_model()
     mem_gib = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

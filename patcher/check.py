@@ -12,8 +12,6 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
-import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ from .engines.base import VariantSpec
 from .equivalence import LogitReport, compare, explain
 from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
+from .machine import device_description
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
 from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
@@ -154,25 +153,6 @@ def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, 
 
 
 # ---------------------------------------------------------------- provenance
-
-
-def device_description() -> str:
-    gpu = None
-    if shutil.which("nvidia-smi"):
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-        gpu = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    cores = os.cpu_count()
-    return f"GPU {gpu}" if gpu else f"CPU {cpu} ({cores} cores)"
 
 
 def _hash_json(obj) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .config import Config
 from .engines import adapter
-from .errors import ConflictStop, StackError, WorkspaceError
+from .errors import StackError, WorkspaceError
 from .fsutil import atomic_write_text
 from .gitutil import Git
 from .lock import Lock, load_lock, write_lock
@@ -36,8 +36,8 @@ from .pin import resolve_pin
 from .pinref import PinRef
 from .rebase_report import CARRIED, PatchReport, RebaseReport, format_markdown, report_stem, split_range_diff
 from .stack import Stack, load_stack, stack_dir, write_stack
-from .workspace import (BASE_REF, Checkout, PatchOutcome, Progress, StackResult, _conflicted_files,
-                        ensure_checkout, export_commits)
+from .workspace import (BASE_REF, Checkout, PatchOutcome, Progress, StackResult, ensure_checkout, export_commits,
+                        stop_on_conflict)
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
@@ -277,15 +277,8 @@ def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
         if hit is None:
             r = co.git.run("am", "-3", "--no-signoff", str(pf), check=False, fixed_dates=True)
             if not r.ok:
-                files = _conflicted_files(co)
-                op["stopped"] = i  # a real stop for the user (continue must not re-run the patch)
-                co.save_state(state)
-                ref = state["ref"]
-                raise ConflictStop(
-                    f"{ref}: rebasing {rb['from']}: patch {i}/{len(patches)} {meta['name']} conflicts in: "
-                    f"{', '.join(files) or '(see git status)'}",
-                    hint=f"resolve in {co.path}, `git add` the files, then `dsadapt continue {ref}`; "
-                         f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole rebase")
+                raise stop_on_conflict(co, state, i, "rebase",
+                                       f"rebasing {rb['from']}: patch {i}/{len(patches)} {meta['name']} does not apply")
             head = co.git.rev("HEAD")
             if head == before:
                 hit = "the 3-way merge left nothing to commit (already in NEW)"

@@ -301,6 +301,18 @@ def _conflicted_files(co: Checkout) -> list[str]:
     return files
 
 
+def stop_on_conflict(co: Checkout, state: dict, i: int, what: str, headline: str) -> ConflictStop:
+    """Record a real stop on patch `i` (for the user to resolve) and the error that says what next."""
+    state["op"]["stopped"] = i  # not a run killed inside git am: continue commits the resolution
+    co.save_state(state)
+    ref = state["ref"]
+    files = _conflicted_files(co)
+    return ConflictStop(
+        f"{ref}: {headline}; conflicts in: {', '.join(files) or '(see git status)'}",
+        hint=f"resolve in {co.path}, `git add` the files, then `dsadapt continue {ref}`; "
+             f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole {what}")
+
+
 def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
     op = state["op"]
     if op.get("kind") == "rebase":  # same transaction; rebase classifies and finishes differently
@@ -315,15 +327,7 @@ def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
         before = co.git.rev("HEAD")
         r = co.git.run("am", "-3", "--no-signoff", str(co.op_dir / f"{i:04d}.patch"), check=False, fixed_dates=True)
         if not r.ok:
-            files = _conflicted_files(co)
-            op["stopped"] = i  # a real stop, for the user to resolve (not a run killed inside git am)
-            co.save_state(state)
-            ref = state["ref"]
-            raise ConflictStop(
-                f"{ref}: patch {i}/{len(patches)} {meta['name']} does not apply; conflicts in: "
-                f"{', '.join(files) or '(see git status)'}",
-                hint=f"resolve in {co.path}, `git add` the files, then `dsadapt continue {ref}`; "
-                     f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole apply")
+            raise stop_on_conflict(co, state, i, "apply", f"patch {i}/{len(patches)} {meta['name']} does not apply")
         head = co.git.rev("HEAD")
         merged = "Falling back to patching base and 3-way merge" in (r.out + r.err)
         outcome = "merged" if merged else "clean"
@@ -395,33 +399,32 @@ def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None) -> Sta
                                    hint=f"edit them, `git add` them in {co.path}, then `dsadapt continue {co.ref}`")
             raise WorkspaceError(f"{co.ref}: git am --continue failed: {msg[-1] if msg else r.rc}",
                                  hint=f"if the patch is now empty, run `dsadapt skip {co.ref}`")
-        i = len(op["outcomes"]) + 1
-        meta = op["patches"][i - 1]
-        o = PatchOutcome(i, meta["name"], meta["subject"], "changed", co.git.rev("HEAD"))
-        op["outcomes"].append(asdict(o))
-        co.save_state(state)
-        if on_patch:
-            on_patch(o)
+        _record_next(co, state, "changed", on_patch)
     return _run_patches(co, state, on_patch)
+
+
+def _record_next(co: Checkout, state: dict, outcome: str, on_patch) -> None:
+    """Record the outcome of the patch the apply stopped on (the next one without an outcome)."""
+    op = state["op"]
+    i = len(op["outcomes"]) + 1
+    meta = op["patches"][i - 1]
+    o = PatchOutcome(i, meta["name"], meta["subject"], outcome, co.git.rev("HEAD"))
+    op["outcomes"].append(asdict(o))
+    co.save_state(state)
+    if on_patch:
+        on_patch(o)
 
 
 def skip_patch(cfg: Config, ref: PinRef | None = None, on_patch=None) -> StackResult:
     co = _in_progress(cfg, ref)
     state = co.load_state()
-    op = state["op"]
     _reconcile_killed(co, state)
     if not co.am_in_progress():
         raise WorkspaceError(f"{co.ref}: not stopped on a patch", hint=f"run `dsadapt continue {co.ref}`")
     co.git.run("am", "--skip", check=False, fixed_dates=True)
     if co.am_in_progress():
         co.git.run("am", "--abort", check=False)
-    i = len(op["outcomes"]) + 1
-    meta = op["patches"][i - 1]
-    o = PatchOutcome(i, meta["name"], meta["subject"], "skipped", co.git.rev("HEAD"))
-    op["outcomes"].append(asdict(o))
-    co.save_state(state)
-    if on_patch:
-        on_patch(o)
+    _record_next(co, state, "skipped", on_patch)
     return _run_patches(co, state, on_patch)
 
 
