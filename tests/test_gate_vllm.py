@@ -242,8 +242,10 @@ def test_check_vllm_bfloat16_low_precision_rule(gate):
     c = rep["comparison"]
     assert rep["dtype"] == "bfloat16" and c["tolerance"] is None
     th, s = c["thresholds"], c["summary"]
-    assert s["top1_agreement"] >= th["top1"] and s["topk_overlap"] >= th["topk_overlap"]
-    assert s["mean_abs"] <= th["mean_abs"]
+    assert s["positions"] == 254  # teacher-forced prompt positions only
+    assert s["top1"] >= th["min_top1"] and s["topk_overlap"] >= th["min_topk_overlap"]
+    assert s["mean_abs"] <= th["max_mean_abs"]
+    assert s["max_abs"] > TOL  # bfloat16 really ran: far from float32 agreement
 
 
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
