@@ -304,7 +304,7 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     assert c["rule"] == "strict" and c["summary"]["max_abs"] > 10 * TOL
     firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
     assert firsts, c["rows"]
-    explained = [ln for ln in res.out.splitlines() if "explain:" in ln]
+    explained = [ln for ln in res.err.splitlines() if "explain:" in ln]  # human output: stderr
     _log(f"bug {bug}: max |Δ| {c['summary']['max_abs']:.3g}, first divergence {min(firsts)}; "
          + " | ".join(rep["explanation"]))
     assert explained, res
