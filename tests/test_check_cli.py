@@ -247,3 +247,18 @@ def test_check_all_with_nothing_runnable_exits_6(proj):
     assert all(r["reason"] for r in doc["results"])
     assert {r["reason"] for r in doc["results"] if r["pin"].startswith("vllm")} == {
         "needs a CUDA GPU (none on this machine)"}
+
+
+@needs_cpu_only
+def test_check_all_exit_code_is_the_verdict_of_the_pins_that_ran(proj, model_dir, failing_engine):
+    """One pin runs and fails, the others cannot run here: exit 1, and the failure is the only verdict."""
+    proj.drop_pins("triton@r26.01")
+    rc, out, err = proj.run("check", "--all", "--model", str(model_dir), "--json")
+    assert rc == 1, err
+    doc = json.loads(out)
+    verdicts = {r["pin"]: r["verdict"] for r in doc["results"]}
+    assert verdicts == {"vllm@v0.3.3": "not run", "vllm@v0.32.0": "fail", "vllm@v0.33.0": "not run",
+                        "triton@r24.08": "not run"}
+    assert doc["ok"] is False
+    (failed,) = [r for r in doc["results"] if r["verdict"] == "fail"]
+    assert any(KEY_ERROR in r for r in failed["reasons"])
