@@ -302,6 +302,8 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
         "engine_log": str(getattr(err, "log_path", None) or "") or None,
         "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
+        # the tail often holds only wrapper tracebacks; the first real error line of the whole log:
+        "engine_root_cause": _root_cause(str(getattr(err, "log_path", None) or "") or None),
     }
     result = CheckResult(
         pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
@@ -316,17 +318,19 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     return result
 
 
-def _failure_reason(err: DsadaptError, log_path: str | None) -> str:
-    """One line: what failed, and the root cause from the engine's log where one is found."""
+def _root_cause(log_path: str | None) -> str | None:
     from .runners import root_cause
 
+    try:
+        return root_cause(Path(log_path).read_text(errors="replace").splitlines()) if log_path else None
+    except OSError:
+        return None
+
+
+def _failure_reason(err: DsadaptError, log_path: str | None) -> str:
+    """One line: what failed, and the root cause from the engine's log where one is found."""
     first = err.message.splitlines()[0].rstrip(":; ").removesuffix("; log tail")
-    cause = None
-    if log_path:
-        try:
-            cause = root_cause(Path(log_path).read_text(errors="replace").splitlines())
-        except OSError:
-            cause = None
+    cause = _root_cause(log_path)
     if cause and cause not in first:
         first += f" (root cause: {cause[:200]})"
     return f"the engine failed on this model: {first}"

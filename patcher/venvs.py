@@ -46,6 +46,10 @@ def venv_python(venv: Path) -> Path:
 
 def _pip(py: Path, *args: str, stream: bool) -> None:
     cmd = [str(py), "-m", "pip", "--disable-pip-version-check", *(["-q"] if args and args[0] == "install" else []), *args]
+    try:  # stream to our stderr when it is a real file (not when a caller captured it in memory)
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        stream = False
     r = subprocess.run(cmd, stdout=sys.stderr if stream else subprocess.PIPE,
                        stderr=sys.stderr if stream else subprocess.STDOUT, text=True)
     if r.returncode != 0:
