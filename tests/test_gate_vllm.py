@@ -382,9 +382,10 @@ def test_check_all_counts_only_pins_that_ran(gate):
     assert run.rc == 0, run
     doc = run.json()
     by_pin = {r["pin"]: r for r in doc["results"]}
-    assert set(by_pin) == {"vllm@v0.3.3", "vllm@v0.32.0", "vllm@v0.33.0", "triton@r24.08"}
+    assert set(by_pin) == {"vllm@v0.3.3", "vllm@v0.32.0", "vllm@v0.33.0", "triton@r24.08",
+                           "lmdeploy@v0.4.0", "lmdeploy@v0.18.0"}
     assert by_pin["vllm@v0.32.0"]["verdict"] == "pass" and doc["ok"] is True
-    for pin in ("vllm@v0.3.3", "vllm@v0.33.0"):
+    for pin in ("vllm@v0.3.3", "vllm@v0.33.0", "lmdeploy@v0.4.0", "lmdeploy@v0.18.0"):
         assert by_pin[pin]["verdict"] == "not run" and "needs a CUDA GPU" in by_pin[pin]["reason"]
     assert by_pin["triton@r24.08"]["verdict"] == "not run" and by_pin["triton@r24.08"]["reason"]
     # the --all run is the second rerun of the correct stack: same verdict, same numbers
