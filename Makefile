@@ -10,7 +10,7 @@ TORCH   ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast build-all bench gpu-check clean
+.PHONY: setup demo test test-fast build-all bench gpu-check docs clean
 
 setup: $(BIN)/.installed
 
@@ -47,6 +47,11 @@ bench: setup
 gpu-check: setup
 	$(BIN)/dsadapt build lmdeploy@v0.18.0 --variant pytorch
 	PYTHON=$(BIN)/python DSADAPT_LMDEPLOY_WHEEL_DIR=$${DSADAPT_CACHE:-.dsadapt/cache}/artifacts bash scripts/gpu_check.sh
+
+## Regenerate docs/commands.md from the commands' help.
+docs: setup
+	$(BIN)/python -c "from patcher.cli import cli; from patcher.commands.reference import command_reference; \
+	open('docs/commands.md', 'w').write(command_reference(cli))"
 
 clean:
 	rm -rf dist .pytest_cache
