@@ -88,8 +88,8 @@ def resolve_model(cfg: Config, model: str, config_style: str | None, progress=No
         return out, model, style
     d = Path(model)
     if not (d / "config.json").is_file():
-        raise UsageError(f"--model {model}: neither a built-in model (v3, v2-lite) nor a directory with config.json",
-                         hint="use --model v3, --model v2-lite, or a local HF model directory")
+        raise UsageError(f"--model {model}: neither a built-in model (v3, v2-lite, v2) nor a directory with config.json",
+                         hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
     return d.resolve(), d.name, config_style
 
 

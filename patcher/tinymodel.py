@@ -1,6 +1,6 @@
 """Built-in tiny DeepSeek checkpoints for the equivalence gate (`dsadapt model make`).
 
-Two variants share one shape family and one tokenizer:
+Three variants share one shape family and one tokenizer:
 
 - ``v3``: ``DeepseekV3ForCausalLM`` with q LoRA, sigmoid expert scores plus
   ``e_score_correction_bias`` (``noaux_tc``), group-limited top-k (``n_group`` /
@@ -8,6 +8,10 @@ Two variants share one shape family and one tokenizer:
   distinct ``mscale`` / ``mscale_all_dim``.
 - ``v2-lite``: ``DeepseekV2ForCausalLM`` without q LoRA, softmax scores with greedy
   top-k, shared experts, ``norm_topk_prob`` false and DeepSeek-V2-Lite's YaRN mscales.
+- ``v2``: full DeepSeek-V2's routing on the same shape: q LoRA, softmax scores with
+  group-limited greedy top-k (``n_group`` 4 / ``topk_group`` 2), ``routed_scaling_factor`` 16,
+  ``norm_topk_prob`` false. It exercises the path where engines mask dropped groups
+  (LMDeploy 0.18.0 masked the logits with 0 before the softmax: docs/engines/lmdeploy.md).
 
 Both keep ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64 (vLLM's CPU MLA backend
 supports nothing else); everything else is small (about 13 M parameters, 52 MB float32).
@@ -53,7 +57,7 @@ from typing import Any
 
 from patcher.errors import DsadaptError, UsageError
 
-VARIANTS = ("v3", "v2-lite")
+VARIANTS = ("v3", "v2-lite", "v2")
 CONFIG_STYLES = ("deepseek", "transformers")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -247,7 +251,7 @@ def deepseek_config(variant: str) -> dict[str, Any]:
             "topk_group": 2,
             "topk_method": "noaux_tc",
         }
-    else:
+    elif variant == "v2-lite":
         specific = {
             "architectures": ["DeepseekV2ForCausalLM"],
             "model_type": "deepseek_v2",
@@ -259,6 +263,19 @@ def deepseek_config(variant: str) -> dict[str, Any]:
             "scoring_func": "softmax",
             "topk_group": 1,
             "topk_method": "greedy",
+        }
+    else:  # v2: DeepSeek-V2 (236B)'s routing: 8 groups / 3 chosen, scaling 16, scaled down
+        specific = {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "n_group": 4,
+            "n_shared_experts": 2,
+            "norm_topk_prob": False,
+            "q_lora_rank": 128,
+            "routed_scaling_factor": 16.0,
+            "scoring_func": "softmax",
+            "topk_group": 2,
+            "topk_method": "group_limited_greedy",
         }
     return dict(sorted({**common, **specific}.items()))
 

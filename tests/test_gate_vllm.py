@@ -238,6 +238,12 @@ def test_check_vllm_v2_lite(gate, style):
     assert_pass(gate.check("v2-lite", style))
 
 
+def test_check_vllm_v2_group_limited_routing(gate):
+    """Full DeepSeek-V2 routing (group_limited_greedy, routed_scaling_factor 16): vLLM 0.32 agrees
+    with HF (the path LMDeploy 0.18.0 got wrong; docs/engines/lmdeploy.md)."""
+    assert_pass(gate.check("v2", "transformers"))
+
+
 # ---------------------------------------------------------------- 4. bfloat16
 
 

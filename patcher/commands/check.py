@@ -44,7 +44,7 @@ def render(res: CheckResult) -> None:
 
 @click.command("check")
 @click.argument("pin", metavar="ENGINE@TAG", required=False)
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite) or a model directory.")
+@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model (default: transformers, what save_pretrained writes).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
