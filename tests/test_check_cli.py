@@ -93,7 +93,7 @@ def test_check_needs_a_pin_or_all(proj):
 def test_check_unknown_model_dir_is_a_usage_error(proj, tmp_path):
     rc, out, err = proj.run("check", PIN, "--model", str(tmp_path / "nope"))
     assert rc == 2, err
-    assert "neither a built-in model (v3, v2-lite) nor a directory with config.json" in err
+    assert "neither a built-in model (v3, v2-lite, v2) nor a directory with config.json" in err
     assert "hint: use --model v3, --model v2-lite, --model v2, or a local HF model directory" in err
 
 
