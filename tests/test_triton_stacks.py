@@ -53,3 +53,37 @@ def test_stack_applies_on_pinned_commit(tag, tmp_path):
     everything = "\n".join(sources.values())
     for name in GATE_NAMES:
         assert f'"{name}"' in everything, f"{tag}: {name} not in the patched backend"
+
+
+@pytest.mark.mirror
+@needs_mirror
+@pytest.mark.parametrize("tag", TAGS)
+def test_dsadapt_apply_verify_and_build_through_the_mirror(tag, tmp_path):
+    """The real tool on the real lock: the mirror source (commit checked against the lock), the
+    stack applied as commits, verify clean, and a backend build that is byte-reproducible."""
+    from dataclasses import replace
+
+    from shared_envs import real_lock, shared_config
+
+    from patcher.build import build_pin
+    from patcher.pinref import PinRef
+    from patcher.verify import verify_stack
+    from patcher.workspace import apply_stack
+
+    ref = PinRef("triton", tag)
+    cfg = replace(shared_config(), workdir=tmp_path / "work", sources=("mirror",),
+                  mirrors={"triton": (mirror,)})
+    res = apply_stack(cfg, real_lock(), ref)
+    assert res.source["kind"] == "mirror" and res.source["commit"] == real_lock().pin(ref).commit
+    assert [o.outcome for o in res.outcomes] == ["clean"] * len(sup.series(tag))
+    v = verify_stack(cfg, real_lock(), ref)
+    assert v.ok, v.problems
+    first = build_pin(cfg, real_lock(), ref, out_dir=tmp_path / "dist1")
+    again = build_pin(cfg, real_lock(), ref, out_dir=tmp_path / "dist2")
+    assert first.kind == "backend" and first.sha256 == again.sha256
+    import tarfile
+
+    with tarfile.open(first.artifact) as tar:
+        names = tar.getnames()
+    assert any(n.endswith("backends/vllm/model.py") for n in names)
+    assert any(n.endswith("model_repository/deepseek/config.pbtxt") for n in names)
