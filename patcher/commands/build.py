@@ -9,7 +9,7 @@ import click
 
 from ..build import build_pin, buildable_here
 from ..engines import adapter
-from ..errors import DsadaptError
+from ..errors import DsadaptError, SourceError
 from ..venvs import install_pin
 from ..workspace import workdir_lock
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
@@ -99,6 +99,9 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                         res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer(not as_json))
                         row.update(kind=res.kind, artifact=res.artifact, sha256=res.sha256,
                                    seconds=round(time.monotonic() - t0, 1), status="built")
+                    except SourceError as e:  # no source reachable here: cannot be built here, not a failure
+                        row.update(status="skipped", reason="no source reachable here (git unreachable, no mirror "
+                                                            "in DSADAPT_MIRRORS, no release artifact)")
                     except DsadaptError as e:
                         row.update(status="failed", reason=e.message)
                         failed = True

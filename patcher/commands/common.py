@@ -66,11 +66,13 @@ def say(msg: str) -> None:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
-    t = Table(title=title, show_lines=False)
+    from rich.markup import escape
+
+    t = Table(title=escape(title) if title else None, show_lines=False)
     for c in columns:
-        t.add_column(c, overflow="fold")
-    for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_column(escape(c), overflow="fold")
+    for r in rows:  # cells are data (paths, error texts with [brackets]), never markup
+        t.add_row(*[escape(str(x)) for x in r])
     out_console.print(t)
 
 
