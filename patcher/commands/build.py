@@ -99,7 +99,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                         res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer(not as_json))
                         row.update(kind=res.kind, artifact=res.artifact, sha256=res.sha256,
                                    seconds=round(time.monotonic() - t0, 1), status="built")
-                    except SourceError as e:  # no source reachable here: cannot be built here, not a failure
+                    except SourceError:  # no source reachable here: cannot be built here, not a failure
                         row.update(status="skipped", reason="no source reachable here (git unreachable, no mirror "
                                                             "in DSADAPT_MIRRORS, no release artifact)")
                     except DsadaptError as e:
