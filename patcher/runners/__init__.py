@@ -172,9 +172,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
             timed_out.set()
             _kill_group(proc)
 
-        timer = threading.Timer(timeout, expire)
-        timer.start()
-        try:
+        def read():
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line.rstrip("\n"))
@@ -182,12 +180,21 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
                     errors.append(line.rstrip("\n"))
                 if on_line:
                     on_line(line.rstrip("\n"))
+
+        timer = threading.Timer(timeout, expire)
+        timer.start()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
             rc = proc.wait()
         finally:
             timer.cancel()
-            if proc.poll() is None:
-                _kill_group(proc)
-                proc.wait()
+            # The runner is done, but helpers it spawned (vLLM's multiprocessing resource
+            # tracker, engine workers) may live on holding the output pipe: end its whole
+            # process group so the pipe closes and nothing is left behind.
+            _kill_group(proc)
+            proc.wait()
+            reader.join(timeout=30)
     wall = time.monotonic() - t0
     tail_text = "\n".join(tail)
     if timed_out.is_set():
