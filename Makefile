@@ -51,7 +51,7 @@ gpu-check: setup
 ## Regenerate docs/commands.md from the commands' help.
 docs: setup
 	$(BIN)/python -c "from patcher.cli import cli; from patcher.commands.reference import command_reference; \
-	open('docs/commands.md', 'w').write(command_reference(cli))"
+	text = command_reference(cli); open('docs/commands.md', 'w').write(text)"
 
 clean:
 	rm -rf dist .pytest_cache
