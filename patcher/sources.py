@@ -293,25 +293,24 @@ def materialize(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, 
 # ---------------------------------------------------------------- PyPI index (for pin and tags)
 
 
-def pypi_files(dist: str, timeout: float = 30) -> list[dict]:
-    """Files PyPI lists for a distribution (PEP 691 JSON simple API)."""
+def _pypi_index(dist: str, timeout: float) -> dict:
+    """PyPI's PEP 691 JSON simple-API page for a distribution."""
     req = urllib.request.Request(f"{PYPI_SIMPLE}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            data = json.load(r)
+            return json.load(r)
     except Exception as e:  # network errors of every kind
         raise Unreachable(f"PyPI index for {dist} unreachable ({e})") from None
-    return data.get("files", [])
+
+
+def pypi_files(dist: str, timeout: float = 30) -> list[dict]:
+    """Files PyPI lists for a distribution."""
+    return _pypi_index(dist, timeout).get("files", [])
 
 
 def pypi_versions(dist: str, timeout: float = 30) -> list[str]:
-    req = urllib.request.Request(f"{PYPI_SIMPLE}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            data = json.load(r)
-    except Exception as e:
-        raise Unreachable(f"PyPI index for {dist} unreachable ({e})") from None
-    return list(data.get("versions", []))
+    """Versions PyPI lists for a distribution."""
+    return list(_pypi_index(dist, timeout).get("versions", []))
 
 
 def git_remote_tags(url: str, timeout: float) -> dict[str, str]:
