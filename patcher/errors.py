@@ -63,6 +63,13 @@ class ConflictStop(DsadaptError):
     exit_code = 4
 
 
+class Refused(DsadaptError):
+    """dsadapt refused to overwrite something newer than what it would write (e.g. `refresh` over
+    patches/ files changed since apply); `--force` overwrites and keeps a backup."""
+
+    exit_code = 4
+
+
 class BuildError(DsadaptError):
     """A build could not be made."""
 

@@ -1,23 +1,30 @@
-"""A thin, explicit layer over git (through GitPython's command runner).
+"""A thin, explicit layer over git.
 
-Everything dsadapt does to a repository goes through `Git.run`, so the exact commands are
-easy to audit and to log.
+Everything dsadapt does to a repository goes through `Git.run`, so the exact commands are easy
+to audit, to log and to interrupt (`faults.point` before and after each one). Git is run as a
+plain subprocess: that is all GitPython's command runner does too, and importing GitPython
+costs 65-80 ms on every dsadapt start (see docs/architecture.md); `Git.repo` hands out a
+GitPython `Repo` for callers that want its object model, imported only then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-import git as gitpython
-
+from . import faults
 from .errors import DsadaptError
 
 # Fixed identity and dates for the commits dsadapt itself makes (base snapshots, applied
 # patches), so the same inputs give the same commit ids on every machine.
 FIXED_DATE = "1700000000 +0000"
 DSADAPT_IDENT = {"name": "dsadapt", "email": "dsadapt@localhost"}
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 
 
 @dataclass(frozen=True)
@@ -41,57 +48,92 @@ def base_env(fixed_dates: bool = False) -> dict[str, str]:
         "GIT_ASKPASS": "true",
         "LC_ALL": "C",
         "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", DSADAPT_IDENT["name"]),
+        "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", DSADAPT_IDENT["email"]),
     }
-    env.setdefault("GIT_COMMITTER_NAME", os.environ.get("GIT_COMMITTER_NAME", DSADAPT_IDENT["name"]))
-    env.setdefault("GIT_COMMITTER_EMAIL", os.environ.get("GIT_COMMITTER_EMAIL", DSADAPT_IDENT["email"]))
     if fixed_dates:
         env["GIT_AUTHOR_DATE"] = FIXED_DATE
         env["GIT_COMMITTER_DATE"] = FIXED_DATE
     return env
 
 
+DSADAPT_AUTHOR = {"GIT_AUTHOR_NAME": DSADAPT_IDENT["name"], "GIT_AUTHOR_EMAIL": DSADAPT_IDENT["email"]}
+
+
 class Git:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, env: dict[str, str] | None = None):
         self.path = Path(path)
-        self._git = gitpython.Git(str(self.path))
+        self.env = env or {}
+
+    def with_env(self, **env: str) -> "Git":
+        """The same repository with extra environment (e.g. GIT_INDEX_FILE for a temporary index)."""
+        return Git(self.path, {**self.env, **env})
+
+    def _environ(self, fixed_dates: bool, env: dict[str, str] | None) -> dict[str, str]:
+        full = dict(os.environ)
+        full.update(base_env(fixed_dates))
+        full.update(self.env)
+        if env:
+            full.update(env)
+        return full
+
+    def run_bytes(self, *args: str, check: bool = True, input: bytes | None = None,
+                  env: dict[str, str] | None = None, fixed_dates: bool = False,
+                  timeout: float | None = None) -> tuple[int, bytes, bytes]:
+        faults.point("git-start", " ".join(args[:2]))
+        try:
+            p = subprocess.run(["git", *args], cwd=self.path, input=input, capture_output=True,
+                               env=self._environ(fixed_dates, env), timeout=timeout)
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = -9, e.stdout or b"", (e.stderr or b"") + b"\ntimed out"
+        faults.point("git-end", " ".join(args[:2]))
+        if check and rc != 0:
+            self._raise(args, rc, err.decode("utf-8", "replace") or out.decode("utf-8", "replace"))
+        return rc, out, err
 
     def run(self, *args: str, check: bool = True, input: str | None = None,
             env: dict[str, str] | None = None, fixed_dates: bool = False, timeout: float | None = None) -> GitResult:
-        full_env = base_env(fixed_dates)
-        if env:
-            full_env.update(env)
-        istream = None
-        if input is not None:
-            import tempfile
-
-            istream = tempfile.TemporaryFile()
-            istream.write(input.encode("utf-8"))
-            istream.seek(0)
-        try:
-            rc, out, err = self._git.execute(
-                ["git", *args], with_extended_output=True, with_exceptions=False, istream=istream,
-                env=full_env, strip_newline_in_stdout=False, kill_after_timeout=timeout,
-                stdout_as_string=True,
-            )
-        finally:
-            if istream is not None:
-                istream.close()
-        res = GitResult(rc, out or "", err or "")
+        rc, out, err = self.run_bytes(*args, check=False, input=None if input is None else input.encode("utf-8"),
+                                      env=env, fixed_dates=fixed_dates, timeout=timeout)
+        res = GitResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
         if check and rc != 0:
-            msg = (res.err or res.out).strip().splitlines()
-            words = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-c")]
-            raise GitError(f"git {' '.join(words[:2])} failed in {self.path}: {msg[-1] if msg else rc}",
-                           hint="see the git message above; the repository was left as git left it")
+            self._raise(args, rc, res.err or res.out)
         return res
+
+    def _raise(self, args: tuple[str, ...], rc: int, text: str) -> None:
+        msg = text.strip().splitlines()
+        words = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-c")]
+        raise GitError(f"git {' '.join(words[:2])} failed in {self.path}: {msg[-1] if msg else rc}",
+                       hint="see the git message above; the repository was left as git left it")
 
     def out(self, *args: str, **kw) -> str:
         return self.run(*args, **kw).out.strip()
+
+    @property
+    def repo(self):
+        """GitPython's Repo for this path (imported on first use only)."""
+        import git as gitpython
+
+        return gitpython.Repo(self.path)
 
     # ------------------------------------------------------------ queries
 
     def rev(self, rev: str) -> str | None:
         r = self.run("rev-parse", "--verify", "--quiet", rev + "^{commit}", check=False)
         return r.out.strip() if r.ok else None
+
+    def revs(self, *revs: str) -> dict[str, str | None]:
+        """Many revisions in one process: {rev: commit id or None}."""
+        if not revs:
+            return {}
+        out: dict[str, str | None] = {}
+        res = self.run("cat-file", "--batch-check=%(objectname) %(objecttype)",
+                       input="".join(f"{x}^{{commit}}\n" for x in revs), check=False)
+        for rev, line in zip(revs, res.out.splitlines()):
+            parts = line.split()
+            out[rev] = parts[0] if len(parts) == 2 and parts[1] == "commit" else None
+        return out
 
     def tree_of(self, rev: str) -> str:
         return self.out("rev-parse", rev + "^{tree}")
@@ -115,28 +157,128 @@ class Git:
                 res[path] = oid
         return res
 
+    def cat_blobs(self, specs: list[str]) -> dict[str, bytes | None]:
+        """Contents of many objects in one `cat-file --batch` ("<rev>:<path>" or ids); None if missing."""
+        if not specs:
+            return {}
+        _, out, _ = self.run_bytes("cat-file", "--batch", input="".join(s + "\n" for s in specs).encode())
+        res: dict[str, bytes | None] = {}
+        pos = 0
+        for spec in specs:
+            nl = out.index(b"\n", pos)
+            header = out[pos:nl].decode("utf-8", "replace").split()
+            pos = nl + 1
+            if len(header) == 3 and header[1] in ("blob", "commit", "tree", "tag"):
+                size = int(header[2])
+                res[spec] = out[pos:pos + size]
+                pos += size + 1
+            else:
+                res[spec] = None
+        return res
+
     def current_branch(self) -> str | None:
         r = self.run("symbolic-ref", "--quiet", "--short", "HEAD", check=False)
         return r.out.strip() if r.ok else None
 
+    def status_entries(self) -> list[str]:
+        """`git status --porcelain` lines (untracked files included, ignored ones not)."""
+        out = self.run("status", "--porcelain", "-z", "--untracked-files=all").out
+        entries, parts, i = [], out.split("\0"), 0
+        while i < len(parts):
+            e = parts[i]
+            i += 1
+            if not e:
+                continue
+            if e[:1] in ("R", "C"):  # a rename carries its source as the next field
+                i += 1
+            entries.append(e)
+        return entries
+
     def is_dirty(self) -> bool:
-        return bool(self.out("status", "--porcelain", "--untracked-files=normal"))
+        return bool(self.status_entries())
 
     def dirty_files(self) -> list[str]:
-        return [l[3:] for l in self.run("status", "--porcelain", "--untracked-files=normal").out.splitlines() if l]
+        return [e[3:] for e in self.status_entries()]
 
     def git_dir(self) -> Path:
-        return (self.path / self.out("rev-parse", "--git-dir")).resolve()
+        return self.path / ".git"
 
-    def refs(self, prefix: str) -> list[tuple[str, str]]:
-        out = self.out("for-each-ref", "--format=%(refname) %(objectname)", prefix)
+    def refs(self, *prefixes: str) -> list[tuple[str, str]]:
+        out = self.out("for-each-ref", "--format=%(refname) %(objectname)", *prefixes)
         return [tuple(l.split(" ", 1)) for l in out.splitlines() if l]  # type: ignore[misc]
 
-    def update_ref(self, ref: str, value: str) -> None:
-        self.run("update-ref", ref, value)
+    def update_ref(self, ref: str, value: str, why: str | None = None) -> None:
+        self.run("update-ref", *(["-m", why] if why else []), ref, value)
 
     def delete_ref(self, ref: str) -> None:
         self.run("update-ref", "-d", ref, check=False)
+
+    def commits(self, rng: str) -> list[tuple[str, str, str]]:
+        """(commit, subject, 'Author <email>') of a first-parent range, oldest first."""
+        out = self.run("log", "--first-parent", "--reverse", "--format=%H%x00%s%x00%an <%ae>", rng,
+                       check=False).out
+        res = []
+        for line in out.splitlines():
+            parts = line.split("\0")
+            if len(parts) == 3:
+                res.append((parts[0], parts[1], parts[2]))
+        return res
+
+    # ------------------------------------------------------------ objects
+
+    def hash_objects(self, blobs: list[bytes]) -> list[str]:
+        """Write blobs into the object store; their ids (one `hash-object --stdin-paths`)."""
+        if not blobs:
+            return []
+        tmp = self.scratch_dir()
+        paths = []
+        for i, data in enumerate(blobs):
+            p = tmp / f"blob-{os.getpid()}-{i}"
+            p.write_bytes(data)
+            paths.append(p)
+        try:
+            out = self.run("hash-object", "-w", "--no-filters", "--stdin-paths",
+                           input="".join(f"{p}\n" for p in paths)).out.split()
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+        return out
+
+    def existing_objects(self, oids: list[str]) -> set[str]:
+        """Which of these object ids the repository has (one `cat-file --batch-check`)."""
+        if not oids:
+            return set()
+        out = self.run("cat-file", "--batch-check=%(objectname)", input="".join(o + "\n" for o in oids)).out
+        return {l for l in out.splitlines() if not l.endswith(" missing")}
+
+    def mktree(self, entries: dict[str, str]) -> str:
+        """A flat tree of blobs {name: blob id}."""
+        text = "".join(f"100644 blob {oid}\t{name}\n" for name, oid in sorted(entries.items()))
+        return self.out("mktree", input=text)
+
+    def commit_tree(self, tree: str, message: str, parents: tuple[str, ...] = ()) -> str:
+        args = ["commit-tree", tree]
+        for p in parents:
+            args += ["-p", p]
+        return self.out(*args, input=message, fixed_dates=True, env=DSADAPT_AUTHOR)
+
+    def scratch_dir(self) -> Path:
+        d = self.git_dir() / "dsadapt" / "tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @contextlib.contextmanager
+    def temp_index(self, tree: str | None = None) -> Iterator["Git"]:
+        """This repository with a private index (GIT_INDEX_FILE), optionally loaded with `tree`."""
+        idx = self.scratch_dir() / f"index-{os.getpid()}-{time.monotonic_ns()}"
+        g = self.with_env(GIT_INDEX_FILE=str(idx))
+        try:
+            if tree is not None:
+                g.run("read-tree", tree)
+            yield g
+        finally:
+            idx.unlink(missing_ok=True)
+            Path(f"{idx}.lock").unlink(missing_ok=True)
 
 
 def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
@@ -144,10 +286,113 @@ def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
     (for the user's checkout, where their commits must carry their name)."""
     path.mkdir(parents=True, exist_ok=True)
     g = Git(path)
-    g.run("init", "-q", *(["--bare"] if bare else []), "-b", "main" if not bare else "main")
+    g.run("init", "-q", *(["--bare"] if bare else []), "-b", "main")
+    settings = [("core.autocrlf", "false"), ("gc.auto", "0")]
     if identity:
-        g.run("config", "user.name", DSADAPT_IDENT["name"])
-        g.run("config", "user.email", DSADAPT_IDENT["email"])
-    g.run("config", "core.autocrlf", "false")
-    g.run("config", "gc.auto", "0")
+        settings = [("user.name", DSADAPT_IDENT["name"]), ("user.email", DSADAPT_IDENT["email"]), *settings]
+    for k, v in settings:
+        g.run("config", k, v)
     return g
+
+
+# ---------------------------------------------------------------- the work tree as objects
+
+
+@dataclass(frozen=True)
+class WorkSnapshot:
+    """Uncommitted work as trees, the way `git stash -u` sees it (nothing in the checkout changes)."""
+
+    head: str | None
+    index: str | None      # the index's tree (None when it has unmerged entries)
+    work: str              # tracked files as they are in the work tree
+    untracked: str | None  # untracked, not ignored files (None when there are none)
+
+    @property
+    def key(self) -> tuple:
+        return (self.index, self.work, self.untracked)
+
+
+def work_snapshot(g: Git) -> WorkSnapshot:
+    head = g.rev("HEAD")
+    idx = g.run("write-tree", check=False)
+    index_tree = idx.out.strip() if idx.ok else None
+    real_index = g.git_dir() / "index"
+    with g.temp_index() as t:
+        tpath = Path(t.env["GIT_INDEX_FILE"])
+        if real_index.exists():
+            tpath.write_bytes(real_index.read_bytes())
+        elif head:
+            t.run("read-tree", head)
+        t.run("add", "-u", "--", ".")
+        work = t.out("write-tree")
+    untracked = [p for p in g.run("ls-files", "-z", "-o", "--exclude-standard").out.split("\0") if p]
+    u_tree = None
+    if untracked:
+        with g.temp_index() as t:
+            t.run("update-index", "--add", "-z", "--stdin", input="".join(p + "\0" for p in untracked))
+            u_tree = t.out("write-tree")
+    return WorkSnapshot(head, index_tree, work, u_tree)
+
+
+def snapshot_commit(g: Git, snap: WorkSnapshot, message: str) -> str:
+    """A stash-shaped commit of the snapshot: `git stash apply --index <it>` brings the work back
+    (tracked changes, what was staged, untracked files)."""
+    head_tree = g.tree_of(snap.head) if snap.head else EMPTY_TREE
+    parents_head = (snap.head,) if snap.head else ()
+    i_commit = g.commit_tree(snap.index or head_tree, f"index on {message}\n", parents_head)
+    parents = [*parents_head, i_commit]
+    if snap.untracked:
+        parents.append(g.commit_tree(snap.untracked, f"untracked files on {message}\n"))
+    return g.commit_tree(snap.work, f"{message}\n", tuple(parents))
+
+
+def snapshot_of_commit(g: Git, commit: str) -> WorkSnapshot:
+    """The snapshot a `snapshot_commit` holds."""
+    out = g.out("log", "-1", "--format=%P", commit).split()
+    head = out[0] if len(out) >= 2 else None
+    idx_commit = out[1] if len(out) >= 2 else out[0]
+    u = g.tree_of(out[2]) if len(out) >= 3 else None
+    return WorkSnapshot(head, g.tree_of(idx_commit), g.tree_of(commit), u)
+
+
+# ---------------------------------------------------------------- processes and lock files
+
+
+def git_processes_in(path: Path) -> list[tuple[int, str]]:
+    """Running git processes whose working directory or command line is inside `path`."""
+    root = os.path.realpath(path)
+    found = []
+    me = os.getpid()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+            if not argv or os.path.basename(argv[0]) not in ("git", "git-am", "git-apply") and \
+                    not argv[0].endswith("/git"):
+                continue
+            cwd = os.path.realpath(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            continue
+        if cwd == root or cwd.startswith(root + os.sep) or any(root in a for a in argv[1:]):
+            found.append((pid, " ".join(argv)[:120]))
+    return found
+
+
+def lock_files(git_dir: Path) -> list[Path]:
+    """git's own lock files in a repository (index.lock, HEAD.lock, refs/**.lock, ...)."""
+    out: list[Path] = []
+    try:
+        out += [p for p in git_dir.glob("*.lock") if p.is_file()]
+    except OSError:
+        return out
+    refs = git_dir / "refs"
+    if refs.is_dir():
+        for dirpath, _dirs, files in os.walk(refs):
+            out += [Path(dirpath) / f for f in files if f.endswith(".lock")]
+    return sorted(out)

@@ -260,14 +260,27 @@ def parse_patch(text: str, where: str = "patch") -> Patch:
         if diff_lines[j] == "-- " and any(diff_lines[j + 1:]):
             diff_lines = diff_lines[:j]
             break
-        if diff_lines[j].startswith(("+", "-", " ", "@@", "\\")) and diff_lines[j] != "":
+        if diff_lines[j].startswith(("+", "-", " ", "@@", "\\", "literal ", "delta ", "GIT binary patch")) \
+                and diff_lines[j] != "":
             break
     while diff_lines and diff_lines[-1] == "":
         diff_lines.pop()
     diff = "\n".join(diff_lines) + "\n"
+    if _ends_in_binary_hunk(diff_lines):
+        diff += "\n"  # git's binary patch format ends each hunk with a blank line; `git apply` needs it
     _, body, trailers = split_message(subject + "\n\n" + message_text)
     files = parse_diff_files(diff, where)
     return Patch(subject=subject, body=body, trailers=trailers, diff=diff, author=author, files=files)
+
+
+def _ends_in_binary_hunk(diff_lines: list[str]) -> bool:
+    """True when the last file of the diff is a `GIT binary patch` (its data runs to the end)."""
+    for line in reversed(diff_lines):
+        if line.startswith("GIT binary patch"):
+            return True
+        if line.startswith(("diff --git ", "@@", "+++ ", "--- ")):
+            return False
+    return False
 
 
 # ---------------------------------------------------------------- formatting

@@ -1,15 +1,16 @@
-"""rebase: carry OLD's stack forward onto NEW, patch by patch, and say what happened to each.
+"""rebase: carry OLD's stack forward onto NEW and say what happened to each patch.
 
-The replay runs inside NEW's checkout under workspace's transaction (state file, op dir,
-backup refs), as an op of kind "rebase": a conflict stops it exactly like `apply`, and
-`dsadapt continue / skip / abort` finish it. `workspace` hands rebase ops back to
-`run_rebase_patches` and `undo_rebase_extras` here.
+The replay is an op of kind "rebase" in NEW's checkout, run by the same `Transaction` as apply
+(one `git am -3` for the whole stack; a conflict stops it, `dsadapt continue / skip / abort`
+finish it). This module registers the kind: what is decided before am runs (Drop-When), what a
+stop means (already upstream?), how an applied or empty patch is classified, and how the op
+finishes (NEW's stack, the report) or is undone (the lock entry, comparison refs, patches/NEW).
 
 Every patch gets one classification (docs/rebase.md):
 
-- upstream: its Drop-When spec matches NEW's version; or, when it does not apply forward, its
-  patch-id is in NEW's history, or it reverse-applies (exactly, then ignoring whitespace), or
-  the 3-way merge leaves nothing to commit. Dropped from NEW's stack.
+- upstream: its Drop-When spec matches NEW's version; or `git am -3` found nothing left to
+  commit; or it stopped am and its patch-id is in NEW's history or it reverse-applies onto NEW
+  (exactly, then ignoring whitespace). Dropped from NEW's stack.
 - clean:   applied with the same hunks (only the index line's blob ids differ).
 - merged:  applied without help, but at an offset or through a 3-way merge (context differs).
 - changed: stopped on a conflict the user resolved (`dsadapt continue`).
@@ -19,25 +20,25 @@ Every patch gets one classification (docs/rebase.md):
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
 from .engines import adapter
 from .errors import StackError, WorkspaceError
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, remove_file
 from .gitutil import Git
-from .lock import Lock, load_lock, write_lock
+from .lock import Lock, format_lock, load_lock, parse_lock, write_lock
 from .patchfile import Patch, drop_when_satisfied, parse_patch
 from .pin import resolve_pin
 from .pinref import PinRef
 from .rebase_report import CARRIED, PatchReport, RebaseReport, format_markdown, report_stem, split_range_diff
-from .stack import Stack, load_stack, stack_dir, write_stack
-from .workspace import (BASE_REF, Checkout, PatchOutcome, Progress, StackResult, ensure_checkout, export_commits,
-                        stop_on_conflict)
+from .stack import load_stack, stack_dir, stack_hash
+from .transaction import (BASE_REF, STACK_REF, Applied, Checkout, Op, Orig, PatchMeta, PatchOutcome, StackResult,
+                          Transaction, describe_op, flat_tree_id, register)
+from .workspace import (Progress, _series_names, ensure_checkout, export_commits, exported_files, stack_files,
+                        sync_stack_dir)
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
@@ -105,27 +106,18 @@ def upstream_by_patch_id(git: Git, text: str, patch: Patch, new_base: str, old_b
     return None
 
 
-def upstream_by_reverse_apply(git: Git, patch_file: Path) -> str | None:
-    if git.run("apply", "--reverse", "--check", str(patch_file), check=False).ok:
-        return "reverse-applies onto NEW (its change is already there)"
-    if git.run("apply", "--reverse", "--check", "--ignore-whitespace", str(patch_file), check=False).ok:
-        return "reverse-applies onto NEW ignoring whitespace (same change, other formatting)"
+def upstream_by_reverse_apply(git: Git, text: str, tree: str) -> str | None:
+    """Whether the patch reverse-applies onto `tree` (its change is already there), checked in a
+    temporary index: the work tree is not read."""
+    with git.temp_index(tree) as t:
+        if t.run("apply", "--cached", "--reverse", "--check", input=text, check=False).ok:
+            return "reverse-applies onto NEW (its change is already there)"
+        if t.run("apply", "--cached", "--reverse", "--check", "--ignore-whitespace", input=text, check=False).ok:
+            return "reverse-applies onto NEW ignoring whitespace (same change, other formatting)"
     return None
 
 
-def find_upstream(git: Git, patch_file: Path, text: str, patch: Patch, dists: tuple[str, ...], version: str,
-                  new_base: str, old_base: str) -> str | None:
-    """Why the patch is already in NEW, or None. Only patches that do not apply forward are searched,
-    so a change that was merged and later reverted upstream is carried, not dropped."""
-    hit = drop_when_hit(patch, dists, version)
-    if hit:
-        return hit
-    if git.run("apply", "--check", str(patch_file), check=False).ok:
-        return None
-    return upstream_by_patch_id(git, text, patch, new_base, old_base) or upstream_by_reverse_apply(git, patch_file)
-
-
-# ---------------------------------------------------------------- start
+# ---------------------------------------------------------------- the op kind
 
 
 def report_paths(cfg: Config, engine: str, old: str, new: str) -> tuple[Path, Path]:
@@ -133,44 +125,297 @@ def report_paths(cfg: Config, engine: str, old: str, new: str) -> tuple[Path, Pa
     return d / f"{stem}.md", d / f"{stem}.json"
 
 
-def _build_old_head(co: Checkout, stack: Stack, from_base: str) -> str:
-    """OLD's stack applied onto OLD's base, as commits inside NEW's checkout (for range-diff and
-    for the pre-image blobs `git am -3` needs). Uses a temporary worktree; NEW's tree is untouched."""
-    if not stack.entries:
-        return from_base
-    tmp = Path(tempfile.mkdtemp(prefix="dsadapt-rebase-"))
-    wt = tmp / "tree"
-    try:
-        co.git.run("worktree", "add", "-q", "--detach", str(wt), from_base)
-        g = Git(wt)
-        for e in stack.entries:
-            pf = tmp / e.name
-            pf.write_text(e.text, encoding="utf-8")
-            if not g.run("am", "--no-signoff", str(pf), check=False, fixed_dates=True).ok:
-                g.run("am", "--abort", check=False)
-                raise StackError(f"{stack.ref}: {e.name} does not apply onto {stack.ref}'s own base",
-                                 hint=f"run `dsadapt verify {stack.ref}` and fix that stack first")
+class RebaseKind:
+    name = "rebase"
+    verb = "rebase"
+    touches_checkout = True
+
+    def __init__(self) -> None:
+        self._exported: dict[tuple[str, str], dict[str, Patch]] = {}
+
+    # the steps before the checkout is touched (idempotent)
+    def prepare(self, tx: Transaction) -> None:
+        ex = tx.op.extra
+        cfg = tx.co.cfg
+        if ex.get("lock_after") is not None:
+            _write_pin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(tx.co.ref))
+        old = PinRef(*ex["from"].split("@", 1))
+        g = tx.git
+        base = tx.co.base()
+        if old == tx.co.ref:
+            g.update_ref(FROM_BASE, base)
+            old_co = tx.co
+        else:
+            old_co = Checkout(cfg, old)
+            g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
+        from_base = g.rev(FROM_BASE)
+        assert from_base
+        g.update_ref(FROM_HEAD, _old_head(tx, old_co, from_base))
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        ex = tx.op.extra
+        out = {}
+        for i, text in enumerate(tx.texts(), 1):
+            hit = drop_when_hit(parse_patch(text, where=tx.op.meta(i).name), tuple(ex["dists"]), ex["to_version"])
+            if hit:
+                out[i] = ("upstream", hit)
+        return out
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        text = tx.texts()[index - 1]
+        patch = parse_patch(text, where=tx.op.meta(index).name)
+        g = tx.git
         head = g.rev("HEAD")
         assert head
-        return head
-    finally:
-        co.git.run("worktree", "remove", "--force", str(wt), check=False)
-        co.git.run("worktree", "prune", check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
+        return upstream_by_patch_id(g, text, patch, tx.co.base(), g.rev(FROM_BASE) or tx.co.base()) \
+            or upstream_by_reverse_apply(g, text, head)
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        g = tx.git
+        text = tx.texts()[index - 1]
+        old = parse_patch(text, where=tx.op.meta(index).name)
+        if commit is None:
+            before = _commit_before(tx, index) or tx.co.base()
+            base = tx.co.base()
+            return "upstream", (upstream_by_patch_id(g, text, old, base, g.rev(FROM_BASE) or base)
+                                or upstream_by_reverse_apply(g, text, before)
+                                or "the 3-way merge left nothing to commit (already in NEW)")
+        am = tx.op.am
+        assert am is not None
+        head = g.rev("HEAD") or commit
+        key = (am.start, head)
+        if key not in self._exported:
+            commits = [c for c, _, _ in g.commits(f"{am.start}..{head}")]
+            self._exported[key] = dict(zip(commits, export_commits(g, am.start, head)))
+        new = self._exported[key].get(commit) or export_commits(g, f"{commit}^", commit)[0]
+        return applied_detail(old, new, bool(merged))
+
+    def finish(self, tx: Transaction) -> StackResult:
+        """Write NEW's stack and the report; close the op. Safe to run again after a kill."""
+        op, g, co = tx.op, tx.git, tx.co
+        ex = op.extra
+        cfg = co.cfg
+        base, head = co.base(), g.rev("HEAD")
+        assert head
+        d = cfg.project / ex["stack_dir"]
+        cur_series = (d / "series").read_text(encoding="utf-8") if (d / "series").is_file() else None
+        files, names = exported_files(export_commits(g, base, head), cur_series)
+        if "written" not in ex:
+            ex["written"] = names
+            ex["names_before"] = _series_names(cur_series.encode("utf-8")) if cur_series else []
+            tx.write()
+        sync_stack_dir(d, files, ex["names_before"])
+        new_hash = stack_hash([_Entry(n, files[n].decode("utf-8")) for n in names])
+        md, js = report_paths(cfg, co.ref.engine, *ex["from"].split("@", 1)[1:], co.ref.tag)
+        if "reports_before" not in ex:
+            ex["reports_before"] = {str(p.relative_to(cfg.project)): (p.read_text(encoding="utf-8") if p.is_file()
+                                                                      else None) for p in (md, js)}
+            tx.write()
+        report = _report(tx, base, head, names, new_hash)
+        atomic_write_text(md, format_markdown(report))
+        atomic_write_text(js, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        snap = tx.files_commit(files)
+        if g.rev(STACK_REF) != snap:
+            g.update_ref(STACK_REF, snap)
+        res = tx.result(head, new_hash)
+        tx.close(Applied(new_hash, head, [], snap, flat_tree_id(files)))
+        return res
+
+    def undo(self, tx: Transaction) -> None:
+        op, co, g = tx.op, tx.co, tx.git
+        ex = op.extra
+        cfg = co.cfg
+        g.delete_ref(FROM_BASE)
+        g.delete_ref(FROM_HEAD)
+        for rel, text in (ex.get("reports_before") or {}).items():
+            p = cfg.project / rel
+            if text is None:
+                remove_file(p)
+            elif not p.is_file() or p.read_text(encoding="utf-8") != text:
+                atomic_write_text(p, text)
+        d = cfg.project / ex["stack_dir"]
+        if ex.get("identity"):
+            before = tx.read_files(op.snapshot)
+            sync_stack_dir(d, before, ex.get("written") or [])
+        else:
+            written = set(ex.get("written") or [])
+            if d.is_dir():
+                cur = _series_names((d / "series").read_bytes()) if (d / "series").is_file() else []
+                for name in sorted(written | set(cur)):
+                    remove_file(d / name)
+                remove_file(d / "series")
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+        if ex.get("lock_before") is not None:
+            _unpin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(co.ref))
 
 
-def _check_target(co: Checkout, new_ref: PinRef) -> str | None:
+register(RebaseKind())
+
+
+def _write_pin(path: Path, before: str, after: str, key: str) -> None:
+    cur = path.read_text(encoding="utf-8")
+    if cur == after:
+        return
+    if cur == before:
+        atomic_write_text(path, after)
+        return
+    lock = load_lock(path)  # someone edited the lock meanwhile: add the entry to what is there now
+    if key not in lock.pins:
+        write_lock(lock.with_pin(parse_lock(after, path).pin(key)), path)
+
+
+def _unpin(path: Path, before: str, after: str, key: str) -> None:
+    """Remove the pin the rebase added: the old bytes, unless someone changed the lock since."""
+    cur = path.read_text(encoding="utf-8")
+    if cur == before:
+        return
+    if cur == after:
+        atomic_write_text(path, before)
+        return
+    lock = load_lock(path)
+    if key in lock.pins:
+        write_lock(replace(lock, pins={k: v for k, v in lock.pins.items() if k != key}), path)
+
+
+def _commit_before(tx: Transaction, index: int) -> str | None:
+    """The commit the patch at `index` was applied on top of (the last commit before it)."""
+    op = tx.op
+    am = op.am
+    assert am is not None
+    prev = am.start
+    for i in am.indices:
+        if i == index:
+            break
+        o = op.outcomes.get(i)
+        if o is not None and o.commit:
+            prev = o.commit
+    return prev
+
+
+def _old_head(tx: Transaction, old_co: Checkout, from_base: str) -> str:
+    """OLD's stack applied onto OLD's base, as commits in NEW's repository (for range-diff and for
+    the pre-image blobs `git am -3` needs). OLD's checkout already holds exactly that when its
+    stack is applied there: fetched. Otherwise built in a temporary index (no work tree)."""
+    g = tx.git
+    old_ref = old_co.ref
+    cfg = tx.co.cfg
+    old_stack = load_stack(cfg.patches_root, old_ref)
+    if not old_stack.entries:
+        return from_base
+    try:
+        st = old_co.load()
+    except WorkspaceError:
+        st = None
+    if st and not st.op and st.applied and st.applied.stack_hash == old_stack.hash and not st.applied.needs_refresh:
+        head = old_co.git.rev(old_co.branch_ref)
+        if head == st.applied.head and head:
+            if old_co.path == tx.co.path:
+                return head
+            g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{old_co.branch_ref}:{FROM_HEAD}")
+            got = g.rev(FROM_HEAD)
+            if got == head:
+                return head
+    parent = from_base
+    with g.temp_index(from_base) as t:
+        for e in old_stack.entries:
+            if not t.run("apply", "--cached", input=e.text, check=False).ok:
+                raise StackError(f"{old_ref}: {e.name} does not apply onto {old_ref}'s own base",
+                                 hint=f"run `dsadapt verify {old_ref}` and fix that stack first")
+            tree = t.out("write-tree")
+            msg = e.patch.message
+            name, _, email = e.patch.author.rpartition(" <")
+            parent = t.out("commit-tree", tree, "-p", parent, input=msg, fixed_dates=True,
+                           env={"GIT_AUTHOR_NAME": name or "dsadapt", "GIT_AUTHOR_EMAIL": email.rstrip(">")})
+    return parent
+
+
+def _report(tx: Transaction, base: str, head: str, names: list[str], new_hash: str) -> RebaseReport:
+    op, co, g = tx.op, tx.co, tx.git
+    ex = op.extra
+    from_base, from_head = g.rev(FROM_BASE), g.rev(FROM_HEAD)
+    rd_cmd = f"git range-diff {FROM_BASE}..{FROM_HEAD} {BASE_REF}..{co.branch}"
+    outcomes = [op.outcomes[i] for i in sorted(op.outcomes)]
+    blocks = _range_diff_blocks(g, from_base, from_head, base, head, outcomes)
+    carried = iter(names)
+    details = ex.get("details", {})
+    reports = []
+    for o in outcomes:
+        new_name = next(carried, None) if o.outcome in CARRIED else None
+        reports.append(PatchReport(o.index, o.name, o.subject, o.outcome, _detail(o.outcome, details.get(str(o.index))),
+                                   new_name, blocks.get(o.index, "")))
+    old_ref = PinRef(*ex["from"].split("@", 1))
+    return RebaseReport(
+        engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=ex["from_version"],
+        new_version=ex["to_version"], date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        old_source=ex["from_source"], new_source=_source_words(tx.state.source),
+        pinned_new=ex.get("lock_before") is not None, old_stack_hash=op.stack_hash,
+        new_stack_hash=new_hash, range_diff_command=rd_cmd, patches=reports)
+
+
+def _detail(outcome: str, recorded: str | None) -> str:
+    if recorded:
+        return recorded
+    return {"changed": "conflict resolved by the user (dsadapt continue)",
+            "skipped": "conflict; dropped by the user (dsadapt skip)",
+            "clean": "applied"}.get(outcome, "")
+
+
+def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, base: str, head: str,
+                       outcomes: list[PatchOutcome]) -> dict[int, str]:
+    """`git range-diff` of OLD's applied commits against NEW's, one block per OLD patch.
+
+    A carried patch whose context changed a lot can come out unpaired (`<` then `>`); we know
+    which commit it became, so such a patch gets its own one-pair range-diff instead.
+    """
+    if not from_base or not from_head or from_base == from_head:
+        return {}
+    r = git.run("range-diff", "--no-color", f"--creation-factor={RANGE_DIFF_CREATION}",
+                f"{from_base}..{from_head}", f"{base}..{head}", check=False)
+    blocks = split_range_diff(r.out) if r.ok else {}
+    old_commits = git.out("rev-list", "--reverse", f"{from_base}..{from_head}").split()
+    for o in outcomes:
+        i = o.index
+        if o.outcome not in CARRIED or not o.commit or " < " not in blocks.get(i, " < ") or i > len(old_commits):
+            continue
+        pair = git.run("range-diff", "--no-color", f"--creation-factor={RANGE_DIFF_CREATION}",
+                       f"{old_commits[i - 1]}^!", f"{o.commit}^!", check=False)
+        one = split_range_diff(pair.out).get(1) if pair.ok else None
+        if one:
+            blocks[i] = one
+    return blocks
+
+
+class _Entry:
+    def __init__(self, name: str, text: str):
+        self.name, self.text = name, text
+
+
+def _source_words(src: dict | None) -> str:
+    return f"{src.get('kind')} {src.get('origin')}" if src else "unknown"
+
+
+def load_report(cfg: Config, engine: str, old: str, new: str) -> dict:
+    return json.loads(report_paths(cfg, engine, old, new)[1].read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------- start
+
+
+def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
     """Refuse a NEW checkout that holds work; returns its branch head (None if absent)."""
-    state = co.load_state()
-    if state.get("op") or co.am_in_progress():
+    if tx.state.op is not None or tx.state.legacy_op:
+        _, detail, nxt = describe_op(co, tx.op) if tx.state.op else ("", "", f"dsadapt abort {new_ref}")
         raise WorkspaceError(f"{new_ref}: an apply or rebase is in progress in {co.path}",
                              hint=f"finish it with `dsadapt continue {new_ref}` or `dsadapt abort {new_ref}`")
     if co.git.is_dirty():
         raise WorkspaceError(f"{new_ref}: {co.path} has uncommitted changes",
                              hint="commit them and `dsadapt refresh`, or discard them, then rebase")
-    head = co.git.rev(f"refs/heads/{co.branch}")
-    applied = state.get("applied")
-    expected = applied.get("head") if applied else co.base()
+    head = co.git.rev(co.branch_ref)
+    applied = tx.state.applied
+    expected = applied.head if applied else co.base()
     if head and head not in (expected, co.base()):
         raise WorkspaceError(f"{new_ref}: branch {co.branch} has commits not exported to a stack",
                              hint=f"run `dsadapt refresh {new_ref}` to keep them, or reset the branch")
@@ -198,199 +443,28 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         notes += pin_notes
         lock_before = cfg.lock_path.read_text(encoding="utf-8")
         lock = lock.with_pin(entry)
-        write_lock(lock, cfg.lock_path)
-        lock_after = cfg.lock_path.read_text(encoding="utf-8")
+        lock_after = format_lock(lock)
         notes.append(f"pinned {new_ref} in upstream.lock")
         for n in notes if progress else ():
             progress(n)
-    started = False
-    try:
-        new_entry = lock.pin(new_ref)
-        old_co, _ = ensure_checkout(cfg, lock, old_entry, progress)
-        co, _ = ensure_checkout(cfg, lock, new_entry, progress)
-        head_branch = _check_target(co, new_ref)
-        base = co.base()
-        if identity:
-            co.git.update_ref(FROM_BASE, base)
-        else:
-            co.git.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
-        from_base = co.git.rev(FROM_BASE)
-        assert from_base
-        if progress:
-            progress(f"replaying {old_ref}'s {len(old_stack)} patch(es) onto its own base for comparison")
-        co.git.update_ref(FROM_HEAD, _build_old_head(co, old_stack, from_base))
-        ad = adapter(old_ref.engine)
-        state = co.load_state()
-        op = {
-            "kind": "rebase", "stack_hash": old_stack.hash, "stack_dir": str(new_dir),
-            "patches": [{"name": e.name, "subject": e.patch.subject} for e in old_stack.entries],
-            "outcomes": [], "orig_branch": co.git.current_branch(), "orig_head": co.git.rev("HEAD"),
-            "branch_head_before": head_branch, "backup_ref": None, "dirty_backup": None,
-            "rebase": {
-                "from": str(old_ref), "from_version": old_entry.version, "to_version": new_entry.version,
-                "from_source": _source_words(old_co.load_state().get("source")),
-                "dists": [ad.name, *ad.pypi], "lock_before": lock_before, "lock_after": lock_after,
-                "details": {},
-            },
-        }
-        if co.op_dir.exists():
-            shutil.rmtree(co.op_dir)
-        co.op_dir.mkdir(parents=True)
-        for i, e in enumerate(old_stack.entries, 1):
-            (co.op_dir / f"{i:04d}.patch").write_text(e.text, encoding="utf-8")
-        state["op"] = op
-        co.save_state(state)
-        started = True
-        if head_branch and head_branch != base:
-            op["backup_ref"] = co.new_backup(head_branch, f"{co.branch} before rebase from {old_ref}")
-            co.save_state(state)
-        co.git.run("checkout", "-q", "-f", "-B", co.branch, base)
-    except BaseException:
-        if not started and lock_before is not None and cfg.lock_path.read_text(encoding="utf-8") == lock_after:
-            atomic_write_text(cfg.lock_path, lock_before)
-        raise
-    return run_rebase_patches(co, state, on_patch), notes
-
-
-def _source_words(src: dict | None) -> str:
-    return f"{src.get('kind')} {src.get('origin')}" if src else "unknown"
-
-
-# ---------------------------------------------------------------- the replay (also entered from continue/skip)
-
-
-def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
-    op = state["op"]
-    rb = op["rebase"]
-    patches, outcomes = op["patches"], op["outcomes"]
+    new_entry = lock.pin(new_ref)
+    old_co, _ = ensure_checkout(cfg, lock, old_entry, progress)
+    co, _ = ensure_checkout(cfg, lock, new_entry, progress)
+    tx = Transaction.open(co, on_patch, progress)
+    head_branch = _check_target(co, tx, new_ref)
     base = co.base()
-    from_base = co.git.rev(FROM_BASE) or base
-    dists = tuple(rb["dists"])
-    while len(outcomes) < len(patches):
-        i = len(outcomes) + 1
-        meta = patches[i - 1]
-        pf = co.op_dir / f"{i:04d}.patch"
-        text = pf.read_text(encoding="utf-8")
-        patch = parse_patch(text, where=meta["name"])
-        before = co.git.rev("HEAD")
-        hit = find_upstream(co.git, pf, text, patch, dists, rb["to_version"], base, from_base)
-        if hit is None:
-            r = co.git.run("am", "-3", "--no-signoff", str(pf), check=False, fixed_dates=True)
-            if not r.ok:
-                raise stop_on_conflict(co, state, i, "rebase",
-                                       f"rebasing {rb['from']}: patch {i}/{len(patches)} {meta['name']} does not apply")
-            head = co.git.rev("HEAD")
-            if head == before:
-                hit = "the 3-way merge left nothing to commit (already in NEW)"
-            else:
-                new_patch = export_commits(co.git, before, head)[0]
-                outcome, detail = applied_detail(patch, new_patch, "3-way merge" in (r.out + r.err))
-                _record(co, state, PatchOutcome(i, meta["name"], meta["subject"], outcome, head), detail, on_patch)
-                continue
-        _record(co, state, PatchOutcome(i, meta["name"], meta["subject"], "upstream", before), hit, on_patch)
-    return finish_rebase(co, state)
-
-
-def _record(co: Checkout, state: dict, o: PatchOutcome, detail: str, on_patch) -> None:
-    state["op"]["outcomes"].append(asdict(o))
-    state["op"]["rebase"]["details"][str(o.index)] = detail
-    co.save_state(state)
-    if on_patch:
-        on_patch(o)
-
-
-def _detail(outcome: str, recorded: str | None) -> str:
-    if recorded:
-        return recorded
-    return {"changed": "conflict resolved by the user (dsadapt continue)",
-            "skipped": "conflict; dropped by the user (dsadapt skip)",
-            "clean": "applied (recorded after an interrupted run)"}.get(outcome, "")
-
-
-def finish_rebase(co: Checkout, state: dict) -> StackResult:
-    """Write NEW's stack and the report; close the op."""
-    op = state["op"]
-    rb = op["rebase"]
-    cfg = co.cfg
-    base, head = co.base(), co.git.rev("HEAD")
-    assert head
-    new_dir = Path(op["stack_dir"])
-    names = write_stack(new_dir, export_commits(co.git, base, head))
-    new_stack = load_stack(cfg.patches_root, co.ref)
-    from_base, from_head = co.git.rev(FROM_BASE), co.git.rev(FROM_HEAD)
-    rd_cmd = f"git range-diff {FROM_BASE}..{FROM_HEAD} {BASE_REF}..{co.branch}"
-    blocks = _range_diff_blocks(co.git, from_base, from_head, base, head, op["outcomes"])
-    carried = iter(names)
-    reports = []
-    for o in op["outcomes"]:
-        new_name = next(carried, None) if o["outcome"] in CARRIED else None
-        reports.append(PatchReport(o["index"], o["name"], o["subject"], o["outcome"],
-                                   _detail(o["outcome"], rb["details"].get(str(o["index"]))), new_name,
-                                   blocks.get(o["index"], "")))
-    old_ref = PinRef(*rb["from"].split("@", 1))
-    report = RebaseReport(
-        engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=rb["from_version"],
-        new_version=rb["to_version"], date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        old_source=rb["from_source"], new_source=_source_words(state.get("source")),
-        pinned_new=rb.get("lock_before") is not None, old_stack_hash=op["stack_hash"],
-        new_stack_hash=new_stack.hash, range_diff_command=rd_cmd, patches=reports)
-    md, js = report_paths(cfg, co.ref.engine, old_ref.tag, co.ref.tag)
-    atomic_write_text(md, format_markdown(report))
-    atomic_write_text(js, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
-    state["applied"] = {"stack_hash": new_stack.hash, "head": head}
-    state["op"] = None
-    co.save_state(state)
-    shutil.rmtree(co.op_dir, ignore_errors=True)
-    return StackResult(state["ref"], str(co.path), state.get("source"), base, head, new_stack.hash,
-                       [PatchOutcome(**o) for o in op["outcomes"]], backup_ref=op.get("backup_ref"))
-
-
-def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, base: str, head: str,
-                       outcomes: list[dict]) -> dict[int, str]:
-    """`git range-diff` of OLD's applied commits against NEW's, one block per OLD patch.
-
-    A carried patch whose context changed a lot can come out unpaired (`<` then `>`); we know
-    which commit it became, so such a patch gets its own one-pair range-diff instead.
-    """
-    if not from_base or not from_head or from_base == from_head:
-        return {}
-    r = git.run("range-diff", "--no-color", f"--creation-factor={RANGE_DIFF_CREATION}",
-                f"{from_base}..{from_head}", f"{base}..{head}", check=False)
-    blocks = split_range_diff(r.out) if r.ok else {}
-    old_commits = git.out("rev-list", "--reverse", f"{from_base}..{from_head}").split()
-    for o in outcomes:
-        i = o["index"]
-        if o["outcome"] not in CARRIED or not o.get("commit") or " < " not in blocks.get(i, " < "):
-            continue
-        pair = git.run("range-diff", "--no-color", f"--creation-factor={RANGE_DIFF_CREATION}",
-                       f"{old_commits[i - 1]}^!", f"{o['commit']}^!", check=False)
-        one = split_range_diff(pair.out).get(1) if pair.ok else None
-        if one:
-            blocks[i] = one
-    return blocks
-
-
-def load_report(cfg: Config, engine: str, old: str, new: str) -> dict:
-    return json.loads(report_paths(cfg, engine, old, new)[1].read_text(encoding="utf-8"))
-
-
-# ---------------------------------------------------------------- abort
-
-
-def undo_rebase_extras(co: Checkout, op: dict) -> None:
-    """What `abort` must undo beyond the checkout: the comparison refs and a lock entry the rebase
-    added (restored byte for byte unless someone changed upstream.lock since)."""
-    co.git.delete_ref(FROM_BASE)
-    co.git.delete_ref(FROM_HEAD)
-    rb = op["rebase"]
-    before, after = rb.get("lock_before"), rb.get("lock_after")
-    if before is None:
-        return
-    path = co.cfg.lock_path
-    if path.read_text(encoding="utf-8") == after:
-        atomic_write_text(path, before)
-        return
-    lock = load_lock(path)
-    if str(co.ref) in lock.pins:
-        pins = {k: v for k, v in lock.pins.items() if k != str(co.ref)}
-        write_lock(replace(lock, pins=pins), path)
+    g = co.git
+    if progress:
+        progress(f"replaying {old_ref}'s {len(old_stack)} patch(es) onto {new_ref}")
+    ad = adapter(old_ref.engine)
+    refs = g.revs("HEAD", STACK_REF)
+    saves = {"branch": co.next_backup_names(1)[0]} if head_branch and head_branch != base else {}
+    op = Op(kind="rebase", ref=str(new_ref), stack_hash=old_stack.hash,
+            patches=[PatchMeta(e.name, e.patch.subject) for e in old_stack.entries],
+            orig=Orig(g.current_branch(), refs["HEAD"], head_branch, refs[STACK_REF], False), saves=saves,
+            extra={"from": str(old_ref), "from_version": old_entry.version, "to_version": new_entry.version,
+                   "from_source": _source_words(old_co.load().source), "dists": [ad.name, *ad.pypi],
+                   "lock_before": lock_before, "lock_after": lock_after, "details": {}, "identity": identity,
+                   "stack_dir": str(new_dir.relative_to(cfg.project)), "stop_prefix": f"rebasing {old_ref}: "})
+    tx.begin(op, [e.text for e in old_stack.entries], stack_files(old_stack) if identity else None)
+    return tx.run(), notes

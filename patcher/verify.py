@@ -1,12 +1,10 @@
 """verify: lint a stack and prove it applies cleanly onto the pinned tree, without touching
-the user's checkout (the work happens in a temporary git worktree)."""
+the user's checkout (the work happens in a temporary index: `read-tree` of the base, `git apply
+--cached` of the stack, `write-tree`, and `cat-file --batch` for the files that must compile)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from .config import Config
 from .errors import DsadaptError, SourceError
@@ -65,38 +63,39 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
     if state["source"]["kind"] == "pypi":
         res.problems += [f"pre-image: {m}" for m in
                          preimage_mismatches(expected, co.git.blobs_at(base, sorted(expected)), stack)]
-    tmp = Path(tempfile.mkdtemp(prefix="dsadapt-verify-"))
-    wt = tmp / "tree"
-    try:
-        co.git.run("worktree", "add", "-q", "--detach", str(wt), base)
-        from .gitutil import Git
+    res.applied, tree = _apply_in_temp_index(co, stack, base, res.problems)
+    if res.applied and tree:
+        paths = sorted({f.new_path for e in stack.entries for f in e.patch.files
+                        if f.new_path and f.new_path.endswith(".py") and f.new_blob != ZERO_ID})
+        blobs = co.git.cat_blobs([f"{tree}:{p}" for p in paths])
+        owner = {f.new_path: e.name for e in stack.entries for f in e.patch.files if f.new_path}
+        for p in paths:
+            src = blobs.get(f"{tree}:{p}")
+            if src is None:
+                continue
+            try:
+                compile(src, p, "exec", dont_inherit=True)
+                res.compiled += 1
+            except SyntaxError as err:
+                res.problems.append(f"{owner.get(p, '?')}: {p}:{err.lineno}: does not compile: {err.msg}")
+    return res
 
-        g = Git(wt)
-        ok = True
+
+def _apply_in_temp_index(co, stack, base: str, problems: list[str]) -> tuple[bool, str | None]:
+    """Apply the whole stack onto the base in a temporary index (no work tree, no worktree): one
+    `git apply --cached` of all patches; on failure, one patch at a time to name the first that fails."""
+    if not stack.entries:
+        return True, co.git.tree_of(base)
+    with co.git.temp_index(base) as t:
+        whole = "".join(e.text if e.text.endswith("\n") else e.text + "\n" for e in stack.entries)
+        if t.run("apply", "--cached", input=whole, check=False).ok:
+            return True, t.out("write-tree")
+    with co.git.temp_index(base) as t:
         for e in stack.entries:
-            pf = tmp / e.name
-            pf.write_text(e.text, encoding="utf-8")
-            r = g.run("am", "--no-signoff", str(pf), check=False, fixed_dates=True)
+            r = t.run("apply", "--cached", input=e.text, check=False)
             if not r.ok:
                 msg = [l for l in (r.out + r.err).splitlines() if l.startswith(("error:", "Patch failed"))]
-                res.problems.append(f"{e.name}: does not apply cleanly onto {base[:12]}" +
-                                    (f" ({msg[0]})" if msg else ""))
-                g.run("am", "--abort", check=False)
-                ok = False
-                break
-        res.applied = ok
-        if ok:
-            for e in stack.entries:
-                for f in e.patch.files:
-                    if f.new_path and f.new_path.endswith(".py") and f.new_blob != ZERO_ID:
-                        src = (wt / f.new_path).read_bytes()
-                        try:
-                            compile(src, f.new_path, "exec", dont_inherit=True)
-                            res.compiled += 1
-                        except SyntaxError as err:
-                            res.problems.append(f"{e.name}: {f.new_path}:{err.lineno}: does not compile: {err.msg}")
-    finally:
-        co.git.run("worktree", "remove", "--force", str(wt), check=False)
-        co.git.run("worktree", "prune", check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return res
+                problems.append(f"{e.name}: does not apply cleanly onto {base[:12]}" + (f" ({msg[0]})" if msg else ""))
+                return False, None
+    problems.append(f"the stack does not apply as a whole onto {base[:12]} (each patch does, in order)")
+    return False, None

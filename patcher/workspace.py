@@ -1,75 +1,44 @@
-"""The checkout: materialize, apply a stack as commits, stop/continue/skip/abort, refresh.
+"""The checkout: materialize it, apply a stack as commits, stop/continue/skip/abort, refresh, status.
 
-Modelled on `git am` (which does the per-patch work, with 3-way merge) wrapped in a
-transaction: dsadapt records what it is doing in `.git/dsadapt/state.json` *before* it
-touches anything, keeps backup refs whenever history is rewritten, and can always return
-the checkout to where it was (`abort`), even after being killed mid-apply.
+Every change to a stack's checkout or to its patches/ files goes through a `Transaction`
+(transaction.py): apply and refresh are op kinds registered here, rebase registers its own.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import shutil
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from email.utils import formatdate
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
+from . import leftovers
 from .config import Config
-from .errors import ConflictStop, VerificationError, WorkspaceError
-from .fsutil import atomic_write_text
-from .gitutil import DSADAPT_IDENT, FIXED_DATE, Git, init_repo
+from .errors import DsadaptError, Refused, VerificationError, WorkspaceError
+from .fsutil import atomic_write_bytes, remove_file
+from .gitutil import Git, init_repo
 from .lock import Lock, LockEntry
-from .patchfile import parse_patch
+from .patchfile import Patch, parse_patch
 from .pinref import PinRef
-from .sources import SourceResult, materialize
-from .stack import Stack, expected_preimages, load_stack, preimage_mismatches, write_stack
+from .stack import Stack, expected_preimages, format_series, load_stack, parse_series, preimage_mismatches, stack_dir, stack_hash
+from .workdir import lock_holder, workdir_lock
+from .transaction import (BACKUP_PREFIX, BASE_REF, MBOX_FROM, STACK_REF, Applied, Checkout, Op, Orig, PatchMeta,
+                          PatchOutcome, StackResult, State, Transaction, branch_name, describe_op, flat_tree_id,
+                          register)
 
-BASE_REF = "refs/dsadapt/base"
-BACKUP_PREFIX = "refs/dsadapt/backup/"
-FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
+__all__ = ["BACKUP_PREFIX", "BASE_REF", "Checkout", "CheckoutStatus", "PatchOutcome", "StackResult", "abort_apply",
+           "apply_stack", "branch_name", "checkout_status", "continue_apply", "ensure_checkout", "export_commits",
+           "refresh_stack", "skip_patch", "workdir_lock"]
 
 Progress = Callable[[str], None]
-
-
-def branch_name(tag: str) -> str:
-    return f"dsadapt/{tag}"
-
-
-@dataclass
-class PatchOutcome:
-    index: int
-    name: str
-    subject: str
-    outcome: str  # clean | merged | changed | skipped | conflict | upstream (rebase only)
-    commit: str | None = None
-
-
-@dataclass
-class StackResult:
-    ref: str
-    checkout: str
-    source: dict | None
-    base: str
-    head: str | None
-    stack_hash: str
-    outcomes: list[PatchOutcome] = field(default_factory=list)
-    noop: bool = False
-    backup_ref: str | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
 class CheckoutStatus:
     ref: str
     path: str
-    state: str  # not fetched | clean base | stack applied | stack outdated | mid-apply | dirty | diverged
+    state: str  # not fetched | clean base | stack applied | stack outdated | stopped | interrupted | running
+    #             | dirty | diverged | broken
     detail: str
     source: dict | None = None
     base: str | None = None
@@ -77,133 +46,57 @@ class CheckoutStatus:
     stack_hash: str | None = None
     applied_hash: str | None = None
     backups: list[str] = field(default_factory=list)
+    next: str | None = None          # the command that moves it on, when one does
+    op: dict | None = None           # kind, phase, done, total of an op in progress
+    locks: list[str] = field(default_factory=list)   # git lock files in the checkout (stale ones are removed by the next command)
+    pinned: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-# ---------------------------------------------------------------- work-dir lock
-
-
-@contextmanager
-def workdir_lock(cfg: Config, timeout: float | None = None) -> Iterator[None]:
-    """Serialize dsadapt runs on one work dir. flock dies with the process: no stale locks."""
-    timeout = float(os.environ.get("DSADAPT_LOCK_TIMEOUT", "600")) if timeout is None else timeout
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    path = cfg.workdir / "lock"
-    with open(path, "a+") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    f.seek(0)
-                    holder = f.read().strip() or "unknown"
-                    raise WorkspaceError(f"another dsadapt run holds {path} (pid {holder})",
-                                         hint="wait for it to finish, or set DSADAPT_LOCK_TIMEOUT") from None
-                time.sleep(0.2)
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            f.seek(0)
-            f.truncate()
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-# ---------------------------------------------------------------- state
-
-
-class Checkout:
-    """One checkout directory and its dsadapt state."""
-
-    def __init__(self, cfg: Config, ref: PinRef):
-        self.cfg = cfg
-        self.ref = ref
-        self.path = cfg.checkout_dir(ref.engine, ref.tag)
-        self.git = Git(self.path)
-
-    @property
-    def exists(self) -> bool:
-        return (self.path / ".git").is_dir() and self.state_path.is_file()
-
-    @property
-    def state_path(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "state.json"
-
-    @property
-    def op_dir(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "op"
-
-    @property
-    def branch(self) -> str:
-        return branch_name(self.ref.tag)
-
-    def load_state(self) -> dict:
-        try:
-            return json.loads(self.state_path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError) as e:
-            raise WorkspaceError(f"{self.path} has no readable dsadapt state ({e.__class__.__name__})",
-                                 hint=f"move the directory away and run `dsadapt apply {self.ref}` again") from None
-
-    def save_state(self, state: dict) -> None:
-        atomic_write_text(self.state_path, json.dumps(state, indent=2, sort_keys=True) + "\n")
-
-    def am_in_progress(self) -> bool:
-        return (self.path / ".git" / "rebase-apply").exists()
-
-    def base(self) -> str:
-        b = self.git.rev(BASE_REF)
-        if not b:
-            raise WorkspaceError(f"{self.path}: {BASE_REF} is missing", hint="the checkout is damaged; move it away and re-apply")
-        return b
-
-    def backups(self) -> list[str]:
-        return [r for r, _ in self.git.refs(BACKUP_PREFIX)]
-
-    def new_backup(self, commit: str, why: str) -> str:
-        n = len(self.backups()) + 1
-        while self.git.rev(f"{BACKUP_PREFIX}{n}"):
-            n += 1
-        ref = f"{BACKUP_PREFIX}{n}"
-        self.git.run("update-ref", "-m", why, ref, commit)
-        return ref
+# ---------------------------------------------------------------- the checkout
 
 
 def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progress | None = None) -> tuple[Checkout, bool]:
-    """The pin's checkout, materialized from a verified source if it does not exist yet."""
+    """The pin's checkout, materialized from a verified source if it does not exist yet.
+
+    It is built under `.TAG.tmp-PID` and renamed into place when complete, so a kill leaves
+    either no checkout or a whole one; leftovers of dead runs are removed first."""
+    from .sources import materialize
+
     co = Checkout(cfg, entry.ref)
     if co.exists:
         return co, False
     if co.path.exists() and any(co.path.iterdir()):
         raise WorkspaceError(f"{co.path} exists but is not a dsadapt checkout",
                              hint="move it away; dsadapt will not overwrite it")
+    leftovers.clean_checkout_tmps(co.path.parent)
     tmp = co.path.with_name(f".{co.path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         g = init_repo(tmp, identity=False)
-        src: SourceResult = materialize(cfg, lock.engine(entry.engine), entry, g, progress)
+        src = materialize(cfg, lock.engine(entry.engine), entry, g, progress)
         g.run("update-ref", BASE_REF, src.commit)
         g.run("checkout", "-q", "-B", branch_name(entry.tag), src.commit)
-        state = {"ref": str(entry.ref), "source": src.to_json(), "base": src.commit, "applied": None, "op": None}
+        state = State(str(entry.ref), src.to_json(), src.commit)
         (tmp / ".git" / "dsadapt").mkdir(parents=True, exist_ok=True)
-        atomic_write_text(tmp / ".git" / "dsadapt" / "state.json", json.dumps(state, indent=2, sort_keys=True) + "\n")
+        _AtPath(cfg, entry.ref, tmp).save(state)
         co.path.parent.mkdir(parents=True, exist_ok=True)
         if co.path.exists():
             co.path.rmdir()
-        tmp.rename(co.path)
+        os.replace(tmp, co.path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Checkout(cfg, entry.ref), True
 
 
-# ---------------------------------------------------------------- apply
+class _AtPath(Checkout):
+    def __init__(self, cfg, ref, path: Path):
+        super().__init__(cfg, ref)
+        self.path = path
+        self.git = Git(path)
 
 
 def check_preimages(co: Checkout, stack: Stack, base: str) -> None:
@@ -222,368 +115,579 @@ def check_preimages(co: Checkout, stack: Stack, base: str) -> None:
                  "use the git or mirror source, or rebase the stack")
 
 
+def stack_files(stack: Stack) -> dict[str, bytes]:
+    """The stack's files as bytes: series and every patch it lists."""
+    files: dict[str, bytes] = {}
+    if (stack.dir / "series").is_file():
+        files["series"] = (stack.dir / "series").read_bytes()
+    for e in stack.entries:
+        files[e.name] = (stack.dir / e.name).read_bytes()
+    return files
+
+
+def _refuse_op(tx: Transaction) -> None:
+    co = tx.co
+    if tx.state.legacy_op:
+        raise WorkspaceError(f"{co.ref}: an apply recorded by an older dsadapt is in progress in {co.path}",
+                             hint=f"run `dsadapt abort {co.ref}`, then apply again")
+    state, detail, _nxt = describe_op(co, tx.op)
+    what = "stopped on a conflict" if state == "stopped" else state
+    raise WorkspaceError(f"{co.ref}: an {tx.op.kind} is in progress in {co.path} ({what})", hint=detail)
+
+
+def _finish_interrupted(tx: Transaction, kinds: tuple[str, ...]) -> Transaction:
+    """Roll an interrupted op of one of `kinds` forward (a rerun of the command that died);
+    refuse anything else that is in progress."""
+    if tx.state.legacy_op:
+        _refuse_op(tx)
+    if tx.state.op is None:
+        return tx
+    op = tx.op
+    if op.kind in kinds and op.phase not in ("stopped", "abort"):
+        if tx.progress:
+            tx.progress(f"finishing the interrupted {op.kind} first")
+        tx.run()
+        notes = tx.notes
+        tx = Transaction.open(tx.co, tx.on_patch, tx.progress)
+        tx.notes = notes
+        return tx
+    _refuse_op(tx)
+    return tx  # pragma: no cover
+
+
+# ---------------------------------------------------------------- apply
+
+
+class ApplyKind:
+    name = "apply"
+    verb = "apply"
+    touches_checkout = True
+
+    def prepare(self, tx: Transaction) -> None:
+        return None
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        return None
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        if commit is None:
+            return "skipped", "no changes: the tree already has them"
+        return ("merged" if merged else "clean"), None
+
+    def finish(self, tx: Transaction) -> StackResult:
+        op, g = tx.op, tx.git
+        head = g.rev("HEAD")
+        edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in ("changed", "skipped")]
+        if op.snapshot and g.rev(STACK_REF) != op.snapshot:
+            g.update_ref(STACK_REF, op.snapshot)
+        res = tx.result(head, op.stack_hash)
+        tx.close(Applied(op.stack_hash, head, edited, op.snapshot, op.extra.get("snapshot_tree")))
+        return res
+
+    def undo(self, tx: Transaction) -> None:
+        return None
+
+
+register(ApplyKind())
+
+
 def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, progress: Progress | None = None,
                 on_patch: Callable[[PatchOutcome], None] | None = None) -> StackResult:
     entry = lock.pin(ref)
     stack = load_stack(cfg.patches_root, ref)  # parse everything before touching anything
     co, _created = ensure_checkout(cfg, lock, entry, progress)
-    state = co.load_state()
-    if state.get("op") or co.am_in_progress():
-        raise WorkspaceError(f"{ref}: an apply is in progress in {co.path}",
-                             hint=f"finish it with `dsadapt continue {ref}`, `dsadapt skip {ref}` or `dsadapt abort {ref}`")
+    tx = _finish_interrupted(Transaction.open(co, on_patch, progress), ("apply", "refresh"))
+    state, g = tx.state, co.git
     base = co.base()
-    head_branch = co.git.rev(f"refs/heads/{co.branch}")
-    applied = state.get("applied")
-    dirty = co.git.is_dirty()
-    if (not dirty and applied and not applied.get("needs_refresh") and applied.get("stack_hash") == stack.hash
-            and head_branch == applied.get("head")
-            and co.git.current_branch() == co.branch):
-        return StackResult(str(ref), str(co.path), state.get("source"), base, head_branch, stack.hash, noop=True)
+    refs = g.revs(co.branch_ref, "HEAD", STACK_REF)
+    head_branch, head = refs[co.branch_ref], refs["HEAD"]
+    cur_branch = g.current_branch()
+    applied = state.applied
+    dirty = g.dirty_files()
+    if (not dirty and applied and not applied.needs_refresh and applied.stack_hash == stack.hash
+            and head_branch == applied.head and cur_branch == co.branch):
+        return StackResult(str(ref), str(co.path), state.source, base, head_branch, stack.hash, noop=True,
+                           notes=tx.notes)
     if dirty and not force:
-        files = co.git.dirty_files()
-        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(files[:3])}"
-                             f"{'…' if len(files) > 3 else ''})",
+        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(dirty[:3])}"
+                             f"{'…' if len(dirty) > 3 else ''})",
                              hint="commit them and run `dsadapt refresh`, or pass --force (they are kept in a backup ref)")
-    expected_head = applied.get("head") if applied else base
-    if applied and applied.get("needs_refresh") and head_branch == applied.get("head") and not force:
+    expected_head = applied.head if applied else base
+    if applied and applied.needs_refresh and head_branch == applied.head and not force:
         raise WorkspaceError(f"{ref}: {co.branch} holds conflict resolutions or skips not exported to the stack "
-                             f"({', '.join(applied['needs_refresh'])})",
+                             f"({', '.join(applied.needs_refresh)})",
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
     if head_branch and head_branch != expected_head and not force:
-        n = co.git.out("rev-list", "--count", f"{expected_head}..{head_branch}") if co.git.rev(expected_head) else "?"
+        n = g.out("rev-list", "--count", f"{expected_head}..{head_branch}") if expected_head and g.rev(expected_head) else "?"
         raise WorkspaceError(f"{ref}: branch {co.branch} has {n} commit(s) not exported to the stack",
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
-    if state["source"]["kind"] == "pypi":
+    if (state.source or {}).get("kind") == "pypi":
         check_preimages(co, stack, base)
-
-    op = {
-        "kind": "apply", "stack_hash": stack.hash, "stack_dir": str(stack.dir),
-        "patches": [{"name": e.name, "subject": e.patch.subject} for e in stack.entries],
-        "outcomes": [], "orig_branch": co.git.current_branch(), "orig_head": co.git.rev("HEAD"),
-        "branch_head_before": head_branch, "backup_ref": None, "dirty_backup": None,
-    }
-    # Record intent first: a run killed from here on leaves a state `status` explains.
-    if co.op_dir.exists():
-        shutil.rmtree(co.op_dir)
-    co.op_dir.mkdir(parents=True)
-    for i, e in enumerate(stack.entries, 1):
-        (co.op_dir / f"{i:04d}.patch").write_text(_with_fixed_date(e.text), encoding="utf-8")
-    state["op"] = op
-    co.save_state(state)
-    if dirty:
-        co.git.run("stash", "push", "-q", "--include-untracked", "-m", f"dsadapt apply --force {ref}",
-                   env={"GIT_AUTHOR_NAME": DSADAPT_IDENT["name"], "GIT_AUTHOR_EMAIL": DSADAPT_IDENT["email"]})
-        op["dirty_backup"] = co.new_backup(co.git.out("rev-parse", "stash@{0}"), "uncommitted changes before apply --force")
-        co.git.run("stash", "drop", "-q")
-    if head_branch and head_branch != base:
-        op["backup_ref"] = co.new_backup(head_branch, f"{co.branch} before apply")
-    co.save_state(state)
-    co.git.run("checkout", "-q", "-f", "-B", co.branch, base)
-    return _run_patches(co, state, on_patch)
-
-
-def _with_fixed_date(text: str) -> str:
-    """The patch with a fixed Date header: `git am` takes the author date from the mail and
-    ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
-    first, sep, rest = text.partition("\n")
-    if first.startswith("From ") and not first.startswith("From:"):
-        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
-    return f"Date: {FIXED_MAIL_DATE}\n{text}"
-
-
-def _conflicted_files(co: Checkout) -> list[str]:
-    out = co.git.run("diff", "--name-only", "--diff-filter=U", check=False).out
-    files = [l for l in out.splitlines() if l]
-    if not files:  # a patch that failed without a merge (e.g. missing file): list what it touches
-        files = [l for l in co.git.run("am", "--show-current-patch=diff", check=False).out.splitlines()
-                 if l.startswith("diff --git ")]
-        files = [l.split(" b/", 1)[-1] for l in files]
-    return files
-
-
-def stop_on_conflict(co: Checkout, state: dict, i: int, what: str, headline: str) -> ConflictStop:
-    """Record a real stop on patch `i` (for the user to resolve) and the error that says what next."""
-    state["op"]["stopped"] = i  # not a run killed inside git am: continue commits the resolution
-    co.save_state(state)
-    ref = state["ref"]
-    files = _conflicted_files(co)
-    return ConflictStop(
-        f"{ref}: {headline}; conflicts in: {', '.join(files) or '(see git status)'}",
-        hint=f"resolve in {co.path}, `git add` the files, then `dsadapt continue {ref}`; "
-             f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole {what}")
-
-
-def _run_patches(co: Checkout, state: dict, on_patch) -> StackResult:
-    op = state["op"]
-    if op.get("kind") == "rebase":  # same transaction; rebase classifies and finishes differently
-        from .rebase import run_rebase_patches
-
-        return run_rebase_patches(co, state, on_patch)
-    patches = op["patches"]
-    outcomes = op["outcomes"]
-    while len(outcomes) < len(patches):
-        i = len(outcomes) + 1
-        meta = patches[i - 1]
-        before = co.git.rev("HEAD")
-        r = co.git.run("am", "-3", "--no-signoff", str(co.op_dir / f"{i:04d}.patch"), check=False, fixed_dates=True)
-        if not r.ok:
-            raise stop_on_conflict(co, state, i, "apply", f"patch {i}/{len(patches)} {meta['name']} does not apply")
-        head = co.git.rev("HEAD")
-        merged = "Falling back to patching base and 3-way merge" in (r.out + r.err)
-        outcome = "merged" if merged else "clean"
-        if head == before:
-            outcome = "skipped"
-        o = PatchOutcome(i, meta["name"], meta["subject"], outcome, head)
-        outcomes.append(asdict(o))
-        co.save_state(state)
-        if on_patch:
-            on_patch(o)
-    return _finish(co, state)
-
-
-def _finish(co: Checkout, state: dict) -> StackResult:
-    op = state["op"]
-    head = co.git.rev("HEAD")
-    edited = [o["name"] for o in op["outcomes"] if o["outcome"] in ("changed", "skipped")]
-    # After a resolved or skipped patch the branch no longer equals the stack's files: record
-    # that, so `status` says to refresh and `apply` will not silently redo the conflict.
-    state["applied"] = {"stack_hash": op["stack_hash"], "head": head, "needs_refresh": edited}
-    state["op"] = None
-    co.save_state(state)
-    shutil.rmtree(co.op_dir, ignore_errors=True)
-    return StackResult(state["ref"], str(co.path), state.get("source"), co.base(), head, op["stack_hash"],
-                       [PatchOutcome(**o) for o in op["outcomes"]], backup_ref=op.get("backup_ref"))
+    want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base))) if cond]
+    saves = dict(zip(want, co.next_backup_names(len(want))))
+    op = Op(kind="apply", ref=str(ref), stack_hash=stack.hash,
+            patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
+            orig=Orig(cur_branch, head, head_branch, refs[STACK_REF], bool(dirty)), saves=saves)
+    tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
+    return tx.run()
 
 
 def _in_progress(cfg: Config, ref: PinRef | None) -> Checkout:
     if ref is not None:
         co = Checkout(cfg, ref)
-        if not co.exists or not co.load_state().get("op"):
-            raise WorkspaceError(f"{ref}: no apply in progress", hint="nothing to continue, skip or abort")
-        return co
-    found = []
-    root = cfg.workdir / "checkouts"
-    if root.is_dir():
-        for engine_dir in sorted(root.iterdir()):
-            for tag_dir in sorted(engine_dir.iterdir()) if engine_dir.is_dir() else []:
-                co = Checkout(cfg, PinRef(engine_dir.name, tag_dir.name))
-                if co.exists and co.load_state().get("op"):
-                    found.append(co)
+        if co.exists:
+            st = co.load()
+            if st.op or st.legacy_op:
+                return co
+        raise WorkspaceError(f"{ref}: no apply in progress", hint="nothing to continue, skip or abort")
+    found = [co for co in all_checkouts(cfg) if _has_op(co)]
     if not found:
         raise WorkspaceError("no apply in progress", hint="nothing to continue, skip or abort")
     if len(found) > 1:
-        raise WorkspaceError(f"{len(found)} applies in progress: {', '.join(str(c.ref) for c in found)}",
+        raise WorkspaceError(f"{len(found)} operations in progress: {', '.join(str(c.ref) for c in found)}",
                              hint="name one, e.g. `dsadapt continue vllm@v0.32.0`")
     return found[0]
 
 
-def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None) -> StackResult:
+def _has_op(co: Checkout) -> bool:
+    try:
+        st = co.load()
+    except DsadaptError:
+        return False
+    return bool(st.op or st.legacy_op)
+
+
+def all_checkouts(cfg: Config) -> list[Checkout]:
+    out = []
+    root = cfg.workdir / "checkouts"
+    if root.is_dir():
+        for engine_dir in sorted(root.iterdir()):
+            if not engine_dir.is_dir() or engine_dir.name.startswith("."):
+                continue
+            for tag_dir in sorted(engine_dir.iterdir()):
+                if tag_dir.name.startswith(".") or not tag_dir.is_dir():
+                    continue
+                try:
+                    co = Checkout(cfg, PinRef(engine_dir.name, tag_dir.name))
+                except DsadaptError:
+                    continue
+                if co.exists:
+                    out.append(co)
+    return out
+
+
+def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
     co = _in_progress(cfg, ref)
-    state = co.load_state()
-    op = state["op"]
-    _reconcile_killed(co, state)
-    if co.am_in_progress() and op.get("stopped") != len(op["outcomes"]) + 1:
-        # killed inside `git am`: the patch was not committed and nobody resolved anything;
-        # undo the partial am (HEAD stays on the last committed patch) and apply it again.
-        co.git.run("am", "--abort", check=False)
-        if co.am_in_progress():
-            shutil.rmtree(co.path / ".git" / "rebase-apply")
-        co.git.run("reset", "-q", "--hard")
-    if co.am_in_progress():
-        r = co.git.run("am", "--continue", check=False, fixed_dates=True)
-        if not r.ok:
-            msg = (r.out + r.err).strip().splitlines()
-            unresolved = co.git.run("diff", "--name-only", "--diff-filter=U", check=False).out.split()
-            if unresolved:
-                raise ConflictStop(f"{co.ref}: still unresolved: {', '.join(unresolved)}",
-                                   hint=f"edit them, `git add` them in {co.path}, then `dsadapt continue {co.ref}`")
-            raise WorkspaceError(f"{co.ref}: git am --continue failed: {msg[-1] if msg else r.rc}",
-                                 hint=f"if the patch is now empty, run `dsadapt skip {co.ref}`")
-        _record_next(co, state, "changed", on_patch)
-    return _run_patches(co, state, on_patch)
+    tx = Transaction.open(co, on_patch, progress)
+    if tx.state.legacy_op:
+        _refuse_op(tx)
+    return tx.user_continue()
 
 
-def _record_next(co: Checkout, state: dict, outcome: str, on_patch) -> None:
-    """Record the outcome of the patch the apply stopped on (the next one without an outcome)."""
-    op = state["op"]
-    i = len(op["outcomes"]) + 1
-    meta = op["patches"][i - 1]
-    o = PatchOutcome(i, meta["name"], meta["subject"], outcome, co.git.rev("HEAD"))
-    op["outcomes"].append(asdict(o))
-    co.save_state(state)
-    if on_patch:
-        on_patch(o)
-
-
-def skip_patch(cfg: Config, ref: PinRef | None = None, on_patch=None) -> StackResult:
+def skip_patch(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
     co = _in_progress(cfg, ref)
-    state = co.load_state()
-    _reconcile_killed(co, state)
-    if not co.am_in_progress():
-        raise WorkspaceError(f"{co.ref}: not stopped on a patch", hint=f"run `dsadapt continue {co.ref}`")
-    co.git.run("am", "--skip", check=False, fixed_dates=True)
-    if co.am_in_progress():
-        co.git.run("am", "--abort", check=False)
-    _record_next(co, state, "skipped", on_patch)
-    return _run_patches(co, state, on_patch)
+    tx = Transaction.open(co, on_patch, progress)
+    if tx.state.legacy_op:
+        _refuse_op(tx)
+    return tx.user_skip()
 
 
-def abort_apply(cfg: Config, ref: PinRef | None = None) -> Checkout:
-    """Return the checkout exactly to where it was before `apply` (branches, HEAD, work tree)."""
+def abort_apply(cfg: Config, ref: PinRef | None = None, progress=None) -> Checkout:
+    """Return the checkout exactly to where it was before the operation (branches, HEAD, work tree,
+    uncommitted and untracked work). Notes about kept work are in `co.notes`."""
     co = _in_progress(cfg, ref)
-    state = co.load_state()
-    op = state["op"]
-    if co.am_in_progress():
-        co.git.run("am", "--abort", check=False)
-        if co.am_in_progress():
-            shutil.rmtree(co.path / ".git" / "rebase-apply")
-    co.git.run("reset", "-q", "--hard")
-    co.git.run("clean", "-qfd")
-    before = op.get("branch_head_before")
-    if before:
-        co.git.run("update-ref", f"refs/heads/{co.branch}", before)
-    orig_branch, orig_head = op.get("orig_branch"), op.get("orig_head")
-    if orig_branch == co.branch and not before:
-        co.git.run("update-ref", f"refs/heads/{co.branch}", orig_head)
-    if orig_branch:
-        co.git.run("checkout", "-q", "-f", orig_branch)
-    elif orig_head:
-        co.git.run("checkout", "-q", "-f", "--detach", orig_head)
-    if orig_branch != co.branch and not before:
-        co.git.run("branch", "-q", "-D", co.branch, check=False)
-    # The backup refs this apply made are redundant once everything is restored: drop them,
-    # so the checkout is exactly as before (a dirty backup is kept if it could not be re-applied).
-    if op.get("backup_ref") and co.git.rev(f"refs/heads/{co.branch}") == co.git.rev(op["backup_ref"]):
-        co.git.delete_ref(op["backup_ref"])
-    if op.get("dirty_backup"):
-        r = co.git.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False)
-        if r.ok:
-            co.git.delete_ref(op["dirty_backup"])
-    if op.get("kind") == "rebase":  # undo what a rebase did outside the checkout (lock entry, refs)
-        from .rebase import undo_rebase_extras
-
-        undo_rebase_extras(co, op)
-    state["op"] = None
-    co.save_state(state)
-    shutil.rmtree(co.op_dir, ignore_errors=True)
+    tx = Transaction.open(co, None, progress)
+    if tx.state.legacy_op:
+        _abort_legacy(tx)
+        co.notes = tx.notes  # type: ignore[attr-defined]
+        return co
+    tx.abort()
+    co.notes = tx.notes  # type: ignore[attr-defined]
+    co.kind = tx.state.op.kind if tx.state.op else None  # type: ignore[attr-defined]
     return co
 
 
-def _reconcile_killed(co: Checkout, state: dict) -> None:
-    """A run killed after git committed a patch but before dsadapt recorded it: record it."""
-    op = state["op"]
+def _abort_legacy(tx: Transaction) -> None:
+    """Undo an op recorded by dsadapt < 0.2 (state schema 1): save what is there, then restore."""
+    from .gitutil import snapshot_commit, work_snapshot
+
+    co, g, op = tx.co, tx.git, tx.state.legacy_op or {}
     if co.am_in_progress():
-        return
-    n_commits = int(co.git.out("rev-list", "--count", f"{co.base()}..HEAD"))
-    n_recorded = sum(1 for o in op["outcomes"] if o["outcome"] not in ("skipped", "upstream"))
-    while n_commits > n_recorded and len(op["outcomes"]) < len(op["patches"]):
-        i = len(op["outcomes"]) + 1
-        meta = op["patches"][i - 1]
-        op["outcomes"].append(asdict(PatchOutcome(i, meta["name"], meta["subject"], "clean", co.git.rev("HEAD"))))
-        n_recorded += 1
-    co.save_state(state)
+        shutil.rmtree(co.am_dir, ignore_errors=True)
+    if g.is_dirty():
+        ref = co.next_backup_names(1)[0]
+        g.update_ref(ref, snapshot_commit(g, work_snapshot(g), "dsadapt: work tree when aborting"))
+        tx.notes.append(f"the work tree's changes are kept in {ref}")
+    g.run("reset", "-q", "--hard")
+    g.run("clean", "-qfd")
+    before = op.get("branch_head_before")
+    if before:
+        g.update_ref(co.branch_ref, before)
+    if op.get("orig_branch"):
+        g.run("checkout", "-q", "-f", op["orig_branch"])
+    elif op.get("orig_head"):
+        g.run("checkout", "-q", "-f", "--detach", op["orig_head"])
+    if op.get("dirty_backup"):
+        if g.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False).ok:
+            g.delete_ref(op["dirty_backup"])
+    tx.state.legacy_op = None
+    tx.write()
+    shutil.rmtree(co.op_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- export (refresh, rebase)
+
+FORMAT_PATCH = ("-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
+                "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
+                "format-patch", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",
+                "--zero-commit", "--no-numbered", "--subject-prefix=PATCH", "--no-renames", "--no-color",
+                "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter")
+
+
+def export_commits(git: Git, base: str, head: str) -> list[Patch]:
+    """Commits base..head as normalized Patch objects: one `git format-patch` for all of them."""
+    lines = git.out("rev-list", "--reverse", "--parents", f"{base}..{head}").splitlines()
+    merges = [l.split()[0] for l in lines if len(l.split()) > 2]
+    if merges:
+        raise WorkspaceError(f"merge commit {merges[0][:12]} in the stack branch",
+                             hint="a stack is linear: rebase the branch onto the base without merges")
+    commits = [l.split()[0] for l in lines]
+    if not commits:
+        return []
+    text = git.run(*FORMAT_PATCH, f"{base}..{head}").out  # not git.out: stripping would eat a last " " line
+    pieces = text.split(MBOX_FROM)[1:]
+    if len(pieces) != len(commits):  # e.g. an empty commit format-patch leaves out: one at a time
+        pieces = [git.run(*FORMAT_PATCH, "-1", c).out.split(MBOX_FROM, 1)[-1] for c in commits]
+    return [parse_patch(MBOX_FROM + p, where=f"commit {c[:12]}") for c, p in zip(commits, pieces)]
+
+
+def exported_files(patches: list[Patch], old_series: str | None) -> tuple[dict[str, bytes], list[str]]:
+    """The stack files `write_stack` would write for these patches: ({name: bytes}, patch names)."""
+    from .patchfile import format_patch, patch_filename
+
+    files: dict[str, bytes] = {}
+    names = []
+    for i, p in enumerate(patches, 1):
+        name = patch_filename(i, p.subject)
+        files[name] = format_patch(p).encode("utf-8")
+        names.append(name)
+    files["series"] = format_series(names, old_series).encode("utf-8")
+    return files, names
+
+
+def sync_stack_dir(d: Path, files: dict[str, bytes], old_names: list[str]) -> tuple[list[str], list[str]]:
+    """Make the stack dir hold exactly `files` (series written last), removing `old_names` that are not
+    among them. Idempotent; unchanged files are not rewritten. Returns (changed, removed)."""
+    d.mkdir(parents=True, exist_ok=True)
+    leftovers.clean_tmp_files(d)
+    changed, removed = [], []
+    for name in sorted(n for n in files if n != "series"):
+        f = d / name
+        if not f.is_file() or f.read_bytes() != files[name]:
+            atomic_write_bytes(f, files[name])
+            changed.append(name)
+    for name in old_names:
+        if name not in files and name != "series" and remove_file(d / name):
+            removed.append(name)
+    if "series" in files:
+        f = d / "series"
+        if not f.is_file() or f.read_bytes() != files["series"]:
+            atomic_write_bytes(f, files["series"])
+            changed.append("series")
+    return changed, removed
+
+
+def read_stack_files(d: Path, names: list[str]) -> dict[str, bytes]:
+    out = {}
+    for n in ["series", *names]:
+        f = d / n
+        if f.is_file():
+            out[n] = f.read_bytes()
+    return out
+
+
+def _series_names(data: bytes | None) -> list[str]:
+    if not data:
+        return []
+    try:
+        return parse_series(data.decode("utf-8"))
+    except (DsadaptError, UnicodeDecodeError):
+        return []
 
 
 # ---------------------------------------------------------------- refresh
 
 
-def export_commits(git: Git, base: str, head: str) -> list:
-    """Commits base..head as normalized Patch objects (format-patch with pinned diff options)."""
-    merges = git.out("rev-list", "--min-parents=2", f"{base}..{head}")
-    if merges:
-        raise WorkspaceError(f"merge commit {merges.split()[0][:12]} in the stack branch",
-                             hint="a stack is linear: rebase the branch onto the base without merges")
-    commits = git.out("rev-list", "--reverse", f"{base}..{head}").split()
-    patches = []
-    for c in commits:
-        text = git.run(  # not git.out: stripping would eat a final context line of one space
-            "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
-            "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
-            "format-patch", "-1", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",
-            "--zero-commit", "--no-numbered", "--subject-prefix=PATCH", "--no-renames", "--no-color",
-            "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter", c).out
-        p = parse_patch(text, where=f"commit {c[:12]}")
-        patches.append(p)
-    return patches
+@dataclass
+class RefreshResult:
+    ref: str
+    changed: list[str]
+    removed: list[str]
+    backup: str | None = None
+    notes: list[str] = field(default_factory=list)
 
 
-def refresh_stack(cfg: Config, lock: Lock, ref: PinRef) -> tuple[list[str], list[str]]:
+class RefreshKind:
+    """Writing patches/ from the branch. The checkout itself is not touched; the op records the
+    stack files before and after, so a killed refresh is finished or undone byte for byte."""
+
+    name = "refresh"
+    verb = "refresh"
+    touches_checkout = False
+
+    def prepare(self, tx: Transaction) -> None:
+        return None
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        return None
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        return "clean", None
+
+    def finish(self, tx: Transaction) -> StackResult:
+        op, g = tx.op, tx.git
+        ex = op.extra
+        d = tx.co.cfg.project / ex["stack_dir"]
+        files = tx.read_files(ex["after"])
+        changed, removed = sync_stack_dir(d, files, ex["names_before"])
+        ex["changed"], ex["removed"] = sorted(set(ex.get("changed", [])) | set(changed)), \
+            sorted(set(ex.get("removed", [])) | set(removed))
+        if g.rev(STACK_REF) != ex["after"]:
+            g.update_ref(STACK_REF, ex["after"])
+        res = StackResult(str(tx.co.ref), str(tx.co.path), tx.state.source, tx.co.base(), ex["head"], op.stack_hash,
+                          backup_ref=ex.get("backup"), notes=tx.notes)
+        res.outcomes = []
+        tx.close(Applied(op.stack_hash, ex["head"], [], ex["after"], flat_tree_id(files)))
+        res.changed, res.removed = ex["changed"], ex["removed"]  # type: ignore[attr-defined]
+        return res
+
+    def undo(self, tx: Transaction) -> None:
+        ex = tx.op.extra
+        d = tx.co.cfg.project / ex["stack_dir"]
+        before = tx.read_files(ex["before"])
+        after_names = _series_names(tx.read_files(ex["after"]).get("series"))
+        sync_stack_dir(d, before, after_names)
+        if tx.git.rev(STACK_REF) != tx.op.orig.stack_ref and tx.op.orig.stack_ref:
+            tx.git.update_ref(STACK_REF, tx.op.orig.stack_ref)
+
+
+register(RefreshKind())
+
+
+def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) -> RefreshResult:
     """Export the checkout branch's commits back into patches/<engine>/<tag>/.
 
-    Returns (files written or changed, files removed). An unchanged stack changes zero bytes.
-    """
+    Refuses (exit 4) to overwrite patches/ files that changed since the stack was applied or last
+    refreshed when the branch does not hold that change; `force` overwrites them and keeps the
+    previous files in a backup ref. An unchanged stack changes zero bytes."""
     lock.pin(ref)
     co = Checkout(cfg, ref)
     if not co.exists:
         raise WorkspaceError(f"{ref}: no checkout at {co.path}", hint=f"run `dsadapt apply {ref}` first")
-    state = co.load_state()
-    if state.get("op") or co.am_in_progress():
-        raise WorkspaceError(f"{ref}: an apply is in progress", hint=f"finish it (`dsadapt continue {ref}`) or abort it first")
-    if co.git.is_dirty():
+    tx = Transaction.open(co)
+    if tx.state.op is not None and tx.op.kind == "refresh" and tx.op.phase != "abort":
+        res = tx.run()  # a refresh that was killed: finish writing what it recorded
+        return RefreshResult(str(ref), res.changed, res.removed, res.backup_ref,  # type: ignore[attr-defined]
+                             ["finished the interrupted refresh", *tx.notes])
+    if tx.state.op is not None or tx.state.legacy_op:
+        _refuse_op(tx)
+    g = co.git
+    dirty = g.dirty_files()
+    if dirty:
         raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes; refresh exports commits only",
                              hint=f"commit them on {co.branch} (git commit, or git commit --fixup + rebase), then refresh")
-    head = co.git.rev(f"refs/heads/{co.branch}")
+    head = g.rev(co.branch_ref)
     if not head:
         raise WorkspaceError(f"{ref}: branch {co.branch} is missing", hint=f"run `dsadapt apply {ref}`")
-    patches = export_commits(co.git, co.base(), head)
-    d = cfg.patches_root / ref.engine / ref.tag
-    before = {f.name: f.read_bytes() for f in d.iterdir()} if d.is_dir() else {}
-    write_stack(d, patches)
-    after = {f.name: f.read_bytes() for f in d.iterdir()}
-    changed = sorted(n for n in after if before.get(n) != after[n])
-    removed = sorted(n for n in before if n not in after)
-    new_stack = load_stack(cfg.patches_root, ref)
-    state["applied"] = {"stack_hash": new_stack.hash, "head": head}
-    co.save_state(state)
-    return changed, removed
+    base = co.base()
+    d = stack_dir(cfg.patches_root, ref)
+    rel = str(d.relative_to(cfg.project))
+    cur_series = (d / "series").read_bytes() if (d / "series").is_file() else None
+    cur_names = _series_names(cur_series)
+    patches = export_commits(g, base, head)
+    target, names = exported_files(patches, cur_series.decode("utf-8", "replace") if cur_series else None)
+    cur = read_stack_files(d, sorted(set(cur_names) | set(names)))
+    new_hash = stack_hash([_Entry(n, target[n].decode("utf-8")) for n in names])
+    applied = tx.state.applied
+    if cur == target:  # nothing to write; the record catches up with the branch
+        if not applied or applied.head != head or applied.stack_hash != new_hash or applied.needs_refresh:
+            tx.state.applied = Applied(new_hash, head, [], applied.snapshot if applied else None,
+                                       applied.snapshot_tree if applied else None)
+            if applied and applied.snapshot_tree != flat_tree_id(target):
+                snap = tx.files_commit(target)
+                tx.state.applied.snapshot, tx.state.applied.snapshot_tree = snap, flat_tree_id(target)
+                g.update_ref(STACK_REF, snap)
+            tx.write()
+        return RefreshResult(str(ref), [], [], None, tx.notes)
+    # What patches/ held when the branch was last in step with it (the apply, or the last refresh)
+    if applied and applied.snapshot:
+        rec: dict[str, bytes] | None = tx.read_files(applied.snapshot)
+    elif applied and stack_hash([_Entry(n, cur.get(n, b"").decode("utf-8", "replace")) for n in cur_names]) == applied.stack_hash:
+        rec = cur
+    else:
+        rec = None
+    newer = [n for n in sorted(set(cur) | set(rec or {}) | set(target))
+             if (rec is None or cur.get(n) != rec.get(n)) and cur.get(n) != target.get(n)
+             and (n in cur or (rec is not None and n in rec))]
+    backup = None
+    if newer and not force:
+        what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
+        more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
+        raise Refused(f"{ref}: {rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that change; "
+                      "refresh would overwrite it",
+                      hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept in a "
+                           f"backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the current files "
+                           "are kept in a backup ref)")
+    before = tx.files_commit(cur) if cur else tx.files_commit({})
+    if newer:
+        backup = co.next_backup_names(1)[0]
+    after = tx.files_commit(target)
+    op = Op(kind="refresh", ref=str(ref), stack_hash=new_hash, patches=[],
+            orig=Orig(g.current_branch(), g.rev("HEAD"), head, g.rev(STACK_REF), False), phase="finish",
+            saves={"backup": backup} if backup else {},
+            extra={"stack_dir": rel, "before": before, "after": after, "head": head, "backup": backup,
+                   "names_before": cur_names})
+    tx.begin(op, [], None)
+    if backup:
+        g.update_ref(backup, before, why=f"{rel} before refresh --force")
+        tx.notes.append(f"the previous files of {rel} are kept in {backup} "
+                        f"(`git -C {co.path} show {backup}:<file>`)")
+    res = tx.run()
+    return RefreshResult(str(ref), res.changed, res.removed, backup, tx.notes)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    text: str
 
 
 # ---------------------------------------------------------------- status
 
 
-def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus:
+def checkout_status(cfg: Config, lock: Lock, entry: LockEntry, running: int | None = None) -> CheckoutStatus:
+    """Where a pin's checkout stands. Read-only; never fails because of another pin."""
     co = Checkout(cfg, entry.ref)
-    stack = load_stack(cfg.patches_root, entry.ref, must_exist=False)
-    st = CheckoutStatus(str(entry.ref), str(co.path), "not fetched", "no checkout yet", stack_hash=stack.hash)
+    st = CheckoutStatus(str(entry.ref), str(co.path), "not fetched", "no checkout yet",
+                        next=f"dsadapt apply {entry.ref}")
+    stack_error = None
+    try:
+        stack: Stack | None = load_stack(cfg.patches_root, entry.ref, must_exist=False)
+        st.stack_hash = stack.hash if stack else None
+    except DsadaptError as e:
+        stack, stack_error = None, e.message
     if not co.exists:
+        if stack_error:
+            st.state, st.detail, st.next = "broken", f"the stack cannot be read: {stack_error}", None
+        elif stack is not None and not stack.exists:
+            st.detail, st.next = "no checkout yet (and no stack)", None
         return st
-    state = co.load_state()
-    st.source = state.get("source")
-    st.base = co.git.rev(BASE_REF)
-    st.head = co.git.rev(f"refs/heads/{co.branch}")
-    st.backups = co.backups()
-    applied = state.get("applied")
-    st.applied_hash = applied.get("stack_hash") if applied else None
-    op = state.get("op")
-    if op or co.am_in_progress():
-        done = len(op["outcomes"]) if op else 0
-        total = len(op["patches"]) if op else 0
-        stopped = co.am_in_progress() and bool(op) and op.get("stopped") == done + 1
-        killed_in_am = co.am_in_progress() and not stopped
-        st.state = "mid-apply"
-        st.detail = (f"{done}/{total} patches done; " +
-                     (f"stopped on {op['patches'][done]['name']}" if stopped and op and done < total
-                      else f"interrupted while applying {op['patches'][done]['name']}" if killed_in_am and op
-                      and done < total else "interrupted between patches") +
-                     f"; run `dsadapt continue {entry.ref}` or `dsadapt abort {entry.ref}`")
+    return _status_of(co, st, stack, stack_error, running)
+
+
+def unpinned_status(cfg: Config, co: Checkout, running: int | None = None) -> CheckoutStatus:
+    st = CheckoutStatus(str(co.ref), str(co.path), "unknown", "", pinned=False)
+    return _status_of(co, st, None, None, running)
+
+
+def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_error: str | None,
+               running: int | None) -> CheckoutStatus:
+    from .gitutil import git_processes_in, lock_files
+
+    ref = co.ref
+    st.next = None
+    try:
+        state = co.load()
+    except DsadaptError as e:
+        st.state, st.detail = "broken", e.message + (f"; {e.hint}" if e.hint else "")
         return st
-    if co.git.is_dirty():
-        st.state, st.detail = "dirty", f"uncommitted changes: {', '.join(co.git.dirty_files()[:5])}"
-        return st
-    if applied and st.head == applied.get("head"):
-        if applied.get("needs_refresh"):
-            st.state = "diverged"
-            st.detail = (f"resolved or skipped during apply: {', '.join(applied['needs_refresh'])}; "
-                         f"run `dsadapt refresh {entry.ref}` to export the branch")
-        elif applied.get("stack_hash") == stack.hash:
-            st.state, st.detail = "stack applied", f"{len(stack)} patches on {st.base[:12] if st.base else '?'}"
+    g = co.git
+    st.source = state.source
+    refs = dict(g.refs("refs/dsadapt/", co.branch_ref))
+    st.base = refs.get(BASE_REF)
+    st.head = refs.get(co.branch_ref)
+    st.backups = sorted(r for r in refs if r.startswith(BACKUP_PREFIX))
+    applied = state.applied
+    st.applied_hash = applied.stack_hash if applied else None
+    locks = lock_files(co.path / ".git")
+    if locks:
+        holders = git_processes_in(co.path)
+        st.locks = [str(lf.relative_to(co.path)) for lf in locks]
+        lock_note = (f"; git lock file {', '.join(st.locks)} " +
+                     (f"is held by running git (pid {holders[0][0]})" if holders
+                      else "is left from a killed git: the next dsadapt command removes it"))
+    else:
+        lock_note = ""
+    if state.op or state.legacy_op:
+        if state.op:
+            st.op = {"kind": state.op.kind, "phase": state.op.phase, "done": len(state.op.outcomes),
+                     "total": state.op.total}
+            st.state, st.detail, st.next = describe_op(co, state.op, running is not None)
         else:
-            st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {entry.ref}`"
+            st.op = {"kind": "apply", "phase": "legacy"}
+            st.state, st.detail, st.next = ("interrupted", "an apply recorded by an older dsadapt is in progress; "
+                                            f"run `dsadapt abort {ref}`, then apply again", f"dsadapt abort {ref}")
+        st.detail += lock_note
+        return st
+    if stack_error:
+        st.state, st.detail = "broken", f"the stack cannot be read: {stack_error}{lock_note}"
+        return st
+    dirty = g.dirty_files()
+    if dirty:
+        st.state = "dirty"
+        st.detail = f"uncommitted changes: {', '.join(dirty[:5])}{lock_note}"
+        return st
+    if applied and st.head == applied.head:
+        if applied.needs_refresh:
+            st.state = "diverged"
+            st.detail = f"resolved or skipped during apply: {', '.join(applied.needs_refresh)}; " \
+                        f"run `dsadapt refresh {ref}` to export the branch"
+            st.next = f"dsadapt refresh {ref}"
+        elif stack is not None and applied.stack_hash == stack.hash:
+            n = len(stack)
+            st.state, st.detail = "stack applied", f"{n} patch{'es' if n != 1 else ''} on {st.base[:12] if st.base else '?'}"
+        elif stack is None:
+            st.state, st.detail = "stack applied", "applied; this checkout's tag is not pinned"
+        else:
+            st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {ref}`"
+            st.next = f"dsadapt apply {ref}"
+        st.detail += lock_note
         return st
     if st.head == st.base:
         st.state, st.detail = "clean base", "upstream tree, no patches applied"
+        if stack is not None and len(stack):
+            st.next = f"dsadapt apply {ref}"
+        st.detail += lock_note
         return st
-    n = co.git.out("rev-list", "--count", f"{(applied or {}).get('head') or st.base}..{st.head}") \
-        if st.head and co.git.rev((applied or {}).get('head') or st.base or "") else "?"
-    st.state, st.detail = "diverged", f"{n} new commit(s) on {co.branch}; run `dsadapt refresh {entry.ref}` to export them"
+    since = (applied.head if applied else None) or st.base
+    n = g.out("rev-list", "--count", f"{since}..{st.head}") if st.head and since and g.rev(since) else "?"
+    st.state, st.detail = "diverged", f"{n} new commit(s) on {co.branch}; run `dsadapt refresh {ref}` to export them"
+    st.next = f"dsadapt refresh {ref}"
+    st.detail += lock_note
     return st
+
+
+def status_all(cfg: Config, lock: Lock) -> list[CheckoutStatus]:
+    """Status of every pin, plus checkouts on disk that hold an op but whose pin is gone (a rebase
+    killed before it pinned NEW)."""
+    from .lock import version_key
+
+    running = lock_holder(cfg)
+    entries = sorted(lock.pins.values(), key=lambda e: (e.engine, version_key(e.tag)))
+    out = []
+    for e in entries:
+        try:
+            out.append(checkout_status(cfg, lock, e, running))
+        except DsadaptError as err:  # one broken checkout never hides the others
+            out.append(CheckoutStatus(str(e.ref), str(cfg.checkout_dir(e.engine, e.tag)), "broken", err.message))
+    pinned = {str(e.ref) for e in entries}
+    for co in all_checkouts(cfg):
+        if str(co.ref) not in pinned and _has_op(co):
+            out.append(unpinned_status(cfg, co, running))
+    return out

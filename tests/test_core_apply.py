@@ -83,7 +83,7 @@ def _conflicting_stack(project):
     return texts
 
 
-def test_conflict_stops_names_patch_and_files_status_says_mid_apply(project):
+def test_conflict_stops_names_patch_and_files_status_says_stopped(project):
     _conflicting_stack(project)
     r = project.run("apply", REF1)
     assert r.rc == 4, r
@@ -91,8 +91,9 @@ def test_conflict_stops_names_patch_and_files_status_says_mid_apply(project):
     assert err[-2].startswith("error: ") and err[-1].startswith("hint: ")
     assert "patch 2/3" in r.err and "0002-mod-default-scoring-to-tanh.patch" in r.err and "vllm/mod.py" in r.err
     st = project.run("status", "--json").json()["checkouts"][0]
-    assert st["state"] == "mid-apply" and "1/3 patches done" in st["detail"]
-    assert "stopped on 0002-mod-default-scoring-to-tanh.patch" in st["detail"], st
+    assert st["state"] == "stopped" and "1/3 patches done" in st["detail"]
+    assert "stopped on a conflict in 0002-mod-default-scoring-to-tanh.patch" in st["detail"], st
+    assert st["next"] == f"dsadapt continue {REF1}" and st["op"]["phase"] == "stopped"
     # apply again refuses while stopped
     again = project.run("apply", REF1)
     assert again.rc == 1 and "in progress" in again.err
@@ -262,8 +263,9 @@ exit 0
 """
 
 
-def _kill_mid_apply(project, tmp_path):
-    """Apply in a subprocess and SIGKILL it while `git am` runs the 2nd patch's applypatch-msg hook."""
+def _kill_mid_apply(project, tmp_path, hook_name="applypatch-msg"):
+    """Apply in a subprocess and SIGKILL it while `git am` runs a hook for the 2nd patch
+    (applypatch-msg: before it is applied; post-applypatch: committed, but am has not counted it)."""
     assert project.run("apply", REF1).rc == 0  # creates the checkout (the hook lives in it)
     co = project.checkout()
     before = refs_snapshot(co)
@@ -275,8 +277,8 @@ def _kill_mid_apply(project, tmp_path):
     ])
     project.write_stack(texts)
     marker = tmp_path / "hook-reached"
-    hook = co / ".git" / "hooks" / "applypatch-msg"
-    hook.write_text(HOOK.replace("{marker}", str(marker)))
+    hook = co / ".git" / "hooks" / hook_name
+    hook.write_text(HOOK.replace("{marker}", str(marker)).replace('"$1"', '"$1" .git/rebase-apply/final-commit'))
     hook.chmod(0o755)
     proc = project.spawn("apply", REF1, "--force")
     deadline = time.monotonic() + 30
@@ -293,8 +295,8 @@ def _kill_mid_apply(project, tmp_path):
 def test_killed_apply_explained_by_status_then_continue_finishes(project, clean_stack, tmp_path):
     co, _ = _kill_mid_apply(project, tmp_path)
     st = project.run("status", "--json").json()["checkouts"][0]
-    assert st["state"] == "mid-apply", st
-    assert "1/3 patches done" in st["detail"] and "interrupted while applying 0002-" in st["detail"], st
+    assert st["state"] == "interrupted", st
+    assert "interrupted while applying 0002-" in st["detail"] and st["next"] == f"dsadapt continue {REF1}", st
     r = project.run("continue", REF1, "--json")
     assert r.rc == 0, r
     assert len(r.json()["outcomes"]) == 3
@@ -313,22 +315,18 @@ def test_killed_apply_undone_by_abort(project, clean_stack, tmp_path):
     assert not (co / ".git" / "rebase-apply").exists()
 
 
-def test_killed_between_patches_is_reconciled_by_continue(project, clean_stack, tmp_path):
-    """State as a run killed after git committed patch 2 but before dsadapt recorded it would leave."""
-    co, _ = _kill_mid_apply(project, tmp_path)
-    # finish patch 2 by hand the way git would have, then drop dsadapt's record of patch 1 too
-    git(co, "am", "--abort")
-    git(co, "am", "--no-signoff", str(co / ".git" / "dsadapt" / "op" / "0002.patch"))
-    state_path = co / ".git" / "dsadapt" / "state.json"
-    state = json.loads(state_path.read_text())
-    state["op"]["outcomes"] = []
-    state_path.write_text(json.dumps(state))
+def test_killed_between_commit_and_am_bookkeeping_is_not_applied_twice(project, clean_stack, tmp_path):
+    """Killed after git committed patch 2 but before am counted it: continue keeps that commit once."""
+    co, _ = _kill_mid_apply(project, tmp_path, "post-applypatch")
+    assert git(co, "log", "-1", "--format=%s") == "util: bigger step"
     st = project.run("status", "--json").json()["checkouts"][0]
-    assert st["state"] == "mid-apply" and "interrupted between patches" in st["detail"], st
+    assert st["state"] == "interrupted" and st["next"] == f"dsadapt continue {REF1}", st
     r = project.run("continue", REF1, "--json")
     assert r.rc == 0, r
     assert [o["name"][:4] for o in r.json()["outcomes"]] == ["0001", "0002", "0003"]
-    assert git(co, "rev-list", "--count", "refs/dsadapt/base..HEAD") == "3"
+    assert git(co, "log", "--format=%s", "refs/dsadapt/base..HEAD").splitlines() == [
+        "add another module", "util: bigger step", "mod: default scoring to sigmoid v2"]
+    assert git(co, "status", "--porcelain") == ""
 
 
 # ---------------------------------------------------------------- work-dir lock

@@ -104,7 +104,7 @@ def test_json_outputs_parse(project, clean_stack):
     assert v.rc == 0 and v.json()["ok"] is True and v.json()["stacks"][0]["source"].startswith("git ")
 
     rf = project.run("refresh", REF1, "--json")
-    assert rf.rc == 0 and rf.json() == {"ref": REF1, "changed": [], "removed": []}
+    assert rf.rc == 0 and rf.json() == {"ref": REF1, "changed": [], "removed": [], "backup": None, "notes": []}
 
     # nothing but JSON on stdout, even for a conflict stop (error lines go to stderr)
     for res in (lst, ap, v, rf):

@@ -23,7 +23,7 @@ def test_refresh_of_unchanged_stack_changes_zero_bytes(project, clean_stack):
     assert r.rc == 0 and "stack unchanged" in r.err, r
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in d.iterdir()} == before
     rj = project.run("refresh", REF1, "--json")
-    assert rj.json() == {"ref": REF1, "changed": [], "removed": []}
+    assert rj.json() == {"ref": REF1, "changed": [], "removed": [], "backup": None, "notes": []}
 
 
 def test_refresh_writes_normalized_patches_for_new_and_amended_commits(project, clean_stack):
@@ -79,6 +79,9 @@ def test_refresh_exports_a_patch_ending_in_blank_context_lines_intact(project, c
         f.unlink()
     (d / "series").write_text("")
     r = project.run("refresh", REF1)
+    assert r.rc == 4 and f"refresh {REF1} --force" in r.err, r  # patches/ changed since apply: refused
+    assert (d / "series").read_text() == ""
+    r = project.run("refresh", REF1, "--force")
     assert r.rc == 0, r
     for f in sorted(d.glob("*.patch")):
         assert f.read_text() in clean_stack, f.name
@@ -104,9 +107,10 @@ def test_verify_clean_stack_ok_and_leaves_checkout_alone(project, clean_stack):
     r = project.run("verify", REF1, "--json")
     assert r.rc == 0, r
     (res,) = r.json()["stacks"]
-    assert res["ok"] and res["applied"] and res["patches"] == 3 and res["compiled"] == 4 and res["problems"] == []
+    assert res["ok"] and res["applied"] and res["patches"] == 3 and res["compiled"] == 3 and res["problems"] == []
     assert refs_snapshot(co) == before
-    assert git(co, "worktree", "list").count("\n") == 0  # the temporary worktree is gone
+    assert git(co, "worktree", "list").count("\n") == 0  # no worktree is made
+    assert not list((co / ".git" / "dsadapt" / "tmp").glob("index-*"))  # the temporary index is gone
 
 
 def _verify_problems(project, texts, names=None) -> list[str]:

@@ -104,7 +104,7 @@ def test_patch_id_finds_a_verbatim_backport_when_history_is_there(env):
                                        tree=fx.git(up, "rev-parse", "v1.1.0^{tree}"))), cfg.lock_path)
     _start(cfg)
     state = workspace.Checkout(cfg, NEW).load_state()
-    detail = state["op"]["rebase"]["details"]["1"]
+    detail = state["op"]["extra"]["details"]["1"]
     cherry = fx.git(up, "rev-parse", "v1.1.0~4")  # the cherry-pick, first commit after v1.0.0
     assert detail.startswith("patch-id ") and cherry[:12] in detail
 
@@ -115,7 +115,7 @@ def test_abort_restores_everything(env):
     before = fx.snapshot(proj)
     _start(cfg)
     co = workspace.Checkout(cfg, NEW)
-    assert workspace.checkout_status(cfg, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW)).state == "mid-apply"
+    assert workspace.checkout_status(cfg, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW)).state == "stopped"
     (co.path / "pkg/d.py").write_text("half-resolved\n")  # the user started resolving, then gave up
     workspace.abort_apply(cfg, NEW)
     assert fx.snapshot(proj) == before  # lock entry removed, no NEW stack, no report, OLD untouched

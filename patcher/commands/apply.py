@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import click
 
-from .. import workspace
-from ..errors import ConflictStop
-from ..stack import load_stack
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
 
 
-def _line(o: workspace.PatchOutcome) -> str:
+def _line(o) -> str:
     commit = (o.commit or "")[:12]
     return f"  {o.index:>3}  {o.outcome:<8} {o.name}  {commit}"
 
 
-def _report(res: workspace.StackResult, as_json: bool, verb: str) -> None:
+def _report(res, as_json: bool, verb: str) -> None:
     if as_json:
         emit_json({"status": "noop" if res.noop else "applied", **res.to_json()})
         return
+    for n in res.notes:
+        say(f"  note: {n}")
     if res.noop:
         say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
         return
@@ -28,6 +27,8 @@ def _report(res: workspace.StackResult, as_json: bool, verb: str) -> None:
     say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
     if res.backup_ref:
         say(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")
+    for b in res.backups:
+        say(f"  uncommitted work kept as {b} (git -C {res.checkout} stash apply {b})")
 
 
 def _on_patch(as_json: bool):
@@ -41,6 +42,9 @@ def _on_patch(as_json: bool):
 @pass_ctx
 def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     """Materialize + verify the pinned checkout, then apply the stack as commits."""
+    from .. import workspace
+    from ..stack import load_stack
+
     ref = to_ref(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
     load_stack(ctx.cfg.patches_root, ref)
@@ -55,9 +59,12 @@ def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
-    """Commit the resolved patch and apply the rest of the stack."""
+    """Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run)."""
+    from .. import workspace
+
     with workspace.workdir_lock(ctx.cfg):
-        res = workspace.continue_apply(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json))
+        res = workspace.continue_apply(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json),
+                                       progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
 
@@ -67,8 +74,11 @@ def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 @pass_ctx
 def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Drop the patch that stopped the apply and go on with the rest."""
+    from .. import workspace
+
     with workspace.workdir_lock(ctx.cfg):
-        res = workspace.skip_patch(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json))
+        res = workspace.skip_patch(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json),
+                                   progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
 
@@ -77,14 +87,18 @@ def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
-    """Undo the whole apply: branches, HEAD and work tree as they were before it."""
+    """Undo the whole apply (or rebase, or refresh): branches, HEAD, work tree and patches/ as they were."""
+    from .. import workspace
+
     with workspace.workdir_lock(ctx.cfg):
-        co = workspace.abort_apply(ctx.cfg, to_ref(pin))
+        co = workspace.abort_apply(ctx.cfg, to_ref(pin), progress=progress_printer(not as_json))
+    notes = getattr(co, "notes", [])
     if as_json:
-        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path)})
+        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})
     else:
-        say(f"{co.ref}: apply aborted; {co.path} is back where it was")
+        say(f"{co.ref}: aborted; {co.path} is back where it was")
+        for n in notes:
+            say(f"  note: {n}")
 
 
 COMMANDS = [apply_cmd, continue_cmd, skip_cmd, abort_cmd]
-__all__ = ["COMMANDS", "ConflictStop"]

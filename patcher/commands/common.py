@@ -7,17 +7,30 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import click
-from rich.console import Console
-from rich.table import Table
 
-from ..config import Config, load_config
-from ..lock import Lock, load_lock
-from ..pinref import PinRef, parse_pinref
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..lock import Lock
+    from ..pinref import PinRef
 
-# Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
-err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
-out_console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+_consoles: dict = {}
+
+
+def __getattr__(name: str):
+    """err_console / out_console: rich consoles, made (and rich imported) on first use only."""
+    if name in ("err_console", "out_console"):
+        if name not in _consoles:
+            from rich.console import Console
+
+            # Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+            stream = sys.stderr if name == "err_console" else sys.stdout
+            _consoles[name] = Console(stderr=name == "err_console", highlight=False, soft_wrap=True,
+                                      width=None if stream.isatty() else 160)
+        return _consoles[name]
+    raise AttributeError(name)
 
 
 @dataclass
@@ -29,12 +42,16 @@ class Context:
     @property
     def cfg(self) -> Config:
         if self._cfg is None:
+            from ..config import load_config
+
             self._cfg = load_config(self.project)
         return self._cfg
 
     @property
     def lock(self) -> Lock:
         if self._lock is None:
+            from ..lock import load_lock
+
             self._lock = load_lock(self.cfg.lock_path)
         return self._lock
 
@@ -53,6 +70,8 @@ def pinref_arg(required: bool = True):
 
 
 def to_ref(text: str | None) -> PinRef | None:
+    from ..pinref import parse_pinref
+
     return parse_pinref(text) if text else None
 
 
@@ -61,25 +80,41 @@ def emit_json(data) -> None:
 
 
 def say(msg: str) -> None:
-    """Human progress/status lines go to stderr so stdout stays clean for --json and pipes."""
-    err_console.print(msg, markup=False)
+    """Human progress/status lines go to stderr so stdout stays clean for --json and pipes (plain text)."""
+    click.echo(msg, err=True)
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
+    """A table on stdout: rich's box drawing on a terminal, plain aligned columns in pipes and logs
+    (without importing rich, which is most of a short command's start-up time)."""
+    if not sys.stdout.isatty():
+        click.echo(plain_table(title, columns, rows))
+        return
     from rich.markup import escape
+    from rich.table import Table
 
     t = Table(title=escape(title) if title else None, show_lines=False)
     for c in columns:
         t.add_column(escape(c), overflow="fold")
     for r in rows:  # cells are data (paths, error texts with [brackets]), never markup
         t.add_row(*[escape(str(x)) for x in r])
-    out_console.print(t)
+    __getattr__("out_console").print(t)
+
+
+def plain_table(title: str | None, columns: list[str], rows: list[list[str]]) -> str:
+    cells = [[str(c) for c in columns]] + [[str(x).replace("\n", " ") for x in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    out = [title] if title else []
+    out += [fmt(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [fmt(r) for r in cells[1:]]
+    return "\n".join(out)
 
 
 def progress_printer(enabled: bool = True):
     if not enabled:
         return None
-    return lambda msg: err_console.print(f"[dim]… {msg}[/dim]", highlight=False)
+    return lambda msg: click.echo(f"… {msg}", err=True)
 
 
 def isatty() -> bool:

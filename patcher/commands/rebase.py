@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import workspace
-from ..errors import DsadaptError, UsageError
-from ..matrix import blocker_here, build_matrix, github_matrix
-from ..pinref import parse_pinref
-from ..rebase import load_report, rebase_stack, report_paths
-from ..tags import upstream_tags
+from ..errors import UsageError
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
 
 
@@ -20,6 +15,8 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 @pass_ctx
 def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
     """Upstream release tags newer than ENGINE's newest stack, each marked pinned / unpinned."""
+    from ..tags import upstream_tags
+
     res = upstream_tags(ctx.cfg, ctx.lock, engine, pre=pre)
     if as_json:
         emit_json(res.to_json())
@@ -33,6 +30,8 @@ def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
 
 
 def _onto(engine: str, onto: str) -> str:
+    from ..pinref import parse_pinref
+
     if "@" not in onto:
         return onto
     ref = parse_pinref(onto)
@@ -52,10 +51,13 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
     On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
+    from ..rebase import load_report, rebase_stack, report_paths
+    from ..workdir import workdir_lock
+
     old = to_ref(pin)
     new_tag = _onto(old.engine, onto)
     on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
-    with workspace.workdir_lock(ctx.cfg):
+    with workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(not as_json),
                                   on_patch=on_patch)
     report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
@@ -78,6 +80,10 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     """The CI matrix: one cell per (pin, variant) and per newer upstream tag not yet pinned.
 
     --json prints {"include": [...]}, ready for a GitHub Actions strategy.matrix."""
+    from ..errors import DsadaptError
+    from ..matrix import blocker_here, build_matrix, github_matrix
+    from ..tags import upstream_tags
+
     tags = {}
     if only != "pinned":
         for engine in sorted(e for e in ctx.lock.engines if ctx.lock.pins_of(e)):

@@ -4,28 +4,37 @@ from __future__ import annotations
 
 import click
 
-from .. import workspace
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, to_ref
 
 
 @click.command("refresh")
 @pinref_arg()
+@click.option("--force", is_flag=True,
+              help="Overwrite patches/ files changed since apply (the previous files are kept in a backup ref).")
 @json_option
 @pass_ctx
-def refresh_cmd(ctx: Context, pin: str, as_json: bool) -> None:
-    """Write the branch's commits to patches/ENGINE/TAG in normalized form and rewrite series."""
+def refresh_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
+    """Write the branch's commits to patches/ENGINE/TAG in normalized form and rewrite series.
+
+    Refuses (exit 4) when a file there changed since the stack was applied and the branch does
+    not hold that change (a pull, a hand edit); --force overwrites it and keeps the old files."""
+    from .. import workspace
+
     ref = to_ref(pin)
     ctx.lock.pin(ref)
     with workspace.workdir_lock(ctx.cfg):
-        changed, removed = workspace.refresh_stack(ctx.cfg, ctx.lock, ref)
+        res = workspace.refresh_stack(ctx.cfg, ctx.lock, ref, force=force)
     if as_json:
-        emit_json({"ref": str(ref), "changed": changed, "removed": removed})
+        emit_json({"ref": str(ref), "changed": res.changed, "removed": res.removed, "backup": res.backup,
+                   "notes": res.notes})
         return
-    if not changed and not removed:
+    for n in res.notes:
+        say(f"  note: {n}")
+    if not res.changed and not res.removed:
         say(f"{ref}: stack unchanged")
-    for n in changed:
+    for n in res.changed:
         say(f"  wrote   patches/{ref.engine}/{ref.tag}/{n}")
-    for n in removed:
+    for n in res.removed:
         say(f"  removed patches/{ref.engine}/{ref.tag}/{n}")
 
 

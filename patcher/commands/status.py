@@ -1,20 +1,16 @@
-"""list / status: what is pinned, and where each checkout stands."""
+"""list / status / gc: what is pinned, where each checkout stands, and what killed runs left behind."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import click
 
-from ..buildkind import classify
-from ..engines import adapter
-from ..errors import DsadaptError
-from ..stack import load_stack
-from ..workspace import checkout_status
-from .common import Context, emit_json, json_option, pass_ctx, table
+from .common import Context, emit_json, json_option, pass_ctx, say, table
 
 
 def _stack_info(ctx: Context, entry):
+    from ..errors import DsadaptError
+    from ..stack import load_stack
+
     try:
         st = load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False)
     except DsadaptError as e:
@@ -27,6 +23,11 @@ def _stack_info(ctx: Context, entry):
 @pass_ctx
 def list_cmd(ctx: Context, as_json: bool) -> None:
     """Engines, pins, patch counts, build kind, and whether each pin can run here."""
+    from collections import Counter
+
+    from ..buildkind import classify
+    from ..engines import adapter
+
     rows, data = [], []
     for name in sorted(ctx.lock.engines):
         ad = adapter(name)
@@ -57,16 +58,55 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
 @json_option
 @pass_ctx
 def status_cmd(ctx: Context, as_json: bool) -> None:
-    """Where each checkout stands: not fetched / clean base / stack applied / mid-apply / dirty."""
-    sts = [checkout_status(ctx.cfg, ctx.lock, e) for e in sorted(ctx.lock.pins.values(), key=lambda e: str(e.ref))]
+    """Where each checkout stands (not fetched, clean base, stack applied, stack outdated, dirty, diverged;
+    stopped on a conflict, interrupted, running) and the command that moves it on."""
+    from .. import leftovers
+    from ..workspace import status_all
+
+    sts = status_all(ctx.cfg, ctx.lock)
+    left = leftovers.find(ctx.cfg)
     if as_json:
-        emit_json({"checkouts": [s.to_json() for s in sts]})
+        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]})
         return
     rows = []
     for s in sts:
         src = f"{s.source['kind']}" if s.source else "-"
-        rows.append([s.ref, s.state, src, s.detail + (f" ({len(s.backups)} backup ref(s))" if s.backups else "")])
+        detail = s.detail + (f" ({len(s.backups)} backup ref{'s' if len(s.backups) != 1 else ''})" if s.backups else "")
+        rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail])
     table("checkouts", ["pin", "state", "source", "detail"], rows)
+    if left:
+        say(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
+            f"{' …' if len(left) > 3 else ''}; `dsadapt gc` removes them")
 
 
-COMMANDS = [list_cmd, status_cmd]
+@click.command("gc")
+@click.option("--dry-run", "-n", is_flag=True, help="Only list what would be removed.")
+@json_option
+@pass_ctx
+def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
+    """Remove what killed runs left behind: half-made checkouts, partial downloads, temporary
+    files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups."""
+    from .. import leftovers
+    from ..workdir import workdir_lock
+
+    with workdir_lock(ctx.cfg):
+        found = leftovers.find(ctx.cfg, sizes=True)
+        failed = [] if dry_run else leftovers.remove(found)
+    freed = sum(lo.bytes or 0 for lo in found if lo not in failed)
+    if as_json:
+        emit_json({"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
+                   "failed": [lo.path for lo in failed], "bytes": freed})
+        return
+    if not found:
+        say("nothing to remove")
+        return
+    verb = "would remove" if dry_run else "removed"
+    for lo in found:
+        if lo not in failed:
+            say(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
+    for lo in failed:
+        say(f"  could not remove {lo.path}")
+    say(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
+
+
+COMMANDS = [list_cmd, status_cmd, gc_cmd]

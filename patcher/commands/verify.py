@@ -6,9 +6,6 @@ import sys
 
 import click
 
-from ..errors import EngineUnavailable
-from ..verify import verify_stack
-from ..workspace import workdir_lock
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
 
 
@@ -17,7 +14,11 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 @json_option
 @pass_ctx
 def verify_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
-    """Lint one stack (or every pinned stack) and apply it in a temporary worktree."""
+    """Lint one stack (or every pinned stack) and apply it in a temporary index."""
+    from ..errors import EngineUnavailable
+    from ..verify import verify_stack
+    from ..workdir import workdir_lock
+
     refs = [to_ref(pin)] if pin else [p.ref for p in sorted(ctx.lock.pins.values(), key=lambda p: str(p.ref))
                                       if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
     for ref in refs:
