@@ -87,11 +87,16 @@ class BenchReport:
     date: str
     machine: dict
     repeat: int
-    builds: list[BuildBench]
+    builds: list[BuildBench] | None   # None: not measured in this run (the old section is kept)
     checks: list[CheckTimings]
+    stack_ops: list | None = None       # stackbench.OpRow rows; None: not measured in this run
+    stack_facts: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.stack_ops is not None:
+            d["stack_ops"] = [r.to_json() for r in self.stack_ops]
+        return d
 
 
 # ---------------------------------------------------------------- machine
@@ -243,7 +248,22 @@ def read_check_timings(reports_root: Path) -> list[CheckTimings]:
     return out
 
 
-def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = True, progress=None) -> BenchReport:
+def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = True, progress=None,
+              builds_too: bool = True, stack_ops: dict | None = None) -> BenchReport:
+    """Builds (unless builds_too is False) and, when `stack_ops` gives its arguments, the stack-operations
+    benchmark (patcher/stackbench.py)."""
+    report = BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat,
+                         None, read_check_timings(cfg.reports_root))
+    if builds_too:
+        report.builds = _run_builds(cfg, lock, repeat, alternatives, progress)
+    if stack_ops is not None:
+        from .stackbench import run_stack_bench
+
+        report.stack_ops, report.stack_facts = run_stack_bench(cfg, lock, progress=progress, **stack_ops)
+    return report
+
+
+def _run_builds(cfg: Config, lock: Lock, repeat: int, alternatives: bool, progress) -> list[BuildBench]:
     builds: list[BuildBench] = []
     measured: dict[str, tuple[float, int] | str] = {}
     cfg.workdir.mkdir(parents=True, exist_ok=True)
@@ -258,8 +278,7 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
                     add_alternative(cold, entry, row, measured, work / "alt", progress)
                 builds.append(row)
                 shutil.rmtree(work, ignore_errors=True)
-    return BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
-                       read_check_timings(cfg.reports_root))
+    return builds
 
 
 def _kind(cfg: Config, entry: LockEntry) -> str | None:
@@ -293,7 +312,7 @@ def _short(text: str | None, limit: int = 160) -> str:
 
 def build_table(report: BenchReport) -> list[list[str]]:
     rows = []
-    for b in report.builds:
+    for b in report.builds or []:
         if b.status == "measured":
             note = "byte-identical" if b.reproducible else "NOT reproducible"
         else:
@@ -321,17 +340,56 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(report: BenchReport, command: str = "dsadapt bench") -> str:
+def _sections(text: str) -> dict[str, str]:
+    """The "## " sections of a markdown file (heading -> text, heading included)."""
+    out: dict[str, str] = {}
+    cur = None
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            cur = line[3:].strip()
+            out[cur] = line + "\n"
+        elif cur is not None:
+            out[cur] += line + "\n"
+    return {k: v.rstrip("\n") + "\n" for k, v in out.items()}
+
+
+def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: str | None = None) -> str:
+    """docs/benchmarks.md. A section this run did not measure is kept from `old` (the file as it was)."""
     m = report.machine
+    kept = _sections(old or "")
     out = [
         "# Benchmarks",
         "",
         f"Measured {report.date} by `{command}` on {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
         f"Python {m['python']}, {m['os']}; 1-minute load average {m.get('load_1min')} when it started (other "
-        "work on the machine shows up in the times). Regenerate with `make bench`.",
+        "work on the machine shows up in the times). Regenerate with `make bench`."
+        + (" Sections this run did not measure are kept from the previous run (their own dates)." if
+           report.builds is None or report.stack_ops is None else ""),
         "",
+    ]
+    if report.builds is None and "Builds" in kept:
+        out += [kept["Builds"].rstrip("\n"), ""]
+    else:
+        out += _builds_markdown(report)
+    out += _stack_markdown(report, kept)
+    out += ["## Check wall time", ""]
+    if report.checks:
+        out += ["From the `timings` of the check reports under `reports/` (seconds, as recorded by `dsadapt check` "
+                "on the machine named in each report):", "",
+                _md_table(CHECK_COLUMNS, check_table(report)), ""]
+        out += [f"- {c.report}: {c.pin} {c.variant or ''} {c.model or ''} {c.dtype or ''}, {c.date or '?'}, "
+                f"{c.device or '?'}" for c in report.checks]
+        out.append("")
+    else:
+        out += ["No check report with timings under `reports/` yet (run `dsadapt check`).", ""]
+    return "\n".join(out)
+
+
+def _builds_markdown(report: BenchReport) -> list[str]:
+    out = [
         "## Builds",
         "",
+        f"Measured {report.date}. "
         "How: for each pin and variant that can be built here, `release wheel` is fetching the pinned wheel "
         "(download from PyPI unless cached, plus its sha256 check); `cold build` is `dsadapt build` in a fresh "
         "work dir (the checkout is made from scratch: unpack, pre-image check, `git am` of the stack, then the "
@@ -346,21 +404,37 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench") -> str:
         "",
     ]
     alts = {}
-    for b in report.builds:
+    for b in report.builds or []:
         if b.alternative and b.alternative not in alts:
             alts[b.alternative] = b.alternative_source
     if alts:
         out += ["What the alternative is:", ""]
         out += [f"- {a}" + (f" (source: {s})" if s else "") for a, s in alts.items()]
         out.append("")
-    out += ["## Check wall time", ""]
-    if report.checks:
-        out += ["From the `timings` of the check reports under `reports/` (seconds, as recorded by `dsadapt check` "
-                "on the machine named in each report):", "",
-                _md_table(CHECK_COLUMNS, check_table(report)), ""]
-        out += [f"- {c.report}: {c.pin} {c.variant or ''} {c.model or ''} {c.dtype or ''}, {c.date or '?'}, "
-                f"{c.device or '?'}" for c in report.checks]
-        out.append("")
-    else:
-        out += ["No check report with timings under `reports/` yet (run `dsadapt check`).", ""]
-    return "\n".join(out)
+    return out
+
+
+def _stack_markdown(report: BenchReport, kept: dict[str, str]) -> list[str]:
+    from .stackbench import STACK_COLUMNS, stack_table
+
+    if report.stack_ops is None:
+        return [kept["Stack operations"].rstrip("\n"), ""] if "Stack operations" in kept else []
+    f = report.stack_facts
+    tree = (f"{f.get('pin')}'s tree ({f.get('files', '?')} files, from its {f.get('source', '?')} source)"
+            if f.get("files") else f"{f.get('pin')}")
+    return [
+        "## Stack operations",
+        "",
+        f"Measured {report.date}, {report.repeat} runs each, medians. On {tree}: N small patches (one inserted "
+        "line per Python file, made with `git fast-import` and exported by dsadapt), for each N. `dsadapt` is the "
+        "whole command in a new process (Python start-up included). The raw-git anchor is measured in the same "
+        "run on the same files and base: `git am -3` of the N patch files onto the base in a clone (reset "
+        "outside the timing) for apply and verify, `git format-patch` of the same N commits for refresh. "
+        "`apply` re-applies over another stack (the checkout exists); `refresh` exports an unchanged branch "
+        "(zero bytes written). Start-up runs in the project itself; `rebase` is warm (both checkouts made "
+        "beforehand) with the real stack; `verify all` verifies every pinned stack of the project, warm. "
+        "How: patcher/stackbench.py.",
+        "",
+        _md_table(STACK_COLUMNS, stack_table(report.stack_ops)),
+        "",
+    ]

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "apply": ("apply", "apply_cmd",
             'Materialize + verify the pinned checkout, then apply the stack as commits.'),
     "bench": ("bench", "bench_cmd",
-            'Time overlay builds of every buildable pin next to the alternative, and write docs/benchmarks.md.'),
+            'Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md.'),
     "build": ("build", "build_cmd",
             'Build the patched engine into dist/ and print the artifact, its sha256 and how it was built.'),
     "build-all": ("build", "build_all_cmd",
@@ -61,7 +61,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "tags": ("rebase", "tags_cmd",
             "Upstream release tags newer than ENGINE's newest stack, each marked pinned / unpinned."),
     "verify": ("verify", "verify_cmd",
-            'Lint one stack (or every pinned stack) and apply it in a temporary worktree.'),
+            'Lint one stack (or every pinned stack) and apply it in a temporary index.'),
 }
 
 

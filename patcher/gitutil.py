@@ -251,6 +251,51 @@ class Git:
         out = self.run("cat-file", "--batch-check=%(objectname)", input="".join(o + "\n" for o in oids)).out
         return {l for l in out.splitlines() if not l.endswith(" missing")}
 
+    def write_object(self, kind: str, data: bytes) -> str:
+        """Write a loose object the way git does (zlib of "<kind> <size>\\0<data>" under its sha1);
+        no process is started. Returns its id."""
+        import hashlib
+        import zlib
+
+        raw = f"{kind} {len(data)}\0".encode() + data
+        oid = hashlib.sha1(raw).hexdigest()
+        path = self.git_dir() / "objects" / oid[:2] / oid[2:]
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"tmp_obj_{os.getpid()}_{time.monotonic_ns()}"
+            tmp.write_bytes(zlib.compress(raw, 1))
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, path)
+        return oid
+
+    def head_commit(self) -> str | None:
+        """HEAD's commit, read from .git (HEAD, then the loose ref) when it can be, else `rev-parse`."""
+        try:
+            text = (self.git_dir() / "HEAD").read_text().strip()
+            if text.startswith("ref: refs/"):
+                ref = (self.git_dir() / text[5:]).read_text().strip()
+                if len(ref) == 40:
+                    return ref
+            elif len(text) == 40:
+                return text
+        except OSError:
+            pass
+        return self.rev("HEAD")
+
+    def head(self) -> tuple[str | None, str | None, dict[str, str]]:
+        """(branch HEAD is on or None, HEAD's commit, {ref: commit} of refs/heads/ and refs/dsadapt/),
+        with one process: `for-each-ref` plus reading .git/HEAD."""
+        refs = dict(self.refs("refs/heads/", "refs/dsadapt/"))
+        try:
+            text = (self.git_dir() / "HEAD").read_text().strip()
+        except OSError:
+            text = ""
+        if text.startswith("ref: "):
+            name = text[5:]
+            branch = name.removeprefix("refs/heads/") if name.startswith("refs/heads/") else None
+            return branch, refs.get(name), refs
+        return None, (text if len(text) == 40 else self.rev("HEAD")), refs
+
     def mktree(self, entries: dict[str, str]) -> str:
         """A flat tree of blobs {name: blob id}."""
         text = "".join(f"100644 blob {oid}\t{name}\n" for name, oid in sorted(entries.items()))
@@ -283,15 +328,16 @@ class Git:
 
 def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
     """A new repository; identity=False leaves user.name/email to the user's own git config
-    (for the user's checkout, where their commits must carry their name)."""
+    (for the user's checkout, where their commits must carry their name). One git process: the
+    settings are appended to the new repository's config file (git reads repeated sections)."""
     path.mkdir(parents=True, exist_ok=True)
     g = Git(path)
     g.run("init", "-q", *(["--bare"] if bare else []), "-b", "main")
-    settings = [("core.autocrlf", "false"), ("gc.auto", "0")]
+    text = "[core]\n\tautocrlf = false\n[gc]\n\tauto = 0\n"
     if identity:
-        settings = [("user.name", DSADAPT_IDENT["name"]), ("user.email", DSADAPT_IDENT["email"]), *settings]
-    for k, v in settings:
-        g.run("config", k, v)
+        text = f"[user]\n\tname = {DSADAPT_IDENT['name']}\n\temail = {DSADAPT_IDENT['email']}\n" + text
+    with open((path if bare else path / ".git") / "config", "a", encoding="utf-8") as f:
+        f.write(text)
     return g
 
 
@@ -313,7 +359,7 @@ class WorkSnapshot:
 
 
 def work_snapshot(g: Git) -> WorkSnapshot:
-    head = g.rev("HEAD")
+    head = g.head_commit()
     idx = g.run("write-tree", check=False)
     index_tree = idx.out.strip() if idx.ok else None
     real_index = g.git_dir() / "index"
@@ -334,25 +380,58 @@ def work_snapshot(g: Git) -> WorkSnapshot:
     return WorkSnapshot(head, index_tree, work, u_tree)
 
 
+def _commit_object(g: Git, tree: str, parents: tuple[str, ...], message: str) -> str:
+    ident = f"{DSADAPT_IDENT['name']} <{DSADAPT_IDENT['email']}> {FIXED_DATE}"
+    body = f"tree {tree}\n" + "".join(f"parent {p}\n" for p in parents) + \
+        f"author {ident}\ncommitter {ident}\n\n{message}"
+    return g.write_object("commit", body.encode("utf-8"))
+
+
 def snapshot_commit(g: Git, snap: WorkSnapshot, message: str) -> str:
     """A stash-shaped commit of the snapshot: `git stash apply --index <it>` brings the work back
-    (tracked changes, what was staged, untracked files)."""
+    (tracked changes, what was staged, untracked files). Written without starting git."""
     head_tree = g.tree_of(snap.head) if snap.head else EMPTY_TREE
     parents_head = (snap.head,) if snap.head else ()
-    i_commit = g.commit_tree(snap.index or head_tree, f"index on {message}\n", parents_head)
+    i_commit = _commit_object(g, snap.index or head_tree, parents_head, f"index on {message}\n")
     parents = [*parents_head, i_commit]
     if snap.untracked:
-        parents.append(g.commit_tree(snap.untracked, f"untracked files on {message}\n"))
-    return g.commit_tree(snap.work, f"{message}\n", tuple(parents))
+        parents.append(_commit_object(g, snap.untracked, (), f"untracked files on {message}\n"))
+    return _commit_object(g, snap.work, tuple(parents), f"{message}\n")
 
 
-def snapshot_of_commit(g: Git, commit: str) -> WorkSnapshot:
-    """The snapshot a `snapshot_commit` holds."""
-    out = g.out("log", "-1", "--format=%P", commit).split()
-    head = out[0] if len(out) >= 2 else None
-    idx_commit = out[1] if len(out) >= 2 else out[0]
-    u = g.tree_of(out[2]) if len(out) >= 3 else None
-    return WorkSnapshot(head, g.tree_of(idx_commit), g.tree_of(commit), u)
+def work_fingerprint(g: Git) -> str:
+    """A digest of the index and the work tree (tracked changes, untracked files, their bytes) from
+    one `git status`: equal digests mean nobody touched either in between."""
+    import hashlib
+
+    out = g.run("status", "--porcelain=v2", "-z", "--untracked-files=all").out
+    h = hashlib.sha256(out.encode("utf-8", "replace"))
+    fields = out.split("\0")
+    i = 0
+    while i < len(fields):
+        rec = fields[i]
+        i += 1
+        if not rec:
+            continue
+        kind = rec[0]
+        if kind == "2":  # rename/copy: the next field is the source path
+            path = rec.split(" ", 9)[-1]
+            i += 1
+        elif kind == "1":
+            path = rec.split(" ", 8)[-1]
+        elif kind == "u":
+            path = rec.split(" ", 10)[-1]
+        elif kind in "?!":
+            path = rec[2:]
+        else:
+            continue
+        p = g.path / path
+        try:
+            h.update(b"\0" + path.encode() + b"\0" + (p.read_bytes() if p.is_file() and not p.is_symlink()
+                                                      else os.readlink(p).encode() if p.is_symlink() else b"-"))
+        except OSError:
+            h.update(b"\0" + path.encode() + b"\0?")
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- processes and lock files

@@ -94,7 +94,7 @@ def upstream_by_patch_id(git: Git, text: str, patch: Patch, new_base: str, old_b
     paths = list(patch.touched_paths)
     if not pid or not paths:
         return None
-    excl = [f"^{old_base}"] if old_base != new_base and git.rev(old_base) else []
+    excl = [f"^{old_base}"] if old_base != new_base else []
     log = git.run("log", "--no-merges", "-p", "--full-index", "--no-color", "--no-renames", "--format=commit %H",
                   f"-n{PATCH_ID_HISTORY}", new_base, *excl, "--", *paths, check=False)
     if not log.ok or not log.out.strip():
@@ -150,7 +150,10 @@ class RebaseKind:
             g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
         from_base = g.rev(FROM_BASE)
         assert from_base
-        g.update_ref(FROM_HEAD, _old_head(tx, old_co, from_base))
+        from_head = _old_head(tx, old_co, from_base)
+        if from_head != g.rev(FROM_HEAD):
+            g.update_ref(FROM_HEAD, from_head)
+        ex["from_base"], ex["from_head"] = from_base, from_head
 
     def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
         ex = tx.op.extra
@@ -167,7 +170,8 @@ class RebaseKind:
         g = tx.git
         head = g.rev("HEAD")
         assert head
-        return upstream_by_patch_id(g, text, patch, tx.co.base(), g.rev(FROM_BASE) or tx.co.base()) \
+        base = tx.co.base()
+        return upstream_by_patch_id(g, text, patch, base, tx.op.extra.get("from_base") or base) \
             or upstream_by_reverse_apply(g, text, head)
 
     def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
@@ -176,9 +180,7 @@ class RebaseKind:
         old = parse_patch(text, where=tx.op.meta(index).name)
         if commit is None:
             before = _commit_before(tx, index) or tx.co.base()
-            base = tx.co.base()
-            return "upstream", (upstream_by_patch_id(g, text, old, base, g.rev(FROM_BASE) or base)
-                                or upstream_by_reverse_apply(g, text, before)
+            return "upstream", (_by_patch_id(tx, text, old) or upstream_by_reverse_apply(g, text, before)
                                 or "the 3-way merge left nothing to commit (already in NEW)")
         am = tx.op.am
         assert am is not None
@@ -253,6 +255,18 @@ class RebaseKind:
 
 
 register(RebaseKind())
+
+
+def _by_patch_id(tx: Transaction, text: str, patch: Patch) -> str | None:
+    """patch-id search, where NEW's checkout has history to search (not a release-artifact snapshot,
+    not a shallow single commit)."""
+    base = tx.co.base()
+    if (tx.state.source or {}).get("snapshot"):
+        return None
+    shallow = tx.co.path / ".git" / "shallow"
+    if shallow.is_file() and base in shallow.read_text().split():
+        return None
+    return upstream_by_patch_id(tx.git, text, patch, base, tx.op.extra.get("from_base") or base)
 
 
 def _write_pin(path: Path, before: str, after: str, key: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,13 +40,13 @@ from typing import Callable, Protocol
 from .errors import ConflictStop, WorkspaceError
 from .fsutil import atomic_write_text, git_blob_id, remove_file, remove_tree
 from .gitutil import (FIXED_DATE, Git, WorkSnapshot, git_processes_in, lock_files, snapshot_commit,
-                      snapshot_of_commit, work_snapshot)
+                      work_fingerprint, work_snapshot)
 
 SCHEMA = 2
 BASE_REF = "refs/dsadapt/base"
 STACK_REF = "refs/dsadapt/stack"          # the stack files (series + patches) last applied or exported
 BACKUP_PREFIX = "refs/dsadapt/backup/"
-OP_PREFIX = "refs/dsadapt/op/"            # keeps an op's objects reachable while it runs
+OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
 BUSY_WAIT_S = 10.0
@@ -84,6 +85,7 @@ class Orig:
     branch_head: str | None    # refs/heads/dsadapt/<tag> (None: the branch did not exist)
     stack_ref: str | None      # refs/dsadapt/stack
     dirty: bool                # uncommitted or untracked work (saved in saves["work"])
+    print: str | None = None   # its work_fingerprint: `abort` checks the work is back exactly
 
 
 @dataclass
@@ -94,7 +96,7 @@ class AmRun:
     indices: list[int]          # 1-based stack positions, in am's order
     mbox: str                   # file in the op dir
     head_at_stop: str | None = None
-    stop_print: list | None = None   # the work tree (as trees) when it stopped: anything else is the user's
+    stop_print: str | None = None    # work_fingerprint when it stopped: any other state is the user's doing
     resolution: str | None = None    # commit the user made by hand for the stopped patch
 
 
@@ -238,9 +240,11 @@ class Checkout:
         return self.am_dir.exists()
 
     def base(self) -> str:
-        b = self.git.rev(BASE_REF)
+        """refs/dsadapt/base (it never moves once the checkout exists: read once)."""
+        b = getattr(self, "_base", None) or self.git.rev(BASE_REF)
         if not b:
             raise WorkspaceError(f"{self.path}: {BASE_REF} is missing", hint="the checkout is damaged; move it away and re-apply")
+        self._base = b
         return b
 
     def backups(self) -> list[str]:
@@ -360,6 +364,18 @@ def norm_subject(s: str) -> str:
         s = s[m.end():]
 
 
+SNAPSHOT_IDENT = f"dsadapt <dsadapt@localhost> {FIXED_DATE}"
+
+
+def files_commit(g: Git, files: dict[str, bytes]) -> str:
+    names = sorted(files, key=lambda x: x.encode("utf-8"))
+    body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(g.write_object("blob", files[n]))
+                    for n in names)
+    tree = g.write_object("tree", body)
+    msg = f"tree {tree}\nauthor {SNAPSHOT_IDENT}\ncommitter {SNAPSHOT_IDENT}\n\ndsadapt: stack files\n"
+    return g.write_object("commit", msg.encode("utf-8"))
+
+
 def flat_tree_id(files: dict[str, bytes]) -> str:
     """The id git gives a tree of plain files (mode 100644) with these names and bytes."""
     body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(git_blob_id(files[n]))
@@ -404,6 +420,7 @@ class Transaction:
         self.progress = progress
         self.notes: list[str] = []
         self._reported: set[int] = set()
+        self._fresh = False  # begun in this process: nothing to recover, no existence checks needed
 
     # ------------------------------------------------------------ opening
 
@@ -428,7 +445,11 @@ class Transaction:
         """Remove git lock files whose holder is gone; wait for (then refuse) a live git process."""
         locks = lock_files(self.co.path / ".git")
         busy = git_processes_in(self.co.path) if (locks or self.co.am_in_progress()) else []
-        deadline = time.monotonic() + BUSY_WAIT_S
+        try:
+            wait = float(os.environ.get("DSADAPT_GIT_WAIT", BUSY_WAIT_S))
+        except ValueError:
+            wait = BUSY_WAIT_S
+        deadline = time.monotonic() + wait
         while busy and time.monotonic() < deadline:
             time.sleep(0.1)
             busy = git_processes_in(self.co.path)
@@ -466,27 +487,16 @@ class Transaction:
         if texts:
             atomic_write_text(self.co.op_dir / "all.mbox", mbox(texts))
         if stack_files is not None:
-            applied = self.state.applied
-            op.snapshot = self.files_commit(stack_files, (applied.snapshot_tree, applied.snapshot) if applied
-                                            else (None, None))
+            op.snapshot = self.files_commit(stack_files)
             op.extra["snapshot_tree"] = flat_tree_id(stack_files)
         self.state.op = op
         self.write()
+        self._fresh = True
 
     def files_commit(self, files: dict[str, bytes], known: tuple[str | None, str | None] = (None, None)) -> str:
-        """A parentless commit whose flat tree holds `files`; fixed date and message, so the same
-        files give the same commit. `known` is a (tree, commit) pair to reuse when the tree matches."""
-        tree = flat_tree_id(files)
-        if known[0] == tree and known[1] and self.git.rev(known[1]):
-            return known[1]
-        names = sorted(files)
-        ids = {n: git_blob_id(files[n]) for n in names}
-        have = self.git.existing_objects(list(ids.values()))
-        missing = [n for n in names if ids[n] not in have]
-        self.git.hash_objects([files[n] for n in missing])
-        got = self.git.mktree(ids)
-        assert got == tree, (got, tree)
-        return self.git.commit_tree(tree, "dsadapt: stack files\n")
+        """A parentless commit whose flat tree holds `files`, written as loose objects without
+        starting git; fixed identity, date and message, so the same files give the same commit."""
+        return files_commit(self.git, files)
 
     def read_files(self, commit: str | None) -> dict[str, bytes]:
         """The flat files of a `files_commit`."""
@@ -519,17 +529,13 @@ class Transaction:
             op.phase = "replay"  # the stop went away behind our back: carry on from what git shows
         if op.phase in ("replay", "continue", "skip"):
             self._replay()
-        if op.phase != "finish":
-            self.set_phase("finish")
-        return self.kind.finish(self)
+        return self.kind.finish(self)  # recorded outcomes + git say it is done; finish is idempotent
 
     def _prepare_and_save(self) -> None:
         op = self.op
         self.kind.prepare(self)
         g = self.git
-        existing = {r for r, _ in g.refs("refs/dsadapt/")}
-        if op.snapshot and f"{OP_PREFIX}stack" not in existing:
-            g.update_ref(f"{OP_PREFIX}stack", op.snapshot)
+        existing = set() if self._fresh else {r for r, _ in g.refs("refs/dsadapt/")}
         work = op.saves.get("work")
         if work and work not in existing:
             snap = work_snapshot(g)
@@ -546,7 +552,7 @@ class Transaction:
         base = self.co.base()
         if self.co.am_in_progress():
             remove_tree(self.co.am_dir)
-        if op.orig.dirty or g.is_dirty():
+        if op.orig.dirty or (not self._fresh and g.is_dirty()):
             g.run("reset", "-q", "--hard")
             g.run("clean", "-fdq")
         g.run("checkout", "-q", "-f", "-B", self.co.branch, base)
@@ -587,7 +593,7 @@ class Transaction:
         op = self.op
         am = op.am
         assert am is not None
-        head = self.git.rev("HEAD")
+        head = self.git.head_commit()
         commits = self.git.commits(f"{am.start}..HEAD") if head and head != am.start else []
         at_stop: list = []
         if op.phase in ("stopped", "abort") and op.stopped and not am.resolution and am.head_at_stop \
@@ -696,7 +702,7 @@ class Transaction:
             ref = self.co.next_backup_names(1)[0]
             op.saves["foreign"] = ref
             self.write()
-        self.git.update_ref(ref, self.git.rev("HEAD") or foreign[-1][0], why="commits made during an op")
+        self.git.update_ref(ref, self.git.head_commit() or foreign[-1][0], why="commits made during an op")
         return ref
 
     def _junk_paths(self, idx: int) -> set[str]:
@@ -747,14 +753,16 @@ class Transaction:
             if op.phase in ("continue", "skip"):
                 pos = self._am_pos()
                 if (pos is not None and am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
-                        and self.git.rev("HEAD") == (am.resolution or am.head_at_stop)):
+                        and self.git.head_commit() == (am.resolution or am.head_at_stop)):
                     # the interrupted `continue` / `skip` had not got past the stopped patch: do it again
                     if op.phase == "continue" and not am.resolution:
                         rc, out = self._run_am("--continue")
-                        self._after_am(rc, out, pos, resumed=True)
+                        done = self._after_am(rc, out, pos) is None
                     else:
                         rc, out = self._run_am("--skip")
-                        self._after_am(rc, out, pos + 1, resumed=True)
+                        done = self._after_am(rc, out, pos + 1) is None
+                    if done:
+                        return
                     continue
                 op.phase = "replay"
             at = self._settle()
@@ -766,7 +774,7 @@ class Transaction:
                 return
             if self.co.am_in_progress():  # am died (or was left behind) before `at` got an outcome
                 self._clear_killed_am(at)
-            head = self.git.rev("HEAD")
+            head = self.git.head_commit()
             assert head
             fresh = head == am.start and not any(i in op.outcomes for i in am.indices)
             if not fresh:
@@ -777,9 +785,10 @@ class Transaction:
                 op.stopped = None
                 self.set_phase("replay")
             rc, out = self._run_am("-3", "--no-signoff", str(self.co.op_dir / am.mbox))
-            self._after_am(rc, out, 1)
+            if self._after_am(rc, out, 1) is None:
+                return
 
-    def _after_am(self, rc: int, out: str, first_pos: int, resumed: bool = False) -> None:
+    def _after_am(self, rc: int, out: str, first_pos: int) -> int | None:
         """An am invocation of ours returned: record outcomes; on a stop, ask the kind, then stop."""
         op = self.op
         at = self._settle(_am_blocks(out), first_pos)
@@ -790,13 +799,13 @@ class Transaction:
             pos = self._am_pos()
             assert pos is not None
             if am.indices[pos - 1] != at:
-                return  # am's count lags behind the commits: the caller starts afresh
+                return at  # am's count lags behind the commits: the caller starts afresh
             detail = self.kind.on_stop(self, at)
             if detail is None:  # a real conflict: the user resolves it
                 op.stopped = at
-                am.head_at_stop = self.git.rev("HEAD")
+                am.head_at_stop = self.git.head_commit()
                 am.resolution = None
-                am.stop_print = list(work_snapshot(self.git).key)
+                am.stop_print = work_fingerprint(self.git)
                 op.phase = "stopped"
                 self.write()
                 raise self._conflict(at)
@@ -807,7 +816,7 @@ class Transaction:
             rc, out = self._run_am("--skip")
             at = self._settle(_am_blocks(out), pos + 1)
             self.report_new()
-        if at is not None and not self.co.am_in_progress() and rc != 0:
+        if at is not None and not self.co.am_in_progress() and rc != 0 and not out.count("Applying: "):
             msg = [l for l in out.splitlines() if l.strip()]
             op.phase = "replay"
             self.write()
@@ -818,6 +827,7 @@ class Transaction:
             op.stopped = None
             op.phase = "replay"
             self.write()
+        return at
 
     def _conflict(self, idx: int) -> ConflictStop:
         op, ref = self.op, self.co.ref
@@ -853,7 +863,7 @@ class Transaction:
             assert am is not None
             pos = self._am_pos()
             assert pos is not None
-            head = self.git.rev("HEAD")
+            head = self.git.head_commit()
             if head != am.head_at_stop:
                 # the user committed the resolution by hand: that commit is the patch's new form
                 self._save_beyond_stop()
@@ -869,7 +879,7 @@ class Transaction:
                                    hint=f"edit them, `git add` them in {self.co.path}, then `dsadapt continue {self.co.ref}`")
             self.set_phase("continue")
             rc, out = self._run_am("--continue")
-            if rc != 0 and self._am_pos() == pos and self.git.rev("HEAD") == am.head_at_stop:
+            if rc != 0 and self._am_pos() == pos and self.git.head_commit() == am.head_at_stop:
                 self.set_phase("stopped")
                 msg = [l for l in out.strip().splitlines() if l.strip() and not l.startswith("hint:")]
                 raise ConflictStop(f"{self.co.ref}: git am --continue: {msg[0] if msg else rc}",
@@ -883,11 +893,10 @@ class Transaction:
         am = self.op.am
         if am is None or not self.git.is_dirty():
             return
-        snap = work_snapshot(self.git)
-        if am.stop_print is not None and list(snap.key) == list(am.stop_print) \
-                and self.git.rev("HEAD") == am.head_at_stop:
+        if am.stop_print is not None and work_fingerprint(self.git) == am.stop_print \
+                and self.git.head_commit() == am.head_at_stop:
             return  # exactly what am left: its own conflict, nothing of the user's
-        self._save_work("your changes while the patch was stopped", snap)
+        self._save_work("your changes while the patch was stopped")
 
     def user_skip(self) -> "StackResult":
         op = self.op
@@ -917,8 +926,9 @@ class Transaction:
         self._cleanup(op)
 
     def _cleanup(self, op: Op) -> None:
-        for r, _ in self.git.refs(OP_PREFIX):
-            self.git.delete_ref(r)
+        if op.schema < SCHEMA or op.extra.get("op_refs"):
+            for r, _ in self.git.refs(OP_PREFIX):
+                self.git.delete_ref(r)
         if self.co.am_in_progress() and op.kind != "refresh":
             remove_tree(self.co.am_dir)
         remove_tree(self.co.op_dir)
@@ -941,7 +951,7 @@ class Transaction:
             op.abort_from = op.phase
             op.phase = "abort"
             self.write()
-        touched = op.abort_from not in ("save",)
+        touched = getattr(self.kind, "touches_checkout", True) and op.abort_from != "save"
         if not op.abort_saved:
             if touched:
                 self._save_for_abort()
@@ -956,9 +966,7 @@ class Transaction:
                 r = g.run("stash", "apply", "--index", work, check=False)
                 if not r.ok:
                     r = g.run("stash", "apply", work, check=False)
-                want = snapshot_of_commit(g, work)
-                got = work_snapshot(g)
-                if not r.ok or got.work != want.work or got.untracked != want.untracked:
+                if not r.ok or (op.orig.print is not None and work_fingerprint(g) != op.orig.print):
                     self.notes.append(f"your uncommitted work could not be restored exactly; it is kept in {work} "
                                       f"(`git -C {self.co.path} stash apply {work}`)")
                     op.saves["keep_work"] = "1"

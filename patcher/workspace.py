@@ -16,7 +16,7 @@ from . import leftovers
 from .config import Config
 from .errors import DsadaptError, Refused, VerificationError, WorkspaceError
 from .fsutil import atomic_write_bytes, remove_file
-from .gitutil import Git, init_repo
+from .gitutil import Git, init_repo, work_fingerprint
 from .lock import Lock, LockEntry
 from .patchfile import Patch, parse_patch
 from .pinref import PinRef
@@ -179,9 +179,9 @@ class ApplyKind:
 
     def finish(self, tx: Transaction) -> StackResult:
         op, g = tx.op, tx.git
-        head = g.rev("HEAD")
+        head = g.head_commit()
         edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in ("changed", "skipped")]
-        if op.snapshot and g.rev(STACK_REF) != op.snapshot:
+        if op.snapshot:
             g.update_ref(STACK_REF, op.snapshot)
         res = tx.result(head, op.stack_hash)
         tx.close(Applied(op.stack_hash, head, edited, op.snapshot, op.extra.get("snapshot_tree")))
@@ -201,10 +201,10 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     co, _created = ensure_checkout(cfg, lock, entry, progress)
     tx = _finish_interrupted(Transaction.open(co, on_patch, progress), ("apply", "refresh"))
     state, g = tx.state, co.git
-    base = co.base()
-    refs = g.revs(co.branch_ref, "HEAD", STACK_REF)
-    head_branch, head = refs[co.branch_ref], refs["HEAD"]
-    cur_branch = g.current_branch()
+    cur_branch, head, refs = g.head()
+    base = refs.get(BASE_REF) or co.base()
+    co._base = base
+    head_branch = refs.get(co.branch_ref)
     applied = state.applied
     dirty = g.dirty_files()
     if (not dirty and applied and not applied.needs_refresh and applied.stack_hash == stack.hash
@@ -227,10 +227,13 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     if (state.source or {}).get("kind") == "pypi":
         check_preimages(co, stack, base)
     want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base))) if cond]
-    saves = dict(zip(want, co.next_backup_names(len(want))))
+    taken = {r.removeprefix(BACKUP_PREFIX) for r in refs if r.startswith(BACKUP_PREFIX)}
+    names = [f"{BACKUP_PREFIX}{i}" for i in range(1, len(taken) + len(want) + 2) if str(i) not in taken]
+    saves = dict(zip(want, names))
     op = Op(kind="apply", ref=str(ref), stack_hash=stack.hash,
             patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
-            orig=Orig(cur_branch, head, head_branch, refs[STACK_REF], bool(dirty)), saves=saves)
+            orig=Orig(cur_branch, head, head_branch, refs.get(STACK_REF), bool(dirty),
+                      work_fingerprint(g) if dirty else None), saves=saves)
     tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
     return tx.run()
 
@@ -454,15 +457,17 @@ class RefreshKind:
         op, g = tx.op, tx.git
         ex = op.extra
         d = tx.co.cfg.project / ex["stack_dir"]
+        backup = ex.get("backup")
+        if backup and g.rev(backup) != ex["before"]:  # the files about to be overwritten, kept first
+            g.update_ref(backup, ex["before"], why="refresh --force")
         files = tx.read_files(ex["after"])
         changed, removed = sync_stack_dir(d, files, ex["names_before"])
-        ex["changed"], ex["removed"] = sorted(set(ex.get("changed", [])) | set(changed)), \
-            sorted(set(ex.get("removed", [])) | set(removed))
+        ex["changed"] = sorted(set(ex.get("changed", [])) | set(changed))
+        ex["removed"] = sorted(set(ex.get("removed", [])) | set(removed))
         if g.rev(STACK_REF) != ex["after"]:
             g.update_ref(STACK_REF, ex["after"])
         res = StackResult(str(tx.co.ref), str(tx.co.path), tx.state.source, tx.co.base(), ex["head"], op.stack_hash,
                           backup_ref=ex.get("backup"), notes=tx.notes)
-        res.outcomes = []
         tx.close(Applied(op.stack_hash, ex["head"], [], ex["after"], flat_tree_id(files)))
         res.changed, res.removed = ex["changed"], ex["removed"]  # type: ignore[attr-defined]
         return res
@@ -555,7 +560,6 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
                    "names_before": cur_names})
     tx.begin(op, [], None)
     if backup:
-        g.update_ref(backup, before, why=f"{rel} before refresh --force")
         tx.notes.append(f"the previous files of {rel} are kept in {backup} "
                         f"(`git -C {co.path} show {backup}:<file>`)")
     res = tx.run()
