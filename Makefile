@@ -19,6 +19,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRANSFORMERS)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton]'
+	$(BIN)/python -m compileall -q patcher
 	touch $@
 
 ## The main job: apply the vLLM stack, build and install the patched engine, and run the

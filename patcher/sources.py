@@ -9,6 +9,7 @@ tree mismatch) is a hard error, never a reason to fall through to the next sourc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -190,7 +191,8 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
     if local is None:
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
-        with tempfile.TemporaryDirectory(dir=_mkdir(cfg.cache / "artifacts")) as tmp:
+        # pid in the name: a partial download of a dead run is told apart from a live one (leftovers.py)
+        with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=_mkdir(cfg.cache / "artifacts")) as tmp:
             _pip_download(art, entry.version, Path(tmp))
             got = Path(tmp) / art.file
             if not got.is_file():
