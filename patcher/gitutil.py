@@ -226,31 +226,6 @@ class Git:
 
     # ------------------------------------------------------------ objects
 
-    def hash_objects(self, blobs: list[bytes]) -> list[str]:
-        """Write blobs into the object store; their ids (one `hash-object --stdin-paths`)."""
-        if not blobs:
-            return []
-        tmp = self.scratch_dir()
-        paths = []
-        for i, data in enumerate(blobs):
-            p = tmp / f"blob-{os.getpid()}-{i}"
-            p.write_bytes(data)
-            paths.append(p)
-        try:
-            out = self.run("hash-object", "-w", "--no-filters", "--stdin-paths",
-                           input="".join(f"{p}\n" for p in paths)).out.split()
-        finally:
-            for p in paths:
-                p.unlink(missing_ok=True)
-        return out
-
-    def existing_objects(self, oids: list[str]) -> set[str]:
-        """Which of these object ids the repository has (one `cat-file --batch-check`)."""
-        if not oids:
-            return set()
-        out = self.run("cat-file", "--batch-check=%(objectname)", input="".join(o + "\n" for o in oids)).out
-        return {l for l in out.splitlines() if not l.endswith(" missing")}
-
     def write_object(self, kind: str, data: bytes) -> str:
         """Write a loose object the way git does (zlib of "<kind> <size>\\0<data>" under its sha1);
         no process is started. Returns its id."""
@@ -295,17 +270,6 @@ class Git:
             branch = name.removeprefix("refs/heads/") if name.startswith("refs/heads/") else None
             return branch, refs.get(name), refs
         return None, (text if len(text) == 40 else self.rev("HEAD")), refs
-
-    def mktree(self, entries: dict[str, str]) -> str:
-        """A flat tree of blobs {name: blob id}."""
-        text = "".join(f"100644 blob {oid}\t{name}\n" for name, oid in sorted(entries.items()))
-        return self.out("mktree", input=text)
-
-    def commit_tree(self, tree: str, message: str, parents: tuple[str, ...] = ()) -> str:
-        args = ["commit-tree", tree]
-        for p in parents:
-            args += ["-p", p]
-        return self.out(*args, input=message, fixed_dates=True, env=DSADAPT_AUTHOR)
 
     def scratch_dir(self) -> Path:
         d = self.git_dir() / "dsadapt" / "tmp"
@@ -475,3 +439,33 @@ def lock_files(git_dir: Path) -> list[Path]:
         for dirpath, _dirs, files in os.walk(refs):
             out += [Path(dirpath) / f for f in files if f.endswith(".lock")]
     return sorted(out)
+
+
+def clear_stale_locks(repo: Path, git_dir: Path | None = None, busy_check: bool = False) -> list[Path]:
+    """Remove git's lock files in a repository once no git process works in it (one that does is
+    waited for, DSADAPT_GIT_WAIT seconds, default 10, then named in the error). Returns the files removed."""
+    from .errors import WorkspaceError
+    from .fsutil import remove_file
+
+    git_dir = git_dir or repo / ".git"
+    locks = lock_files(git_dir)
+    if not locks and not busy_check:
+        return []
+    try:
+        wait = float(os.environ.get("DSADAPT_GIT_WAIT", "10"))
+    except ValueError:
+        wait = 10.0
+    deadline = time.monotonic() + wait
+    busy = git_processes_in(repo)
+    while busy and time.monotonic() < deadline:
+        time.sleep(0.1)
+        busy = git_processes_in(repo)
+    if busy:
+        pid, cmd = busy[0]
+        raise WorkspaceError(f"git is still running in {repo} (pid {pid}: {cmd})",
+                             hint="wait for it to finish (or stop it), then run the command again")
+    removed = []
+    for lf in lock_files(git_dir):
+        remove_file(lf)
+        removed.append(lf)
+    return removed

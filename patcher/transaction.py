@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,8 +37,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from .errors import ConflictStop, WorkspaceError
-from .fsutil import atomic_write_text, git_blob_id, remove_file, remove_tree
-from .gitutil import (FIXED_DATE, Git, WorkSnapshot, git_processes_in, lock_files, snapshot_commit,
+from .fsutil import atomic_write_text, git_blob_id, remove_tree
+from .gitutil import (FIXED_DATE, Git, WorkSnapshot, clear_stale_locks, snapshot_commit,
                       work_fingerprint, work_snapshot)
 
 SCHEMA = 2
@@ -49,7 +48,6 @@ BACKUP_PREFIX = "refs/dsadapt/backup/"
 OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
-BUSY_WAIT_S = 10.0
 
 Progress = Callable[[str], None]
 
@@ -443,24 +441,11 @@ class Transaction:
 
     def clear_stale_locks(self) -> list[str]:
         """Remove git lock files whose holder is gone; wait for (then refuse) a live git process."""
-        locks = lock_files(self.co.path / ".git")
-        busy = git_processes_in(self.co.path) if (locks or self.co.am_in_progress()) else []
         try:
-            wait = float(os.environ.get("DSADAPT_GIT_WAIT", BUSY_WAIT_S))
-        except ValueError:
-            wait = BUSY_WAIT_S
-        deadline = time.monotonic() + wait
-        while busy and time.monotonic() < deadline:
-            time.sleep(0.1)
-            busy = git_processes_in(self.co.path)
-        if busy:
-            pid, cmd = busy[0]
-            raise WorkspaceError(f"{self.co.ref}: git is still running in {self.co.path} (pid {pid}: {cmd})",
-                                 hint="wait for it to finish (or stop it), then run the command again")
-        removed = []
-        for lf in lock_files(self.co.path / ".git"):
-            remove_file(lf)
-            removed.append(str(lf.relative_to(self.co.path)))
+            gone = clear_stale_locks(self.co.path, busy_check=self.co.am_in_progress())
+        except WorkspaceError as e:
+            raise WorkspaceError(f"{self.co.ref}: {e.message}", hint=e.hint) from None
+        removed = [str(lf.relative_to(self.co.path)) for lf in gone]
         if removed:
             self.notes.append(f"removed stale {', '.join(removed)} (its git process is gone)")
             if self.progress:

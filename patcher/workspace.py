@@ -16,7 +16,7 @@ from . import leftovers
 from .config import Config
 from .errors import DsadaptError, Refused, VerificationError, WorkspaceError
 from .fsutil import atomic_write_bytes, remove_file
-from .gitutil import Git, init_repo, work_fingerprint
+from .gitutil import Git, clear_stale_locks, init_repo, work_fingerprint
 from .lock import Lock, LockEntry
 from .patchfile import Patch, parse_patch
 from .pinref import PinRef
@@ -72,6 +72,9 @@ def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progres
         raise WorkspaceError(f"{co.path} exists but is not a dsadapt checkout",
                              hint="move it away; dsadapt will not overwrite it")
     leftovers.clean_checkout_tmps(co.path.parent)
+    cache = cfg.cache / "git" / f"{entry.engine}.git"
+    if cache.is_dir():  # a fetch killed there leaves shallow.lock / refs locks behind
+        clear_stale_locks(cache, cache)
     tmp = co.path.with_name(f".{co.path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -95,3 +95,26 @@ def test_bench_skips_a_full_build_it_cannot_run_and_says_why(project, monkeypatc
     assert row["status"] == "skipped" and row["kind"] == "full"
     assert row["reason"] == "full build needs dsadapt-no-such-nvcc" and row["build_s"] is None
     assert "| vllm@v1.0.0 | cpu | full |" in (project.tmp / "b.md").read_text()
+
+
+def test_stack_ops_bench_measures_dsadapt_next_to_raw_git_and_keeps_the_builds_section(project, clean_stack):
+    """`bench --only stack-ops` on the fixture tree: apply/verify/refresh rows with their raw-git
+    anchors measured in the same run; the builds section of the file is kept as it was."""
+    out = project.root / "docs" / "benchmarks.md"
+    out.parent.mkdir(parents=True)
+    out.write_text("# Benchmarks\n\nold header\n\n## Builds\n\nold builds table\n\n## Check wall time\n\nold\n")
+    r = project.run("bench", "--only", "stack-ops", "--stack-pin", REF1, "--sizes", "1,3", "--repeat", "1",
+                    "--rebase-to", "", "--json")
+    assert r.rc == 0, r
+    rows = r.json()["stack_ops"]
+    by = {(x["op"], x["n"]): x for x in rows}
+    for op in ("apply", "verify", "refresh"):
+        for n in (1, 3):
+            row = by[(op, n)]
+            assert row["dsadapt_s"] > 0 and row["anchor_s"] > 0 and row["ratio"] > 0, row
+    assert [x["note"] for x in rows if x["op"] == "start-up"] == ["dsadapt --help", "dsadapt list", "dsadapt status"]
+    assert by[("verify all", 1)]["dsadapt_s"] > 0
+    md = out.read_text()
+    assert "## Builds\n\nold builds table" in md and "## Stack operations" in md
+    assert "| apply | 3 |" in md and "git am -3 of the same files" in md
+    assert not list(project.workdir.glob("bench-stack-*"))
