@@ -469,3 +469,40 @@ def clear_stale_locks(repo: Path, git_dir: Path | None = None, busy_check: bool 
         remove_file(lf)
         removed.append(lf)
     return removed
+
+
+def link_objects(src: Path, dst: Path) -> int:
+    """Give repository `dst` every object of repository `src` by hard-linking its object files (what
+    `git clone --local` does; objects are immutable, so sharing the files is safe), copying where a
+    link is impossible, plus src's shallow boundary. Returns the number of files added."""
+    import shutil
+
+    so, do = src / "objects", dst / "objects"
+    n = 0
+    for sub in sorted(so.iterdir()) if so.is_dir() else []:
+        if not sub.is_dir() or not (len(sub.name) == 2 or sub.name == "pack"):
+            continue
+        files = sorted(sub.iterdir(), key=lambda f: (not f.name.endswith(".pack"), f.name))  # a pack before its index
+        for f in files:
+            if sub.name == "pack" and not f.name.endswith((".pack", ".idx", ".rev")):
+                continue
+            target = do / sub.name / f.name
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f"tmp_link_{os.getpid()}_{f.name}")
+            try:
+                os.link(f, tmp)
+            except OSError:
+                shutil.copy2(f, tmp)
+            os.replace(tmp, target)
+            n += 1
+    shallow = src / "shallow"
+    if shallow.is_file():
+        from .fsutil import atomic_write_text
+
+        have = (dst / "shallow").read_text().split() if (dst / "shallow").is_file() else []
+        add = [c for c in shallow.read_text().split() if c not in have]
+        if add:
+            atomic_write_text(dst / "shallow", "".join(c + "\n" for c in [*have, *add]))
+    return n

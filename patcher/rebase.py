@@ -28,7 +28,7 @@ from .config import Config
 from .engines import adapter
 from .errors import StackError, WorkspaceError
 from .fsutil import atomic_write_text, remove_file
-from .gitutil import Git
+from .gitutil import Git, link_objects
 from .lock import Lock, format_lock, load_lock, parse_lock, write_lock
 from .patchfile import Patch, drop_when_satisfied, parse_patch
 from .pin import resolve_pin
@@ -146,8 +146,19 @@ class RebaseKind:
             g.update_ref(FROM_BASE, base)
             old_co = tx.co
         else:
+            # OLD's objects (its base tree, its stack's commits) into NEW's repository: the blobs on the
+            # patches' index lines are OLD's, and `git am -3` and range-diff need them here.
             old_co = Checkout(cfg, old)
-            g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
+            old_base = old_co.base()
+            try:
+                link_objects(old_co.path / ".git", tx.co.path / ".git")
+                ok = g.rev(old_base) is not None
+            except OSError:
+                ok = False
+            if ok:
+                g.update_ref(FROM_BASE, old_base)
+            else:
+                g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{BASE_REF}:{FROM_BASE}")
         from_base = g.rev(FROM_BASE)
         assert from_base
         from_head = _old_head(tx, old_co, from_base)
@@ -326,7 +337,7 @@ def _old_head(tx: Transaction, old_co: Checkout, from_base: str) -> str:
     if st and not st.op and st.applied and st.applied.stack_hash == old_stack.hash and not st.applied.needs_refresh:
         head = old_co.git.rev(old_co.branch_ref)
         if head == st.applied.head and head:
-            if old_co.path == tx.co.path:
+            if old_co.path == tx.co.path or g.rev(head):  # its objects are here (linked above)
                 return head
             g.run("fetch", "-q", "--no-tags", "--update-shallow", str(old_co.path), f"+{old_co.branch_ref}:{FROM_HEAD}")
             got = g.rev(FROM_HEAD)

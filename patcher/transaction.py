@@ -32,7 +32,6 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from email.utils import formatdate
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -47,7 +46,7 @@ STACK_REF = "refs/dsadapt/stack"          # the stack files (series + patches) l
 BACKUP_PREFIX = "refs/dsadapt/backup/"
 OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
-FIXED_MAIL_DATE = formatdate(int(FIXED_DATE.split()[0]))  # RFC 2822 form of gitutil.FIXED_DATE
+FIXED_MAIL_DATE = "Tue, 14 Nov 2023 22:13:20 -0000"  # RFC 2822 form of gitutil.FIXED_DATE (email.utils.formatdate)
 
 Progress = Callable[[str], None]
 
@@ -702,12 +701,14 @@ class Transaction:
     def _within(dirty: list[str], paths: set[str]) -> bool:
         return all(d.rstrip("/") in paths or any(p.startswith(d) for p in paths if d.endswith("/")) for d in dirty)
 
-    def _clear_killed_am(self, idx: int) -> None:
-        """am died while applying patch `idx`: its half-applied change is junk; anything else in the
-        work tree is the user's and is saved first."""
+    def _clear_killed_am(self, *indices: int) -> None:
+        """am died while applying one of these patches: its half-applied change is junk; anything
+        else in the work tree is the user's and is saved first."""
         g = self.git
         dirty = g.dirty_files()
-        junk = self._junk_paths(idx)
+        junk: set[str] = set()
+        for idx in indices:
+            junk |= self._junk_paths(idx)
         if dirty and not self._within(dirty, junk):
             self._save_work("work tree of an interrupted run")
         if dirty:
@@ -758,7 +759,9 @@ class Transaction:
                 self.write()
                 return
             if self.co.am_in_progress():  # am died (or was left behind) before `at` got an outcome
-                self._clear_killed_am(at)
+                pos = self._am_pos()
+                stands = am.indices[pos - 1] if pos is not None and 1 <= pos <= len(am.indices) else at
+                self._clear_killed_am(at, stands)
             head = self.git.head_commit()
             assert head
             fresh = head == am.start and not any(i in op.outcomes for i in am.indices)

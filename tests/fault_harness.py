@@ -238,14 +238,47 @@ def check_after_kill(p: Project, sc: Scenario, pre: dict, ref: dict) -> list[str
 
 
 def run_scenario(base: Project, sc: Scenario, work_root: Path, only: list[int] | None = None,
-                 env: dict[str, str] | None = None) -> tuple[Tally, list[str]]:
-    """Kill the scenario's command at every fault point (or at `only`); returns the tally and a log."""
+                 env: dict[str, str] | None = None, jobs: int | None = None) -> tuple[Tally, list[str]]:
+    """Kill the scenario's command at every fault point (or at `only`); returns the tally and a log.
+    The points are shared out over `jobs` forked workers (FAULT_JOBS, default: the cores, at most 4)."""
     pre_p = copy_project(base, work_root / "pre")
     pre = outcome(pre_p, sc.tag) if pre_p.checkout(sc.tag).exists() else None
     ref = reference(base, sc, work_root / "ref")
     events = count_events(copy_project(base, work_root / "count"), sc.argv, env)
-    tally, log = Tally(), []
     points = only or list(range(1, len(events) + 1))
+    jobs = jobs or int(os.environ.get("FAULT_JOBS", "0")) or min(4, len(os.sched_getaffinity(0)))
+    if jobs <= 1:
+        return _run_points(base, sc, work_root, points, events, pre, ref, env)
+    pids = []
+    for j in range(jobs):
+        pid = os.fork()
+        if pid == 0:  # worker
+            code = 0
+            try:
+                tally, log = _run_points(base, sc, work_root / f"w{j}", points[j::jobs], events, pre, ref, env)
+                (work_root / f"result-{j}.json").write_text(json.dumps({"tally": tally.__dict__, "log": log}))
+            except BaseException as e:  # noqa: B036 - report, never return into pytest
+                (work_root / f"result-{j}.json").write_text(json.dumps({"error": repr(e)}))
+                code = 1
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    total, log = Tally(), []
+    for j in range(jobs):
+        data = json.loads((work_root / f"result-{j}.json").read_text())
+        if "error" in data:
+            raise AssertionError(f"fault worker {j} crashed: {data['error']}")
+        total.add(Tally(**data["tally"]))
+        log += data["log"]
+    return total, log
+
+
+def _run_points(base: Project, sc: Scenario, work_root: Path, points: list[int], events: list[str], pre, ref,
+                env) -> tuple[Tally, list[str]]:
+    tally, log = Tally(), []
+    work_root.mkdir(parents=True, exist_ok=True)
     for k in points:
         p = copy_project(base, work_root / f"k{k}")
         killed, rc = fork_run(p, sc.argv, {**(env or {}), "DSADAPT_FAULT": f"any:{k}"})

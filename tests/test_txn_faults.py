@@ -144,6 +144,16 @@ def _ok(r) -> None:
     assert r.rc == 0, r
 
 
+def build_rebase_stopped(p: Project) -> None:
+    _ok(p.run("apply", "vllm@v1.0.0"))
+    assert p.run("rebase", "vllm@v1.0.0", "--onto", "v1.1.0").rc == 4
+
+
+def build_rebase_resolved(p: Project) -> None:
+    build_rebase_stopped(p)
+    _resolve_rebase(p)
+
+
 SCENARIOS = {
     "apply": lambda: Scenario("apply", REF1, TAG1, ["apply", REF1], build_apply),
     "reapply": lambda: Scenario("reapply", REF1, TAG1, ["apply", REF1], build_reapply),
@@ -157,12 +167,16 @@ SCENARIOS = {
     "refresh-force": lambda: Scenario("refresh-force", REF1, TAG1, ["refresh", REF1, "--force"], build_refresh_force),
     "rebase": lambda: Scenario("rebase", REBASE_PIN, "v1.1.0", ["rebase", "vllm@v1.0.0", "--onto", "v1.1.0"],
                                lambda p: _ok(p.run("apply", "vllm@v1.0.0")), resolve=_resolve_rebase),
+    "rebase-continue": lambda: Scenario("rebase-continue", REBASE_PIN, "v1.1.0", ["continue", REBASE_PIN],
+                                        build_rebase_resolved, resolve=_resolve_rebase),
+    "rebase-abort": lambda: Scenario("rebase-abort", REBASE_PIN, "v1.1.0", ["abort", REBASE_PIN],
+                                     build_rebase_stopped),
 }
 
 
 def _base(name: str, tmp_path, project_factory) -> tuple[Project, Scenario]:
     sc = SCENARIOS[name]()
-    base = rebase_project(tmp_path / "base") if name == "rebase" else project_factory(tmp_path / "base")
+    base = rebase_project(tmp_path / "base") if name.startswith("rebase") else project_factory(tmp_path / "base")
     sc.build(base)
     if name == "force":
         co = base.checkout()
