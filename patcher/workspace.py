@@ -483,6 +483,8 @@ class RefreshKind:
         sync_stack_dir(d, before, after_names)
         if tx.git.rev(STACK_REF) != tx.op.orig.stack_ref and tx.op.orig.stack_ref:
             tx.git.update_ref(STACK_REF, tx.op.orig.stack_ref)
+        if ex.get("backup") and read_stack_files(d, _series_names(before.get("series"))) == before:
+            tx.git.delete_ref(ex["backup"])  # the files it kept are back in patches/
 
 
 register(RefreshKind())
@@ -680,13 +682,18 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
     return st
 
 
+def _natural(tag: str) -> tuple:
+    """v0.4.0 before v0.18.0 (numbers compare as numbers), without importing packaging."""
+    import re
+
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", tag) if p)
+
+
 def status_all(cfg: Config, lock: Lock) -> list[CheckoutStatus]:
     """Status of every pin, plus checkouts on disk that hold an op but whose pin is gone (a rebase
     killed before it pinned NEW)."""
-    from .lock import version_key
-
     running = lock_holder(cfg)
-    entries = sorted(lock.pins.values(), key=lambda e: (e.engine, version_key(e.tag)))
+    entries = sorted(lock.pins.values(), key=lambda e: (e.engine, _natural(e.tag)))
     out = []
     for e in entries:
         try:

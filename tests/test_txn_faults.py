@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -221,6 +222,8 @@ def test_kill_at_every_point(name, tmp_path, project_factory):
     tally, log = run_scenario(base, sc, tmp_path / "runs", only)
     SUMMARY[name] = tally
     (tmp_path / "log.txt").write_text("\n".join(log))
+    if os.environ.get("FAULT_LOG_DIR"):
+        Path(os.environ["FAULT_LOG_DIR"], f"{name}.log").write_text("\n".join(log))
     problems = tally.lost + tally.wrong + tally.manual
     assert tally.kills >= len(only) * 0.9, log
     assert not problems, "\n".join(problems[:15]) + f"\n({len(problems)} problems in {tally.kills} kills)"

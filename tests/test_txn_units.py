@@ -303,3 +303,24 @@ def test_status_imports_neither_gitpython_nor_rich_when_piped(project, clean_sta
                        env={**os.environ, **project.env, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 0, r.stderr
     assert "MODULES []" in r.stdout, r.stdout
+
+
+def test_abort_of_a_killed_refresh_puts_patches_back_byte_for_byte(project, clean_stack):
+    from fault_harness import fork_run, tree_sha
+
+    co = _applied(project)
+    f = sorted(project.stack_dir().glob("0001-*.patch"))[0]
+    f.write_text(f.read_text().replace("Covered-By:", "Acked-by: Hand <hand@example.org>\nCovered-By:", 1))
+    (co / "vllm" / "mod.py").write_text((co / "vllm" / "mod.py").read_text().replace('"upstream"', '"patched"'))
+    git(co, "commit", "-qam", commit_msg("mod: untouched says patched"))
+    before = tree_sha(project.stack_dir())
+    killed, _ = fork_run(project, ["refresh", REF1, "--force"], {"DSADAPT_FAULT": "written:2"})
+    assert killed
+    assert tree_sha(project.stack_dir()) != before  # half written
+    st = _status(project)
+    assert st["state"] == "interrupted" and st["next"] == f"dsadapt refresh {REF1}" and "abort" in st["detail"], st
+    r = project.run("abort", REF1)
+    assert r.rc == 0, r
+    assert tree_sha(project.stack_dir()) == before
+    assert _status(project)["state"] == "diverged"  # the new commit is still there, not exported
+    assert git(co, "for-each-ref", "--format=%(refname)", "refs/dsadapt/backup/") == ""
