@@ -42,6 +42,7 @@ build-all: setup
 	$(BIN)/dsadapt build-all
 
 bench: setup
+	$(BIN)/python -m compileall -q patcher
 	$(BIN)/dsadapt bench
 
 ## Build the LMDeploy GPU bundle (.carry/lmdeploy) and print the one device command to run.

@@ -10,10 +10,7 @@ tell a leftover of a dead process from the work of a live one.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from . import faults
@@ -44,6 +41,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    import tempfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
@@ -79,6 +78,8 @@ def remove_tree(path: Path) -> bool:
         return False
     faults.point("unlink", path.name)
     if path.is_dir() and not path.is_symlink():
+        import shutil
+
         aside = path.with_name(f".{path.name}.tmp-{os.getpid()}-rm")
         try:
             os.replace(path, aside)
@@ -103,6 +104,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -112,6 +115,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def git_blob_id(data: bytes) -> str:
     """The id git gives a blob with these bytes (sha1 of 'blob <len>\\0' + data)."""
+    import hashlib
+
     h = hashlib.sha1()
     h.update(b"blob %d\0" % len(data))
     h.update(data)

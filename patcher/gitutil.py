@@ -317,10 +317,6 @@ class WorkSnapshot:
     work: str              # tracked files as they are in the work tree
     untracked: str | None  # untracked, not ignored files (None when there are none)
 
-    @property
-    def key(self) -> tuple:
-        return (self.index, self.work, self.untracked)
-
 
 def work_snapshot(g: Git) -> WorkSnapshot:
     head = g.head_commit()

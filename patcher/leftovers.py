@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,7 +116,7 @@ def find(cfg, *, sizes: bool = False) -> list[Leftover]:
         for entry in sorted(wd.glob("bench-*")):
             if entry.is_dir() and _old(entry):
                 out.append(Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`"))
-    tmp = Path(tempfile.gettempdir())
+    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
     for pat in ("dsadapt-verify-*", "dsadapt-rebase-*"):
         for entry in sorted(tmp.glob(pat)):
             if entry.is_dir() and _old(entry):
@@ -164,6 +162,8 @@ def _checkout_leftovers(co_path: Path) -> list[Leftover]:
 
 def remove(items: list[Leftover]) -> list[Leftover]:
     """Remove the leftovers; returns those that could not be removed."""
+    import shutil
+
     failed = []
     for lo in items:
         p = Path(lo.path)
@@ -179,6 +179,8 @@ def remove(items: list[Leftover]) -> list[Leftover]:
 
 def clean_checkout_tmps(engine_dir: Path) -> None:
     """Remove checkouts a dead run was making next to the one about to be made."""
+    import shutil
+
     if not engine_dir.is_dir():
         return
     for entry in engine_dir.iterdir():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from email.header import decode_header, make_header
 
 from .errors import PatchFormatError
 
@@ -100,6 +99,10 @@ class Patch:
 
 
 def _decode_header(value: str) -> str:
+    if "=?" not in value:  # no encoded-word: nothing to decode (and email.header is not imported)
+        return value
+    from email.header import decode_header, make_header
+
     try:
         return str(make_header(decode_header(value)))
     except Exception:  # malformed encoded-word: keep it raw

@@ -86,19 +86,22 @@ def _median(xs: list[float]) -> float:
 def make_patches(co_path: Path, base: str, n: int) -> str:
     """n commits on `base`, each inserting one comment line into its own Python file (fast-import);
     returns the head commit."""
-    files = [f for f in _git(co_path, "ls-tree", "-r", "--name-only", base).splitlines() if f.endswith(".py")]
-    files = [f for f in files if "/" in f][: max(n, 1)]
-    if len(files) < n:
-        files = (files * (n // max(len(files), 1) + 1))[:n]
+    candidates = [f for f in _git(co_path, "ls-tree", "-r", "--name-only", base).splitlines()
+                  if f.endswith(".py") and "/" in f]
     blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=co_path, capture_output=True, check=True,
-                           input="".join(f"{base}:{f}\n" for f in dict.fromkeys(files)).encode()).stdout
+                           input="".join(f"{base}:{f}\n" for f in candidates).encode()).stdout
     contents: dict[str, bytes] = {}
     pos = 0
-    for f in dict.fromkeys(files):
+    for f in candidates:
         nl = blobs.index(b"\n", pos)
         size = int(blobs[pos:nl].split()[2])
-        contents[f] = blobs[nl + 1:nl + 1 + size]
+        data = blobs[nl + 1:nl + 1 + size]
         pos = nl + 1 + size + 1
+        if b"\r" not in data and data.count(b"\n") >= 2:  # CRLF files are refused as patches (patch-format.md)
+            contents[f] = data
+    files = list(contents)[: max(n, 1)]
+    if len(files) < n:
+        files = (files * (n // max(len(files), 1) + 1))[:n]
     out = []
     for i, f in enumerate(files, 1):
         lines = contents[f].split(b"\n")

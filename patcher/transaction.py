@@ -27,7 +27,6 @@ Phases of an op (each one recorded before its step runs)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -375,6 +374,8 @@ def files_commit(g: Git, files: dict[str, bytes]) -> str:
 
 def flat_tree_id(files: dict[str, bytes]) -> str:
     """The id git gives a tree of plain files (mode 100644) with these names and bytes."""
+    import hashlib
+
     body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(git_blob_id(files[n]))
                     for n in sorted(files, key=lambda x: x.encode("utf-8")))
     return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
@@ -477,7 +478,7 @@ class Transaction:
         self.write()
         self._fresh = True
 
-    def files_commit(self, files: dict[str, bytes], known: tuple[str | None, str | None] = (None, None)) -> str:
+    def files_commit(self, files: dict[str, bytes]) -> str:
         """A parentless commit whose flat tree holds `files`, written as loose objects without
         starting git; fixed identity, date and message, so the same files give the same commit."""
         return files_commit(self.git, files)

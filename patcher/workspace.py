@@ -7,7 +7,6 @@ Every change to a stack's checkout or to its patches/ files goes through a `Tran
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -71,6 +70,8 @@ def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progres
     if co.path.exists() and any(co.path.iterdir()):
         raise WorkspaceError(f"{co.path} exists but is not a dsadapt checkout",
                              hint="move it away; dsadapt will not overwrite it")
+    import shutil
+
     leftovers.clean_checkout_tmps(co.path.parent)
     cache = cfg.cache / "git" / f"{entry.engine}.git"
     if cache.is_dir():  # a fetch killed there leaves shallow.lock / refs locks behind
@@ -318,6 +319,8 @@ def abort_apply(cfg: Config, ref: PinRef | None = None, progress=None) -> Checko
 
 def _abort_legacy(tx: Transaction) -> None:
     """Undo an op recorded by dsadapt < 0.2 (state schema 1): save what is there, then restore."""
+    import shutil
+
     from .gitutil import snapshot_commit, work_snapshot
 
     co, g, op = tx.co, tx.git, tx.state.legacy_op or {}
