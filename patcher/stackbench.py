@@ -277,9 +277,10 @@ def _bench_verify_all(cfg: Config, lock: Lock, root: Path, repeat: int, say) -> 
         data = json.loads(r.stdout)
         stacks = len(data["stacks"])
         unverifiable = data.get("unverifiable") or []
+        ok = sum(1 for x in data["stacks"] if x.get("ok"))
     except (ValueError, KeyError):
-        stacks, unverifiable = 0, []
-    note = f"{stacks} stacks, warm"
+        stacks, unverifiable, ok = 0, [], 0
+    note = f"{stacks} stacks ({ok} verified ok), warm"
     if unverifiable:
         note += f"; not verifiable here (no source): {', '.join(unverifiable)}"
     return [OpRow("verify all", stacks, _median(runs), note=note, runs_s=runs)]
