@@ -130,9 +130,6 @@ class RebaseKind:
     verb = "rebase"
     touches_checkout = True
 
-    def __init__(self) -> None:
-        self._exported: dict[tuple[str, str], dict[str, Patch]] = {}
-
     # the steps before the checkout is touched (idempotent)
     def prepare(self, tx: Transaction) -> None:
         ex = tx.op.extra
@@ -196,11 +193,11 @@ class RebaseKind:
         am = tx.op.am
         assert am is not None
         head = g.rev("HEAD") or commit
-        key = (am.start, head)
-        if key not in self._exported:
+        key = ("exported", am.start, head)  # one format-patch for the commits of this am run
+        if key not in tx.cache:
             commits = [c for c, _, _ in g.commits(f"{am.start}..{head}")]
-            self._exported[key] = dict(zip(commits, export_commits(g, am.start, head)))
-        new = self._exported[key].get(commit) or export_commits(g, f"{commit}^", commit)[0]
+            tx.cache[key] = dict(zip(commits, export_commits(g, am.start, head)))
+        new = tx.cache[key].get(commit) or export_commits(g, f"{commit}^", commit)[0]
         return applied_detail(old, new, bool(merged))
 
     def finish(self, tx: Transaction) -> StackResult:

@@ -419,6 +419,7 @@ class Transaction:
         self.notes: list[str] = []
         self._reported: set[int] = set()
         self._fresh = False  # begun in this process: nothing to recover, no existence checks needed
+        self.cache: dict = {}  # what a kind computes once per run (rebase: the exported commits)
 
     # ------------------------------------------------------------ opening
 

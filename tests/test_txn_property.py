@@ -4,6 +4,7 @@ process at a random instant), no work is lost, status tells the truth, and rerun
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -63,11 +64,15 @@ def _project(root: Path) -> Project:
     return p
 
 
+KILLS: list[bool] = []
+
+
 def _skip_stops(p: Project) -> None:
     p.run("skip", REF1)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("PROPERTY_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(first=st.lists(edit, min_size=1, max_size=3), second=st.lists(edit, min_size=1, max_size=4),
        independent=st.booleans(), dirty=st.booleans(), in_git=st.booleans(), frac=st.floats(0, 1),
        delay=st.sampled_from(["0", "0.002", "0.01", "0.03"]))
@@ -105,6 +110,7 @@ def test_random_stacks_random_kills(first, second, independent, dirty, in_git, f
             n = len(count_events(copy_project(base, root / "count"), argv))
             env = {"DSADAPT_FAULT": f"any:{1 + int(frac * (n - 1))}"}
         killed, rc = fork_run(p, argv, env)
+        KILLS.append(killed)
         problems = check_after_kill(p, sc, pre, ref) if killed else []
         drive(p, sc, max_steps=12)
         got = outcome(p, TAG1)
@@ -115,3 +121,12 @@ def test_random_stacks_random_kills(first, second, independent, dirty, in_git, f
         assert not problems, problems
         for k in ("tree", "head", "status", "work", "patches", "op", "untracked", "refs", "lock"):
             assert got[k] == ref[k], (k, killed, env, got[k], ref[k])
+
+
+def test_the_property_runs_were_mostly_killed():
+    """(runs after the property test) the kills happened: a property over unkilled runs proves little."""
+    if not KILLS:
+        import pytest
+
+        pytest.skip("the property test did not run in this session")
+    assert sum(KILLS) >= 0.7 * len(KILLS), f"{sum(KILLS)} of {len(KILLS)} runs were killed"
