@@ -196,19 +196,26 @@ def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw)
     yield py, RUNNERS[ad.runner.removesuffix(".py").removesuffix("_runner")], {}, installed
 
 
-def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
-              dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
-              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None, unpatched_engine: bool = False) -> CheckResult:
-    t_start = time.monotonic()
+def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None) -> tuple[LockEntry, VariantSpec]:
+    """What `check` can tell before it touches anything: the pin, the variant, and whether it can run here."""
     entry = lock.pin(ref)
     ad = adapter(ref.engine)
     spec = ad.variant_for(entry, variant)
     blocker = ad.run_blocker(entry, spec)
     if blocker:
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `dsadapt check {ref}` on a machine that has what it needs "
+                                hint=f"run `{command or f'dsadapt check {ref}'}` on a machine that has what it needs "
                                      f"(docs/engines/{ref.engine}.md says where it was verified)")
+    return entry, spec
+
+
+def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
+              dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
+              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
+              on_line=None, unpatched_engine: bool = False) -> CheckResult:
+    t_start = time.monotonic()
+    entry, spec = preflight(lock, ref, variant, command)
+    ad = adapter(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
     fingerprint = model_fingerprint(model_dir)

@@ -86,9 +86,10 @@ def test_parse_rejects_garbage():
 
 
 @pytest.mark.parametrize("path", ["../etc/passwd", "pkg/../../x", "/etc/passwd", ".git/hooks/pre-commit", "pkg//x",
-                                  "./x", "pkg\\x"])
+                                  "./x", "pkg\\x", "pkg/.GIT/config", "pkg/.git./hooks/x", "GIT~1/config",
+                                  ".g\u200cit/hooks/post-commit", "C:/x", "pkg/x\ty"])
 def test_path_escape_refused(path):
-    with pytest.raises(PatchFormatError, match="escapes the source tree"):
+    with pytest.raises(PatchFormatError, match="escapes the source tree|is absolute|inside .git|backslash|control"):
         check_path(path, "p")
     diff = DIFF.replace("pkg/x.py", path)
     with pytest.raises(PatchFormatError):

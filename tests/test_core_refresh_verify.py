@@ -90,7 +90,7 @@ def test_refresh_refuses_uncommitted_changes(project, clean_stack):
     (co / "vllm" / "util.py").write_text("# wip\n")
     before = files_snapshot(project.root)
     r = project.run("refresh", REF1)
-    assert r.rc == 1 and "uncommitted changes" in r.err, r
+    assert r.rc == 4 and "uncommitted changes" in r.err, r
     assert files_snapshot(project.root) == before
 
 

@@ -24,6 +24,8 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
     """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
     ref = to_ref(pin)
     ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
+    if variant is not None:
+        adapter(ref.engine).variant(variant)
     with workdir_lock(ctx.cfg):
         res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
     if as_json:
@@ -54,6 +56,8 @@ def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> N
     """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
     ref = to_ref(pin)
     ctx.lock.pin(ref)
+    if variant is not None:
+        adapter(ref.engine).variant(variant)
     if adapter(ref.engine).build_kind == "backend":  # Triton: the served engine's environment + the server
         from ..engines.triton import server_venv
 

@@ -11,7 +11,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 
 
 @click.command("pin")
-@pinref_arg()
+@pinref_arg(pinned=False)
 @click.option("--update", is_flag=True, help="Accept a moved tag (after you investigated it).")
 @json_option
 @pass_ctx

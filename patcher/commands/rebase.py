@@ -7,10 +7,10 @@ import click
 from .. import workspace
 from ..errors import DsadaptError, UsageError
 from ..matrix import blocker_here, build_matrix, github_matrix
-from ..pinref import parse_pinref
+from ..pinref import check_tag, parse_pinref
 from ..rebase import load_report, rebase_stack, report_paths
 from ..tags import upstream_tags
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, publish_option, say, table, to_ref
 
 
 @click.command("tags")
@@ -33,8 +33,9 @@ def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
 
 
 def _onto(engine: str, onto: str) -> str:
+    """--onto TAG (or ENGINE@TAG), validated as a tag before any git or PyPI query."""
     if "@" not in onto:
-        return onto
+        return check_tag(onto, "--onto")
     ref = parse_pinref(onto)
     if ref.engine != engine:
         raise UsageError(f"--onto {onto} names engine {ref.engine}, not {engine}",
@@ -45,6 +46,7 @@ def _onto(engine: str, onto: str) -> str:
 @click.command("rebase")
 @pinref_arg()
 @click.option("--onto", "onto", required=True, metavar="TAG", help="The upstream tag to carry the stack onto.")
+@publish_option
 @json_option
 @pass_ctx
 def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
@@ -65,7 +67,14 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
         return
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
     say(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
-    say(f"  report: {md.relative_to(ctx.cfg.project)} (+ .json)")
+    say(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
+
+
+def _rel(path, root) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 @click.command("matrix")

@@ -12,11 +12,11 @@ from ..check import resolve_model
 from ..engines import adapter
 from ..errors import UsageError
 from ..workspace import workdir_lock
-from .common import Context, pass_ctx, progress_printer, say, to_ref
+from .common import Context, PinRefParam, pass_ctx, progress_printer, say, to_ref
 
 
 @click.command("serve")
-@click.argument("pin", metavar="triton@TAG")
+@click.argument("pin", metavar="triton@TAG", type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None)
 @click.option("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one).")
