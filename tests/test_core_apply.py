@@ -262,6 +262,18 @@ exit 0
 """
 
 
+def git_with_hooks(tmp_path, hooks_dir) -> dict[str, str]:
+    """PATH for a subprocess whose `git` runs the hooks in hooks_dir (a `-c` beats dsadapt's hooksPath)."""
+    import shutil
+
+    bin_dir = tmp_path / "git-with-hooks"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "git"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("git")} -c core.hooksPath={hooks_dir} "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
 def _kill_mid_apply(project, tmp_path):
     """Apply in a subprocess and SIGKILL it while `git am` runs the 2nd patch's applypatch-msg hook."""
     assert project.run("apply", REF1).rc == 0  # creates the checkout (the hook lives in it)
@@ -278,7 +290,8 @@ def _kill_mid_apply(project, tmp_path):
     hook = co / ".git" / "hooks" / "applypatch-msg"
     hook.write_text(HOOK.replace("{marker}", str(marker)))
     hook.chmod(0o755)
-    proc = project.spawn("apply", REF1, "--force")
+    # dsadapt runs git with hooks off (trees are data); this test's git turns them back on
+    proc = project.spawn("apply", REF1, "--force", env=git_with_hooks(tmp_path, co / ".git" / "hooks"))
     deadline = time.monotonic() + 30
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
