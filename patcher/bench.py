@@ -259,7 +259,7 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
                 builds.append(row)
                 shutil.rmtree(work, ignore_errors=True)
     return BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
-                       read_check_timings(cfg.reports_root))
+                       read_check_timings(cfg.published_reports))  # the committed reports, as docs cite them
 
 
 def _kind(cfg: Config, entry: LockEntry) -> str | None:

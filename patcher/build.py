@@ -24,7 +24,7 @@ from .buildkind import BuildKind, classify
 from .config import Config
 from .engines import adapter
 from .engines.base import EngineAdapter, VariantSpec
-from .errors import BuildError, ToolchainMissing, VerificationError
+from .errors import BuildError, EngineUnavailable, LockError, RefusedToClobber, ToolchainMissing, VerificationError
 from .fsutil import git_blob_id, sha256_file
 from .lock import Lock, LockEntry
 from .pinref import PinRef
@@ -58,9 +58,12 @@ class BuildResult:
         return asdict(self)
 
 
-def overlay_version(version: str, stack_hash: str) -> str:
-    """0.32.0 -> 0.32.0+ds.<8 hex>; an existing local label is kept in front (0.1+cpu -> 0.1+cpu.ds.<..>)."""
-    label = f"ds.{stack_hash[:8]}"
+def overlay_version(version: str, stack_hash: str, variant: str | None = None) -> str:
+    """0.32.0 -> 0.32.0+ds.<8 hex>; an existing local label is kept in front (0.1+cpu -> 0.1+cpu.ds.<..>).
+
+    A variant that overlays another variant's wheel (lmdeploy's `pytorch` on the `cuda` wheel) is
+    named in the label too (0.18.0+ds.<8 hex>.pytorch), so no two variants share a file name."""
+    label = f"ds.{stack_hash[:8]}" + (f".{variant}" if variant else "")
     return f"{version}.{label}" if "+" in version else f"{version}+{label}"
 
 
@@ -97,7 +100,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
     t0 = time.monotonic()
     art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
-        raise BuildError(f"{entry} has no pinned wheel for variant '{spec.name}'",
+        raise LockError(f"{entry} has no pinned wheel for variant '{spec.name}'",
                          hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
     apply_stack(cfg, lock, entry.ref, progress=progress)  # no-op when the checkout already holds the stack
     co = Checkout(cfg, entry.ref)
@@ -126,7 +129,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         old_di = f"{name}-{version}.dist-info"
         if f"{old_di}/RECORD" not in by_name:
             raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
-        new_version = overlay_version(version, stack.hash)
+        new_version = overlay_version(version, stack.hash, spec.name if spec.wheel_variant else None)
         new_di = f"{name}-{new_version}.dist-info"
         # the .data directory carries the version too; installers other than pip (installer, uv)
         # only treat `{name}-{version}.data/` as data and would copy an old-named one verbatim
@@ -199,7 +202,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
         write_members(tmp, out_members + di_members + [record])
         final = out_dir / out_name
-        os.replace(tmp, final)
+        _install_output(tmp, final)
     finally:
         z.close()
     return BuildResult(
@@ -209,6 +212,18 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         removed=removed, left_out=left_out, not_shipped=not_shipped,
         how=f"overlay of {len(replaced) + len(added) + len(removed)} file(s) on {art.file} (sha256 verified; "
             f"pre-images verified by blob id), stack {stack.short_hash}")
+
+
+def _install_output(tmp: Path, final: Path) -> None:
+    """Move a finished build into place; never over a different file of the same name."""
+    try:
+        if final.exists() and sha256_file(final) != sha256_file(tmp):
+            raise RefusedToClobber(f"{final} exists with other content than this build",
+                                   hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
+                                        f"different file in {final.parent.name}/")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _member_bytes(m) -> bytes:
@@ -233,7 +248,7 @@ def full_build(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, sta
     co = Checkout(cfg, entry.ref)
     res = apply_stack(cfg, lock, entry.ref, progress=progress)
     if (res.source or {}).get("kind") == "pypi":
-        raise BuildError(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
+        raise EngineUnavailable(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
                          f"{res.source['origin']}, which has no build files",
                          hint="configure the git source or a mirror (DSADAPT_MIRRORS) so the checkout is the upstream tree")
     t0 = time.monotonic()
