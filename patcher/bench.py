@@ -248,7 +248,7 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
     measured: dict[str, tuple[float, int] | str] = {}
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-", dir=cfg.workdir) as tmp:
-        for entry in sorted(lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+        for entry in lock.sorted_pins():
             for v in _variants(entry):
                 if progress:
                     progress(f"bench {entry.ref} ({v})")

@@ -205,6 +205,11 @@ def show(value: object, limit: int = 80) -> str:
     return f"{head}…{tail} ({len(str(value))} chars)"
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 patch', '2 patches', '0 patches'."""
+    return f"{n} {one if n == 1 else (many or one + ('es' if one.endswith(('ch', 'sh', 's', 'x')) else 's'))}"
+
+
 def one_line(text: str, limit: int = 2000, token_limit: int = 240) -> str:
     """What the CLI edge prints for a message or hint: one line, no run of non-blank characters
     longer than `token_limit`, at most `limit` characters."""

@@ -123,12 +123,20 @@ class Lock:
             ) from None
 
     def pins_of(self, engine: str) -> list[LockEntry]:
-        return sorted((p for p in self.pins.values() if p.engine == engine), key=lambda p: version_key(p.version))
+        return sorted((p for p in self.pins.values() if p.engine == engine), key=pin_sort_key)
+
+    def sorted_pins(self) -> list[LockEntry]:
+        """Every pin, by engine, then by release version (v0.4.0 before v0.18.0), then tag."""
+        return sorted(self.pins.values(), key=pin_sort_key)
 
     def with_pin(self, entry: LockEntry) -> "Lock":
         pins = dict(self.pins)
         pins[str(entry.ref)] = entry
         return replace(self, pins=pins)
+
+
+def pin_sort_key(p: LockEntry):
+    return (p.engine, version_key(p.version), version_key(p.tag.lstrip("vVrR")), p.tag)
 
 
 def version_key(v: str):
@@ -335,7 +343,7 @@ def format_lock(lock: Lock) -> str:
     for name in sorted(lock.engines):
         e = lock.engines[name]
         doc["engines"][name] = {"git": e.git, "pypi": list(e.pypi)}
-    for key in sorted(lock.pins, key=lambda k: (lock.pins[k].engine, version_key(lock.pins[k].version), k)):
+    for key in sorted(lock.pins, key=lambda k: pin_sort_key(lock.pins[k])):
         p = lock.pins[key]
         t: dict = {"version": p.version}
         for k in ("commit", "tree", "serves", "python", "note"):

@@ -7,7 +7,7 @@ import click
 from .. import workspace
 from ..errors import ConflictStop
 from ..stack import load_stack
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, say, to_ref
 
 
 def _line(o: workspace.PatchOutcome) -> str:
@@ -23,7 +23,7 @@ def _report(res: workspace.StackResult, as_json: bool, verb: str) -> None:
         say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
         return
     src = res.source or {}
-    say(f"{res.ref}: {verb} {len(res.outcomes)} patch(es) onto {res.base[:12]} "
+    say(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
         f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
     say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
     if res.backup_ref:

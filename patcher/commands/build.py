@@ -88,7 +88,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
     """Build every pin (and variant) that can be built on this machine; a table of the rest says why not."""
     rows, data, failed = [], [], False
     with workdir_lock(ctx.cfg):
-        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+        for entry in ctx.lock.sorted_pins():
             ad = adapter(entry.engine)
             variants = [v.name for v in ad.variants
                         if entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]

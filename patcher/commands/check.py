@@ -117,7 +117,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         return
     results, rows, failed = [], [], False
     with workdir_lock(ctx.cfg):
-        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+        for entry in ctx.lock.sorted_pins():
             ad = adapter(entry.engine)
             spec = ad.variant_for(entry, None)
             blocker = ad.run_blocker(entry, spec)

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import click
 
 from ..config import Config, load_config
-from ..errors import escape_line
+from ..errors import escape_line, plural  # noqa: F401 - plural is for the commands
 from ..lock import Lock, load_lock
 from ..pinref import PinRef, parse_pinref
 
@@ -136,11 +136,6 @@ def say(msg: str) -> None:
     _live_clear()
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """'1 patch', '2 patches'."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
