@@ -10,15 +10,18 @@ TORCH   ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast build-all bench gpu-check docs clean
+.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench gpu-check docs clean
 
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRANSFORMERS)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton]'
+	@echo "… installing $(TORCH) and $(TRANSFORMERS) (pip shows each download; about 2 min the first time)"
+	$(BIN)/python -m pip install --disable-pip-version-check --progress-bar off "$(TORCH)" "$(TRANSFORMERS)"
+	@echo "… installing dsadapt and its extras"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton,dev]'
+	$(BIN)/python -m compileall -q patcher
 	touch $@
 
 ## The main job: apply the vLLM stack, build and install the patched engine, and run the
@@ -32,6 +35,20 @@ demo: setup
 ## Every test, including the slow ones that install and run vLLM on CPU (CI runs this).
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Lint and types: ruff (E,F,W,I,B,UP,SIM) over the project, mypy over patcher/ (CI's first job).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy patcher
+
+## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
+## `uv pip compile --generate-hashes` from the recipes in patcher/envlocks.py (docs/environments.md).
+## Needs PyPI; the CPU torch build comes from DSADAPT_LOCK_FIND_LINKS (default /opt/wheels).
+lock-envs: setup
+	$(BIN)/python -m patcher.envlocks
+
+check-env-locks: setup
+	$(BIN)/python -m patcher.envlocks --check
 
 ## Fast feedback: no network, no engines.
 test-fast: setup

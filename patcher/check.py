@@ -12,6 +12,7 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from .config import Config
 from .engines import adapter
 from .engines.base import VariantSpec
 from .equivalence import LogitReport, compare, explain
-from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from .errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .machine import device_description
 from .pinref import PinRef
@@ -109,21 +110,26 @@ def reference_python(cfg: Config, progress=None) -> Path:
             return Path(sys.executable)
     except importlib.metadata.PackageNotFoundError:
         pass
+    from .envlocks import file_digest, find_lock, reference_spec
+    from .venvs import _pip
+
+    lock_file = find_lock(reference_spec().name)
+    digest = file_digest(lock_file)
     venv = cfg.venvs_root / f"reference-transformers-{REFERENCE_TRANSFORMERS}"
     py = venv / "bin" / "python"
-    if not (venv / "dsadapt-reference.ok").exists():
+    ok = venv / "dsadapt-reference.ok"
+    if not ok.exists() or ok.read_text().strip() != digest:
+        if venv.exists():
+            shutil.rmtree(venv)  # made from an older lock (or half made): derived data, remade below
         if progress:
-            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS})")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        import os
-
-        torch_spec = os.environ.get("DSADAPT_TORCH_SPEC", "torch")
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_spec, f"transformers=={REFERENCE_TRANSFORMERS}",
-                            "safetensors", "tokenizers"], stdout=sys.stderr, stderr=sys.stderr)
+            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS}, "
+                     f"{lock_file.name}, --require-hashes)")
+        r = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
         if r.returncode != 0:
-            raise EngineUnavailable(f"could not create the reference environment {venv}",
-                                    hint="see pip's output; set DSADAPT_TORCH_SPEC to pick a torch build")
-        (venv / "dsadapt-reference.ok").write_text("ok\n")
+            raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}",
+                             hint="check python3-venv is installed")
+        _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=False, progress=progress)
+        ok.write_text(digest + "\n")
     return py
 
 
@@ -134,12 +140,14 @@ def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, 
     `suffix` names a separate environment (e.g. '-triton', which adds the server's
     requirements in `post`), so engines served differently never share site-packages.
     """
+    from .envlocks import env_name
     from .venvs import ensure_env, install_pin, venv_python
 
     base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
     if not unpatched:
         venv = base.with_name(base.name + suffix)
-        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
+        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post,
+                          env_suffix=suffix)
         return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
     art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
@@ -148,7 +156,8 @@ def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, 
     venv = base.with_name(base.name + "-unpatched" + suffix)
     ad = adapter(entry.engine)
     ensure_env(venv, wheel, art.sha256, extra=ad.install_extra(entry, spec.name), remove=ad.install_remove, post=post,
-               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True})
+               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True},
+               lock_name=env_name(entry.engine, entry.tag, spec.artifact_variant, suffix))
     return venv_python(venv), {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
 
 
@@ -217,6 +226,12 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     entry, spec = preflight(lock, ref, variant, command)
     ad = adapter(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
+    if not unpatched:
+        # the stack onto its verified tree first: no source here, a conflict or a moved tag stops the
+        # check in seconds, before minutes of reference and engine runs
+        from .workspace import apply_stack
+
+        apply_stack(cfg, lock, ref, progress=progress)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
     fingerprint = model_fingerprint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())

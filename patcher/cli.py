@@ -72,10 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     from .render import render_error, to_error, wants_json
 
     args = list(sys.argv[1:] if argv is None else argv)
+    as_json = wants_json(args)
     reset_output()
     _scrub_git_environment()
     try:
-        rv = cli.main(args=args, prog_name="dsadapt", standalone_mode=False)
+        # make_context + invoke rather than cli.main: click.main would print its own newline on
+        # Ctrl-C and turn a broken pipe into exit 1; here every outcome is rendered once, below
+        with cli.make_context("dsadapt", list(args)) as ctx:  # click consumes the list it parses
+            rv = cli.invoke(ctx)
         return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - the one place every error is turned into one line
         err = to_error(e, args)
         close_progress()
-        render_error(err, e, as_json=wants_json(args))
+        render_error(err, e, as_json=as_json)
         return int(err.exit_code)
     finally:
         close_progress()

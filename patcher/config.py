@@ -197,6 +197,7 @@ def load_file_config(cfg_path: Path) -> dict:
             order = value.get("order", [])
             if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
                 raise bad(key, "a table with `order = [\"git\", \"mirror\", \"pypi\"]`")
+            parse_sources(",".join(order), f"{where}{_toml_line(text, 'order')} [sources] order")
         elif key == "mirrors":
             if not isinstance(value, dict):
                 raise bad(key)

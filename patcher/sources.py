@@ -235,9 +235,18 @@ def check_members(path: Path, infos: list[zipfile.ZipInfo]) -> None:
                                  hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
         fmt = stat.S_IFMT(info.external_attr >> 16)  # 0: no type recorded (zip tools that write none)
         if fmt and fmt not in (stat.S_IFREG, stat.S_IFDIR):
-            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+            kind = "a symbolic link" if fmt == stat.S_IFLNK else "not a regular file"
             raise UnsafeArtifact(f"{path.name}: member {show(info.filename, 80)!r} is {kind}",
                                  hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
+
+
+def check_wheel(path: Path) -> None:
+    """Refuse an unsafe artifact (`check_members`) without unpacking anything."""
+    if not path.name.endswith(".whl"):
+        raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
+                        hint="pin a wheel artifact with source = true")
+    with zipfile.ZipFile(path) as z:
+        check_members(path, z.infolist())
 
 
 def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
@@ -275,6 +284,7 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
     if art is None:
         raise Unreachable(f"{entry} has no release artifact in the lock")
     path = fetch_artifact(cfg, entry, art, progress)
+    check_wheel(path)  # an unsafe artifact is refused before anything is said or written
     if progress:
         progress(f"unpacking {art.file}")
     n, skipped = unpack_artifact(path, checkout.path)
