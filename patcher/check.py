@@ -226,12 +226,6 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     entry, spec = preflight(lock, ref, variant, command)
     ad = adapter(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
-    if not unpatched:
-        # the stack onto its verified tree first: no source here, a conflict or a moved tag stops the
-        # check in seconds, before minutes of reference and engine runs
-        from .workspace import apply_stack
-
-        apply_stack(cfg, lock, ref, progress=progress)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
     fingerprint = model_fingerprint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())

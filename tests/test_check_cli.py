@@ -140,14 +140,16 @@ def test_resolve_model_directory(proj, model_dir, monkeypatch):
 
 def test_report_paths_naming(proj):
     cfg, ref = proj.cfg, PinRef("vllm", "v0.32.0")
-    base = cfg.project / "reports" / "vllm" / "v0.32.0"
+    # runs write scratch reports under the work dir; the committed reports/ only with --publish
+    assert cfg.reports_root == cfg.workdir / "reports" and cfg.published_reports == cfg.project / "reports"
+    base = cfg.workdir / "reports" / "vllm" / "v0.32.0"
     assert (check_mod.report_paths(cfg, ref, "v3", "transformers", "float32", False)
             == base / "v3-transformers-float32.json")
     assert (check_mod.report_paths(cfg, ref, "v2-lite", "deepseek", "bfloat16", True)
             == base / "v2-lite-deepseek-bfloat16-unpatched.json")
     assert check_mod.report_paths(cfg, ref, "mymodel", None, "float16", False) == base / "mymodel-float16.json"
     tri = check_mod.report_paths(cfg, PinRef("triton", "r26.01"), "v3", "transformers", "float32", False, True)
-    assert tri == cfg.project / "reports" / "triton" / "r26.01" / "v3-transformers-float32-unpatched-engine.json"
+    assert tri == cfg.workdir / "reports" / "triton" / "r26.01" / "v3-transformers-float32-unpatched-engine.json"
     # every combination names a distinct file: no run overwrites another's report
     names = {check_mod.report_paths(cfg, ref, m, s, d, u, ue)
              for m in ("v3", "v2-lite") for s in ("transformers", "deepseek", None)
@@ -192,8 +194,9 @@ def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, fai
     assert prov["installed"]["venv"].endswith("fake-venv") and prov["patches"]
     assert "engine_s" in res["timings"] and "total_s" in res["timings"]
     # the report on disk is the same document, and there is no plot for a run without logits
-    path = proj.root / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
+    path = proj.cfg.workdir / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
     assert res["report_path"] == str(path)
+    assert not (proj.root / "reports").exists()  # committed reports change only with --publish
     on_disk = json.loads(path.read_text())
     assert on_disk["schema"] == "dsadapt.check-report/1" and on_disk["verdict"] == "fail"
     assert on_disk["provenance"]["engine_log_tail"] == prov["engine_log_tail"]
@@ -217,7 +220,8 @@ def test_cuda_only_pin_exits_6(proj):
     rc, out, err = proj.run("check", "vllm@v0.3.3", "--model", "v3")
     assert rc == 6, err
     assert "vllm@v0.3.3 (cuda) cannot run on this machine: needs a CUDA GPU" in err
-    assert "hint: run `dsadapt check vllm@v0.3.3` on a machine that has what it needs" in err
+    # the hint keeps the flags the user gave
+    assert "hint: run `dsadapt check vllm@v0.3.3 --model v3` on a machine that has what it needs" in err
 
 
 @needs_cpu_only

@@ -134,6 +134,7 @@ def reset_output() -> None:
 def say(msg: str) -> None:
     """Human progress/status lines go to stderr so stdout stays clean for --json and pipes."""
     _live_clear()
+    msg = "\n".join(escape_line(line) for line in msg.split("\n"))  # data never drives the terminal
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
 
@@ -206,9 +207,12 @@ class Progress:
             self.detail = line[:160]
 
     def close(self) -> None:
+        """Stop the clock without a closing line: the command's result says how it ended."""
         self._stop.set()
         with self._lock:
-            self._end_phase()
+            if self._line_shown:
+                self._write("\r\x1b[K")
+                self._line_shown = False
             self.phase = None
         _ACTIVE.discard(self)
 
