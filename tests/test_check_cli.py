@@ -264,3 +264,20 @@ def test_check_all_exit_code_is_the_verdict_of_the_pins_that_ran(proj, model_dir
     assert doc["ok"] is False
     (failed,) = [r for r in doc["results"] if r["verdict"] == "fail"]
     assert any(KEY_ERROR in r for r in failed["reasons"])
+
+
+@needs_cpu_only
+def test_publish_writes_the_committed_reports_and_report_reads_both(proj, model_dir, failing_engine):
+    """A run writes a scratch report (work dir); only --publish changes the project's reports/;
+    `dsadapt report` reads both."""
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json")
+    scratch = Path(json.loads(out)["report_path"])
+    assert rc == 1 and scratch.is_relative_to(proj.cfg.workdir) and not (proj.root / "reports").exists()
+    rc, out, err = proj.run("report", "--json")
+    row = {r["pin"]: r for r in json.loads(out)["pins"]}[PIN]
+    assert row["check"].startswith("fail ") and row["last_check"]["file"] == str(scratch)
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json", "--publish")
+    published = proj.root / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
+    assert rc == 1 and json.loads(out)["report_path"] == str(published) and published.is_file()
+    rc, out, err = proj.run("--publish", "check", PIN, "--model", str(model_dir), "--json")
+    assert rc == 1 and json.loads(out)["report_path"] == str(published)
