@@ -165,7 +165,7 @@ def find_local_artifact(cfg: Config, art: Artifact) -> Path | None:
     return None
 
 
-def _pip_download(art: Artifact, version: str, dest: Path) -> None:
+def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> None:
     from packaging.utils import parse_wheel_filename
 
     args = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -184,10 +184,20 @@ def _pip_download(art: Artifact, version: str, dest: Path) -> None:
     else:
         args += ["--no-binary=:all:", "--no-build-isolation"]
     args.append(f"{art.dist}=={version}")
-    r = subprocess.run(args, capture_output=True, text=True)
-    if r.returncode != 0:
-        last = (r.stderr or r.stdout).strip().splitlines()
-        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else r.returncode}")
+    args = [a for a in args if a != "-q"] + ["--progress-bar", "off"]
+    note = getattr(progress, "note", None)
+    last: list[str] = []
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert proc.stdout is not None
+    for line in proc.stdout:  # what the download is waiting on, for the progress display
+        line = line.strip()
+        if line and not line.startswith("WARNING: "):
+            last.append(line)
+            del last[:-3]
+            if note:
+                note(f"pip: {line}")
+    if proc.wait() != 0:
+        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else proc.returncode}")
 
 
 def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) -> Path:
@@ -197,7 +207,7 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
         with tempfile.TemporaryDirectory(dir=_mkdir(cfg.cache / "artifacts")) as tmp:
-            _pip_download(art, entry.version, Path(tmp))
+            _pip_download(art, entry.version, Path(tmp), progress)
             got = Path(tmp) / art.file
             if not got.is_file():
                 names = ", ".join(p.name for p in Path(tmp).iterdir()) or "nothing"
