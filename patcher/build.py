@@ -247,9 +247,10 @@ def full_build(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, sta
                                hint=f"install {', '.join(missing)} or build on a machine that has them")
     co = Checkout(cfg, entry.ref)
     res = apply_stack(cfg, lock, entry.ref, progress=progress)
-    if (res.source or {}).get("kind") == "pypi":
+    source = res.source or {}
+    if source.get("kind") == "pypi":
         raise EngineUnavailable(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
-                         f"{res.source['origin']}, which has no build files",
+                                f"{source['origin']}, which has no build files",
                          hint="configure the git source or a mirror (DSADAPT_MIRRORS) so the checkout is the upstream tree")
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)

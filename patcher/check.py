@@ -16,10 +16,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .config import Config
 from .engines import adapter
@@ -258,8 +258,9 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
                               e, installed, fingerprint, model_dir, command, model, timings, t_start)
     venv = installed.get("venv")
-    if venv and (engine.engine_path or "").startswith("/") and \
-            not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
+    engine_path = engine.engine_path or ""
+    if venv and engine_path.startswith("/") and \
+            not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
         raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
     for k, v in engine.timings.items():
@@ -270,7 +271,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     timings["compare_s"] = round(time.monotonic() - t0, 3)
     verdict = "pass" if comparison.passed else "fail"
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
                    + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
@@ -310,7 +311,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
                    fingerprint, model_dir, command, model, timings, t_start) -> CheckResult:
     timings["total_s"] = round(time.monotonic() - t_start, 2)
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}",
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,

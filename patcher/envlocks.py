@@ -147,11 +147,11 @@ def locked_packages(text: str) -> dict[str, str]:
     """Pure: {canonical name: version} of a lock file."""
     from packaging.utils import canonicalize_name
 
-    out = {}
+    out: dict[str, str] = {}
     for line in re.sub(r"\\\n\s*", " ", text).splitlines():
         m = _REQ_LINE.match(line.strip())
         if m:
-            out[canonicalize_name(m.group(1))] = m.group(3)
+            out[str(canonicalize_name(m.group(1)))] = m.group(3)
     return out
 
 

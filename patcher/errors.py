@@ -214,5 +214,5 @@ def one_line(text: str, limit: int = 2000, token_limit: int = 240) -> str:
     """What the CLI edge prints for a message or hint: one line, no run of non-blank characters
     longer than `token_limit`, at most `limit` characters."""
     text = escape_line(text)
-    text = re.sub(r"\S{%d,}" % (token_limit + 1), lambda m: show(m.group(), token_limit), text)
+    text = re.sub(r"\S{" + str(token_limit + 1) + ",}", lambda m: show(m.group(), token_limit), text)
     return text if len(text) <= limit else show(text, limit)

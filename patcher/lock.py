@@ -129,7 +129,7 @@ class Lock:
         """Every pin, by engine, then by release version (v0.4.0 before v0.18.0), then tag."""
         return sorted(self.pins.values(), key=pin_sort_key)
 
-    def with_pin(self, entry: LockEntry) -> "Lock":
+    def with_pin(self, entry: LockEntry) -> Lock:
         pins = dict(self.pins)
         pins[str(entry.ref)] = entry
         return replace(self, pins=pins)
@@ -180,7 +180,7 @@ class _Ctx:
     def __init__(self, path: Path, text: str):
         self.path, self.text = path, text
 
-    def fail(self, msg: str, *needles: str, hint: str | None = None,
+    def fail(self, msg: str, *needles: str | tuple[str, ...], hint: str | None = None,
              section: tuple[str, int] | None = None) -> LockError:
         """The error, located at the first line matching a needle (inside `section`, the nth
         table with that header, when given: a key repeated in other tables is not the culprit)."""
@@ -221,25 +221,25 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
             f"lock format version must be {LOCK_VERSION}, found {data.get('version')!r}", "version ="
         )
     engines: dict[str, EngineDecl] = {}
-    for name, e in (data.get("engines") or {}).items():
+    for name, edecl in (data.get("engines") or {}).items():
         needle = f"[engines.{name}]"
         sec = (needle, 1)
         if not re.match(r"^[a-z][a-z0-9_-]*$", name):
             raise ctx.fail(f"engine name '{show(name, 40)}' is not lower-case letters, digits, - or _", needle)
-        if not isinstance(e, dict):
+        if not isinstance(edecl, dict):
             raise ctx.fail(f"engine '{name}' must be a table", needle)
-        bad = set(e) - _ENGINE_KEYS
+        bad = set(edecl) - _ENGINE_KEYS
         if bad:
             raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle,
                            section=sec)
-        git = e.get("git")
+        git = edecl.get("git")
         if not isinstance(git, str) or not git:
             raise ctx.fail(f"engine '{name}': 'git' must be a URL string", ("git", "="), needle, section=sec)
         if not _GIT_URL_RE.match(git) or git.startswith("-"):
             raise ctx.fail(f"engine '{name}': 'git' = {show(git, 60)!r} is not a git URL dsadapt will use",
                            ("git", "="), needle, section=sec,
                            hint="use an https://, ssh://, git://, file:// URL, user@host:path, or a path")
-        pypi = e.get("pypi", [])
+        pypi = edecl.get("pypi", [])
         if not isinstance(pypi, list) or not all(isinstance(x, str) and x for x in pypi):
             raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", ("pypi", "="), needle,
                            section=sec)
@@ -352,7 +352,7 @@ def format_lock(lock: Lock) -> str:
                 t[k] = v
         arts = []
         for a in p.artifacts:
-            d = {"dist": a.dist, "variant": a.variant, "file": a.file, "sha256": a.sha256}
+            d: dict[str, object] = {"dist": a.dist, "variant": a.variant, "file": a.file, "sha256": a.sha256}
             if a.size is not None:
                 d["size"] = a.size
             if a.source:

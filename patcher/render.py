@@ -26,8 +26,17 @@ import traceback
 
 import click
 
-from .errors import (DsadaptError, ExitCode, InternalError, Interrupted, MachineError, MissingDependency,
-                     UsageError, one_line, show)
+from .errors import (
+    DsadaptError,
+    ExitCode,
+    InternalError,
+    Interrupted,
+    MachineError,
+    MissingDependency,
+    UsageError,
+    one_line,
+    show,
+)
 
 #: What to do when an error carries no hint of its own, by exit code.
 DEFAULT_HINTS = {
@@ -84,7 +93,7 @@ def os_error(e: OSError) -> DsadaptError:
         return MachineError("out of memory", hint="free memory or run on a larger machine")
     if code == errno.EIO:
         return MachineError(f"input/output error{at}", hint="the disk or file system is failing; check `dmesg`")
-    if isinstance(e, FileNotFoundError) and e.filename is not None and not os.sep in str(e.filename):
+    if isinstance(e, FileNotFoundError) and e.filename is not None and os.sep not in str(e.filename):
         # a program that is not installed (subprocess of 'git', 'pip', ...)
         return MissingDependency(f"{show(e.filename, 60)} not found on PATH", hint="install it and rerun")
     what = e.strerror or e.__class__.__name__

@@ -74,7 +74,8 @@ def verdict_of(data, file: str) -> Verdict | None:
     """
     if not isinstance(data, dict) or data.get("unpatched"):
         return None
-    prov = data.get("provenance") if isinstance(data.get("provenance"), dict) else {}
+    raw_prov = data.get("provenance")
+    prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
     if prov.get("unpatched_engine"):  # Triton served with the pristine engine: a control run too
         return None
     fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}

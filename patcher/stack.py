@@ -89,7 +89,7 @@ def parse_series(text: str, where: str = "series") -> list[str]:
 def _regular_file(path: Path, what: str) -> None:
     if path.is_symlink():
         raise StackError(f"{path}: the {what} is a symbolic link",
-                         hint=f"a stack holds regular files only; replace the link with the file it points to")
+                         hint="a stack holds regular files only; replace the link with the file it points to")
 
 
 def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
@@ -209,7 +209,7 @@ def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list
 
 
 def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],
-                        stack: "Stack") -> list[str]:
+                        stack: Stack) -> list[str]:
     """Human-readable mismatches between expected base blobs and the tree's actual blobs."""
     out = []
     for path, (want, idx) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[0])):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def installed_marker(venv: Path) -> dict | None:
         return None
 
 
-def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), remove: tuple[str, ...] = (),
+def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (), remove: tuple[str, ...] = (),
                post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
                stream: bool = True, lock_name: str | None = None) -> tuple[bool, list[str]]:
     """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
@@ -147,8 +148,8 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: list[str] = (), r
                 progress(f"adding {' '.join(post)}")
             _pip(py, "install", *post, stream=stream, progress=progress)
         for name in remove:
-            r = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
-            if r.returncode == 0:
+            shown = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
+            if shown.returncode == 0:
                 _pip(py, "uninstall", "-y", name, stream=False)
                 removed.append(name)
     (venv / MARKER).write_text(json.dumps({**(marker or {}), "artifact": str(wheel), "sha256": sha256,
@@ -170,7 +171,8 @@ def _seed_for(venv: Path, post: tuple[str, ...], deps: str | None = None) -> Pat
                 .split("-triton")[0] == base and venv_python(d).exists() and installed_marker(d)
                 and (installed_marker(d) or {}).get("deps_lock") == deps]
     same = [d for d in siblings if (installed_marker(d) or {}).get("post", []) == list(post)]
-    return (same or siblings or [None])[0]
+    found = same or siblings
+    return found[0] if found else None
 
 
 def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, progress=None,

@@ -13,7 +13,6 @@ nothing else.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -21,13 +20,12 @@ import stat
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from unittest import mock
 
 import pytest
-
 from conftest import REF1, REPO_ROOT, TAG1, Project, artifact_toml, git, lock_text
 
 LONG = "v" + "9" * 10_000
@@ -265,7 +263,7 @@ CASES: dict[str, Case] = {
                                        lambda p: p.write_lock(lock_text(p.upstream, artifact=artifact_toml(
                                            "vllm-1.0.0-py3-none-any.whl", "Z" * 64)))),
     "lock: serves an unpinned pin": C("list", 2, "which is not pinned",
-                                      lambda p: _lock(p, f'version = "1.0.0"\ncommit', 'version = "1.0.0"\nserves = "vllm@v7"\ncommit')),
+                                      lambda p: _lock(p, 'version = "1.0.0"\ncommit', 'version = "1.0.0"\nserves = "vllm@v7"\ncommit')),
     # ---- series
     "series: non-UTF-8 byte": C(f"apply {REF1}", 2, "series:2: not UTF-8 text (byte 0xfe at offset",
                                 lambda p: _series(p, b"# x\n\xfe.patch\n")),

@@ -7,8 +7,8 @@ import hashlib
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from patcher import envlocks
 from patcher.errors import EngineUnavailable, ExitCode
 from patcher.lock import load_lock

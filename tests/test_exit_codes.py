@@ -14,14 +14,13 @@ import importlib
 import inspect
 import pkgutil
 import re
-from pathlib import Path
 from unittest import mock
 
 import click
 import pytest
+from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, lock_text, make_wheel
 
 import patcher
-from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, lock_text, make_wheel
 from patcher.cli import cli
 from patcher.errors import DsadaptError, ExitCode
 

@@ -7,7 +7,7 @@ import click
 from .. import workspace
 from ..errors import ConflictStop
 from ..stack import load_stack
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, say, ref_of, to_ref
 
 
 def _line(o: workspace.PatchOutcome) -> str:
@@ -41,7 +41,7 @@ def _on_patch(as_json: bool):
 @pass_ctx
 def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     """Materialize + verify the pinned checkout, then apply the stack as commits."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
     load_stack(ctx.cfg.patches_root, ref)
     with workspace.workdir_lock(ctx.cfg):

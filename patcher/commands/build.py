@@ -12,7 +12,7 @@ from ..engines import adapter
 from ..errors import DsadaptError, SourceError
 from ..venvs import install_pin
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, ref_of, say, table
 
 
 @click.command("build")
@@ -22,7 +22,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 @pass_ctx
 def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
     if variant is not None:
         adapter(ref.engine).variant(variant)
@@ -54,7 +54,7 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 @pass_ctx
 def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)
     if variant is not None:
         adapter(ref.engine).variant(variant)
@@ -96,7 +96,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                 t0 = time.monotonic()
                 reason = buildable_here(ctx.cfg, ctx.lock, entry, v)
                 runs = ad.run_blocker(entry, ad.variant(v))
-                row = {"pin": str(entry.ref), "variant": v, "kind": None, "artifact": None, "seconds": None,
+                row: dict[str, object] = {"pin": str(entry.ref), "variant": v, "kind": None, "artifact": None, "seconds": None,
                        "status": "skipped", "reason": reason, "runs_here": runs is None, "run_blocker": runs}
                 if reason is None:
                     try:
@@ -111,8 +111,9 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                         failed = True
                 data.append(row)
                 note = row["reason"] or ("" if row["runs_here"] else f"built; cannot run here: {runs}")
-                rows.append([row["pin"], v, row["kind"] or "-", (row["artifact"] or "-").rsplit("/", 1)[-1],
-                             f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", row["status"], note])
+                rows.append([str(row["pin"]), v, str(row["kind"] or "-"), str(row["artifact"] or "-").rsplit("/", 1)[-1],
+                             f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", str(row["status"]),
+                             str(note)])
     if as_json:
         emit_json({"builds": data, "ok": not failed})
     else:

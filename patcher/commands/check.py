@@ -13,7 +13,18 @@ from ..engines import adapter
 from ..errors import DsadaptError, ExitCode, UsageError, show
 from ..stack import load_stack
 from ..workspace import workdir_lock
-from .common import Context, PinRefParam, emit_json, json_option, publish_option, pass_ctx, progress_printer, say, table, to_ref
+from .common import (
+    Context,
+    PinRefParam,
+    emit_json,
+    json_option,
+    pass_ctx,
+    progress_printer,
+    publish_option,
+    say,
+    table,
+    to_ref,
+)
 
 BUILTIN_MODELS = ("v3", "v2-lite", "v2")
 
@@ -115,7 +126,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
         check_or_raise(res)
         return
-    results, rows, failed = [], [], False
+    results: list[dict[str, object]] = []
+    rows: list[list[str]] = []
+    failed = False
     with workdir_lock(ctx.cfg):
         for entry in ctx.lock.sorted_pins():
             ad = adapter(entry.engine)

@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -105,8 +106,14 @@ def pinref_arg(required: bool = True, pinned: bool = True):
 
 
 def to_ref(text: str | PinRef | None) -> PinRef | None:
+    """An optional pin argument (None when not given)."""
     if text is None or text == "":
         return None
+    return text if isinstance(text, PinRef) else parse_pinref(text)
+
+
+def ref_of(text: str | PinRef) -> PinRef:
+    """A required pin argument (already parsed by PinRefParam)."""
     return text if isinstance(text, PinRef) else parse_pinref(text)
 
 
@@ -139,7 +146,7 @@ def say(msg: str) -> None:
     sys.stderr.flush()
 
 
-def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
+def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -10,7 +10,7 @@ from ..matrix import blocker_here, build_matrix, github_matrix
 from ..pinref import check_tag, parse_pinref
 from ..rebase import load_report, rebase_stack, report_paths
 from ..tags import upstream_tags
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, publish_option, say, table, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, publish_option, say, table, ref_of, to_ref
 
 
 @click.command("tags")
@@ -54,7 +54,7 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
     On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
-    old = to_ref(pin)
+    old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
     on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
     with workspace.workdir_lock(ctx.cfg):

@@ -12,7 +12,7 @@ from ..check import resolve_model
 from ..engines import adapter
 from ..errors import UsageError
 from ..workspace import workdir_lock
-from .common import Context, PinRefParam, pass_ctx, progress_printer, say, to_ref
+from .common import Context, PinRefParam, Progress, pass_ctx, ref_of, say
 
 
 @click.command("serve")
@@ -25,15 +25,14 @@ from .common import Context, PinRefParam, pass_ctx, progress_printer, say, to_re
 def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, port: int | None,
               unpatched_engine: bool) -> None:
     """Assemble the backend and a model repository, start tritonserver, print how to query it."""
-    from ..engines.triton import MODEL_NAME, server_venv
-    from ..engines.triton import export_src
+    from ..engines.triton import MODEL_NAME, export_src, server_venv
     from ..tritonserver import prepare, serve, vllm_model
     from ..workspace import Checkout, apply_stack
 
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     if adapter(ref.engine).build_kind != "backend":
         raise UsageError(f"{ref.engine} is not served through Triton", hint="serve triton@TAG pins (dsadapt list)")
-    progress = progress_printer()
+    progress = Progress()
     entry = ctx.lock.pin(ref)
     with workdir_lock(ctx.cfg):
         model_dir, label, style = resolve_model(ctx.cfg, model, config_style, progress)

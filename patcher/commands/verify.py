@@ -9,7 +9,7 @@ import click
 from ..errors import EngineUnavailable
 from ..verify import verify_stack
 from ..workspace import workdir_lock
-from .common import Context, emit_json, plural, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, ref_of, say
 
 
 @click.command("verify")
@@ -18,7 +18,7 @@ from .common import Context, emit_json, plural, json_option, pass_ctx, pinref_ar
 @pass_ctx
 def verify_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Lint one stack (or every pinned stack) and apply it in a temporary worktree."""
-    refs = [to_ref(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
+    refs = [ref_of(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
                                       if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
     for ref in refs:
         ctx.lock.pin(ref)  # unknown pins fail before anything is created
