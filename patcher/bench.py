@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .build import build_pin, buildable_here
@@ -258,7 +258,7 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
                     add_alternative(cold, entry, row, measured, work / "alt", progress)
                 builds.append(row)
                 shutil.rmtree(work, ignore_errors=True)
-    return BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
+    return BenchReport(datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
                        read_check_timings(cfg.published_reports))  # the committed reports, as docs cite them
 
 

@@ -93,7 +93,7 @@ class Git:
         if input is not None:
             import tempfile
 
-            istream = tempfile.TemporaryFile()
+            istream = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
             istream.write(input.encode("utf-8"))
             istream.seek(0)
         try:

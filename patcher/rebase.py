@@ -22,7 +22,7 @@ import json
 import shutil
 import tempfile
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .config import Config
@@ -36,8 +36,16 @@ from .pin import resolve_pin
 from .pinref import PinRef
 from .rebase_report import CARRIED, PatchReport, RebaseReport, format_markdown, report_stem, split_range_diff
 from .stack import Stack, load_stack, stack_dir, write_stack
-from .workspace import (BASE_REF, Checkout, PatchOutcome, Progress, StackResult, ensure_checkout, export_commits,
-                        stop_on_conflict)
+from .workspace import (
+    BASE_REF,
+    Checkout,
+    PatchOutcome,
+    Progress,
+    StackResult,
+    ensure_checkout,
+    export_commits,
+    stop_on_conflict,
+)
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
@@ -330,7 +338,7 @@ def finish_rebase(co: Checkout, state: dict) -> StackResult:
     old_ref = PinRef(*rb["from"].split("@", 1))
     report = RebaseReport(
         engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=rb["from_version"],
-        new_version=rb["to_version"], date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        new_version=rb["to_version"], date=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         old_source=rb["from_source"], new_source=_source_words(state.get("source")),
         pinned_new=rb.get("lock_before") is not None, old_stack_hash=op["stack_hash"],
         new_stack_hash=new_stack.hash, range_diff_command=rd_cmd, patches=reports)

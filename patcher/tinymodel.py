@@ -404,10 +404,7 @@ def make_model(out: Path, variant: str = "v3", config_style: str = "deepseek", s
     safetensors_torch = _import("safetensors.torch")
     out.mkdir(parents=True, exist_ok=True)
     ds = deepseek_config(variant)
-    if config_style == "deepseek":
-        config_text = _dump(ds)
-    else:
-        config_text = transformers_config_json(variant)
+    config_text = _dump(ds) if config_style == "deepseek" else transformers_config_json(variant)
     tensors = init_weights(ds, seed)
     safetensors_torch.save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(config_text, encoding="utf-8")

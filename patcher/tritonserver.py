@@ -26,6 +26,7 @@ after a grace period).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -36,10 +37,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
 
@@ -398,8 +399,7 @@ def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
 def _port_in_use_error(port: int, log_path: Path | None = None) -> TritonPortInUse:
     return TritonPortInUse(
         f"port {port} on 127.0.0.1 is already in use",
-        hint="stop what listens there (`ss -ltnp | grep :%d`) or pass another --port, or none to pick a free one"
-        % port,
+        hint=f"stop what listens there (`ss -ltnp | grep :{port}`) or pass another --port, or none to pick a free one",
         log_path=log_path,
     )
 
@@ -490,19 +490,15 @@ def group_members(pgid: int) -> list[int]:
 def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left."""
     pgid = proc.pid
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if proc.poll() is not None and not group_members(pgid):
             return
         time.sleep(0.2)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
     deadline = time.monotonic() + 10
     while group_members(pgid) and time.monotonic() < deadline:

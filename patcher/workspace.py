@@ -13,11 +13,11 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from email.utils import formatdate
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .config import Config
 from .errors import ConflictStop, VerificationError, WorkspaceError, plural

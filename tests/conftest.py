@@ -253,7 +253,7 @@ class Project:
     def write_lock(self, text: str) -> None:
         (self.root / "upstream.lock").write_text(text)
 
-    def run(self, *args: str, env: dict[str, str] | None = None) -> "CliResult":
+    def run(self, *args: str, env: dict[str, str] | None = None) -> CliResult:
         """`dsadapt ARGS` in-process with main() semantics (exit code, stdout, stderr)."""
         from patcher.cli import main
 

@@ -14,7 +14,7 @@ skips the test with the reason; a failing install is an error, not a skip.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -52,7 +52,7 @@ def pinned_wheel(pin: str, variant: str | None = None) -> Path:
         pytest.skip(f"{art.file} is not cached and cannot be downloaded here: {e.message}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _engine_python(pin: str, unpatched: bool, suffix: str, post: tuple[str, ...]) -> Path:
     from patcher.check import engine_python
     from patcher.engines import adapter

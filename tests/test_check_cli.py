@@ -19,8 +19,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from patcher import check as check_mod
 from patcher.config import load_config
 from patcher.engines.base import has_cuda

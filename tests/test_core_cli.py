@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, files_snapshot, lock_text, make_wheel
 
 

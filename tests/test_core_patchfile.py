@@ -9,13 +9,23 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import git
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import git
 from patcher.errors import PatchFormatError
-from patcher.patchfile import (Patch, check_path, drop_when_error, drop_when_satisfied, format_patch, lint_patch,
-                               parse_patch, patch_filename, slugify, split_message)
+from patcher.patchfile import (
+    Patch,
+    check_path,
+    drop_when_error,
+    drop_when_satisfied,
+    format_patch,
+    lint_patch,
+    parse_patch,
+    patch_filename,
+    slugify,
+    split_message,
+)
 
 OLD = "a = 1\nb = 2\n"
 NEW = "a = 1\nb = 3\n"

@@ -15,7 +15,6 @@ import ast
 import shutil
 
 import pytest
-
 from lmdeploy_support import WHEELS, apply_stack, base_tree, wheel_path
 
 # the pinned LMDeploy 0.18.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)

@@ -9,7 +9,6 @@ import json
 import shutil
 
 import pytest
-
 from lmdeploy_support import (
     BASE_TREES,
     WHEELS,

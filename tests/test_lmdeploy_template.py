@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
 
 # the pinned LMDeploy 0.4.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import rebase_fixture as fx
+
 from patcher import tags as tags_mod
 from patcher.cli import main
 from patcher.lock import EngineDecl, load_lock, write_lock

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import rebase_fixture as fx
+
 from patcher import workspace
 from patcher.errors import ConflictStop, WorkspaceError
 from patcher.lock import load_lock

@@ -17,8 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import triton_support as sup
+
 from patcher import tritonserver as ts
 
 RUNNER = Path(__file__).resolve().parent.parent / "patcher" / "runners" / "triton_runner.py"

@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import triton_support as sup
+
 from patcher import tritonserver as ts
 
 # --- pure parts ---------------------------------------------------------------------
@@ -168,9 +168,8 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e:
-            with ts.serve(layout, port=port, ready_timeout_s=60):
-                pass
+        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e, ts.serve(layout, port=port, ready_timeout_s=60):
+            pass
     assert "--port" in e.value.hint
     assert sup.processes_under(layout.root) == []
 
@@ -178,9 +177,8 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 @pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_backend_crash_at_load_reports_log_tail(tmp_path):
     layout = _layout(tmp_path, "crash")
-    with pytest.raises(ts.TritonBackendCrashed) as e:
-        with ts.serve(layout, ready_timeout_s=120, grace_s=10):
-            pass
+    with pytest.raises(ts.TritonBackendCrashed) as e, ts.serve(layout, ready_timeout_s=120, grace_s=10):
+        pass
     assert "failed to load 'echo' version 1" in e.value.message.splitlines()[0]
     assert "crash at load" in e.value.message
     assert e.value.log_path and e.value.log_path.is_file()
@@ -190,9 +188,9 @@ def test_backend_crash_at_load_reports_log_tail(tmp_path):
 @pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_never_ready_times_out_and_kills_everything(tmp_path):
     layout = _layout(tmp_path, "hang")
-    with pytest.raises(ts.TritonNeverReady, match="not ready after 8 s") as e:
-        with ts.serve(layout, ready_timeout_s=8, grace_s=5):
-            pass
+    with pytest.raises(ts.TritonNeverReady, match="not ready after 8 s") as e, \
+            ts.serve(layout, ready_timeout_s=8, grace_s=5):
+        pass
     assert e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []
 
@@ -205,8 +203,8 @@ def test_port_taken_after_the_check_is_read_from_the_log(tmp_path, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e:
-            with ts.serve(layout, port=port, ready_timeout_s=60, grace_s=5):
-                pass
+        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e, \
+                ts.serve(layout, port=port, ready_timeout_s=60, grace_s=5):
+            pass
     assert e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []

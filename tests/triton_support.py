@@ -32,7 +32,6 @@ if __name__ == "__main__":  # run as a script from .ci/run: import this checkout
 
 from patcher import tritonserver as ts  # noqa: E402
 
-
 #: A python-based custom backend shaped like vllm_backend (decoupled, KIND_MODEL,
 #: reads 1/model.json), without vLLM: model.json's "behaviour" picks what it does.
 TRIVIAL_BACKEND = '''

@@ -7,7 +7,7 @@ import click
 from .. import workspace
 from ..errors import ConflictStop
 from ..stack import load_stack
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, say, ref_of, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, ref_of, say, to_ref
 
 
 def _line(o: workspace.PatchOutcome) -> str:

@@ -10,7 +10,18 @@ from ..matrix import blocker_here, build_matrix, github_matrix
 from ..pinref import check_tag, parse_pinref
 from ..rebase import load_report, rebase_stack, report_paths
 from ..tags import upstream_tags
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, publish_option, say, table, ref_of, to_ref
+from .common import (
+    Context,
+    emit_json,
+    json_option,
+    pass_ctx,
+    pinref_arg,
+    progress_printer,
+    publish_option,
+    ref_of,
+    say,
+    table,
+)
 
 
 @click.command("tags")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import workspace
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, ref_of, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, ref_of, say
 
 
 @click.command("refresh")

@@ -6,8 +6,8 @@ import fnmatch
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..lock import LockEntry
 

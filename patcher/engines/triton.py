@@ -124,10 +124,10 @@ def server_venv(cfg, lock, entry, unpatched_engine: bool, progress=None, stream=
 def check_session(cfg, lock, entry, spec, unpatched, progress, stream, unpatched_engine: bool = False,
                   model_dir: Path | None = None):
     """Serve the applied backend with the served engine and yield the Triton runner."""
-    from ..runners import RUNNERS
-    from ..tritonserver import prepare, serve, vllm_model
     from dataclasses import replace
 
+    from ..runners import RUNNERS
+    from ..tritonserver import prepare, serve, vllm_model
     from ..workspace import Checkout, apply_stack, ensure_checkout
 
     root = cfg.workdir / "serve" / f"{entry.engine}-{entry.tag}"

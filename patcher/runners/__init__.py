@@ -15,6 +15,7 @@ failure into a typed `RunnerError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -121,10 +122,8 @@ def root_cause(lines: Sequence[str]) -> str | None:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """Kill the process group we started (the runner and the workers it spawned)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequence[Prompt] | Path, dtype: str,

@@ -173,7 +173,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    with open(args.prompts) as f:
+        prompt_docs = json.load(f)["prompts"]
     t0 = time.time()
     model = load_model(args.model, args.dtype, args.attn, args.experts)
     t1 = time.time()

@@ -29,6 +29,7 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -142,12 +143,12 @@ async def _request(engine, ids: list[int], max_tokens: int, top_k: int):
     tokens: list[int] = []
     steps: list[dict] = []
     try:
-        async with session.request_handle() as handle:
-            async with engine.safe_run(handle, session=session, input_ids=list(ids), gen_config=config,
-                                       stream_output=False) as gen:
-                async for out in gen:
-                    tokens.extend(out.token_ids or [])
-                    steps.extend(out.logprobs or [])
+        async with session.request_handle() as handle, \
+                engine.safe_run(handle, session=session, input_ids=list(ids), gen_config=config,
+                                stream_output=False) as gen:
+            async for out in gen:
+                tokens.extend(out.token_ids or [])
+                steps.extend(out.logprobs or [])
     finally:
         engine.session_mgr.remove(session)
     return tokens, steps
@@ -201,7 +202,8 @@ def main(argv=None):
     import lmdeploy
     import torch
 
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    with open(args.prompts) as f:
+        prompt_docs = json.load(f)["prompts"]
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
     t1 = time.time()
@@ -213,10 +215,8 @@ def main(argv=None):
     versions = {"torch": torch.__version__, "lmdeploy": lmdeploy.__version__,
                 "python": platform.python_version(), "cuda": str(torch.version.cuda)}
     for name in ("transformers", "triton"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
     report = {
         "schema": SCHEMA, "runner": "lmdeploy_runner", "engine": "lmdeploy",
         "engine_version": lmdeploy.__version__, "versions": versions,

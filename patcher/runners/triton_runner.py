@@ -219,7 +219,8 @@ def run(url: str, model: str, prompt_docs: list[dict], top_k: int, max_tokens: i
 
 def main(argv=None):
     args = parse_args(argv)
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    with open(args.prompts) as f:
+        prompt_docs = json.load(f)["prompts"]
     engine_version = args.engine_version or installed_vllm_version()
     if engine_version is None:
         print("triton_runner: no vllm installed here; pass --engine-version", file=sys.stderr)

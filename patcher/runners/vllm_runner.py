@@ -90,7 +90,8 @@ def main(argv=None):
     import vllm
     from vllm import LLM, SamplingParams
 
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    with open(args.prompts) as f:
+        prompt_docs = json.load(f)["prompts"]
     t1 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
               seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20))
