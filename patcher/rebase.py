@@ -209,8 +209,9 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         write_lock(lock, cfg.lock_path)
         lock_after = cfg.lock_path.read_text(encoding="utf-8")
         notes.append(f"pinned {new_ref} in upstream.lock")
-        for n in notes if progress else ():
-            progress(n)
+        if progress:
+            for n in notes:
+                progress(n)
     started = False
     try:
         new_entry = lock.pin(new_ref)
@@ -229,7 +230,7 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         co.git.update_ref(FROM_HEAD, _build_old_head(co, old_stack, from_base))
         ad = adapter(old_ref.engine)
         state = co.load_state()
-        op = {
+        op: dict = {
             "kind": "rebase", "stack_hash": old_stack.hash, "stack_dir": str(new_dir),
             "patches": [{"name": e.name, "subject": e.patch.subject} for e in old_stack.entries],
             "outcomes": [], "orig_branch": co.git.current_branch(), "orig_head": co.git.rev("HEAD"),
@@ -291,6 +292,7 @@ def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
             if head == before:
                 hit = "the 3-way merge left nothing to commit (already in NEW)"
             else:
+                assert before is not None and head is not None
                 new_patch = export_commits(co.git, before, head)[0]
                 outcome, detail = applied_detail(patch, new_patch, "3-way merge" in (r.out + r.err))
                 _record(co, state, PatchOutcome(i, meta["name"], meta["subject"], outcome, head), detail, on_patch)

@@ -554,11 +554,11 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
     st.backups = co.backups()
     applied = state.get("applied")
     st.applied_hash = applied.get("stack_hash") if applied else None
-    op = state.get("op")
+    op: dict | None = state.get("op")
     if op or co.am_in_progress():
         done = len(op["outcomes"]) if op else 0
         total = len(op["patches"]) if op else 0
-        stopped = co.am_in_progress() and bool(op) and op.get("stopped") == done + 1
+        stopped = co.am_in_progress() and op is not None and op.get("stopped") == done + 1
         killed_in_am = co.am_in_progress() and not stopped
         st.state = "mid-apply"
         st.detail = (f"{done}/{plural(total, 'patch')} done; " +

@@ -43,7 +43,7 @@ def _tar_dir(src: Path, out: Path) -> None:
                     tar.addfile(info, f)
             else:
                 tar.addfile(info)
-    with open(out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+    with open(out, "wb") as out_f, gzip.GzipFile(filename="", mode="wb", fileobj=out_f, mtime=0) as gz:
         gz.write(buf.getvalue())
 
 
