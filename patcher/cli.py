@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.code is None:
             return 0
         return e.code if isinstance(e.code, int) else 1
+    except BrokenPipeError:  # the reader of stdout went away (| head): quietly, like SIGPIPE
+        _silence_stdout()
+        return 141
     except BaseException as e:  # noqa: BLE001 - the one place every error is turned into one line
         err = to_error(e, args)
         close_progress()
@@ -103,6 +106,16 @@ _GIT_LEAKS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTOR
               "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_TEMPLATE_DIR",
               "GIT_EXEC_PATH", "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
               "GIT_GRAFT_FILE", "GIT_ATTR_SOURCE")
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _scrub_git_environment() -> None:

@@ -25,6 +25,8 @@ code  name          meaning
                     disk full, quota), or a tool (git, pip, a server) failing unexpectedly
 8     internal      a bug in dsadapt (rerun with DSADAPT_DEBUG=1 for the traceback)
 130   interrupted   interrupted (Ctrl-C / SIGINT)
+141   broken-pipe   the reader of stdout went away (`dsadapt list | head -1`): output cut short,
+                    nothing printed about it (as a program killed by SIGPIPE)
 ====  ============  ==================================================================
 """
 
@@ -45,6 +47,7 @@ class ExitCode(enum.IntEnum):
     ENVIRONMENT = 7
     INTERNAL = 8
     INTERRUPTED = 130
+    BROKEN_PIPE = 141
 
     @property
     def label(self) -> str:
@@ -56,6 +59,7 @@ _LABELS = {
     ExitCode.OK: "ok", ExitCode.FAILED: "failed", ExitCode.USAGE: "usage", ExitCode.VERIFICATION: "verification",
     ExitCode.STOPPED: "stopped", ExitCode.MISSING: "missing", ExitCode.CANNOT_RUN: "cannot-run",
     ExitCode.ENVIRONMENT: "environment", ExitCode.INTERNAL: "internal", ExitCode.INTERRUPTED: "interrupted",
+    ExitCode.BROKEN_PIPE: "broken-pipe",
 }
 
 

@@ -109,6 +109,9 @@ def to_error(e: BaseException, args: list[str] | None = None) -> DsadaptError:
         return Interrupted("interrupted", hint=DEFAULT_HINTS[ExitCode.INTERRUPTED])
     if isinstance(e, click.ClickException):
         return _click_error(e)
+    if isinstance(e, UnicodeEncodeError):
+        return MachineError(f"the output encoding ({e.encoding}) cannot print {e.object[e.start:e.end]!r}",
+                            hint="use a UTF-8 locale or set PYTHONIOENCODING=utf-8")
     if isinstance(e, UnicodeDecodeError):
         return UsageError(f"an input is not UTF-8 text (byte 0x{e.object[e.start:e.start + 1].hex()} at offset "
                           f"{e.start})", hint="save the file as UTF-8")

@@ -255,8 +255,12 @@ def check_wheel(path: Path) -> None:
     if not path.name.endswith(".whl"):
         raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
                         hint="pin a wheel artifact with source = true")
-    with zipfile.ZipFile(path) as z:
-        check_members(path, z.infolist())
+    try:
+        with zipfile.ZipFile(path) as z:
+            check_members(path, z.infolist())
+    except zipfile.BadZipFile as e:
+        raise UnsafeArtifact(f"{path.name}: not a valid wheel ({e})",
+                             hint="the pinned artifact is damaged or is not a wheel: re-pin it, and investigate") from None
 
 
 def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:

@@ -129,6 +129,20 @@ def _sha_mismatch(p: Project) -> None:
     p.write_lock(text.replace(sha, ("1" if sha[0] != "1" else "2") + sha[1:]))
 
 
+def _not_a_zip(p: Project) -> None:
+    """A pinned 'wheel' that is not a zip archive at all (its sha256 matches the lock)."""
+    name = "vllm-1.0.0-py3-none-any.whl"
+    path = p.tmp / "artifacts" / name
+    path.write_bytes(b"not a zip archive\n" * 100)
+    p.write_lock(lock_text(p.upstream, artifact=artifact_toml(name, hashlib.sha256(path.read_bytes()).hexdigest())))
+    p.env["DSADAPT_SOURCES"] = "pypi"
+
+
+def _file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
 def _link(path: Path, target: str) -> None:
     path.unlink()
     path.symlink_to(target)
@@ -223,6 +237,15 @@ CASES: dict[str, Case] = {
     "args: check with a pin and --all": C(f"check {REF1} --all", 2, "name one ENGINE@TAG or pass --all"),
     "args: check --dtype float8": C(f"check {REF1} --dtype float8", 2, "float8"),
     "args: check --model missing dir": C(f"check {REF1} --model /nonexistent/model", 2, "neither a built-in model"),
+    "args: check --model with broken config.json": C(f"check {REF1} --model {{tmp}}/badmodel", 2, "not valid JSON",
+                                                     lambda p: _file(p.tmp / "badmodel" / "config.json", b"{x")),
+    "args: check --model with a list as config.json": C(f"check {REF1} --model {{tmp}}/badmodel", 2,
+                                                        "not a JSON object",
+                                                        lambda p: _file(p.tmp / "badmodel" / "config.json", b"[]")),
+    "args: check --model with non-UTF-8 config.json": C(f"check {REF1} --model {{tmp}}/badmodel", 2, "not UTF-8",
+                                                        lambda p: _file(p.tmp / "badmodel" / "config.json", b"\xff")),
+    "args: --project is a file": C("--project {tmp}/project/upstream.lock status", 2, "is a file"),
+    "args: --report-dir is a file": C("--report-dir {tmp}/project/upstream.lock report", 2, "is a file"),
     "args: build unknown variant": C(f"build {REF1} --variant gpu", 2, "has no variant 'gpu'"),
     "args: check unknown variant": C(f"check {REF1} --variant gpu", 2, "has no variant 'gpu'"),
     "args: rebase --onto ../x": C(f"rebase {REF1} --onto ../x", 2, "--onto '../x'"),
@@ -332,6 +355,7 @@ CASES: dict[str, Case] = {
     "artifact: symlink member": C(f"apply {REF1}", 2, "is a symbolic link", lambda p: _wheel(
         p, {"vllm/link": (0o120777, b"/etc/passwd")}), deep=True),
     "artifact: sha256 mismatch": C(f"apply {REF1}", 3, "has sha256", _sha_mismatch, deep=True),
+    "artifact: not a zip": C(f"apply {REF1}", 2, "not a valid wheel", _not_a_zip, deep=True),
     # ---- mirrors
     "mirror: the tag moved": C(f"apply {REF1}", 3, "tag moved", _mirror_moved, deep=True),
     "mirror: DSADAPT_MIRRORS without =": C(f"apply {REF1}", 2, "is not ENGINE=PATH", env={"DSADAPT_MIRRORS": "vllm"}),
@@ -402,8 +426,9 @@ def _run_case(project, case: Case, extra_args: tuple[str, ...] = ()):
     before = disk_state(project.tmp, deep=case.deep, workdir=project.workdir)
     if patcher is not None:
         patcher.start()
+    args = [a.replace("{tmp}", str(project.tmp)) for a in case.args]
     try:
-        r = project.run(*extra_args, *case.args, env=env)
+        r = project.run(*extra_args, *args, env=env)
     finally:
         if patcher is not None:
             patcher.stop()
@@ -559,3 +584,11 @@ def test_cli_entry_point_renders_errors_in_a_subprocess(project, clean_stack):
                        text=True, env=env, cwd=project.root)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().split("\n")) == 2, r
     assert "Traceback" not in r.stderr and len(r.stderr) < 600
+
+
+def test_a_closed_stdout_is_exit_141_without_noise(project, clean_stack):
+    """`dsadapt list --json | head -0`: the reader went away; no traceback, no error text."""
+    env = {**os.environ, **project.env, "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run(f"{sys.executable} -m patcher.cli list --json | (exec 0<&-; true); echo rc=${{PIPESTATUS[0]}}",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, env=env, cwd=project.root)
+    assert r.stdout.strip() == "rc=141" and r.stderr == "", r

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from ..check import CheckResult, check_or_raise, preflight, run_check
 from ..engines import adapter
 from ..errors import DsadaptError, ExitCode, UsageError, show
 from ..stack import load_stack
+from ..textfile import read_text
 from ..workspace import workdir_lock
 from .common import (
     Context,
@@ -51,13 +53,21 @@ def command_line(click_ctx: click.Context) -> str:
 
 
 def _check_model(model: str) -> None:
-    """--model is a built-in name or a directory with config.json (checked before anything runs)."""
+    """--model is a built-in name or a directory with a readable config.json (checked before anything runs)."""
     if model in BUILTIN_MODELS:
         return
-    if not (Path(model) / "config.json").is_file():
+    config = Path(model) / "config.json"
+    if not config.is_file():
         raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
                          "directory with config.json",
                          hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
+    try:
+        data = json.loads(read_text(config, UsageError))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{show(config, 120)}:{e.lineno}: not valid JSON ({e.msg})",
+                         hint="fix the model's config.json") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{show(config, 120)}: not a JSON object", hint="fix the model's config.json")
 
 
 def _fmt(x, spec=".2g"):
