@@ -26,7 +26,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import REF1, REPO_ROOT, TAG1, Project, artifact_toml, git, lock_text
+from conftest import (REF1, REPO_ROOT, TAG1, Project, artifact_toml, clean_stack_edits, git, lock_text, make_patches,
+                      make_upstream)
 
 LONG = "v" + "9" * 10_000
 
@@ -250,6 +251,7 @@ CASES: dict[str, Case] = {
     "args: check unknown variant": C(f"check {REF1} --variant gpu", 2, "has no variant 'gpu'"),
     "args: rebase --onto ../x": C(f"rebase {REF1} --onto ../x", 2, "--onto '../x'"),
     "args: rebase --onto with a space": C(["rebase", REF1, "--onto", "v1 x"], 2, "not a valid tag name"),
+    "args: rebase --onto its own tag": C(f"rebase {REF1} --onto {TAG1}", 2, "is the tag vllm@v1.0.0 is already on"),
     "args: rebase --onto another engine": C(f"rebase {REF1} --onto lmdeploy@v1.0.0", 2, "names engine lmdeploy"),
     "args: unknown command": C("frobnicate", 2, "no such command"),
     "args: unknown option": C(f"apply {REF1} --frob", 2, "no such option"),
@@ -404,6 +406,37 @@ CASES: dict[str, Case] = {
     # ---- concurrent runs
     "concurrent: another run holds the work dir": C(f"apply {REF1}", 4, "another dsadapt run holds", _hold_lock),
 }
+
+
+@pytest.fixture(scope="module")
+def _template(tmp_path_factory):
+    """One fixture upstream and one clean three-patch stack for the whole table (copied per case)."""
+    root = tmp_path_factory.mktemp("bad-inputs-template")
+    up = make_upstream(root)
+    texts = make_patches(up, root / "mk", TAG1, clean_stack_edits())
+    return up, texts
+
+
+@pytest.fixture
+def project(tmp_path, _template) -> Project:
+    """conftest's project, made from the template: the same files, a fraction of the time."""
+    up, texts = _template
+    root = tmp_path / "project"
+    root.mkdir()
+    (tmp_path / "artifacts").mkdir()
+    env = {"DSADAPT_PROJECT": str(root), "DSADAPT_WORKDIR": str(tmp_path / "work"),
+           "DSADAPT_CACHE": str(tmp_path / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
+           "DSADAPT_ARTIFACTS": str(tmp_path / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5"}
+    proj = Project(root, up, env, tmp_path)
+    proj.write_lock(lock_text(up))
+    return proj
+
+
+@pytest.fixture
+def clean_stack(project, _template) -> list[str]:
+    texts = _template[1]
+    project.write_stack(texts)
+    return texts
 
 
 @pytest.fixture(autouse=True)

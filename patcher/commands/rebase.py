@@ -67,6 +67,9 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
     old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
+    if new_tag == old.tag:
+        raise UsageError(f"--onto {new_tag} is the tag {old} is already on", hint="name the newer upstream tag to carry the stack onto")
+    ctx.lock.pin(old)  # an unpinned OLD fails before anything (even the work-dir lock file) is created
     on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
     with workspace.workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(not as_json),
