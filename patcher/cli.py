@@ -37,7 +37,8 @@ def cli(click_ctx: click.Context, project: Path | None, as_json: bool, report_di
 
     Exit codes (one meaning each, for every command): 0 ok, 1 failed (a verdict), 2 bad input,
     3 does not match the lock, 4 stopped/refused (state on disk), 5 toolchain missing,
-    6 cannot run here, 7 machine/tool failure, 8 internal error. DSADAPT_DEBUG=1 adds tracebacks."""
+    6 cannot run here, 7 machine/tool failure, 8 internal error, 130 interrupted, 141 stdout
+    closed. DSADAPT_DEBUG=1 adds tracebacks. Details: docs/user-guide.md#errors-and-exit-codes."""
     if publish and report_dir is not None:
         raise UsageError("pass --publish or --report-dir, not both", hint="--publish means --report-dir PROJECT/reports")
     click_ctx.obj = Context(project, json=as_json, report_dir=report_dir, publish=publish)
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 _GIT_LEAKS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES",
               "GIT_COMMON_DIR", "GIT_NAMESPACE", "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT", "GIT_PREFIX",
               "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_TEMPLATE_DIR",
-              "GIT_EXEC_PATH", "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
+              "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
               "GIT_GRAFT_FILE", "GIT_ATTR_SOURCE")
 
 
