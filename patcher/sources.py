@@ -22,8 +22,8 @@ from .errors import SourceError, VerificationError
 from .fsutil import sha256_file
 from .gitutil import Git, init_repo
 from .lock import Artifact, EngineDecl, LockEntry
+from .sourcetree import TreeRules, is_tree_member
 
-BINARY_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".a", ".o")
 PYPI_SIMPLE = "https://pypi.org/simple"
 
 
@@ -218,8 +218,9 @@ def _check_sha(path: Path, art: Artifact, entry: LockEntry) -> None:
             hint=f"delete {path} if it is corrupt; if PyPI really serves other bytes, stop and investigate")
 
 
-def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
-    """Unpack a wheel's source files into dest; returns (files written, skipped names)."""
+def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> tuple[int, list[str]]:
+    """Unpack a wheel's base-tree members (`sourcetree.is_tree_member`) into dest; returns
+    (files written, skipped names)."""
     skipped: list[str] = []
     n = 0
     if not path.name.endswith(".whl"):
@@ -230,9 +231,7 @@ def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
             name = info.filename
             if name.endswith("/"):
                 continue
-            top = name.split("/", 1)[0]
-            if top.endswith(".dist-info") or top.endswith(".data") or name.endswith(BINARY_SUFFIXES) \
-                    or ".so." in name.rsplit("/", 1)[-1]:
+            if not is_tree_member(name, rules):
                 skipped.append(name)
                 continue
             parts = name.split("/")
@@ -254,7 +253,9 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
     path = fetch_artifact(cfg, entry, art, progress)
     if progress:
         progress(f"unpacking {art.file}")
-    n, skipped = unpack_artifact(path, checkout.path)
+    from .engines import engine
+
+    n, skipped = unpack_artifact(path, checkout.path, engine(decl.name).tree_rules)
     checkout.run("add", "-A", "-f", ".")
     msg = (f"{decl.name} {entry.version}: upstream tree from {art.file}\n\n"
            f"Unpacked by dsadapt's pypi source; {n} files. Left out: {len(skipped)} "

@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..check import CheckResult, check_or_raise, run_check
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError, EngineUnavailable, UsageError
 from ..stack import load_stack
 from ..workspace import workdir_lock
@@ -80,9 +80,11 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     results, rows, failed = [], [], False
     with workdir_lock(ctx.cfg):
         for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
-            ad = adapter(entry.engine)
-            spec = ad.variant_for(entry, None)
-            blocker = ad.run_blocker(entry, spec)
+            eng = engine(entry.engine)
+            spec = eng.variant_for(entry, None)
+            blocker = eng.run_blocker(entry, spec)
+            if blocker is None and dtype not in eng.gate_dtypes(spec):
+                blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
             if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
                 blocker = "no stack"
             if blocker:
