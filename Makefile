@@ -10,7 +10,7 @@ TORCH   ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast build-all bench gpu-check docs clean
+.PHONY: setup demo test test-fast lint build-all bench gpu-check docs clean
 
 setup: $(BIN)/.installed
 
@@ -36,6 +36,11 @@ test: setup
 ## Fast feedback: no network, no engines.
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not network and not engine" $(PYTEST_ARGS)
+
+## Lint: the import contracts in pyproject.toml [tool.importlinter] (engines never import the
+## orchestration; the core has no CLI in it; library modules stay below the orchestration).
+lint: setup
+	$(BIN)/lint-imports
 
 build-all: setup
 	$(BIN)/dsadapt build-all

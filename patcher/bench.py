@@ -125,8 +125,8 @@ def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat:
         row.reason = reason
         return row, cold
     try:
-        spec = engine(entry.engine).variant(variant)
-        art = entry.artifact(spec.artifact_variant, wheel=True) if row.kind == "overlay" else None
+        eng = engine(entry.engine)
+        art = eng.base_artifact(entry, eng.variant(variant), load_stack(cfg.patches_root, entry.ref))
         if art is not None:
             row.cached = find_local_artifact(cfg, art) is not None
             t0 = time.monotonic()

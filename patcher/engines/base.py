@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 from ..config import Config
 from ..errors import EngineUnavailable, UsageError
-from ..lock import Lock, LockEntry
+from ..lock import Artifact, Lock, LockEntry
 from ..pinref import PinRef
 from ..runners import RunnerSpec
 from ..sourcetree import TreeRules
@@ -265,6 +265,7 @@ class Engine(Protocol):
     # -- build
     def build_kind(self, stack: Stack) -> BuildKind: ...
     def build_blocker(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> str | None: ...
+    def base_artifact(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> Artifact | None: ...
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
               svc: BuildServices) -> BuildResult: ...
 
@@ -354,6 +355,11 @@ class EngineBase:
         raise NotImplementedError
 
     def build_blocker(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> str | None:
+        """Why this pin/variant cannot be built on this machine, or None."""
+        return None
+
+    def base_artifact(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> Artifact | None:
+        """The pinned release artifact a build of `stack` starts from (None: the checkout alone)."""
         return None
 
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
@@ -435,6 +441,11 @@ class WheelEngine(EngineBase):
         if entry.artifact(spec.artifact_variant, wheel=True) is None:
             return f"no pinned wheel for variant {spec.name}"
         return None
+
+    def base_artifact(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> Artifact | None:
+        if self.build_kind(stack).kind == "full":
+            return None
+        return entry.artifact(spec.artifact_variant, wheel=True)
 
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
               svc: BuildServices) -> BuildResult:
