@@ -8,6 +8,7 @@ else on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 def group_members(pgid: int) -> list[int]:
     """Live pids whose process group is `pgid` (a /proc scan; field 5 of /proc/PID/stat)."""
-    pids = []
+    pids: list[int] = []
     try:
         entries = list(Path("/proc").iterdir())
     except OSError:
@@ -38,10 +39,8 @@ def group_members(pgid: int) -> list[int]:
 
 def signal_group(pgid: int, sig: int) -> None:
     """Send `sig` to the process group; a group that is gone already is fine."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 10.0) -> None:

@@ -50,7 +50,8 @@ def is_tree_member(name: str, rules: TreeRules = TreeRules()) -> bool:
 
 def split_tree_members(names: Iterable[str], rules: TreeRules = TreeRules()) -> tuple[list[str], list[str]]:
     """(members of the base tree, members left out), each sorted; directory entries are neither."""
-    keep, drop = [], []
+    keep: list[str] = []
+    drop: list[str] = []
     for name in sorted(names):
         if name.endswith("/"):
             continue

@@ -172,7 +172,7 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
         build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
         venv = venv or base.with_name(base.name + plan.suffix)
         wheel, sha256 = Path(build.artifact), build.sha256
-        marker = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
+        marker: dict[str, object] = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
     else:
         art = entry.artifact(spec.artifact_variant, wheel=True)
         if art is None:

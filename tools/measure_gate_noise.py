@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher.equivalence import compare  # noqa: E402
 from patcher.prompts import build_prompt_set  # noqa: E402
-from patcher.engines import engine  # noqa: E402
+from patcher.engines import engine as engine_of  # noqa: E402
 from patcher.runners import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
 
 HF_VARIANTS = {
@@ -53,7 +53,7 @@ def main() -> None:
                                           out / f"hf-{name}.json")
     if a.vllm_python:
         for dtype in ("float32", "bfloat16", "float16"):
-            others["vllm-" + dtype] = run_runner(engine("vllm").runner, Path(a.vllm_python), model, prompts, dtype, 20,
+            others["vllm-" + dtype] = run_runner(engine_of("vllm").runner, Path(a.vllm_python), model, prompts, dtype, 20,
                                                  16, out / f"vllm-{dtype}.json")
     rows = {}
     for name, rep in others.items():

@@ -70,7 +70,7 @@ def position_from_row(row, token_id: int, top_k: int) -> dict:
     runner's, not imported here)."""
     vals, ids = row.topk(top_k)
     return {"token": int(token_id), "logprob": float(row[token_id]),
-            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)}}
 
 
 def prompt_result(doc: dict, prompt_logprobs: list, generated: Sequence[int], generated_logprobs: list) -> dict:

@@ -62,8 +62,8 @@ def _tar_dir(src: Path, out: Path) -> None:
             info.uname = info.gname = ""
             info.mode = 0o755 if p.is_dir() or os.access(p, os.X_OK) else 0o644
             if p.is_file():
-                with open(p, "rb") as f:
-                    tar.addfile(info, f)
+                with open(p, "rb") as member:
+                    tar.addfile(info, member)
             else:
                 tar.addfile(info)
     with open(out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
