@@ -9,7 +9,7 @@ import click
 
 from ..check import resolve_model
 from ..engines import engine
-from ..engines.base import GateRun
+from ..engines.base import GateRun, NotSupported
 from ..hosts import RunHost
 from ..workspace import workdir_lock
 from .common import Context, pass_ctx, progress_printer, say, to_ref
@@ -30,6 +30,9 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
     ref = to_ref(pin)
     entry = ctx.lock.pin(ref)
     eng = engine(ref.engine)
+    if eng.serve_api is None:
+        raise NotSupported(f"dsadapt has no serving recipe for {ref.engine} yet",
+                           hint=f"engines it serves: {', '.join(_serving_engines()) or 'none'}")
     spec = eng.variant_for(entry, variant)
     progress = progress_printer()
     with workdir_lock(ctx.cfg):
@@ -55,6 +58,19 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
     finally:
         signal.signal(signal.SIGTERM, previous)
     say("stopped.")
+
+
+def _serving_engines() -> list[str]:
+    from ..engines import engine_names
+
+    out = []
+    for name in engine_names():
+        try:
+            if engine(name).serve_api:
+                out.append(name)
+        except Exception:  # a broken plugin does not serve
+            continue
+    return out
 
 
 COMMANDS = [serve_cmd]

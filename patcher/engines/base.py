@@ -253,6 +253,8 @@ class Engine(Protocol):
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
     # -- bisect (issue 14): HF module name -> engine module name, per compared point
     module_map: Mapping[str, str]
+    # -- serving (issue 15): what a pin served by `serve` speaks; None: dsadapt cannot serve it
+    serve_api: str | None
 
     def tag_to_version(self, tag: str) -> str: ...
     def version_to_tag(self, version: str) -> str: ...
@@ -316,6 +318,7 @@ class EngineBase:
     full_build_doc: ClassVar[tuple[str, str] | None] = None
     compile_note: ClassVar[str | None] = None
     module_map: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
+    serve_api: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
         return f"<engine {self.name} ({type(self).__module__}.{type(self).__qualname__})>"

@@ -97,6 +97,7 @@ class TritonEngine(EngineBase):
     docs_page = "docs/engines/triton.md"
     # the client side of a served model: per-run --url/--model-name come from the server session
     runner = RunnerSpec("triton", HERE / "runner.py", dtypes=("float32", "bfloat16", "float16"))
+    serve_api = "triton-generate"
     compile_note = "nothing to compile upstream: the backend is Python files copied into Triton's backends dir"
 
     # -- build
@@ -181,7 +182,7 @@ class TritonEngine(EngineBase):
             body = {"text_input": "Hello", "parameters": {"temperature": 0, "max_tokens": 8, "logprobs": 3},
                     "exclude_input_in_output": True, "return_logprobs": True}
             yield Served(url=server.url, model=MODEL_NAME, log_path=server.log_path, pid=server.pid,
-                         api="triton-generate", python=env.python,
+                         api=self.serve_api or "", python=env.python,
                          installed={**env.provenance(), "served": str(plan.pin), "server_log": str(server.log_path)},
                          usage=(f"curl -s {server.url}/v2/models/{MODEL_NAME}/generate -d '{json.dumps(body)}'",
                                 "python: import tritonclient.http as h; h.InferenceServerClient('"
