@@ -49,6 +49,9 @@ HERE = Path(__file__).resolve().parent
 #: against numpy 1.x; numpy 2 corrupts BYTES inputs).
 SERVER_REQUIREMENTS = ("nvidia-pytriton==0.7.0", "numpy<2", "tritonclient[http]")
 MODEL_NAME = "deepseek"
+#: Seconds tritonserver gets to load the backend and the model. About a minute on an idle
+#: 2-core machine; vLLM's engine start alone took 315 s under a load average of 12.
+SERVER_READY_TIMEOUT_S = 900.0
 
 
 def _tar_dir(src: Path, out: Path) -> None:
@@ -178,7 +181,7 @@ class TritonEngine(EngineBase):
         if svc.progress:
             svc.progress(f"starting tritonserver for {entry.ref} (model load takes about a minute on CPU); "
                          f"log: {log_path}")
-        with serve(layout, port=port, log_path=log_path) as server:
+        with serve(layout, port=port, log_path=log_path, ready_timeout_s=SERVER_READY_TIMEOUT_S) as server:
             body = {"text_input": "Hello", "parameters": {"temperature": 0, "max_tokens": 8, "logprobs": 3},
                     "exclude_input_in_output": True, "return_logprobs": True}
             yield Served(url=server.url, model=MODEL_NAME, log_path=server.log_path, pid=server.pid,
