@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 # The CPU build of torch (this machine's pip config serves it from a local wheel folder;
 # elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
 TORCH   ?= torch==2.13.0
-# The gate's reference version (patcher/check.py REFERENCE_TRANSFORMERS): with it in dsadapt's
+# The gate's reference version (patcher/equivalence.py REFERENCE_TRANSFORMERS): with it in dsadapt's
 # own environment the reference runs there instead of in an extra venv.
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
@@ -36,10 +36,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## Lint and types: ruff (E,F,W,I,B,UP,SIM) over the project, mypy over patcher/ (CI's first job).
+## Lint, types and architecture (CI's first job): ruff (E,F,W,I,B,UP,SIM) over the project, mypy
+## over patcher/, and the import contracts in pyproject.toml [tool.importlinter] (engines never
+## import the orchestration; the core has no CLI in it; library modules stay below the orchestration).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy patcher
+	$(BIN)/lint-imports
 
 ## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
 ## `uv pip compile --generate-hashes` from the recipes in patcher/envlocks.py (docs/environments.md).

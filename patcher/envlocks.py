@@ -7,9 +7,10 @@ recipe below (`make lock-envs`). Installs use ``pip install --require-hashes --n
 it; the engine itself then comes from the wheel dsadapt built or fetched (sha256 checked against
 upstream.lock) with ``--no-deps``, so nothing is resolved at install time.
 
-The recipe of an environment is read from the product: the pinned artifact's distribution and
-version, the adapter's `install_remove` (packages never installed), the Triton adapter's server
-requirements, and the reference's transformers version.
+The recipe of an environment is read from the product: the engine's environment plan
+(`Engine.env_plan`: which pin's wheel, its `EnvRecipe` extra/post/remove, the name suffix), the
+pinned artifact's distribution and version, and the reference's transformers version.
+A plan whose recipe sets `host_packages` has no lock: its dependencies are the host's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .engines.base import EnvPlan
+from .equivalence import REFERENCE_TRANSFORMERS
 from .errors import EngineUnavailable, MissingDependency, UsageError
 
 LOCK_DIR = Path(__file__).resolve().parent / "data" / "envs"
@@ -67,51 +70,62 @@ def env_name(engine: str, tag: str, artifact_variant: str, suffix: str = "") -> 
     return f"{engine}-{tag}-{artifact_variant}{suffix}"
 
 
-def reference_spec(python: str | None = None) -> EnvSpec:
-    from .check import REFERENCE_TRANSFORMERS
+def plan_env_name(plan: EnvPlan) -> str:
+    """The lock name of an engine's environment plan (`Engine.env_plan`): the plan pin, the wheel
+    its variant overlays, and the plan's suffix (Triton's serving environment: '-triton')."""
+    from .engines import engine
 
+    spec = engine(plan.pin.engine).variant(plan.variant)
+    return env_name(plan.pin.engine, plan.pin.tag, spec.artifact_variant, plan.suffix)
+
+
+def reference_spec(python: str | None = None) -> EnvSpec:
     return EnvSpec("reference", (REFERENCE_TORCH, f"transformers=={REFERENCE_TRANSFORMERS}", *REFERENCE_EXTRAS),
                    python or DEFAULT_PYTHON, note="the HF transformers reference of the gate")
 
 
+def plan_spec(lock, plan: EnvPlan) -> EnvSpec | None:
+    """The recipe of the lock of `plan`, read from the engine's plan: the plan pin's pinned wheel
+    (resolved for its dependencies, never installed from the lock: the engine comes from dsadapt's
+    build), the recipe's `extra` and `post` requirements (`post` overrides what the engine asks:
+    Triton's numpy<2), minus the recipe's `remove`. None when the plan has no lock (a
+    `host_packages` recipe: the host's packages are not dsadapt's to lock) or no pinned wheel."""
+    from .engines import engine
+
+    if plan.recipe.host_packages:
+        return None
+    entry = lock.pin(plan.pin)
+    spec = engine(entry.engine).variant(plan.variant)
+    art = entry.artifact(spec.artifact_variant, wheel=True)
+    if art is None:
+        return None
+    recipe = plan.recipe
+    return EnvSpec(plan_env_name(plan), (f"{art.dist}=={entry.version}", *recipe.extra, *recipe.post), _python(entry),
+                   (art.dist, *recipe.remove), note=plan.note or f"{entry.ref} ({spec.artifact_variant} wheel)",
+                   overrides=recipe.post)
+
+
 def env_specs(lock) -> list[EnvSpec]:
-    """Every environment dsadapt can create for the pins of `lock`."""
-    from .engines import adapter
+    """Every locked environment dsadapt can create for the pins of `lock`: the reference, and the
+    environment plan (`Engine.env_plan`) of each pin × variant; plans that share a lock (variants
+    overlaying one wheel, two pins served from one engine) are listed once."""
+    from .engines import engine
+    from .errors import DsadaptError
 
     specs = [reference_spec()]
+    seen: set[str] = {"reference"}
     for entry in lock.sorted_pins():
-        ad = adapter(entry.engine)
-        if ad.check_session is not None and entry.serves:  # served through a server (Triton)
-            served = lock.pin(entry.serves)
-            sad = adapter(served.engine)
-            spec = sad.variant_for(served, None)
-            art = served.artifact(spec.artifact_variant, wheel=True)
-            post = _server_requirements(entry.engine)
-            if art is not None:
-                specs.append(EnvSpec(env_name(served.engine, served.tag, spec.artifact_variant, f"-{entry.engine}"),
-                                     (f"{art.dist}=={served.version}", *post), _python(served),
-                                     (art.dist, *sad.install_remove), note=f"{entry.ref} serving {served.ref}",
-                                     overrides=post))
-            continue
-        seen: set[str] = set()
-        for v in ad.variants:
-            art = entry.artifact(v.artifact_variant, wheel=True)
-            if art is None or v.artifact_variant in seen:
+        eng = engine(entry.engine)
+        for v in eng.pinned_variants(entry):
+            try:
+                plan = eng.env_plan(entry, v, lock)
+            except DsadaptError:  # e.g. a Triton pin that serves no pinned engine: no environment
                 continue
-            seen.add(v.artifact_variant)
-            specs.append(EnvSpec(env_name(entry.engine, entry.tag, v.artifact_variant),
-                                 (f"{art.dist}=={entry.version}",), _python(entry),
-                                 (art.dist, *ad.install_remove), note=f"{entry.ref} ({v.artifact_variant} wheel)"))
+            found = plan_spec(lock, plan)
+            if found is not None and found.name not in seen:
+                seen.add(found.name)
+                specs.append(found)
     return specs
-
-
-def _server_requirements(engine: str) -> tuple[str, ...]:
-    import importlib
-
-    try:
-        return tuple(importlib.import_module(f"patcher.engines.{engine}").SERVER_REQUIREMENTS)
-    except (ImportError, AttributeError):
-        return ()
 
 
 def _python(entry) -> str:

@@ -23,6 +23,10 @@ from patcher.errors import DsadaptError
 from patcher.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
+#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
+#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
+#: were measured with, and it is recorded in every report.
+REFERENCE_TRANSFORMERS = "5.24.0"
 STRICT_DTYPES = ("float32", "float64")
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 

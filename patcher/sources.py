@@ -24,8 +24,8 @@ from .fsutil import sha256_file
 from .gitutil import ALLOWED_PROTOCOLS, Git, init_repo
 from .lock import Artifact, EngineDecl, LockEntry
 from .paths import tree_path_error
+from .sourcetree import TreeRules, is_tree_member
 
-BINARY_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".a", ".o")
 PYPI_SIMPLE = "https://pypi.org/simple"
 
 
@@ -263,10 +263,11 @@ def check_wheel(path: Path) -> None:
                              hint="the pinned artifact is damaged or is not a wheel: re-pin it, and investigate") from None
 
 
-def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
-    """Unpack a wheel's source files into dest; returns (files written, skipped names).
+def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> tuple[int, list[str]]:
+    """Unpack a wheel's base-tree members (`sourcetree.is_tree_member`: the one rule for which
+    members form the tree) into dest; returns (files written, skipped names).
 
-    Every member is checked before anything is written (`check_members`)."""
+    Every member, base-tree or not, is checked before anything is written (`check_members`)."""
     skipped: list[str] = []
     n = 0
     if not path.name.endswith(".whl"):
@@ -279,9 +280,7 @@ def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
             name = info.filename
             if name.endswith("/"):
                 continue
-            top = name.split("/", 1)[0]
-            if top.endswith(".dist-info") or top.endswith(".data") or name.endswith(BINARY_SUFFIXES) \
-                    or ".so." in name.rsplit("/", 1)[-1]:
+            if not is_tree_member(name, rules):
                 skipped.append(name)
                 continue
             target = dest / name
@@ -301,7 +300,9 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
     check_wheel(path)  # an unsafe artifact is refused before anything is said or written
     if progress:
         progress(f"unpacking {art.file}")
-    n, skipped = unpack_artifact(path, checkout.path)
+    from .engines import engine
+
+    n, skipped = unpack_artifact(path, checkout.path, engine(decl.name).tree_rules)
     checkout.run("add", "-A", "-f", ".")
     msg = (f"{decl.name} {entry.version}: upstream tree from {art.file}\n\n"
            f"Unpacked by dsadapt's pypi source; {n} files. Left out: {len(skipped)} "

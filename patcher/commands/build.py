@@ -8,9 +8,9 @@ import time
 import click
 
 from ..build import build_pin, buildable_here
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError, SourceError
-from ..venvs import install_pin
+from ..venvs import install_plan
 from ..workspace import workdir_lock
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, ref_of, say, table
 
@@ -25,7 +25,7 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
     ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
     if variant is not None:
-        adapter(ref.engine).variant(variant)
+        engine(ref.engine).variant(variant)
     with workdir_lock(ctx.cfg):
         res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
     if as_json:
@@ -42,7 +42,8 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
         say(f"  removed  {p}")
     if res.left_out:
         say(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
-    blocker = adapter(ref.engine).run_blocker(ctx.lock.pin(ref), adapter(ref.engine).variant(res.variant))
+    eng = engine(ref.engine)
+    blocker = eng.run_blocker(ctx.lock.pin(ref), eng.variant(res.variant))
     if blocker:
         say(f"  note: built here, but it cannot run here: {blocker}")
 
@@ -53,29 +54,22 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 @json_option
 @pass_ctx
 def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
-    """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
-    ref = ref_of(pin)
-    ctx.lock.pin(ref)
-    if variant is not None:
-        adapter(ref.engine).variant(variant)
-    if adapter(ref.engine).build_kind == "backend":  # Triton: the served engine's environment + the server
-        from ..engines.triton import server_venv
+    """Create (or reuse) the environment the pin runs in and install the patched engine there.
 
-        with workdir_lock(ctx.cfg):
-            py, installed = server_venv(ctx.cfg, ctx.lock, ctx.lock.pin(ref), False,
-                                        progress=progress_printer(not as_json), stream=not as_json)
-        if as_json:
-            emit_json({"ref": str(ref), "python": str(py), **installed})
-        else:
-            say(f"{ref}: serving environment for {installed['served']} ready in {installed['venv']}")
-            say(f"  activate: source {installed['venv']}/bin/activate   (tritonserver: `dsadapt serve {ref}`)")
-        return
+    For most engines that is the pin's own virtual environment; a served engine (Triton's vLLM
+    backend) gets the environment of the engine it serves, with its server added."""
+    ref = ref_of(pin)
+    entry = ctx.lock.pin(ref)
+    eng = engine(ref.engine)
+    plan = eng.env_plan(entry, eng.variant_for(entry, variant), ctx.lock)
     with workdir_lock(ctx.cfg):
-        res = install_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json), stream=not as_json)
+        res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(not as_json), stream=not as_json)
     if as_json:
-        emit_json(res.to_json())
+        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None})
         return
-    say(f"{ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    say(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    if plan.note:
+        say(f"  {plan.note}")
     if res.removed:
         say(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
     say(f"  activate: {res.activate}")
@@ -89,9 +83,8 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
     rows, data, failed = [], [], False
     with workdir_lock(ctx.cfg):
         for entry in ctx.lock.sorted_pins():
-            ad = adapter(entry.engine)
-            variants = [v.name for v in ad.variants
-                        if entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
+            ad = engine(entry.engine)
+            variants = [v.name for v in ad.pinned_variants(entry)]
             for v in variants or [ad.variants[0].name]:
                 t0 = time.monotonic()
                 reason = buildable_here(ctx.cfg, ctx.lock, entry, v)

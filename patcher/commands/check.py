@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..check import CheckResult, check_or_raise, preflight, run_check
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError, ExitCode, UsageError, show
 from ..stack import load_stack
 from ..textfile import read_text
@@ -123,7 +123,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if not all_pins:
         ref = to_ref(pin)
         assert ref is not None
-        preflight(ctx.lock, ref, variant, command)  # bad variant, cannot run here: before anything is created
+        preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
         with workdir_lock(ctx.cfg):
             res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype,
                             variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
@@ -141,9 +141,11 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     failed = False
     with workdir_lock(ctx.cfg):
         for entry in ctx.lock.sorted_pins():
-            ad = adapter(entry.engine)
-            spec = ad.variant_for(entry, None)
-            blocker = ad.run_blocker(entry, spec)
+            eng = engine(entry.engine)
+            spec = eng.variant_for(entry, None)
+            blocker = eng.run_blocker(entry, spec)
+            if blocker is None and dtype not in eng.gate_dtypes(spec):
+                blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
             if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
                 blocker = "no stack"
             if blocker:

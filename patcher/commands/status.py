@@ -6,8 +6,7 @@ from collections import Counter
 
 import click
 
-from ..buildkind import classify
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError
 from ..stack import load_stack
 from ..workspace import checkout_status
@@ -29,13 +28,13 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     """Engines, pins, patch counts, build kind, and whether each pin can run here."""
     rows, data = [], []
     for name in sorted(ctx.lock.engines):
-        ad = adapter(name)
+        ad = engine(name)
         for entry in ctx.lock.pins_of(name):
             st, err = _stack_info(ctx, entry)
-            kind = classify(ad, st) if st is not None else None
+            kind = ad.build_kind(st) if st is not None else None
             statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
             # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
-            variants = [v for v in ad.variants if entry.artifact(v.artifact_variant) or ad.build_kind == "backend"]
+            variants = ad.pinned_variants(entry)
             blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
             runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
             d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
