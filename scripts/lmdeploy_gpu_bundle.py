@@ -161,7 +161,9 @@ def main() -> int:
     download_wheels(Path(args.requirements), dest / "whl", Path(args.wheel_dir) / "gpu-wheels")
     for name in ("lmdeploy_gpu_check.py", "lmdeploy_models.py", "run.sh"):
         shutil.copy2(HERE / ("lmdeploy_gpu_run.sh" if name == "run.sh" else name), dest / name)
-    shutil.copy2(ROOT / "patcher" / "runners" / "lmdeploy_runner.py", dest / "lmdeploy_runner.py")
+    # the runners import the stdlib runner protocol (dsadapt_runner.py) from their own directory
+    shutil.copy2(ROOT / "patcher" / "engines" / "lmdeploy" / "runner.py", dest / "lmdeploy_runner.py")
+    shutil.copy2(ROOT / "patcher" / "runners" / "dsadapt_runner.py", dest / "dsadapt_runner.py")
     shutil.copy2(gate_src / "patcher" / "runners" / "hf_reference.py", dest / "hf_reference.py")
     tm = dest / "tm" / "patcher"
     (tm / "data").mkdir(parents=True)
