@@ -12,31 +12,27 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .config import Config
-from .engines import adapter
-from .engines.base import VariantSpec
-from .equivalence import LogitReport, compare, explain
-from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from .engines import engine
+from .engines.base import GateRun, VariantSpec
+from .equivalence import REFERENCE_TRANSFORMERS, LogitReport, compare, explain
+from .errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from .hosts import RunHost
 from .lock import Lock, LockEntry
 from .machine import device_description
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
-from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
-from .sources import fetch_artifact
+from .runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 from .stack import load_stack
 
-#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
-#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
-#: were measured with, and it is recorded in every report.
-REFERENCE_TRANSFORMERS = "5.24.0"
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
 CONFIG_STYLES = ("transformers", "deepseek")
@@ -109,47 +105,27 @@ def reference_python(cfg: Config, progress=None) -> Path:
             return Path(sys.executable)
     except importlib.metadata.PackageNotFoundError:
         pass
+    from .envlocks import file_digest, find_lock, reference_spec
+    from .venvs import _pip
+
+    lock_file = find_lock(reference_spec().name)
+    digest = file_digest(lock_file)
     venv = cfg.venvs_root / f"reference-transformers-{REFERENCE_TRANSFORMERS}"
     py = venv / "bin" / "python"
-    if not (venv / "dsadapt-reference.ok").exists():
+    ok = venv / "dsadapt-reference.ok"
+    if not ok.exists() or ok.read_text().strip() != digest:
+        if venv.exists():
+            shutil.rmtree(venv)  # made from an older lock (or half made): derived data, remade below
         if progress:
-            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS})")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        import os
-
-        torch_spec = os.environ.get("DSADAPT_TORCH_SPEC", "torch")
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_spec, f"transformers=={REFERENCE_TRANSFORMERS}",
-                            "safetensors", "tokenizers"], stdout=sys.stderr, stderr=sys.stderr)
+            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS}, "
+                     f"{lock_file.name}, --require-hashes)")
+        r = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
         if r.returncode != 0:
-            raise EngineUnavailable(f"could not create the reference environment {venv}",
-                                    hint="see pip's output; set DSADAPT_TORCH_SPEC to pick a torch build")
-        (venv / "dsadapt-reference.ok").write_text("ok\n")
+            raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}",
+                             hint="check python3-venv is installed")
+        _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=False, progress=progress)
+        ok.write_text(digest + "\n")
     return py
-
-
-def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, unpatched: bool,
-                  progress=None, stream=True, suffix: str = "", post: tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """The interpreter of the pin's environment (patched build, or the pristine release).
-
-    `suffix` names a separate environment (e.g. '-triton', which adds the server's
-    requirements in `post`), so engines served differently never share site-packages.
-    """
-    from .venvs import ensure_env, install_pin, venv_python
-
-    base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
-    if not unpatched:
-        venv = base.with_name(base.name + suffix)
-        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
-        return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
-    art = entry.artifact(spec.artifact_variant, wheel=True)
-    if art is None:
-        raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
-    wheel = fetch_artifact(cfg, entry, art, progress)
-    venv = base.with_name(base.name + "-unpatched" + suffix)
-    ad = adapter(entry.engine)
-    ensure_env(venv, wheel, art.sha256, extra=ad.install_extra(entry, spec.name), remove=ad.install_remove, post=post,
-               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True})
-    return venv_python(venv), {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
 
 
 # ---------------------------------------------------------------- provenance
@@ -165,7 +141,7 @@ def _hash_json(obj) -> str:
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
                   progress=None, on_line=None) -> LogitReport:
     """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script)."""
-    spec = RUNNERS["hf_reference"]
+    spec = REFERENCE_RUNNER
     key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
                       "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest()})
     cached = cfg.cache / "reference" / f"{key}.json"
@@ -187,13 +163,26 @@ def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype:
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
-@contextmanager
-def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
-    ad = adapter(entry.engine)
-    if ad.runner is None or ad.runner.removesuffix(".py").removesuffix("_runner") not in RUNNERS:
-        raise EngineUnavailable(f"{entry}: no runner for {ad.name} in the gate", hint="see docs/equivalence.md")
-    py, installed = engine_python(cfg, lock, entry, spec, unpatched, progress, stream)
-    yield py, RUNNERS[ad.runner.removesuffix(".py").removesuffix("_runner")], {}, installed
+def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
+              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
+    """What `check` can tell before it touches anything: the pin, the variant, whether it can run
+    here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
+    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
+    entry = lock.pin(ref)
+    eng = engine(ref.engine)
+    spec = eng.variant_for(entry, variant)
+    blocker = eng.run_blocker(entry, spec)
+    if blocker:
+        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
+                                hint=f"run `{command or f'dsadapt check {ref}'}` on a machine that has what it needs "
+                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
+    if dtype is not None:
+        dtypes = eng.gate_dtypes(spec)
+        if dtype not in dtypes:
+            raise UsageError(f"{ref} ({spec.name}) does not run in {dtype} for the gate",
+                             hint=f"its runner supports {', '.join(dtypes)}: pass --dtype {dtypes[0]}"
+                             if dtypes else f"see {eng.docs_page}")
+    return entry, spec
 
 
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
@@ -201,14 +190,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
               on_line=None, unpatched_engine: bool = False) -> CheckResult:
     t_start = time.monotonic()
-    entry = lock.pin(ref)
-    ad = adapter(ref.engine)
-    spec = ad.variant_for(entry, variant)
-    blocker = ad.run_blocker(entry, spec)
-    if blocker:
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `dsadapt check {ref}` on a machine that has what it needs "
-                                     f"(docs/engines/{ref.engine}.md says where it was verified)")
+    entry, spec = preflight(lock, ref, variant, command, dtype)
+    eng = engine(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
     fingerprint = model_fingerprint(model_dir)
@@ -223,18 +206,20 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     t0 = time.monotonic()
     reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
-    session = ad.check_session or _default_session
     t0 = time.monotonic()
     installed: dict = {}
+    run = GateRun(entry, spec, dtype, model_dir, unpatched=unpatched, unpatched_engine=unpatched_engine)
     try:
-        with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
-                     unpatched_engine=unpatched_engine) as (py, runner, env, installed):
+        with eng.gate_session(run, RunHost(cfg, lock, progress, stream)) as session:
+            installed = session.installed
             timings["install_s"] = round(time.monotonic() - t0, 2)
             if progress:
-                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
+                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via "
+                         f"{session.runner.name} runner")
             t0 = time.monotonic()
-            engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
-                                work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+            report = run_runner(session.runner, session.python, model_dir, prompts_path, dtype, ENGINE_TOP_K,
+                                MAX_TOKENS, work / "engine.json", env=session.env, fingerprint=fingerprint,
+                                on_line=on_line)
             timings["engine_s"] = round(time.monotonic() - t0, 2)
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
@@ -242,19 +227,20 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
                               e, installed, fingerprint, model_dir, command, model, timings, t_start)
     venv = installed.get("venv")
-    if venv and (engine.engine_path or "").startswith("/") and \
-            not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
-        raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
+    engine_path = report.engine_path or ""
+    if venv and engine_path.startswith("/") and \
+            not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
+        raise DsadaptError(f"{ref}: the engine imported {engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
-    for k, v in engine.timings.items():
+    for k, v in report.timings.items():
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
-    comparison = compare(reference, engine, ENGINE_TOP_K)
+    comparison = compare(reference, report, ENGINE_TOP_K)
     explanation = explain(comparison, config) if want_explain else []
     timings["compare_s"] = round(time.monotonic() - t0, 3)
     verdict = "pass" if comparison.passed else "fail"
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
                    + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
@@ -262,8 +248,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
-        "engine_version": engine.engine_version, "engine_versions": engine.versions,
-        "engine_path": engine.engine_path,
+        "engine_version": report.engine_version, "engine_versions": report.versions,
+        "engine_path": report.engine_path,
         "reference_versions": reference.versions,
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
@@ -294,7 +280,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
                    fingerprint, model_dir, command, model, timings, t_start) -> CheckResult:
     timings["total_s"] = round(time.monotonic() - t_start, 2)
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}",
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,

@@ -13,9 +13,9 @@ import contextlib
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from . import faults
 from .errors import DsadaptError
@@ -42,15 +42,44 @@ class GitError(DsadaptError):
     pass
 
 
+# Trees dsadapt handles (release artifacts, mirrors, upstream commits) are data: nothing in them
+# or next to them may make git run a program or change how git reads them. Every git command
+# runs with hooks off, no fsmonitor, no signing, no submodule recursion, only these transports,
+# and no attributes from the user's or the system's files; init_repo adds an attributes file
+# that turns off, in every repository dsadapt creates, whatever a tree's .gitattributes asks for.
+HARDENING_CONFIG = (
+    ("core.hooksPath", "/dev/null"),
+    ("core.fsmonitor", "false"),
+    ("core.attributesFile", "/dev/null"),
+    ("commit.gpgSign", "false"),
+    ("tag.gpgSign", "false"),
+    ("fetch.recurseSubmodules", "false"),
+    ("submodule.recurse", "false"),
+    ("protocol.ext.allow", "never"),
+    ("protocol.fd.allow", "never"),
+)
+ALLOWED_PROTOCOLS = "file:git:http:https:ssh"
+NEUTRAL_ATTRIBUTES = ("# written by dsadapt: attributes from the trees it unpacks never take effect here\n"
+                      "* !filter !diff !merge !text !eol !crlf !ident !working-tree-encoding !export-subst "
+                      "!export-ignore !whitespace !conflict-marker-size !delta !encoding\n")
+
+
 def base_env(fixed_dates: bool = False) -> dict[str, str]:
     env = {
         "GIT_TERMINAL_PROMPT": "0",
         "GIT_ASKPASS": "true",
         "LC_ALL": "C",
         "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_ATTR_NOSYSTEM": "1",
+        "GIT_ALLOW_PROTOCOL": ALLOWED_PROTOCOLS,
+        "GIT_NO_REPLACE_OBJECTS": "1",
+        "GIT_CONFIG_COUNT": str(len(HARDENING_CONFIG)),
         "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME", DSADAPT_IDENT["name"]),
         "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL", DSADAPT_IDENT["email"]),
     }
+    for i, (key, value) in enumerate(HARDENING_CONFIG):
+        env[f"GIT_CONFIG_KEY_{i}"] = key
+        env[f"GIT_CONFIG_VALUE_{i}"] = value
     if fixed_dates:
         env["GIT_AUTHOR_DATE"] = FIXED_DATE
         env["GIT_COMMITTER_DATE"] = FIXED_DATE
@@ -65,7 +94,7 @@ class Git:
         self.path = Path(path)
         self.env = env or {}
 
-    def with_env(self, **env: str) -> "Git":
+    def with_env(self, **env: str) -> Git:
         """The same repository with extra environment (e.g. GIT_INDEX_FILE for a temporary index)."""
         return Git(self.path, {**self.env, **env})
 
@@ -277,7 +306,7 @@ class Git:
         return d
 
     @contextlib.contextmanager
-    def temp_index(self, tree: str | None = None) -> Iterator["Git"]:
+    def temp_index(self, tree: str | None = None) -> Iterator[Git]:
         """This repository with a private index (GIT_INDEX_FILE), optionally loaded with `tree`."""
         idx = self.scratch_dir() / f"index-{os.getpid()}-{time.monotonic_ns()}"
         g = self.with_env(GIT_INDEX_FILE=str(idx))
@@ -300,8 +329,11 @@ def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
     text = "[core]\n\tautocrlf = false\n[gc]\n\tauto = 0\n"
     if identity:
         text = f"[user]\n\tname = {DSADAPT_IDENT['name']}\n\temail = {DSADAPT_IDENT['email']}\n" + text
-    with open((path if bare else path / ".git") / "config", "a", encoding="utf-8") as f:
+    git_dir = path if bare else path / ".git"
+    with open(git_dir / "config", "a", encoding="utf-8") as f:
         f.write(text)
+    (git_dir / "info").mkdir(parents=True, exist_ok=True)
+    (git_dir / "info" / "attributes").write_text(NEUTRAL_ATTRIBUTES)
     return g
 
 

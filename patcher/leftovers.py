@@ -9,6 +9,7 @@ directory clean the leftovers they find there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -54,10 +55,8 @@ def _size(p: Path) -> int:
         total = 0
         for dirpath, _dirs, files in os.walk(p):
             for f in files:
-                try:
+                with contextlib.suppress(OSError):
                     total += os.lstat(os.path.join(dirpath, f)).st_size
-                except OSError:
-                    pass
         return total
     except OSError:
         return 0

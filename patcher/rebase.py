@@ -19,9 +19,10 @@ Every patch gets one classification (docs/rebase.md):
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .config import Config
@@ -35,10 +36,30 @@ from .pin import resolve_pin
 from .pinref import PinRef
 from .rebase_report import CARRIED, PatchReport, RebaseReport, format_markdown, report_stem, split_range_diff
 from .stack import load_stack, stack_dir, stack_hash
-from .transaction import (BASE_REF, STACK_REF, Applied, Checkout, Op, Orig, PatchMeta, PatchOutcome, StackResult,
-                          Transaction, describe_op, flat_tree_id, register)
-from .workspace import (Progress, _series_names, ensure_checkout, export_commits, exported_files, stack_files,
-                        sync_stack_dir)
+from .transaction import (
+    BASE_REF,
+    STACK_REF,
+    Applied,
+    Checkout,
+    Op,
+    Orig,
+    PatchMeta,
+    PatchOutcome,
+    StackResult,
+    Transaction,
+    describe_op,
+    flat_tree_id,
+    register,
+)
+from .workspace import (
+    Progress,
+    _series_names,
+    ensure_checkout,
+    export_commits,
+    exported_files,
+    stack_files,
+    sync_stack_dir,
+)
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
@@ -216,7 +237,7 @@ class RebaseKind:
             tx.write()
         sync_stack_dir(d, files, ex["names_before"])
         new_hash = stack_hash([_Entry(n, files[n].decode("utf-8")) for n in names])
-        md, js = report_paths(cfg, co.ref.engine, *ex["from"].split("@", 1)[1:], co.ref.tag)
+        md, js = report_paths(cfg, co.ref.engine, ex["from"].split("@", 1)[1], co.ref.tag)
         if "reports_before" not in ex:
             ex["reports_before"] = {str(p.relative_to(cfg.project)): (p.read_text(encoding="utf-8") if p.is_file()
                                                                       else None) for p in (md, js)}
@@ -254,10 +275,8 @@ class RebaseKind:
                 for name in sorted(written | set(cur)):
                     remove_file(d / name)
                 remove_file(d / "series")
-                try:
+                with contextlib.suppress(OSError):
                     d.rmdir()
-                except OSError:
-                    pass
         if ex.get("lock_before") is not None:
             _unpin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(co.ref))
 
@@ -371,7 +390,7 @@ def _report(tx: Transaction, base: str, head: str, names: list[str], new_hash: s
     old_ref = PinRef(*ex["from"].split("@", 1))
     return RebaseReport(
         engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=ex["from_version"],
-        new_version=ex["to_version"], date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        new_version=ex["to_version"], date=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         old_source=ex["from_source"], new_source=_source_words(tx.state.source),
         pinned_new=ex.get("lock_before") is not None, old_stack_hash=op.stack_hash,
         new_stack_hash=new_hash, range_diff_command=rd_cmd, patches=reports)
@@ -467,8 +486,9 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         lock = lock.with_pin(entry)
         lock_after = format_lock(lock)
         notes.append(f"pinned {new_ref} in upstream.lock")
-        for n in notes if progress else ():
-            progress(n)
+        if progress:
+            for n in notes:
+                progress(n)
     new_entry = lock.pin(new_ref)
     old_co, _ = ensure_checkout(cfg, lock, old_entry, progress)
     co, _ = ensure_checkout(cfg, lock, new_entry, progress)

@@ -30,14 +30,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .errors import ConflictStop, WorkspaceError
 from .fsutil import atomic_write_text, git_blob_id, remove_tree
-from .gitutil import (FIXED_DATE, Git, WorkSnapshot, clear_stale_locks, snapshot_commit,
-                      work_fingerprint, work_snapshot)
+from .gitutil import FIXED_DATE, Git, WorkSnapshot, clear_stale_locks, snapshot_commit, work_fingerprint, work_snapshot
 
 SCHEMA = 2
 BASE_REF = "refs/dsadapt/base"
@@ -122,7 +122,7 @@ class Op:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Op":
+    def from_json(cls, d: dict) -> Op:
         d = dict(d)
         d["patches"] = [PatchMeta(**p) for p in d.get("patches", [])]
         d["orig"] = Orig(**d["orig"])
@@ -167,7 +167,7 @@ class State:
                 **({"legacy_op": self.legacy_op} if self.legacy_op else {})}
 
     @classmethod
-    def from_json(cls, d: dict) -> "State":
+    def from_json(cls, d: dict) -> State:
         schema = d.get("schema", 1)
         if not isinstance(schema, int) or schema > SCHEMA:
             raise ValueError(f"state schema {schema} is newer than this dsadapt ({SCHEMA})")
@@ -248,7 +248,8 @@ class Checkout:
 
     def next_backup_names(self, n: int) -> list[str]:
         taken = {r.removeprefix(BACKUP_PREFIX) for r in self.backups()}
-        out, i = [], 1
+        out: list[str] = []
+        i = 1
         while len(out) < n:
             if str(i) not in taken:
                 out.append(f"{BACKUP_PREFIX}{i}")
@@ -265,22 +266,22 @@ class OpKind(Protocol):
     name: str
     verb: str   # "apply" / "rebase": in messages ("undo the whole rebase")
 
-    def prepare(self, tx: "Transaction") -> None:
+    def prepare(self, tx: Transaction) -> None:
         """Idempotent steps before the checkout is touched (rebase: pin NEW, comparison refs)."""
 
-    def pre_outcomes(self, tx: "Transaction") -> dict[int, tuple[str, str]]:
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
         """Patches decided without running them: {index: (outcome, detail)}."""
 
-    def on_stop(self, tx: "Transaction", index: int) -> str | None:
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
         """A patch stopped `git am`: a reason to drop it instead of stopping (rebase: already upstream)."""
 
-    def label(self, tx: "Transaction", index: int, commit: str | None, merged: bool | None) -> tuple[str, str]:
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
         """(outcome, detail) of a patch am applied (commit) or found empty (None)."""
 
-    def finish(self, tx: "Transaction") -> "StackResult":
+    def finish(self, tx: Transaction) -> StackResult:
         """Write the op's results and close it (tx.close)."""
 
-    def undo(self, tx: "Transaction") -> None:
+    def undo(self, tx: Transaction) -> None:
         """Idempotently undo what prepare/finish did outside the checkout's branch and work tree."""
 
 
@@ -424,7 +425,7 @@ class Transaction:
     # ------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, co: Checkout, on_patch=None, progress=None) -> "Transaction":
+    def open(cls, co: Checkout, on_patch=None, progress=None) -> Transaction:
         """Load the checkout's state after making sure no git process still works in it and
         removing the lock files a killed git left behind."""
         tx = cls(co, co.load(), on_patch, progress)
@@ -497,7 +498,7 @@ class Transaction:
 
     # ------------------------------------------------------------ running an op to its end or a stop
 
-    def run(self) -> "StackResult":
+    def run(self) -> StackResult:
         """Drive the op from whatever phase it is in (also after a kill) to its end, or raise ConflictStop."""
         op = self.op
         if op.phase == "abort":
@@ -510,7 +511,7 @@ class Transaction:
         if op.phase == "stopped":
             at = self._settle()
             self.report_new()
-            if at == op.stopped and self.co.am_in_progress():
+            if at is not None and at == op.stopped and self.co.am_in_progress():
                 raise self._conflict(at)
             op.phase = "replay"  # the stop went away behind our back: carry on from what git shows
         if op.phase in ("replay", "continue", "skip"):
@@ -573,7 +574,7 @@ class Transaction:
         cur, last = _read_int(self.co.am_dir / "next"), _read_int(self.co.am_dir / "last")
         return cur if (cur is not None and last is not None) else None
 
-    def _observe(self, ran: bool = False) -> tuple[dict[int, str], int | None, list, list]:
+    def _observe(self, ran: bool = False) -> tuple[dict[int, str], int, list, list]:
         """What git shows of the current am sequence: ({index: commit} made since it started, am's
         position (1-based) or None, commits nobody accounts for, commits the user made at a stop)."""
         op = self.op
@@ -655,6 +656,7 @@ class Transaction:
 
     def _label(self, idx: int, commit: str | None, merged: bool | None) -> None:
         op = self.op
+        detail: str | None
         if idx == op.stopped:
             outcome, detail = ("changed", "conflict resolved by the user (dsadapt continue)") if commit else \
                 ("skipped", "conflict; dropped by the user (dsadapt skip)")
@@ -846,7 +848,7 @@ class Transaction:
         pos = self._am_pos()
         return pos is not None and op.am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
 
-    def user_continue(self) -> "StackResult":
+    def user_continue(self) -> StackResult:
         op = self.op
         if self._at_stop():
             am = op.am
@@ -888,7 +890,7 @@ class Transaction:
             return  # exactly what am left: its own conflict, nothing of the user's
         self._save_work("your changes while the patch was stopped")
 
-    def user_skip(self) -> "StackResult":
+    def user_skip(self) -> StackResult:
         op = self.op
         if self._at_stop():
             am = op.am
@@ -964,9 +966,7 @@ class Transaction:
             self.write()
         self.kind.undo(self)
         # backups that are now redundant: everything they hold is back in place
-        if op.saves.get("work") and not op.saves.get("keep_work") and touched:
-            g.delete_ref(op.saves["work"])
-        elif op.saves.get("work") and not touched:
+        if op.saves.get("work") and not op.saves.get("keep_work") and touched or op.saves.get("work") and not touched:
             g.delete_ref(op.saves["work"])
         branch = op.saves.get("branch")
         if branch and g.rev(self.co.branch_ref) == g.rev(branch):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import WorkspaceError
 
@@ -14,7 +14,9 @@ from .errors import WorkspaceError
 @contextmanager
 def workdir_lock(cfg, timeout: float | None = None) -> Iterator[None]:
     """Serialize dsadapt runs on one work dir. flock dies with the process: no stale locks."""
-    timeout = float(os.environ.get("DSADAPT_LOCK_TIMEOUT", "600")) if timeout is None else timeout
+    if timeout is None:  # DSADAPT_LOCK_TIMEOUT, validated by load_config
+        timeout = getattr(cfg, "lock_timeout", None)
+        timeout = float(os.environ.get("DSADAPT_LOCK_TIMEOUT", "600")) if timeout is None else timeout
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "lock"
     with open(path, "a+") as f:

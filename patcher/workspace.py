@@ -7,23 +7,48 @@ Every change to a stack's checkout or to its patches/ files goes through a `Tran
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import leftovers
 from .config import Config
-from .errors import DsadaptError, Refused, VerificationError, WorkspaceError
+from .errors import DsadaptError, RefusedToClobber, VerificationError, WorkspaceError, plural
 from .fsutil import atomic_write_bytes, remove_file
 from .gitutil import Git, clear_stale_locks, init_repo, work_fingerprint
 from .lock import Lock, LockEntry
 from .patchfile import Patch, parse_patch
 from .pinref import PinRef
-from .stack import Stack, expected_preimages, format_series, load_stack, parse_series, preimage_mismatches, stack_dir, stack_hash
+from .stack import (
+    Stack,
+    expected_preimages,
+    format_series,
+    load_stack,
+    parse_series,
+    preimage_mismatches,
+    stack_dir,
+    stack_hash,
+)
+from .transaction import (
+    BACKUP_PREFIX,
+    BASE_REF,
+    MBOX_FROM,
+    STACK_REF,
+    Applied,
+    Checkout,
+    Op,
+    Orig,
+    PatchMeta,
+    PatchOutcome,
+    StackResult,
+    State,
+    Transaction,
+    branch_name,
+    describe_op,
+    flat_tree_id,
+    register,
+)
 from .workdir import lock_holder, workdir_lock
-from .transaction import (BACKUP_PREFIX, BASE_REF, MBOX_FROM, STACK_REF, Applied, Checkout, Op, Orig, PatchMeta,
-                          PatchOutcome, StackResult, State, Transaction, branch_name, describe_op, flat_tree_id,
-                          register)
 
 __all__ = ["BACKUP_PREFIX", "BASE_REF", "Checkout", "CheckoutStatus", "PatchOutcome", "StackResult", "abort_apply",
            "apply_stack", "branch_name", "checkout_status", "continue_apply", "ensure_checkout", "export_commits",
@@ -339,9 +364,8 @@ def _abort_legacy(tx: Transaction) -> None:
         g.run("checkout", "-q", "-f", op["orig_branch"])
     elif op.get("orig_head"):
         g.run("checkout", "-q", "-f", "--detach", op["orig_head"])
-    if op.get("dirty_backup"):
-        if g.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False).ok:
-            g.delete_ref(op["dirty_backup"])
+    if op.get("dirty_backup") and g.run("stash", "apply", "-q", "--index", op["dirty_backup"], check=False).ok:
+        g.delete_ref(op["dirty_backup"])
     tx.state.legacy_op = None
     tx.write()
     shutil.rmtree(co.op_dir, ignore_errors=True)
@@ -552,7 +576,7 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     if newer and not force:
         what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
         more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
-        raise Refused(f"{ref}: {rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that change; "
+        raise RefusedToClobber(f"{ref}: {rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that change; "
                       "refresh would overwrite it",
                       hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept in a "
                            f"backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the current files "
@@ -662,8 +686,7 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
                         f"run `dsadapt refresh {ref}` to export the branch"
             st.next = f"dsadapt refresh {ref}"
         elif stack is not None and applied.stack_hash == stack.hash:
-            n = len(stack)
-            st.state, st.detail = "stack applied", f"{n} patch{'es' if n != 1 else ''} on {st.base[:12] if st.base else '?'}"
+            st.state, st.detail = "stack applied", f"{plural(len(stack), 'patch')} on {st.base[:12] if st.base else '?'}"
         elif stack is None:
             st.state, st.detail = "stack applied", "applied; this checkout's tag is not pinned"
         else:

@@ -20,9 +20,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from conftest import Project, git
 
@@ -43,8 +43,8 @@ def fork_run(project: Project, argv: list[str], env: dict[str, str] | None = Non
         rc = 99
         try:
             os.setsid()
-            sys.stdout = open(os.devnull, "w")
-            sys.stderr = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the child never returns
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115
             os.environ.update({**project.env, **(env or {})})
             os.environ["DSADAPT_TEST_PGID"] = str(os.getpgrp())
             faults.reset()
@@ -169,7 +169,7 @@ class Tally:
     wrong: list[str] = field(default_factory=list)
     manual: list[str] = field(default_factory=list)
 
-    def add(self, other: "Tally") -> None:
+    def add(self, other: Tally) -> None:
         self.kills += other.kills
         self.recovered += other.recovered
         self.lost += other.lost
@@ -306,6 +306,6 @@ def _run_points(base: Project, sc: Scenario, work_root: Path, points: list[int],
             target.append(f"{sc.name} k={k} ({what}): {pr}")
         if not any(pr.startswith("MANUAL") for pr in problems):
             tally.recovered += 1
-        log.append(f"{sc.name} k={k} ({what}): {'ok' if not problems else problems} {ran}")
+        log.append(f"{sc.name} k={k} ({what}): {problems or 'ok'} {ran}")
         shutil.rmtree(work_root / f"k{k}", ignore_errors=True)
     return tally, log

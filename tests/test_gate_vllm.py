@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, git
+
 from patcher.engines.base import has_cuda
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]

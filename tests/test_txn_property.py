@@ -9,11 +9,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import REF1, TAG1, Project, commit_msg, git, lock_text, make_patches, make_upstream
 from fault_harness import Scenario, Work, check_after_kill, copy_project, count_events, drive, fork_run, outcome
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 FILES = ["vllm/mod.py", "vllm/util.py", "README.md", "vllm/__init__.py"]
 edit = st.tuples(st.sampled_from(FILES), st.integers(0, 12), st.sampled_from(["alpha", "beta", "gamma", "delta"]),

@@ -9,8 +9,20 @@ import subprocess
 import sys
 import time
 
-from conftest import (MOD_V1, P1_MOD, REF1, REPO_ROOT, TAG1, TAG2, commit_msg, edit, files_snapshot, git,
-                      make_patches, refs_snapshot)
+from conftest import (
+    MOD_V1,
+    P1_MOD,
+    REF1,
+    REPO_ROOT,
+    TAG1,
+    TAG2,
+    commit_msg,
+    edit,
+    files_snapshot,
+    git,
+    make_patches,
+    refs_snapshot,
+)
 
 
 def _applied(project):
@@ -246,6 +258,7 @@ def test_a_checkout_a_killed_run_was_making_is_cleaned_by_the_next_apply(project
 
 def test_rebased_commits_carry_the_fixed_date(tmp_path):
     import rebase_fixture as fx
+
     from patcher.lock import load_lock
     from patcher.pinref import PinRef
     from patcher.rebase import rebase_stack

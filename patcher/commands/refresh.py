@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, ref_of, say
 
 
 @click.command("refresh")
@@ -20,7 +20,7 @@ def refresh_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     not hold that change (a pull, a hand edit); --force overwrites it and keeps the old files."""
     from .. import workspace
 
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)
     with workspace.workdir_lock(ctx.cfg):
         res = workspace.refresh_stack(ctx.cfg, ctx.lock, ref, force=force)

@@ -28,30 +28,21 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import sys
 import time
 
-SCHEMA = "dsadapt.logit-report/1"
+import dsadapt_runner as kit
+
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--dtype", default="float32", choices=DTYPES)
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", required=True)
+    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     ap.add_argument("--experts", default="eager",
                     help="transformers experts_implementation (eager: the plain per-expert loop; "
                          "grouped_mm has no float64 kernel)")
     ap.add_argument("--batch-mode", default="individual", choices=("individual", "padded"))
-    ap.add_argument("--fingerprint", default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return ap.parse_args(argv)
 
@@ -71,12 +62,7 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     return model.eval()
 
 
-def position_entry(logprobs_row, token_id, top_k):
-    """One position: the actual token's logprob and the top-k ``{id: logprob}``
-    (descending) of a full log-softmax row."""
-    vals, ids = logprobs_row.topk(top_k)
-    return {"token": int(token_id), "logprob": float(logprobs_row[token_id]),
-            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+position_entry = kit.position_from_row
 
 
 def _log_softmax(logits):
@@ -112,8 +98,7 @@ def result_from_rows(pid, batch, prompt, generated, rows, top_k):
     full = list(prompt) + list(generated)
     prompt_lp = [None] + [position_entry(rows[i - 1], full[i], top_k) for i in range(1, len(prompt))]
     gen_lp = [position_entry(rows[i - 1], full[i], top_k) for i in range(len(prompt), len(full))]
-    return {"id": pid, "batch": batch, "prompt_token_ids": list(prompt), "prompt_logprobs": prompt_lp,
-            "generated_token_ids": list(generated), "generated_logprobs": gen_lp}
+    return kit.prompt_result({"id": pid, "batch": batch, "token_ids": prompt}, prompt_lp, generated, gen_lp)
 
 
 def run_individual(model, prompt_docs, top_k, max_tokens):
@@ -173,30 +158,23 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    prompt_docs = kit.load_prompts(args.prompts)
     t0 = time.time()
     model = load_model(args.model, args.dtype, args.attn, args.experts)
     t1 = time.time()
     results, flips = run(model, prompt_docs, args.top_k, args.max_tokens, args.batch_mode)
     t2 = time.time()
-    report = {
-        "schema": SCHEMA, "runner": "hf_reference", "engine": "transformers",
-        "engine_version": transformers.__version__,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "engine_path": transformers.__file__, "dtype": args.dtype, "top_k": args.top_k,
-        "max_tokens": args.max_tokens, "model": {"path": args.model, "fingerprint": args.fingerprint},
-        "settings": {"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
-                     "greedy_flips": flips},
-        "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)},
-        "prompts": results,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
-    print(f"hf_reference: {len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}",
-          file=sys.stderr)
+    kit.write_report(args.out, kit.report(
+        args, runner="hf_reference", engine="transformers", engine_version=transformers.__version__,
+        versions={"torch": torch.__version__, "transformers": transformers.__version__,
+                  "python": platform.python_version()},
+        engine_path=transformers.__file__, prompts=results,
+        settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
+                  "greedy_flips": flips},
+        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
+    kit.say("hf_reference", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    kit.run(main)
