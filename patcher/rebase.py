@@ -239,8 +239,8 @@ class RebaseKind:
         new_hash = stack_hash([_Entry(n, files[n].decode("utf-8")) for n in names])
         md, js = report_paths(cfg, co.ref.engine, ex["from"].split("@", 1)[1], co.ref.tag)
         if "reports_before" not in ex:
-            ex["reports_before"] = {str(p.relative_to(cfg.project)): (p.read_text(encoding="utf-8") if p.is_file()
-                                                                      else None) for p in (md, js)}
+            ex["reports_before"] = {_portable(cfg, p): (p.read_text(encoding="utf-8") if p.is_file() else None)
+                                    for p in (md, js)}
             tx.write()
         report = _report(tx, base, head, names, new_hash)
         atomic_write_text(md, format_markdown(report))
@@ -259,7 +259,7 @@ class RebaseKind:
         g.delete_ref(FROM_BASE)
         g.delete_ref(FROM_HEAD)
         for rel, text in (ex.get("reports_before") or {}).items():
-            p = cfg.project / rel
+            p = _resolve(cfg, rel)
             if text is None:
                 remove_file(p)
             elif not p.is_file() or p.read_text(encoding="utf-8") != text:
@@ -294,6 +294,24 @@ def _by_patch_id(tx: Transaction, text: str, patch: Patch) -> str | None:
     if shallow.is_file() and base in shallow.read_text().split():
         return None
     return upstream_by_patch_id(tx.git, text, patch, base, tx.op.extra.get("from_base") or base)
+
+
+def _portable(cfg: Config, p: Path) -> str:
+    """A path for the op record that survives moving the project and work dir: relative to one of them."""
+    for prefix, root in (("project:", cfg.project), ("workdir:", cfg.workdir)):
+        try:
+            return prefix + str(p.relative_to(root))
+        except ValueError:
+            continue
+    return str(p)
+
+
+def _resolve(cfg: Config, s: str) -> Path:
+    if s.startswith("project:"):
+        return cfg.project / s[len("project:"):]
+    if s.startswith("workdir:"):
+        return cfg.workdir / s[len("workdir:"):]
+    return cfg.project / s  # relative paths of older records are the project's
 
 
 def _write_pin(path: Path, before: str, after: str, key: str) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from . import leftovers
 from .config import Config
-from .errors import DsadaptError, RefusedToClobber, VerificationError, WorkspaceError, plural
+from .errors import DsadaptError, RefusedToClobber, StackError, VerificationError, WorkspaceError, plural
 from .fsutil import atomic_write_bytes, remove_file
-from .gitutil import Git, clear_stale_locks, init_repo, work_fingerprint
+from .gitutil import Git, GitError, clear_stale_locks, init_repo, work_fingerprint
 from .lock import Lock, LockEntry
 from .patchfile import Patch, parse_patch
 from .pinref import PinRef
@@ -715,7 +715,7 @@ def _natural(tag: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", tag) if p)
 
 
-def status_all(cfg: Config, lock: Lock) -> list[CheckoutStatus]:
+def status_all(cfg: Config, lock: Lock, status_of=None) -> list[CheckoutStatus]:
     """Status of every pin, plus checkouts on disk that hold an op but whose pin is gone (a rebase
     killed before it pinned NEW)."""
     running = lock_holder(cfg)
@@ -723,8 +723,8 @@ def status_all(cfg: Config, lock: Lock) -> list[CheckoutStatus]:
     out = []
     for e in entries:
         try:
-            out.append(checkout_status(cfg, lock, e, running))
-        except DsadaptError as err:  # one broken checkout never hides the others
+            out.append((status_of or checkout_status)(cfg, lock, e, running))
+        except (StackError, WorkspaceError, VerificationError, GitError) as err:  # one broken checkout never hides the others
             out.append(CheckoutStatus(str(e.ref), str(cfg.checkout_dir(e.engine, e.tag)), "broken", err.message))
     pinned = {str(e.ref) for e in entries}
     for co in all_checkouts(cfg):

@@ -18,7 +18,7 @@ from unittest import mock
 
 import click
 import pytest
-from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, lock_text, make_wheel
+from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, git, lock_text, make_wheel
 
 import patcher
 from patcher.cli import cli
@@ -95,6 +95,15 @@ def _applied(p) -> None:
 
 
 #: Per command: (situation, setup, args, env, expected code). Every command of the CLI must be here.
+def _hand_edited(p):
+    _applied(p)
+    f = sorted(p.stack_dir().glob("0001-*.patch"))[0]
+    f.write_text(f.read_text().replace("Covered-By:", "Acked-by: A <a@example.org>\nCovered-By:", 1))
+    co = p.checkout()
+    (co / "vllm" / "util.py").write_text("# new\n")
+    git(co, "commit", "-qam", "new work")
+
+
 SITUATIONS: dict[str, list[tuple]] = {
     "apply": [("ok", None, [REF1], {}, 0),
               ("no reachable source", None, [REF1], {"DSADAPT_SOURCES": "mirror"}, 6),
@@ -105,7 +114,8 @@ SITUATIONS: dict[str, list[tuple]] = {
     "continue": [("nothing in progress", _applied, [], {}, 4)],
     "skip": [("nothing in progress", _applied, [REF1], {}, 4)],
     "abort": [("nothing in progress", _applied, [], {}, 4)],
-    "refresh": [("no checkout", None, [REF1], {}, 4), ("ok", _applied, [REF1], {}, 0)],
+    "refresh": [("no checkout", None, [REF1], {}, 4), ("ok", _applied, [REF1], {}, 0),
+                ("patches/ newer than the checkout", _hand_edited, [REF1], {}, 4)],
     "verify": [("ok", None, [REF1], {}, 0),
                ("no reachable source", _with_triton, [TRITON], {}, 6),
                ("a stack with lint problems", lambda p: (p.stack_dir() / "9999-stray.patch").write_text("x"),
@@ -119,6 +129,7 @@ SITUATIONS: dict[str, list[tuple]] = {
     "install": [("no environment lock for the pin", None, [REF1], {}, 6)],
     "list": [("ok", None, [], {}, 0)],
     "status": [("ok", None, [], {}, 0)],
+    "gc": [("ok", None, [], {}, 0), ("dry run", None, ["--dry-run"], {}, 0)],
     "report": [("ok", None, [], {}, 0)],
     "matrix": [("ok", None, ["--only", "pinned"], {}, 0)],
     "pin": [("ok (local upstream)", None, [f"vllm@{TAG1}"], {}, 0)],

@@ -7,6 +7,13 @@ import click
 from .common import Context, emit_json, json_option, pass_ctx, plural, say, table
 
 
+def checkout_status(cfg, lock, entry, running=None):
+    """One pin's status (workspace.checkout_status, imported when a status is asked for)."""
+    from ..workspace import checkout_status as status_of
+
+    return status_of(cfg, lock, entry, running)
+
+
 def _stack_info(ctx: Context, entry):
     from ..errors import DsadaptError
     from ..stack import load_stack
@@ -63,7 +70,7 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
     from .. import leftovers
     from ..workspace import status_all
 
-    sts = status_all(ctx.cfg, ctx.lock)
+    sts = status_all(ctx.cfg, ctx.lock, checkout_status)
     left = leftovers.find(ctx.cfg)
     if as_json:
         emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]})
@@ -89,6 +96,7 @@ def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
     from .. import leftovers
     from ..workdir import workdir_lock
 
+    ctx.lock  # noqa: B018 - a broken project (malformed lock) is refused before anything is removed
     with workdir_lock(ctx.cfg):
         found = leftovers.find(ctx.cfg, sizes=True)
         failed = [] if dry_run else leftovers.remove(found)
