@@ -47,6 +47,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
     try:
+        try:  # the file keeps its mode (mkstemp makes 0600); a new one gets the umask's default
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -337,3 +337,22 @@ def test_abort_of_a_killed_refresh_puts_patches_back_byte_for_byte(project, clea
     assert tree_sha(project.stack_dir()) == before
     assert _status(project)["state"] == "diverged"  # the new commit is still there, not exported
     assert git(co, "for-each-ref", "--format=%(refname)", "refs/dsadapt/backup/") == ""
+
+
+def test_durable_writes_keep_the_file_mode(tmp_path):
+    from patcher.fsutil import atomic_write_text
+
+    f = tmp_path / "upstream.lock"
+    f.write_text("old\n")
+    f.chmod(0o644)
+    atomic_write_text(f, "new\n")
+    assert f.read_text() == "new\n" and (f.stat().st_mode & 0o777) == 0o644
+    g = tmp_path / "new.patch"
+    atomic_write_text(g, "x\n")
+    assert (g.stat().st_mode & 0o777) == (0o666 & ~_umask())
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m

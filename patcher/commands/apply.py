@@ -55,7 +55,7 @@ def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
 
 
 @click.command("continue")
-@pinref_arg(required=False)
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
 @json_option
 @pass_ctx
 def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
@@ -69,7 +69,7 @@ def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 
 
 @click.command("skip")
-@pinref_arg(required=False)
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
 @json_option
 @pass_ctx
 def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
@@ -83,7 +83,7 @@ def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 
 
 @click.command("abort")
-@pinref_arg(required=False)
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
 @json_option
 @pass_ctx
 def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
