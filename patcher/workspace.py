@@ -284,6 +284,12 @@ def _in_progress(cfg: Config, ref: PinRef | None) -> Checkout:
     return found[0]
 
 
+def has_op(cfg: Config, ref: PinRef) -> bool:
+    """Whether the pin's checkout holds an operation in progress."""
+    co = Checkout(cfg, ref)
+    return co.exists and _has_op(co)
+
+
 def _has_op(co: Checkout) -> bool:
     try:
         st = co.load()

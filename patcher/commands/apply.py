@@ -31,6 +31,18 @@ def _report(res, as_json: bool, verb: str) -> None:
         say(f"  uncommitted work kept as {b} (git -C {res.checkout} stash apply {b})")
 
 
+def _op_ref(ctx: Context, pin):
+    """The pin of continue/skip/abort: it must be pinned, unless its checkout holds an op (an op can
+    outlive its pin: a rebase killed before pinning NEW, an abort killed after unpinning it)."""
+    ref = to_ref(pin)
+    if ref is not None and str(ref) not in ctx.lock.pins:
+        from ..workspace import has_op
+
+        if not has_op(ctx.cfg, ref):
+            ctx.lock.pin(ref)  # the usual "not pinned" error
+    return ref
+
+
 def _on_patch(as_json: bool):
     return None if as_json else (lambda o: say(_line(o)))
 
@@ -62,8 +74,9 @@ def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run)."""
     from .. import workspace
 
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workspace.workdir_lock(ctx.cfg):
-        res = workspace.continue_apply(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json),
+        res = workspace.continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
                                        progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
@@ -76,8 +89,9 @@ def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Drop the patch that stopped the apply and go on with the rest."""
     from .. import workspace
 
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workspace.workdir_lock(ctx.cfg):
-        res = workspace.skip_patch(ctx.cfg, to_ref(pin), on_patch=_on_patch(as_json),
+        res = workspace.skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
                                    progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
@@ -90,8 +104,9 @@ def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Undo the whole apply (or rebase, or refresh): branches, HEAD, work tree and patches/ as they were."""
     from .. import workspace
 
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workspace.workdir_lock(ctx.cfg):
-        co = workspace.abort_apply(ctx.cfg, to_ref(pin), progress=progress_printer(not as_json))
+        co = workspace.abort_apply(ctx.cfg, ref, progress=progress_printer(not as_json))
     notes = getattr(co, "notes", [])
     if as_json:
         emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})
