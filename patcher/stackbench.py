@@ -294,11 +294,16 @@ def _s(x: float | None) -> str:
 
 
 def stack_table(rows: list[OpRow]) -> list[list[str]]:
+    starts = [r.dsadapt_s for r in rows if r.op == "start-up" and r.dsadapt_s is not None]
+    start = min(starts) if starts else None
     out = []
     for r in rows:
         ratio = f"{r.ratio:.2f}×" if r.ratio is not None else "-"
+        note = r.note
+        if not note and start is not None and r.anchor_s is not None and r.anchor_s < start:
+            note = f"start-up bound: raw git takes less than dsadapt's start-up ({start:.2f} s)"
         out.append([r.op, "-" if r.n is None else str(r.n), _s(r.dsadapt_s), _s(r.anchor_s), r.anchor or "-", ratio,
-                    TARGETS.get(r.op, "-"), r.note or "-"])
+                    TARGETS.get(r.op, "-"), note or "-"])
     return out
 
 
