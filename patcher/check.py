@@ -27,7 +27,7 @@ from .equivalence import REFERENCE_TRANSFORMERS, LogitReport, compare, explain
 from .errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .hosts import RunHost
 from .lock import Lock, LockEntry
-from .machine import device_description
+from .machine import device_description, gpu_info
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
 from .runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
@@ -249,8 +249,11 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
         "engine_version": report.engine_version, "engine_versions": report.versions,
-        "engine_path": report.engine_path,
+        "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
+        "gpu": gpu_info(),
         "reference_versions": reference.versions,
+        # the reference is HF transformers in float32 on this machine's CPU (hf_reference.py)
+        "reference_device": (reference.settings or {}).get("device", "cpu"),
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
     }
@@ -285,6 +288,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         "command": command or f"dsadapt check {ref} --model {model}",
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
+        "gpu": gpu_info(),
         "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
         "engine_log": str(getattr(err, "log_path", None) or "") or None,
         "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
@@ -302,6 +306,13 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     out.with_suffix(".png").unlink(missing_ok=True)
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _settings_summary(settings: dict | None) -> dict:
+    """The engine's run settings worth keeping in provenance (device, backend, dtype handling...)."""
+    keep = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode", "enforce_eager",
+            "max_model_len", "cache_max_entry_count", "generation_requests")
+    return {k: v for k, v in (settings or {}).items() if k in keep}
 
 
 def _root_cause(log_path: str | None) -> str | None:

@@ -10,7 +10,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import git as gitpython
+# GitPython looks for git when imported and, by default, refuses to import without it. Commands
+# that never touch a repository (`install --offline`, `check` on an air-gapped host) must run on
+# machines without git; the ones that need it fail when they call it (GitCommandNotFound: exit 5).
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+import git as gitpython  # noqa: E402
 
 from .errors import DsadaptError
 

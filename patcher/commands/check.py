@@ -123,6 +123,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if not all_pins:
         ref = to_ref(pin)
         assert ref is not None
+        from .build import default_variant
+
+        variant = default_variant(ctx, ref, variant)
         preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
         with workdir_lock(ctx.cfg):
             res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype,
