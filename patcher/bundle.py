@@ -348,18 +348,19 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
     host_specs: dict[str, list[tuple[SpecifierSet, str]]] = {}
     expanded: dict[str, set[str]] = {}       # carried name -> extras whose requirements were walked
     requires: dict[str, list[str]] = {}
-    pending: list[tuple[str, str]] = list(roots)
+    # (requirement, who needs it, the extras of who needs it: what its marker is evaluated with)
+    pending: list[tuple[str, str, tuple[str, ...]]] = [(text, by, ("",)) for text, by in roots]
     while pending:
         to_fetch: dict[str, tuple[str, tuple[str, ...]]] = {}
         walk: list[tuple[str, set[str]]] = []
-        for text, by in pending:
+        for text, by, context in pending:
             try:
                 req = Requirement(text)
             except InvalidRequirement as e:
                 raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
                                  hint="the wheel's metadata is broken") from None
             extras = set(req.extras)
-            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in ("", *extras)):
+            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in context):
                 continue
             name = str(canonicalize_name(req.name))
             spec = f"{req.specifier or '(any)'} ({by})"
@@ -416,13 +417,10 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                 try:
                     r = Requirement(text)
                 except InvalidRequirement:
-                    pending.append((text, name))
+                    pending.append((text, name, ("",)))  # reported as unreadable above
                     continue
-                if r.marker is None:
-                    if "" in fresh:
-                        pending.append((text, name))
-                elif any(r.marker.evaluate({**env, "extra": e}) for e in fresh):
-                    pending.append((text, name))
+                if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
+                    pending.append((text, name, tuple(sorted(fresh))))
     return res
 
 

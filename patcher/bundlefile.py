@@ -19,8 +19,8 @@ Packages the target already has (`--have`) are not carried; the manifest lists t
 with the version the bundle was made for and the requirements that apply to them, and
 `install --offline` checks the target against that before it installs anything.
 
-After `install --offline`, a record in the work dir (``offline/<engine>-<tag>-<variant>.json``)
-says which bundle's builds the pin's environments hold; `install` and `check` then use those
+After `install --offline`, a record next to the environments (``<venvs>/offline-installs/
+<engine>-<tag>-<variant>.json``) says which bundle's builds the pin's environments hold; `install` and `check` then use those
 builds instead of building (which would need the release wheel and a network).
 """
 
@@ -202,8 +202,14 @@ class OfflineRecord:
         return asdict(self)
 
 
+def records_dir(cfg: Config) -> Path:
+    """Records live with the environments they describe (several work dirs may share one
+    DSADAPT_VENVS: two `check` runs at once need two work dirs, each holding its own lock)."""
+    return cfg.venvs_root / "offline-installs"
+
+
 def record_path(cfg: Config, ref: PinRef, variant: str) -> Path:
-    return cfg.workdir / "offline" / f"{ref.engine}-{ref.tag}-{variant}.json"
+    return records_dir(cfg) / f"{ref.engine}-{ref.tag}-{variant}.json"
 
 
 def write_record(cfg: Config, rec: OfflineRecord) -> Path:
@@ -214,7 +220,7 @@ def write_record(cfg: Config, rec: OfflineRecord) -> Path:
 
 
 def find_record(cfg: Config, ref: PinRef, variant: str) -> OfflineRecord | None:
-    """The offline install of `ref`'s `variant` in this work dir, or None."""
+    """The offline install of `ref`'s `variant` for these environments, or None."""
     path = record_path(cfg, ref, variant)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -229,8 +235,8 @@ def find_record(cfg: Config, ref: PinRef, variant: str) -> OfflineRecord | None:
 
 
 def offline_variants(cfg: Config, ref: PinRef) -> list[str]:
-    """Variants of `ref` installed from a bundle in this work dir (the default for check/install there)."""
-    d = cfg.workdir / "offline"
+    """Variants of `ref` installed from a bundle (the default variant of check/install there)."""
+    d = records_dir(cfg)
     out = []
     for p in sorted(d.glob(f"{ref.engine}-*.json")) if d.is_dir() else []:
         try:

@@ -4,7 +4,7 @@ Checks first, changes nothing until they pass: every file of the bundle against 
 (bundle.json), this machine against the bundle (Python X.Y, platform), the project against the
 bundle (the pin's stack hash), and this environment against the packages the bundle relies on
 (each present, at a version every requirement recorded for it accepts). Then it records the
-bundle in the work dir (`bundlefile.OfflineRecord`) and makes the pin's environments, patched
+bundle next to the environments (`bundlefile.OfflineRecord`) and makes the pin's environments, patched
 and unpatched, through the same `venvs.install_plan` that `check` uses, which then finds the
 bundle's builds and lock instead of building: pip runs with ``--no-index --find-links
 BUNDLE/wheels --require-hashes --no-deps``.

@@ -207,6 +207,28 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
 HOST_PTH = "dsadapt-host-packages.pth"
 
 
+def host_pth_text(dirs: list[str]) -> str:
+    """A .pth file that lends `dirs` to an environment after its own site-packages, each through
+    `site.addsitedir` (so the .pth files in them take effect too, as with --system-site-packages)."""
+    return ("# written by dsadapt: the host's site-packages, seen after this environment's own\n"
+            + "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+
+
+def read_host_pth(path: Path) -> list[str]:
+    """The folders a HOST_PTH file lends (its own format, or plain folder lines)."""
+    import ast
+    import re
+
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = re.fullmatch(r"import site; site\.addsitedir\((.+)\)", line.strip())
+        if m:
+            out.append(str(ast.literal_eval(m.group(1))))
+        elif line.strip() and not line.startswith(("#", "import")):
+            out.append(line.strip())
+    return out
+
+
 def host_dirs() -> list[str]:
     """The site-packages an engine environment with `host_packages` sees besides its own: the
     host environment's. When dsadapt runs in an environment that itself lends a host's packages
@@ -219,8 +241,7 @@ def host_dirs() -> list[str]:
     for d in own:
         pth = Path(d) / HOST_PTH
         if pth.is_file():
-            lent = [line.strip() for line in pth.read_text(encoding="utf-8").splitlines() if line.strip()]
-            return [p for p in lent if Path(p).is_dir()]
+            return [p for p in read_host_pth(pth) if Path(p).is_dir()]
     return [p for p in own if Path(p).is_dir()]
 
 
@@ -234,7 +255,7 @@ def host_site(venv: Path) -> Path | None:
     purelib = subprocess.run([str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     pth = Path(purelib) / HOST_PTH
-    pth.write_text("".join(f"{p}\n" for p in host_dirs()))
+    pth.write_text(host_pth_text(host_dirs()))
     return pth
 
 
@@ -271,7 +292,7 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
     root, so engines run differently (Triton's '-triton') never share site-packages; the patched
     and the unpatched environment of a plan install from the same lock.
 
-    After `dsadapt install --offline BUNDLE` (a record in the work dir, `bundlefile`), the builds
+    After `dsadapt install --offline BUNDLE` (a record next to the environments, `bundlefile`), the builds
     and the hash lock come from that bundle and pip never leaves it (`--no-index`): nothing is
     built or fetched, so this works on a machine without network.
     """
