@@ -106,8 +106,13 @@ def make_venv(venv: Path, *, host_packages: bool = False) -> None:
     images) gets an environment without pip, which `pip_command` then serves."""
     in_venv = sys.prefix != sys.base_prefix
     args = [sys.executable, "-m", "venv", *(["--system-site-packages"] if host_packages and not in_venv else [])]
+    if host_packages:
+        # nothing of its own but what dsadapt installs: the pip and setuptools ensurepip would put
+        # there would shadow the host's (Python 3.11 venvs get setuptools 65, torch asks for >= 77);
+        # dsadapt's pip serves it (`pip_command`)
+        args.append("--without-pip")
     r = subprocess.run([*args, str(venv)], capture_output=True, text=True)
-    if r.returncode != 0 and "ensurepip" in (r.stderr + r.stdout):
+    if r.returncode != 0 and "ensurepip" in (r.stderr + r.stdout) and "--without-pip" not in args:
         shutil.rmtree(venv, ignore_errors=True)
         r = subprocess.run([*args, "--without-pip", str(venv)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -345,7 +350,9 @@ def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineR
                                 hint="install it again: `dsadapt install --offline BUNDLE`")
     marker = {"ref": str(entry.ref), "variant": variant, "stack_hash": rec.stack_hash if not unpatched else None,
               "unpatched": unpatched, "unpatched_build": build.get("kind") if unpatched else None}
-    details = {"bundle": rec.bundle, "host_packages_used": rec.host}
+    # the host's packages this environment relies on, at the versions found when it was installed
+    # (bundle.json has the requirements that apply to each)
+    details = {"bundle": rec.bundle, "host_packages_used": {n: h.get("here") for n, h in sorted(rec.host.items())}}
     kw = {"lock_file": Path(rec.lock), "host_packages": rec.host_packages,
           "pip_args": ("--no-index", "--find-links", rec.wheels, "--ignore-installed"), "details": details}
     return wheel, build["sha256"], marker, kw
