@@ -8,6 +8,7 @@ written under reports/<engine>/<tag>/.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import importlib.metadata
@@ -138,12 +139,32 @@ def _hash_json(obj) -> str:
 # ---------------------------------------------------------------- the check
 
 
+REFERENCE_DEVICES = ("auto", "cpu", "cuda")
+
+
+def reference_device(asked: str, spec: VariantSpec) -> str:
+    """Where the float32 reference runs: `asked`, or for "auto" the GPU when the engine itself runs
+    on CUDA and this machine has one (a big machine's CPU, shared with the engine, can be far
+    slower than its GPU for the reference's many small forwards), else the CPU."""
+    from .engines.base import has_cuda
+
+    if asked not in REFERENCE_DEVICES:
+        raise UsageError(f"--reference-device {asked!r}", hint=f"one of {', '.join(REFERENCE_DEVICES)}")
+    if asked == "cuda" and not has_cuda():
+        raise EngineUnavailable("--reference-device cuda: no CUDA GPU on this machine",
+                                hint="use --reference-device cpu (the default where there is no GPU)")
+    if asked == "auto":
+        return "cuda" if spec.device == "cuda" and has_cuda() else "cpu"
+    return asked
+
+
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
-                  progress=None, on_line=None) -> LogitReport:
-    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script)."""
-    spec = REFERENCE_RUNNER
+                  progress=None, on_line=None, device: str = "cpu") -> LogitReport:
+    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device)."""
+    spec = dataclasses.replace(REFERENCE_RUNNER, extra_args=("--device", device))
     key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
-                      "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest()})
+                      "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest(),
+                      "device": device})
     cached = cfg.cache / "reference" / f"{key}.json"
     if cached.is_file():
         if progress:
@@ -151,7 +172,7 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
         return LogitReport.load(cached)
     py = reference_python(cfg, progress)
     if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on CPU")
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}")
     return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
                       fingerprint=fingerprint, on_line=on_line)
 
@@ -188,9 +209,10 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
               dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None, unpatched_engine: bool = False) -> CheckResult:
+              on_line=None, unpatched_engine: bool = False, reference_on: str = "auto") -> CheckResult:
     t_start = time.monotonic()
     entry, spec = preflight(lock, ref, variant, command, dtype)
+    ref_device = reference_device(reference_on, spec)
     eng = engine(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
@@ -204,7 +226,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     prompts_doc = json.loads(prompts_path.read_text())
     timings: dict = {}
     t0 = time.monotonic()
-    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
+    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
@@ -252,8 +274,10 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
         "gpu": gpu_info(),
         "reference_versions": reference.versions,
-        # the reference is HF transformers in float32 on this machine's CPU (hf_reference.py)
+        # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
         "reference_device": (reference.settings or {}).get("device", "cpu"),
+        "reference_settings": {k: v for k, v in (reference.settings or {}).items()
+                               if k in ("device", "gpu", "cuda", "tf32", "threads", "attn", "experts")},
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
     }
