@@ -299,3 +299,34 @@ def test_the_host_pth_round_trips_awkward_paths(tmp_path):
     assert read_host_pth(f) == dirs
     f.write_text("/plain/dir\n# comment\n")
     assert read_host_pth(f) == ["/plain/dir"]
+
+
+# ---------------------------------------------------------------- bootstrap.py (the target's first step)
+
+
+def _bootstrap(d: Path, *args: str):
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(Path(__file__).resolve().parents[1] / "patcher" / "offline_bootstrap.py", d / "bootstrap.py")
+    return subprocess.run([sys.executable, str(d / "bootstrap.py"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bootstrap_refuses_before_it_makes_anything(tmp_path):
+    import sys
+
+    d = tmp_path / "b"
+    write_bundle(d, host={"torch": {"have": "2.11.0", "need": []}}, host_packages=True)
+    r = _bootstrap(d)  # the bundle relies on the host's packages: the flag is required
+    assert r.returncode == 2 and "--system-site-packages" in r.stderr, r.stderr
+    (d / "wheels" / "x-1-py3-none-any.whl").write_bytes(b"changed")
+    r = _bootstrap(d, "--system-site-packages")
+    assert r.returncode == 3 and "does not match bundle.json" in r.stderr, r.stderr
+    _edit_manifest(d, python=f"3.{sys.version_info.minor + 1}")
+    r = _bootstrap(d, "--system-site-packages")
+    assert r.returncode == 6 and "this is Python" in r.stderr, r.stderr
+    (d / "bundle.json").write_text("{")
+    assert _bootstrap(d).returncode == 2
+    assert not (d / ".dsadapt").exists()  # nothing made

@@ -13,8 +13,10 @@
 #   PIN, VARIANT, CHECK_ARGS   what is checked (default lmdeploy@v0.18.0, pytorch, nothing extra);
 #   PYTHON  the host's Python, whose packages the environments lend (default python3);
 #   EXTRA   a command run in the background once the environments exist, with $D the bundle's
-#           dsadapt and $B the bundle (e.g. bisect / perf in a work dir of its own); its output
-#           goes to $OUT/extra.txt.
+#           dsadapt, $B the bundle and $EXTRA_DIR a folder for its files (packed into reports.tgz;
+#           $OUT takes 8 files at most), e.g. bisect / perf in a work dir of its own
+#           (DSADAPT_WORKDIR=$B/.wx; `--publish` puts their reports into reports/ too); its
+#           output goes to $OUT/extra.txt.
 # Results in $OUT (8 files at most): log.txt, host-pip-list.json (the probe for the next bundle:
 # tools/device/h200-pip-list.json), install.json, chain1.txt.., extra.txt, reports.tgz (the
 # published reports/ tree, each work dir's runs/ with the runner reports and logs, the
@@ -37,7 +39,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 stamp bootstrap
 "$PYTHON" bootstrap.py --system-site-packages || exit 1
 D=$B/.dsadapt/env/bin/dsadapt
-export D B
+EXTRA_DIR=$B/extra; mkdir -p "$EXTRA_DIR"
+export D B EXTRA_DIR
 "$D" install --offline . --system-site-packages --json > "$OUT/install.json"; echo "install rc=$?"
 check() {  # workdir model dtype [unpatched]
   if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then echo "skipped (time) $*"; return; fi
@@ -59,7 +62,7 @@ for chain in "${chains[@]}"; do
 done
 wait "${pids[@]}"
 stamp done
-tar czf "$OUT/reports.tgz" reports .w*/runs .dsadapt/venvs/offline-installs .dsadapt/venvs/*/dsadapt-install.json \
-  .dsadapt/venvs/*/dsadapt-pip.log 2>/dev/null
+tar czf "$OUT/reports.tgz" reports extra .w*/runs .dsadapt/venvs/offline-installs \
+  .dsadapt/venvs/*/dsadapt-install.json .dsadapt/venvs/*/dsadapt-pip.log 2>/dev/null
 ls -la reports/*/*/ 2>/dev/null
 stamp end
