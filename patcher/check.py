@@ -8,6 +8,7 @@ written under reports/<engine>/<tag>/.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import importlib.metadata
@@ -27,7 +28,7 @@ from .equivalence import REFERENCE_TRANSFORMERS, LogitReport, compare, explain
 from .errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .hosts import RunHost
 from .lock import Lock, LockEntry
-from .machine import device_description
+from .machine import device_description, gpu_info
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
 from .runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
@@ -138,12 +139,32 @@ def _hash_json(obj) -> str:
 # ---------------------------------------------------------------- the check
 
 
+REFERENCE_DEVICES = ("auto", "cpu", "cuda")
+
+
+def reference_device(asked: str, spec: VariantSpec) -> str:
+    """Where the float32 reference runs: `asked`, or for "auto" the GPU when the engine itself runs
+    on CUDA and this machine has one (a big machine's CPU, shared with the engine, can be far
+    slower than its GPU for the reference's many small forwards), else the CPU."""
+    from .engines.base import has_cuda
+
+    if asked not in REFERENCE_DEVICES:
+        raise UsageError(f"--reference-device {asked!r}", hint=f"one of {', '.join(REFERENCE_DEVICES)}")
+    if asked == "cuda" and not has_cuda():
+        raise EngineUnavailable("--reference-device cuda: no CUDA GPU on this machine",
+                                hint="use --reference-device cpu (the default where there is no GPU)")
+    if asked == "auto":
+        return "cuda" if spec.device == "cuda" and has_cuda() else "cpu"
+    return asked
+
+
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
-                  progress=None, on_line=None) -> LogitReport:
-    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script)."""
-    spec = REFERENCE_RUNNER
+                  progress=None, on_line=None, device: str = "cpu") -> LogitReport:
+    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device)."""
+    spec = dataclasses.replace(REFERENCE_RUNNER, extra_args=("--device", device))
     key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
-                      "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest()})
+                      "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest(),
+                      "device": device})
     cached = cfg.cache / "reference" / f"{key}.json"
     if cached.is_file():
         if progress:
@@ -151,7 +172,7 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
         return LogitReport.load(cached)
     py = reference_python(cfg, progress)
     if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on CPU")
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}")
     return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
                       fingerprint=fingerprint, on_line=on_line)
 
@@ -188,9 +209,10 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
               dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None, unpatched_engine: bool = False) -> CheckResult:
+              on_line=None, unpatched_engine: bool = False, reference_on: str = "auto") -> CheckResult:
     t_start = time.monotonic()
     entry, spec = preflight(lock, ref, variant, command, dtype)
+    ref_device = reference_device(reference_on, spec)
     eng = engine(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
@@ -204,7 +226,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     prompts_doc = json.loads(prompts_path.read_text())
     timings: dict = {}
     t0 = time.monotonic()
-    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
+    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
@@ -249,8 +271,13 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
         "engine_version": report.engine_version, "engine_versions": report.versions,
-        "engine_path": report.engine_path,
+        "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
+        "gpu": gpu_info(),
         "reference_versions": reference.versions,
+        # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
+        "reference_device": (reference.settings or {}).get("device", "cpu"),
+        "reference_settings": {k: v for k, v in (reference.settings or {}).items()
+                               if k in ("device", "gpu", "cuda", "tf32", "threads", "attn", "experts")},
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
     }
@@ -285,6 +312,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         "command": command or f"dsadapt check {ref} --model {model}",
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
+        "gpu": gpu_info(),
         "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
         "engine_log": str(getattr(err, "log_path", None) or "") or None,
         "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
@@ -302,6 +330,13 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
     out.with_suffix(".png").unlink(missing_ok=True)
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _settings_summary(settings: dict | None) -> dict:
+    """The engine's run settings worth keeping in provenance (device, backend, dtype handling...)."""
+    keep = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode", "enforce_eager",
+            "max_model_len", "cache_max_entry_count", "generation_requests")
+    return {k: v for k, v in (settings or {}).items() if k in keep}
 
 
 def _root_cause(log_path: str | None) -> str | None:

@@ -108,11 +108,13 @@ def render(res: CheckResult) -> None:
 @click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
 @click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
 @click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
+@click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the float32 HF reference runs (auto: the GPU for a CUDA engine on a GPU machine, else the CPU).")
 @publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              as_json) -> None:
+              reference_device, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
@@ -123,11 +125,18 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if not all_pins:
         ref = to_ref(pin)
         assert ref is not None
-        preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        from .build import default_variant
+
+        variant = default_variant(ctx, ref, variant)
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        from ..check import reference_device as where_reference
+
+        where_reference(reference_device, spec)
         with workdir_lock(ctx.cfg):
             res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype,
                             variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
-                            command=command, unpatched_engine=unpatched_engine, on_line=on_line)
+                            command=command, unpatched_engine=unpatched_engine, on_line=on_line,
+                            reference_on=reference_device)
         if as_json:
             emit_json(res.to_json())
         else:
@@ -154,7 +163,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 continue
             try:
                 res = run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dtype,
-                                progress=progress, stream=not as_json, command=command, on_line=on_line)
+                                progress=progress, stream=not as_json, command=command, on_line=on_line,
+                                reference_on=reference_device)
                 results.append({"pin": str(entry.ref), "verdict": res.verdict, "report": res.report_path,
                                 "reasons": res.reasons})
                 rows.append([str(entry.ref), res.verdict, res.report_path if res.passed else "; ".join(res.reasons[:2])])

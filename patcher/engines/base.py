@@ -56,6 +56,10 @@ class VariantSpec:
     toolchain: tuple[str, ...] = ()  # programs a full source build needs
     leave_out: tuple[str, ...] = ()  # wheel members (fnmatch) an overlay build drops
     wheel_variant: str | None = None  # overlay the wheel pinned for this other variant (default: own name)
+    # dependencies of the wheel that this variant's gate run never imports (TurboMind's CUDA 12
+    # libraries for a PyTorch-engine-only build, ...): an offline bundle leaves them (and what only
+    # they need) out; `dsadapt bundle` lists them, docs/engines/<engine>.md says how it was verified
+    unused_deps: tuple[str, ...] = ()
 
     @property
     def artifact_variant(self) -> str:
@@ -133,9 +137,10 @@ class EngineEnv:
     sha256: str
     reused: bool = False
     removed: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)  # the install marker: lock digest, bundle, host packages
 
     def provenance(self) -> dict:
-        return {"artifact": self.artifact, "sha256": self.sha256, "venv": str(self.venv)}
+        return {"artifact": self.artifact, "sha256": self.sha256, "venv": str(self.venv), **self.details}
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,9 @@ class Engine(Protocol):
     def run_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]: ...
 
+    # -- offline hosts: `dsadapt bundle` (its environment plan, builds and `VariantSpec.unused_deps`)
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
+
     # -- serving and speed (issue 15)
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]: ...
     def benchmark(self, served: Served, workload: Mapping[str, Any], svc: RunServices) -> dict: ...
@@ -399,6 +407,13 @@ class EngineBase:
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]:
         raise EngineUnavailable(f"{run.entry}: {self.name} has no runner for the gate", hint=f"see {self.docs_page}")
 
+    # -- offline hosts
+
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None:
+        """Why `dsadapt bundle` cannot carry this pin to an offline host, or None. A bundle holds
+        wheels: an engine whose build is something else says so here."""
+        return f"{self.name} is not built as a wheel; dsadapt cannot bundle it for an offline host"
+
     # -- serving and speed (issue 15: `dsadapt perf` plugs in here)
 
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]:
@@ -449,6 +464,11 @@ class WheelEngine(EngineBase):
         if self.build_kind(stack).kind == "full":
             return None
         return entry.artifact(spec.artifact_variant, wheel=True)
+
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None:
+        if self.runner is None:
+            return f"{self.name} has no runner for the gate"
+        return None
 
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
               svc: BuildServices) -> BuildResult:

@@ -26,7 +26,13 @@ class LmdeployEngine(WheelEngine):
                     # and TurboMind's GEMM tuner bin/llama_gemm. The turbomind/*.py files stay: backend
                     # selection imports them. AWQ models in the PyTorch engine need the full variant.
                     leave_out=("lmdeploy/lib/_turbomind*.so", "lmdeploy/turbomind/_turbomind*.so",
-                               "lmdeploy/turbomind/lib64/libxgrammar.a", "lmdeploy/bin/llama_gemm")),
+                               "lmdeploy/turbomind/lib64/libxgrammar.a", "lmdeploy/bin/llama_gemm"),
+                    # What the gate's PyTorch-engine run never imports (docs/engines/lmdeploy.md, "Offline
+                    # bundle"): TurboMind's CUDA 12 libraries, the multi-node executor (ray), and model
+                    # families the tiny DeepSeek models do not use (tilelang kernels, linear attention,
+                    # the chemistry tokenizer's rdkit). An offline bundle leaves them out.
+                    unused_deps=("nvidia-nccl-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12",
+                                 "nvidia-curand-cu12", "ray", "tilelang", "flash-linear-attention", "rdkit")),
     )
     compiled_patterns = COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*")
     docs_page = "docs/engines/lmdeploy.md"
