@@ -39,6 +39,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--fingerprint", default=None)
+    ap.add_argument("--capture", default=None,
+                    help="also capture every comparison point of `dsadapt bisect` into this file (torch.save)")
+    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON) naming the points")
+    ap.add_argument("--capture-decode-steps", type=int, default=2)
     return ap.parse_args(argv)
 
 
@@ -84,8 +88,38 @@ def groups(prompt_docs):
     return out
 
 
+def capture_pass(llm, prompt_docs, args):
+    """`dsadapt bisect`'s capture: forward hooks registered on the live model (in this process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0), each prompt alone, prefill plus a few greedy decode
+    steps, so every row maps to (prompt, position). Returns the capture's timing."""
+    from capture import Recorder, load_spec, save  # the runners' own helper, next to this script
+    from vllm import SamplingParams
+
+    t0 = time.time()
+    rec = Recorder(load_spec(args.capture_spec))
+    llm.apply_model(rec.install)
+    steps = args.capture_decode_steps + 1
+    params = SamplingParams(temperature=0.0, max_tokens=steps, min_tokens=steps, ignore_eos=True, detokenize=False)
+    sequences = {}
+    try:
+        for p in prompt_docs:
+            llm.reset_prefix_cache()  # every prompt token must be computed, not read from the cache
+            rec.prompt = p["id"]
+            out = llm.generate([{"prompt_token_ids": list(p["token_ids"])}], params, use_tqdm=False)
+            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in out[0].outputs[0].token_ids]
+    finally:
+        rec.active = False
+        llm.apply_model(lambda model: rec.remove())
+    doc = rec.finish(sequences, meta={"engine": "vllm", "dtype": args.dtype, "decode_steps": args.capture_decode_steps})
+    save(doc, args.capture)
+    return round(time.time() - t0, 3)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.capture:
+        # the engine core must run in this process for hooks on its model to see the forward
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.time()
     import vllm
     from vllm import LLM, SamplingParams
@@ -107,6 +141,7 @@ def main(argv=None):
         for p, out in zip(group, outs):
             results[p["id"]] = result_from_output(p["id"], p.get("batch"), p["token_ids"], out, args.top_k)
     t3 = time.time()
+    capture_s = capture_pass(llm, prompt_docs, args) if args.capture else None
     import torch
 
     report = {
@@ -117,7 +152,8 @@ def main(argv=None):
         "settings": {"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
                      "groups": [[p["id"] for p in g] for g in groups(prompt_docs)]},
         "timings": {"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
-                    "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times},
+                    "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
+                    **({"capture_s": capture_s} if capture_s is not None else {})},
         "prompts": [results[p["id"]] for p in prompt_docs],
     }
     with open(args.out, "w") as f:
