@@ -702,6 +702,10 @@ def _original_max(config: dict) -> int | None:
 # ----------------------------------------------------------------------------- report helpers
 
 
+#: Exact agreement is drawn at this error (log scale).
+HEATMAP_FLOOR = 1e-9
+
+
 def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[float | None]], list[list[str]]]:
     """(row labels, column labels, log10 errors, statuses) for the heat map: one row per
     decoder layer plus one for the model-level points, one column per point label."""
@@ -720,7 +724,7 @@ def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[flo
             continue
         r = len(rows) - 1 if p.layer is None else p.layer
         c = cols.index(p.label)
-        values[r][c] = math.log10(max(p.error, 1e-12))
+        values[r][c] = math.log10(max(p.error, HEATMAP_FLOOR))
         status[r][c] = "first" if p is res.first else p.status
     keep = [c for c in range(len(cols)) if any(values[r][c] is not None for r in range(len(rows)))]
     return (rows, [cols[c] for c in keep], [[row[c] for c in keep] for row in values],

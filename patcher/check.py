@@ -16,14 +16,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import bisect_run
 from .config import Config
 from .engines import adapter
 from .engines.base import VariantSpec
-from .equivalence import LogitReport, compare, explain
+from .equivalence import LOW_PRECISION_DTYPES, LogitReport, compare, explain
 from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from .lock import Lock, LockEntry
 from .machine import device_description
@@ -59,6 +60,8 @@ class CheckResult:
     provenance: dict
     timings: dict
     comparison: dict = field(repr=False, default_factory=dict)
+    #: the per-module comparison (`patcher.bisect_run.summary`) when this check ran one
+    bisect: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -187,6 +190,15 @@ def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype:
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
+def engine_dtypes(ad) -> tuple[str, ...]:
+    """Every dtype the engine's gate runner serves (float32 first where it has it): what
+    `check` runs by default."""
+    key = (ad.runner or "").removesuffix(".py").removesuffix("_runner")
+    spec = RUNNERS.get(key)
+    order = ("float32", "bfloat16", "float16")
+    return tuple(d for d in order if spec and d in spec.dtypes) or ("float32",)
+
+
 @contextmanager
 def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
     ad = adapter(entry.engine)
@@ -199,7 +211,9 @@ def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw)
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
               dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None, unpatched_engine: bool = False) -> CheckResult:
+              on_line=None, unpatched_engine: bool = False, bisect: str | None = None) -> CheckResult:
+    """The gate for one pin and dtype. `bisect` ("on-fail" or "always", see `patcher.bisect_run`)
+    adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
     t_start = time.monotonic()
     entry = lock.pin(ref)
     ad = adapter(ref.engine)
@@ -224,14 +238,20 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     session = ad.check_session or _default_session
+    bisect_mode = bisect_run.wanted(dtype, bisect)
+    table = bisect_run.table_for(ad) if bisect_mode else None
+    inline_capture = table is not None and ad.bisect_session is None
     t0 = time.monotonic()
     installed: dict = {}
     try:
         with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
                      unpatched_engine=unpatched_engine) as (py, runner, env, installed):
             timings["install_s"] = round(time.monotonic() - t0, 2)
+            if inline_capture:  # the same engine start captures every comparison point too
+                runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
             if progress:
-                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner")
+                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner"
+                         + (" (with bisect capture)" if inline_capture else ""))
             t0 = time.monotonic()
             engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
                                 work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
@@ -250,9 +270,20 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
     comparison = compare(reference, engine, ENGINE_TOP_K)
-    explanation = explain(comparison, config) if want_explain else []
     timings["compare_s"] = round(time.monotonic() - t0, 3)
-    verdict = "pass" if comparison.passed else "fail"
+    bisected = None
+    if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
+        t0 = time.monotonic()
+        bisected = _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, model_dir, label, style,
+                           fingerprint, config, dtype, work, out, ref, inline_capture, progress, stream, on_line,
+                           engine_path=engine.engine_path)
+        timings["bisect_s"] = round(time.monotonic() - t0, 2)
+    explanation = explain(comparison, config, bisected) if want_explain else []
+    reasons = list(comparison.reasons)
+    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected["passed"] is False:
+        # low precision: a module beyond its calibrated noise fails the check (docs/equivalence.md)
+        reasons += [f"per-module comparison ({dtype}): {r}" for r in bisected["reasons"][:1]]
+    verdict = "pass" if not reasons else "fail"
     provenance = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
@@ -271,9 +302,9 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     timings["total_s"] = round(time.monotonic() - t_start, 2)
     result = CheckResult(
         pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-        unpatched=unpatched, verdict=verdict, reasons=list(comparison.reasons), explanation=explanation,
+        unpatched=unpatched, verdict=verdict, reasons=reasons, explanation=explanation,
         report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
-        comparison=comparison.to_json())
+        comparison=comparison.to_json(), bisect=bisected)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from .plot import plot_deltas
@@ -288,6 +319,43 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         result.plot_path = None
     out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, model_dir, label, style, fingerprint,
+            config, dtype, work, out, ref, inline_capture, progress, stream, on_line, engine_path=None) -> dict:
+    """The per-module comparison of this check: the engine's capture (taken in the gate's own
+    engine run, or for engines served elsewhere in a run of their own), the reference's, the
+    report next to the check report. Returns `bisect_run.summary` (with the failure in
+    `reasons` when the engine cannot be bisected)."""
+    from .bisect import BisectError
+
+    if table is None:  # nothing to compare with: the gate's verdict stands alone
+        return {"passed": None, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
+                "reasons": [f"{ad.name} has no capture table: it cannot be bisected"], "explanation": [],
+                "report_path": None, "plot_path": None}
+    capture = work / bisect_run.ENGINE_CAPTURE
+    try:
+        if not inline_capture:
+            with ad.bisect_session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
+                                   unpatched_engine=unpatched_engine) as (py, runner, env, _installed):
+                runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
+                if progress:
+                    progress(f"bisect: {ref} {dtype} via {runner.name} runner with capture")
+                run_runner(runner, py, model_dir, work / "prompts.json", dtype, ENGINE_TOP_K, MAX_TOKENS,
+                           work / "bisect-engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+        engine_doc = bisect_run.load_capture(capture)
+        ref_docs = bisect_run.reference_capture(cfg, model_dir, fingerprint, engine_doc, dtype, work, progress, on_line)
+        result = bisect_run.compare(engine_doc, ref_docs, config, dtype, ref.engine, table)
+    except (BisectError, EngineRunFailed) as e:
+        return {"passed": False, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
+                "reasons": [f"bisect could not run: {e.message}"], "explanation": [], "report_path": None,
+                "plot_path": None}
+    meta = {"pin": str(ref), "model": label, "config_style": style, "unpatched": unpatched,
+            "engine_path": engine_path, "model_fingerprint": fingerprint,
+            "reference_versions": ref_docs["float32"].get("meta", {}),
+            "engine_capture": {k: engine_doc.get(k) for k in ("calls", "stray_calls", "missing", "dropped", "meta")}}
+    title = f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}: per-module error vs HF"
+    return bisect_run.write_report(result, out, meta, title)
 
 
 def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out, err, installed,
@@ -349,9 +417,21 @@ def _dsadapt_version() -> str:
     return __version__
 
 
+def bisect_command(result: CheckResult) -> str:
+    """The `dsadapt bisect` command that localizes this check's failure (in its own dtype)."""
+    from .tinymodel import VARIANTS
+
+    model = result.model if result.model in VARIANTS else (result.provenance.get("model_dir") or result.model)
+    return bisect_run.command(result.pin, model, result.config_style, result.dtype, result.unpatched)
+
+
 def check_or_raise(result: CheckResult) -> None:
     if not result.passed:
-        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}",
-                          hint=f"report: {result.report_path}" +
-                               ("" if result.explanation and "--explain" in (result.provenance.get("command") or "")
-                                else "; rerun with --explain for the likely layer family"))
+        hint = f"report: {result.report_path}"
+        if result.bisect and result.bisect.get("report_path"):
+            hint += f"; bisect report: {result.bisect['report_path']}"
+        else:
+            hint += f"; localize the layer and module with `{bisect_command(result)}`"
+        if not (result.explanation and "--explain" in (result.provenance.get("command") or "")):
+            hint += "; rerun with --explain for the likely layer family"
+        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}", hint=hint)

