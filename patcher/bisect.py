@@ -382,25 +382,6 @@ def rel_l2(e, r) -> float:
     return float(num / den)
 
 
-def _row_errors(e, r):
-    import torch
-
-    num = torch.linalg.vector_norm(e.double() - r.double(), dim=-1)
-    den = torch.linalg.vector_norm(r.double(), dim=-1)
-    floor = max(float(den.mean()) * 1e-3, 1e-30)
-    return num / den.clamp(min=floor)
-
-
-def _worst(e, r, keys, phase, prompts: list[str]) -> dict | None:
-    if len(keys) == 0:
-        return None
-    errs = _row_errors(e, r)
-    k = int(errs.argmax())
-    key = int(keys[k])
-    return {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
-            "phase": "decode" if int(phase[k]) else "prefill", "error": float(errs[k])}
-
-
 def _dense_weights(ids, weights, n_experts: int):
     import torch
 
@@ -427,13 +408,31 @@ class _Measure:
 
 
 def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
+    """Relative L2 error pooled over rows, over prefill and decode rows apart, and the worst row."""
+    import torch
+
     if e.shape[1] != r.shape[1]:
         return _Measure(None, 0, note=f"shapes differ: engine {tuple(e.shape[1:])}, reference {tuple(r.shape[1:])}")
-    pre, dec = phase == 0, phase == 1
-    return _Measure(rel_l2(e, r), int(e.shape[0]),
-                    prefill=rel_l2(e[pre], r[pre]) if bool(pre.any()) else None,
-                    decode=rel_l2(e[dec], r[dec]) if bool(dec.any()) else None,
-                    worst=_worst(e, r, keys, phase, prompts))
+    rr = r.double()
+    num2 = (e.double() - rr).square().sum(-1)  # per row, squared
+    den2 = rr.square().sum(-1)
+
+    def pooled(mask) -> float | None:
+        if not bool(mask.any()):
+            return None
+        n, d = float(num2[mask].sum()), float(den2[mask].sum())
+        return (0.0 if n == 0.0 else math.inf) if d == 0.0 else math.sqrt(n / d)
+
+    every = torch.ones_like(phase, dtype=torch.bool)
+    worst = None
+    if len(keys):
+        row = num2.sqrt() / den2.sqrt().clamp(min=max(float(den2.sqrt().mean()) * 1e-3, 1e-30))
+        k = int(row.argmax())
+        key = int(keys[k])
+        worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
+                 "phase": "decode" if int(phase[k]) else "prefill", "error": float(row[k])}
+    return _Measure(pooled(every), int(e.shape[0]), prefill=pooled(phase == 0), decode=pooled(phase == 1),
+                    worst=worst)
 
 
 def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts) -> tuple[_Measure, _Measure]:
