@@ -1,0 +1,124 @@
+"""`dsadapt bisect` and the check options around it, without an engine (the fake runners of
+tests/test_check_cli.py): arguments, pins that cannot run here, an engine that fails to load,
+every dtype by default, the bisect command printed by a failed check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_check_cli import PIN, Proj, failing_engine, model_dir, needs_cpu_only, proj  # noqa: F401 (fixtures)
+
+from patcher import check as check_mod
+from patcher.engines import ADAPTERS
+from patcher.runners import RUNNERS, RunnerSpec
+
+
+@pytest.fixture
+def failing_all_dtypes(failing_engine, monkeypatch):
+    """The failing fake vLLM runner, serving the real runner's dtypes."""
+    from dataclasses import replace
+
+    monkeypatch.setitem(RUNNERS, "vllm", replace(RUNNERS["vllm"], dtypes=("float32", "bfloat16", "float16")))
+    return failing_engine
+
+
+@needs_cpu_only
+def test_check_runs_every_dtype_the_engine_serves_by_default(proj, model_dir, failing_all_dtypes):
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json")
+    assert rc == 1, err
+    doc = json.loads(out)
+    assert doc["schema"] == "dsadapt.check-dtypes/1" and doc["verdict"] == "fail"
+    assert doc["dtypes"] == {"float32": "fail", "bfloat16": "fail", "float16": "fail"}
+    assert [r["dtype"] for r in doc["results"]] == ["float32", "bfloat16", "float16"]
+    reports = proj.root / "reports" / "vllm" / "v0.32.0"
+    assert {p.name for p in reports.glob("mymodel-*.json")} == {
+        "mymodel-float32.json", "mymodel-bfloat16.json", "mymodel-float16.json"}
+    assert "failed the equivalence gate in float32, bfloat16, float16" in err
+
+
+@needs_cpu_only
+def test_failed_check_prints_the_bisect_command_in_its_own_dtype(proj, model_dir, failing_all_dtypes):
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16")
+    assert rc == 1
+    assert f"localize it: dsadapt bisect {PIN} --model {model_dir} --dtype bfloat16" in err
+    assert f"`dsadapt bisect {PIN} --model {model_dir} --dtype bfloat16`" in err  # the error's hint too
+
+
+@needs_cpu_only
+def test_check_human_output_gives_one_verdict_per_dtype_and_one_overall(proj, model_dir, failing_all_dtypes):
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir))
+    assert rc == 1
+    assert "overall: FAIL (float32 fail, bfloat16 fail, float16 fail)" in err
+
+
+def test_engine_dtypes_follow_the_engines_runner():
+    assert check_mod.engine_dtypes(ADAPTERS["vllm"]) == ("float32", "bfloat16", "float16")
+    assert check_mod.engine_dtypes(ADAPTERS["lmdeploy"]) == ("bfloat16", "float16")  # no float32 path
+    assert check_mod.engine_dtypes(ADAPTERS["triton"]) == ("float32", "bfloat16", "float16")
+
+
+@needs_cpu_only
+def test_bisect_of_an_engine_that_cannot_load_the_model(proj, model_dir, failing_engine):
+    rc, out, err = proj.run("bisect", PIN, "--model", str(model_dir), "--json")
+    assert rc == 1, err
+    doc = json.loads(out)
+    assert doc["passed"] is False and doc["first"] is None and doc["dtype"] == "float32"
+    assert any("e_score_correction_bias" in r for r in doc["reasons"])
+    assert "nothing to bisect" in err
+
+
+@needs_cpu_only
+def test_bisect_pin_that_cannot_run_here_exits_6(proj):
+    rc, out, err = proj.run("bisect", "lmdeploy@v0.18.0")
+    assert rc == 6, err
+    assert "needs a CUDA GPU" in err
+
+
+def test_bisect_of_an_engine_without_a_capture_table(proj, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setitem(ADAPTERS, "vllm", replace(ADAPTERS["vllm"], bisect_table=None))
+    rc, out, err = proj.run("bisect", PIN)
+    assert rc == 6 and "cannot be bisected" in err
+
+
+def test_bisect_argument_errors(proj):
+    assert proj.run("bisect")[0] == 2
+    assert proj.run("bisect", PIN, "--dtype", "float64")[0] == 2
+    rc, out, err = proj.run("bisect", "nope@v1")
+    assert rc == 2 and "unknown engine" in err
+
+
+@needs_cpu_only
+def test_runner_receives_the_capture_protocol(proj, model_dir, tmp_path, monkeypatch):
+    """A check that captures hands the runner --capture/--capture-spec (one engine start), and the
+    spec is the engine's table for this model's config."""
+    argv_file = tmp_path / "argv.json"
+    script = tmp_path / "fake_runner.py"
+    script.write_text("import json, sys\n"
+                      f"json.dump(sys.argv, open({str(argv_file)!r}, 'w'))\n"
+                      "sys.exit(3)\n")
+    monkeypatch.setitem(RUNNERS, "vllm", RunnerSpec("vllm", script, dtypes=("float32", "bfloat16", "float16")))
+    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (Path(sys.executable), {"venv": str(tmp_path)}))
+    monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: None)
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16")
+    assert rc == 1
+    argv = json.loads(argv_file.read_text())
+    spec = json.loads(Path(argv[argv.index("--capture-spec") + 1]).read_text())
+    assert spec["schema"] == "dsadapt.capture-spec/1" and spec["table"] == "vllm"
+    assert argv[argv.index("--capture") + 1].endswith("engine-capture.pt")
+    assert argv[argv.index("--capture-decode-steps") + 1] == "2"
+    # float32 without --bisect: no capture
+    proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32")
+    assert "--capture" not in json.loads(argv_file.read_text())
+
+
+@pytest.mark.parametrize("mode,dtype,expect", [(None, "float32", None), ("on-fail", "float32", "on-fail"),
+                                               (None, "bfloat16", "always"), (None, "float16", "always")])
+def test_when_a_check_compares_modules(mode, dtype, expect):
+    from patcher.bisect_run import wanted
+
+    assert wanted(dtype, mode) == expect
