@@ -184,7 +184,7 @@ class CaptureTable:
             if s.moe_layers is not None:
                 entry["layers_only"] = [i for i in range(n_layers) if (i in moe) == s.moe_layers]
             points.append(entry)
-        spec = {"schema": SPEC_SCHEMA, "table": self.name, "layers": self.layers, "points": points}
+        spec: dict[str, Any] = {"schema": SPEC_SCHEMA, "table": self.name, "layers": self.layers, "points": points}
         if self.rows:
             spec["rows"] = dict(self.rows)
         return spec
@@ -436,7 +436,6 @@ def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
 
 
 def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts) -> tuple[_Measure, _Measure]:
-    import torch
 
     if ids_e.shape[1] != ids_r.shape[1]:
         note = f"top-k differs: engine {ids_e.shape[1]}, reference {ids_r.shape[1]}"
@@ -486,7 +485,7 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     n_layers = int(config.get("num_hidden_layers", 0))
     moe = moe_layers(config)
     n_experts = int(config.get("n_routed_experts") or 0)
-    lp_rule = None if strict else LOW_PRECISION_POINT_RULES[dtype]
+    lp_rule = LOW_PRECISION_POINT_RULES.get(dtype, LOW_PRECISION_POINT_RULES["bfloat16"])
     eng_sites = {s.point: s for s in (engine_table.sites if engine_table else ())}
     ref_idx = _index(reference)
     results: list[PointResult] = []
@@ -517,7 +516,7 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
             floor_agree = STRICT_RULE.min_agreement if strict else max(0.0, ref_agree - margin)
             res.noise = None if strict else 1.0 - ref_agree
             res.limit = 1.0 - floor_agree
-            res.status = "above" if m.value < floor_agree - 1e-12 else "ok"
+            res.status = "above" if (m.value if m.value is not None else 0.0) < floor_agree - 1e-12 else "ok"
         else:
             if strict:
                 res.limit = STRICT_RULE.limit(pdef.name)
@@ -635,8 +634,10 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
 def describe(p: PointResult) -> str:
     if p.metric == "agreement":
         s = f"expert sets agree on {p.value:.1%} of {p.rows} rows"
-        if p.noise is not None:
+        if p.noise is not None and p.limit is not None:
             s += f" (the reference's own {1 - p.noise:.1%}; limit {1 - p.limit:.1%})"
+        elif p.limit is not None:
+            s += f" (must be {1 - p.limit:.0%})"
         return s
     s = f"relative error {p.error:.3g} > {p.limit:.3g}" if p.above else f"relative error {p.error:.3g}"
     if p.noise is not None:
@@ -718,13 +719,13 @@ def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[flo
     rows = [f"layer {i}" for i in range(res.layers)] + ["model"]
     values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     status: list[list[str]] = [[""] * len(cols) for _ in rows]
-    for p in res.points:
-        if p.error is None or p.label not in cols:
+    for q in res.points:
+        if q.error is None or q.label not in cols:
             continue
-        r = len(rows) - 1 if p.layer is None else p.layer
-        c = cols.index(p.label)
-        values[r][c] = math.log10(max(p.error, HEATMAP_FLOOR))
-        status[r][c] = "first" if p is res.first else p.status
+        r = len(rows) - 1 if q.layer is None else q.layer
+        c = cols.index(q.label)
+        values[r][c] = math.log10(max(q.error, HEATMAP_FLOOR))
+        status[r][c] = "first" if q is res.first else q.status
     keep = [c for c in range(len(cols)) if any(values[r][c] is not None for r in range(len(rows)))]
     return (rows, [cols[c] for c in keep], [[row[c] for c in keep] for row in values],
             [[row[c] for c in keep] for row in status])

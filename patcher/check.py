@@ -247,7 +247,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
                      unpatched_engine=unpatched_engine) as (py, runner, env, installed):
             timings["install_s"] = round(time.monotonic() - t0, 2)
-            if inline_capture:  # the same engine start captures every comparison point too
+            if inline_capture and table is not None:  # the same engine start captures every point too
                 runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
             if progress:
                 progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner"

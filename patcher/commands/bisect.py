@@ -62,6 +62,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     (layer, module) that diverges. One engine start, one reference run. Exit 0 when every point is within
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
+    assert ref is not None  # PIN is a required argument
     ctx.lock.pin(ref)
     ad = adapter(ref.engine)
     if ad.bisect_table is None:

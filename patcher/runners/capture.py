@@ -45,6 +45,7 @@ import importlib
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 SCHEMA = "dsadapt.capture/1"
 SPEC_SCHEMA = "dsadapt.capture-spec/1"
@@ -122,7 +123,6 @@ def apply_transforms(t, transforms):
 
 def as_rows(t, token_axis: int = 0):
     """A tensor as ``[tokens, features]`` on CPU: float32 for floating point, else as is."""
-    import torch
 
     t = t.detach()
     if token_axis:
@@ -153,7 +153,7 @@ class Recorder:
     prompt: str | None = None
     layer: int | None = None
     calls: list[Call] = field(default_factory=list)
-    records: list[tuple[int, int | None, str, object, str]] = field(default_factory=list)
+    records: list[tuple[int, int | None, str, Any, str]] = field(default_factory=list)
     handles: list = field(default_factory=list)
     restores: list = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -303,9 +303,9 @@ class Recorder:
                 stray.append(c)
             call.ids, call.positions = call.ids[:n], call.positions[:n]
         if self.calls and len(stray) == len(self.calls):
-            c = self.calls[0]
-            raise CaptureError(f"no forward call matches its prompt's tokens (first: prompt {c.prompt!r}, "
-                               f"positions {c.positions[:8]}): rows cannot be mapped to positions")
+            c0 = self.calls[0]
+            raise CaptureError(f"no forward call matches its prompt's tokens (first: prompt {c0.prompt!r}, "
+                               f"positions {c0.positions[:8]}): rows cannot be mapped to positions")
         grouped: dict[tuple, list] = {}
         for c, layer, point, t, rows in self.records:
             call = self.calls[c]
