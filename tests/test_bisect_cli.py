@@ -122,3 +122,16 @@ def test_when_a_check_compares_modules(mode, dtype, expect):
     from patcher.bisect_run import wanted
 
     assert wanted(dtype, mode) == expect
+
+
+def test_triton_is_bisected_through_the_vllm_build_it_serves(monkeypatch, tmp_path):
+    """A server hides the model from hooks: Triton's bisect session runs the vLLM runner in the
+    Triton pin's environment (the served build), with vLLM's table."""
+    from patcher.engines import triton
+    from patcher.engines.vllm_bisect import TABLE
+
+    ad = ADAPTERS["triton"]
+    assert ad.bisect_table() is TABLE and ad.bisect_session is triton.bisect_session
+    monkeypatch.setattr(triton, "server_venv", lambda *a, **k: (tmp_path / "py", {"venv": str(tmp_path)}))
+    with ad.bisect_session(None, None, None, None, False, None, False, model_dir=tmp_path) as (py, spec, env, inst):
+        assert py == tmp_path / "py" and spec is RUNNERS["vllm"] and env == {}
