@@ -462,7 +462,12 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
         # the per-module comparison names the layer and module: it comes first, the logit-shape
         # heuristics below only add context
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
-    return _explain_logits(c, config)
+    lines = _explain_logits(c, config)
+    if bisect and bisect.get("passed"):
+        lines.append(f"bisect: every module of every layer matches ({bisect.get('compared')} points, each prompt "
+                     "run alone, prefill and decode): the difference is outside the model's forward — "
+                     "batching (only batch members diverge?), the sampler or logprob post-processing")
+    return lines
 
 
 def bisect_lines(bisect: dict | None) -> list[str]:

@@ -536,3 +536,12 @@ def test_low_precision_rows_do_not_pass_when_the_pooled_rule_fails():
     assert c.to_json()["rows"][0]["passed"] is False
     c.passed = True
     assert c.to_json()["rows"][0]["passed"] is True
+
+
+def test_explain_when_the_gate_fails_but_every_module_matches():
+    from patcher.bisect_run import summary
+
+    ref = synthetic()
+    clean = compare_captures(synthetic(), ref, CONFIG, "float32")
+    lines = explain(_comparison(), {}, summary(clean, None, None))
+    assert any("outside the model's forward" in ln for ln in lines)
