@@ -335,6 +335,13 @@ def _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, mode
                 "report_path": None, "plot_path": None}
     capture = work / bisect_run.ENGINE_CAPTURE
     try:
+        import torch  # noqa: F401  (the comparison runs here, on the captures' tensors)
+    except ImportError:
+        return {"passed": False, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
+                "reasons": ["bisect could not run: torch is not installed in dsadapt's environment "
+                            "(pip install 'dsadapt[models]')"], "explanation": [], "report_path": None,
+                "plot_path": None}
+    try:
         if not inline_capture:
             with ad.bisect_session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
                                    unpatched_engine=unpatched_engine) as (py, runner, env, _installed):
@@ -343,6 +350,11 @@ def _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, mode
                     progress(f"bisect: {ref} {dtype} via {runner.name} runner with capture")
                 run_runner(runner, py, model_dir, work / "prompts.json", dtype, ENGINE_TOP_K, MAX_TOKENS,
                            work / "bisect-engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+        if not capture.is_file():
+            report = work / ("engine.json" if inline_capture else "bisect-engine.json")
+            why = (json.loads(report.read_text()).get("settings") or {}).get("capture_error") if report.is_file() else None
+            raise BisectError(f"the engine run wrote no capture{': ' + why if why else ''}",
+                              hint=f"see the runner's log next to {report}")
         engine_doc = bisect_run.load_capture(capture)
         ref_docs = bisect_run.reference_capture(cfg, model_dir, fingerprint, engine_doc, dtype, work, progress, on_line)
         result = bisect_run.compare(engine_doc, ref_docs, config, dtype, ref.engine, table)

@@ -135,3 +135,30 @@ def test_triton_is_bisected_through_the_vllm_build_it_serves(monkeypatch, tmp_pa
     monkeypatch.setattr(triton, "server_venv", lambda *a, **k: (tmp_path / "py", {"venv": str(tmp_path)}))
     with ad.bisect_session(None, None, None, None, False, None, False, model_dir=tmp_path) as (py, spec, env, inst):
         assert py == tmp_path / "py" and spec is RUNNERS["vllm"] and env == {}
+
+
+@needs_cpu_only
+def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path, monkeypatch):
+    """The engine ran and gave logits, but its capture pass failed (say a new engine version no
+    longer fits the table): the low-precision check fails with that reason; nothing passes silently."""
+    from patcher.equivalence import Comparison, LogitReport
+
+    def fake_runner(spec, py, model, prompts, dtype, top_k, max_tokens, out, **kw):
+        Path(out).write_text(json.dumps({"settings": {"capture_error": "CaptureError: no forward call matches"}}))
+        return LogitReport(runner="vllm", engine="vllm", engine_version="0.32.0", dtype=dtype, top_k=top_k,
+                           max_tokens=max_tokens, prompts=[])
+
+    passing = Comparison(rule="low-precision", reference={}, engine={"dtype": "bfloat16"}, top_k=5, tolerance=None,
+                         thresholds={}, rows=[], passed=True, reasons=[],
+                         summary={"positions": 1, "prompts": 1, "max_abs": 0.1})
+    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (Path(sys.executable), {"venv": str(tmp_path)}))
+    monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: fake_runner(None, None, None, None, "float32", 20,
+                                                                                 16, tmp_path / "ref.json"))
+    monkeypatch.setattr(check_mod, "run_runner", fake_runner)
+    monkeypatch.setattr(check_mod, "compare", lambda *a, **k: passing)
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16", "--json")
+    assert rc == 1, err
+    res = json.loads(out)
+    assert res["verdict"] == "fail" and res["comparison"]["passed"] is True
+    assert res["bisect"]["passed"] is False
+    assert any("bisect could not run: the engine run wrote no capture: CaptureError" in r for r in res["reasons"])

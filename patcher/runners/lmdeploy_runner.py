@@ -250,11 +250,17 @@ def main(argv=None):
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
     t1 = time.time()
-    capture_s = None
+    capture_s, capture_error = None, None
     try:
         results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
         if args.capture:
-            capture_s = capture_pass(pipe, prompt_docs, args)
+            try:
+                capture_s = capture_pass(pipe, prompt_docs, args)
+            except Exception as e:  # the gate's logits stand; the caller reports why bisect could not run
+                import traceback
+
+                traceback.print_exc()
+                capture_error = f"{type(e).__name__}: {e}"
     finally:
         pipe.close()
     t2 = time.time()
@@ -275,7 +281,8 @@ def main(argv=None):
                      "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
                      "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
                      "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
-                     "generation_requests": requests},
+                     "generation_requests": requests,
+                     **({"capture_error": capture_error} if capture_error else {})},
         "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
                     **({"capture_s": capture_s} if capture_s is not None else {})},
         "prompts": results,

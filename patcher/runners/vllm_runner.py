@@ -141,7 +141,15 @@ def main(argv=None):
         for p, out in zip(group, outs):
             results[p["id"]] = result_from_output(p["id"], p.get("batch"), p["token_ids"], out, args.top_k)
     t3 = time.time()
-    capture_s = capture_pass(llm, prompt_docs, args) if args.capture else None
+    capture_s, capture_error = None, None
+    if args.capture:
+        try:
+            capture_s = capture_pass(llm, prompt_docs, args)
+        except Exception as e:  # the gate's logits stand; the caller reports why bisect could not run
+            import traceback
+
+            traceback.print_exc()
+            capture_error = f"{type(e).__name__}: {e}"
     import torch
 
     report = {
@@ -150,6 +158,7 @@ def main(argv=None):
         "engine_path": vllm.__file__, "dtype": args.dtype, "top_k": args.top_k, "max_tokens": args.max_tokens,
         "model": {"path": args.model, "fingerprint": args.fingerprint},
         "settings": {"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
+                     **({"capture_error": capture_error} if capture_error else {}),
                      "groups": [[p["id"] for p in g] for g in groups(prompt_docs)]},
         "timings": {"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
                     "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
