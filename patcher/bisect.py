@@ -27,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from patcher.equivalence import _json_safe
 from patcher.errors import DsadaptError
 
 SCHEMA = "dsadapt.bisect-report/1"
@@ -331,16 +332,6 @@ class BisectResult:
     def to_json(self) -> dict:
         d = asdict(self)
         return _json_safe({"schema": SCHEMA, **d})
-
-
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_json_safe(v) for v in x]
-    return x
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -10,29 +10,23 @@ against the reference's own bfloat16 rounding.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from equivalence_helpers import load_hf_reference, tiny_v3  # noqa: F401 (fixture)
 
 torch = pytest.importorskip("torch")
+# the reference runner imports its capture helper from its own directory, as it does when run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patcher" / "runners"))
 
 from patcher.bisect import REFERENCE_TABLE, compare_captures  # noqa: E402
 from patcher.prompts import build_prompt_set  # noqa: E402
-from patcher.runners.capture import Recorder  # noqa: E402
 
 
 def hf_capture(model, spec, sequences):
-    rec = Recorder(spec)
-    rec.install(model)
-    try:
-        with torch.no_grad():
-            for pid, ids in sequences.items():
-                rec.prompt = pid
-                rec.begin_call(ids, list(range(len(ids))))
-                model(torch.tensor([ids]))
-    finally:
-        rec.remove()
-    return rec.finish(sequences)
+    """The reference runner's own capture (patcher/runners/hf_reference.py, imported in-process)."""
+    return load_hf_reference().capture_run(model, spec, sequences)
 
 
 @pytest.fixture(scope="module")

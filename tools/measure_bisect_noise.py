@@ -92,14 +92,12 @@ def summarize(paths: list[str], bugs: list[str]) -> int:
 
 
 def hf_bugs(model_dir: Path, dtypes: list[str]) -> int:
-    import torch
-
     sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "patcher" / "runners"))  # the runner imports its capture helper
     from equivalence_helpers import load_hf_reference  # the runner script, imported in-process
 
     from patcher.bisect import REFERENCE_TABLE, compare_captures
     from patcher.prompts import build_prompt_set
-    from patcher.runners.capture import Recorder
 
     hfr = load_hf_reference()
     config = json.loads((model_dir / "config.json").read_text())
@@ -107,15 +105,7 @@ def hf_bugs(model_dir: Path, dtypes: list[str]) -> int:
     seqs = {p.id: list(p.token_ids) for p in build_prompt_set(model_dir, 2)}
 
     def cap(model):
-        rec = Recorder(spec)
-        rec.install(model)
-        with torch.no_grad():
-            for pid, ids in seqs.items():
-                rec.prompt = pid
-                rec.begin_call(ids, list(range(len(ids))))
-                model(torch.tensor([ids]))
-        rec.remove()
-        return rec.finish(seqs)
+        return hfr.capture_run(model, spec, seqs)
 
     def each(attr, fn):
         def patch(m):

@@ -177,13 +177,33 @@ def run(model, prompt_docs, top_k, max_tokens, batch_mode="individual"):
     return [out[p["id"]] for p in prompt_docs], flips
 
 
+def capture_run(model, spec: dict, sequences: dict, meta: dict | None = None) -> dict:
+    """One teacher-forced causal forward per sequence with the capture hooks installed
+    (patcher/runners/capture.py); returns the capture document."""
+    import torch
+
+    from capture import Recorder
+
+    rec = Recorder(spec)
+    rec.install(model)
+    try:
+        with torch.no_grad():
+            for pid, ids in sequences.items():
+                rec.prompt = pid
+                rec.begin_call(ids, list(range(len(ids))))
+                model(torch.tensor([ids]))
+    finally:
+        rec.remove()
+    return rec.finish(sequences, meta=meta)
+
+
 def capture_main(args) -> int:
     """Bisect mode: one teacher-forced forward per sequence per dtype with the capture hooks
     (patcher/runners/capture.py) installed; writes ``{dtype: capture document}``."""
     import torch
     import transformers
 
-    from capture import Recorder, load_spec
+    from capture import load_spec
 
     spec = load_spec(args.capture_spec)
     sequences = {str(k): [int(t) for t in v] for k, v in json.load(open(args.capture_sequences)).items()}
@@ -191,19 +211,9 @@ def capture_main(args) -> int:
     for dtype in [d for d in args.capture_dtypes.split(",") if d]:
         t0 = time.time()
         model = load_model(args.model, dtype, args.attn, args.experts)
-        rec = Recorder(spec)
-        rec.install(model)
-        try:
-            with torch.no_grad():
-                for pid, ids in sequences.items():
-                    rec.prompt = pid
-                    rec.begin_call(ids, list(range(len(ids))))
-                    model(torch.tensor([ids]))
-        finally:
-            rec.remove()
-        out[dtype] = rec.finish(sequences, meta={"engine": "transformers", "dtype": dtype,
-                                                 "transformers": transformers.__version__,
-                                                 "torch": torch.__version__, "device": "cpu"})
+        out[dtype] = capture_run(model, spec, sequences, meta={
+            "engine": "transformers", "dtype": dtype, "transformers": transformers.__version__,
+            "torch": torch.__version__, "device": "cpu"})
         timings[dtype] = round(time.time() - t0, 3)
         del model
     torch.save(out, args.capture)
