@@ -5,20 +5,23 @@ BIN     := $(VENV)/bin
 # The CPU build of torch (this machine's pip config serves it from a local wheel folder;
 # elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
 TORCH   ?= torch==2.13.0
-# The gate's reference version (patcher/check.py REFERENCE_TRANSFORMERS): with it in dsadapt's
+# The gate's reference version (patcher/equivalence.py REFERENCE_TRANSFORMERS): with it in dsadapt's
 # own environment the reference runs there instead of in an extra venv.
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast build-all bench gpu-check docs clean
+.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench gpu-check docs clean
 
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRANSFORMERS)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton]'
+	@echo "… installing $(TORCH) and $(TRANSFORMERS) (pip shows each download; about 2 min the first time)"
+	$(BIN)/python -m pip install --disable-pip-version-check --progress-bar off "$(TORCH)" "$(TRANSFORMERS)"
+	@echo "… installing dsadapt and its extras"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton,dev]'
+	$(BIN)/python -m compileall -q patcher
 	touch $@
 
 ## The main job: apply the vLLM stack, build and install the patched engine, and run the
@@ -32,6 +35,23 @@ demo: setup
 ## Every test, including the slow ones that install and run vLLM on CPU (CI runs this).
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## Lint, types and architecture (CI's first job): ruff (E,F,W,I,B,UP,SIM) over the project, mypy
+## over patcher/, and the import contracts in pyproject.toml [tool.importlinter] (engines never
+## import the orchestration; the core has no CLI in it; library modules stay below the orchestration).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy patcher
+	$(BIN)/lint-imports
+
+## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
+## `uv pip compile --generate-hashes` from the recipes in patcher/envlocks.py (docs/environments.md).
+## Needs PyPI; the CPU torch build comes from DSADAPT_LOCK_FIND_LINKS (default /opt/wheels).
+lock-envs: setup
+	$(BIN)/python -m patcher.envlocks
+
+check-env-locks: setup
+	$(BIN)/python -m patcher.envlocks --check
 
 ## Fast feedback: no network, no engines.
 test-fast: setup

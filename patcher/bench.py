@@ -22,26 +22,16 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .build import build_pin, buildable_here
-from .buildkind import classify
 from .config import Config
-from .engines import adapter
+from .engines import engine
 from .errors import BuildError, DsadaptError
 from .lock import Lock, LockEntry
 from .sources import fetch_artifact, find_local_artifact
 from .stack import load_stack
-
-#: What upstream documents for a build with compilation, per engine (cited, not measured here).
-FULL_BUILD_DOCS = {
-    "vllm": ("upstream full build (`pip install -e .` in a git clone): CUDA toolkit with nvcc on PATH and "
-             "GCC/G++ >= 11.3 (CPU wheels: gcc/g++ >= 12.3 and VLLM_TARGET_DEVICE=cpu); upstream says it "
-             "\"can take several minutes\" and advises limiting MAX_JOBS on less powerful machines",
-             "https://github.com/vllm-project/vllm/blob/main/docs/getting_started/installation/gpu.cuda.inc.md"
-             " (Full build (with compilation)); .../cpu.x86.inc.md"),
-}
 
 CHECK_TIMING_KEYS = ("install_s", "reference_s", "engine_import_s", "engine_engine_start_s", "engine_generate_s",
                      "engine_s", "compare_s", "total_s")
@@ -118,10 +108,8 @@ def machine_info() -> dict:
 
 
 def _variants(lock_entry: LockEntry) -> list[str]:
-    ad = adapter(lock_entry.engine)
-    names = [v.name for v in ad.variants
-             if lock_entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
-    return names or [ad.variants[0].name]
+    eng = engine(lock_entry.engine)
+    return [v.name for v in eng.pinned_variants(lock_entry)] or [eng.variants[0].name]
 
 
 def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat: int, work: Path,
@@ -137,8 +125,8 @@ def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat:
         row.reason = reason
         return row, cold
     try:
-        spec = adapter(entry.engine).variant(variant)
-        art = entry.artifact(spec.artifact_variant, wheel=True) if row.kind == "overlay" else None
+        eng = engine(entry.engine)
+        art = eng.base_artifact(entry, eng.variant(variant), load_stack(cfg.patches_root, entry.ref))
         if art is not None:
             row.cached = find_local_artifact(cfg, art) is not None
             t0 = time.monotonic()
@@ -196,9 +184,9 @@ def pure_python_rebuild(checkout: Path, packages: tuple[str, ...], name: str, ve
 def add_alternative(cold: Config, entry: LockEntry, row: BuildBench, measured: dict[str, tuple[float, int] | str],
                     work: Path, progress=None) -> None:
     """Fill in the alternative: the measured pure-Python rebuild (once per pin) and upstream's documented cost."""
-    ad = adapter(entry.engine)
-    if ad.build_kind == "backend":
-        row.alternative = "nothing to compile upstream: the backend is Python files copied into Triton's backends dir"
+    ad = engine(entry.engine)
+    if ad.compile_note:
+        row.alternative = ad.compile_note
         return
     if row.pin not in measured:
         checkout = cold.checkout_dir(entry.engine, entry.tag)
@@ -217,7 +205,7 @@ def add_alternative(cold: Config, entry: LockEntry, row: BuildBench, measured: d
                      "packages (no compilation: a lower bound)")
     else:
         parts.append(f"pure-Python rebuild not measured: {got}")
-    doc = FULL_BUILD_DOCS.get(entry.engine)
+    doc = ad.full_build_doc
     if doc:
         parts.append(doc[0])
         row.alternative_source = doc[1]
@@ -248,7 +236,7 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
     measured: dict[str, tuple[float, int] | str] = {}
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-", dir=cfg.workdir) as tmp:
-        for entry in sorted(lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
+        for entry in lock.sorted_pins():
             for v in _variants(entry):
                 if progress:
                     progress(f"bench {entry.ref} ({v})")
@@ -258,13 +246,13 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
                     add_alternative(cold, entry, row, measured, work / "alt", progress)
                 builds.append(row)
                 shutil.rmtree(work, ignore_errors=True)
-    return BenchReport(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
-                       read_check_timings(cfg.reports_root))
+    return BenchReport(datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat, builds,
+                       read_check_timings(cfg.published_reports))  # the committed reports, as docs cite them
 
 
 def _kind(cfg: Config, entry: LockEntry) -> str | None:
     try:
-        return classify(adapter(entry.engine), load_stack(cfg.patches_root, entry.ref)).kind
+        return engine(entry.engine).build_kind(load_stack(cfg.patches_root, entry.ref)).kind
     except DsadaptError:
         return None
 

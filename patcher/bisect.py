@@ -156,6 +156,14 @@ class CaptureTable:
     rows: dict | None = None  # engines: {"path": "", "ids": kwarg, "positions": kwarg}
     notes: tuple[str, ...] = ()
 
+    def module_map(self) -> dict[str, str]:
+        """HF transformers' name of each point -> where this side captures it (for docs and reports)."""
+        out: dict[str, str] = {}
+        for s in self.sites:
+            where = f"{s.path}.{s.method}()" if s.method else (s.path or s.function or "")
+            out.setdefault(POINT[s.point].hf, where)
+        return out
+
     def spec(self, config: dict, dtype: str) -> dict:
         """The capture spec (JSON) for this model config and dtype."""
         n_layers = int(config.get("num_hidden_layers", 0))
@@ -366,7 +374,7 @@ def _align(eng_doc: dict, eng: dict, ref_doc: dict, ref: dict, prompts: list[str
 def rel_l2(e, r) -> float:
     import torch
 
-    num = torch.linalg.vector_norm((e.double() - r.double()))
+    num = torch.linalg.vector_norm(e.double() - r.double())
     den = torch.linalg.vector_norm(r.double())
     if float(den) == 0.0:
         return 0.0 if float(num) == 0.0 else math.inf

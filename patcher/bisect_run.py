@@ -14,14 +14,21 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .bisect import (CAPTURE_DECODE_STEPS, LOW_PRECISION_DTYPES, REFERENCE_TABLE, BisectError, BisectResult,
-                     CaptureTable, compare_captures)
+from .bisect import (
+    CAPTURE_DECODE_STEPS,
+    LOW_PRECISION_DTYPES,
+    REFERENCE_TABLE,
+    BisectError,
+    BisectResult,
+    CaptureTable,
+    compare_captures,
+)
 from .config import Config
-from .engines.base import EngineAdapter
+from .engines.base import Engine
+from .equivalence import REFERENCE_TRANSFORMERS
 
 ENGINE_CAPTURE = "engine-capture.pt"
 REFERENCE_TIMEOUT = 900.0
@@ -29,9 +36,9 @@ REFERENCE_TIMEOUT = 900.0
 MODES = ("on-fail", "always")
 
 
-def table_for(ad: EngineAdapter) -> CaptureTable | None:
+def table_for(eng: Engine) -> CaptureTable | None:
     """The engine's capture table (its name mapping), or None when it has none."""
-    return ad.bisect_table() if ad.bisect_table else None
+    return getattr(eng, "bisect_table", None)
 
 
 def wanted(dtype: str, mode: str | None) -> str | None:
@@ -68,18 +75,18 @@ def load_capture(path: Path) -> dict:
 
 
 def _runner_script() -> Path:
-    from .runners import RUNNERS
+    from .runners import REFERENCE_RUNNER
 
-    return RUNNERS["hf_reference"].script
+    return REFERENCE_RUNNER.script
 
 
 def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc: dict, dtype: str, work: Path,
-                      progress: Callable[[str], None] | None = None,
+                      python: Callable[[], Path], progress: Callable[[str], None] | None = None,
                       on_line: Callable[[str], None] | None = None) -> dict[str, dict]:
     """The HF reference, teacher-forced on exactly the engine's token sequences, captured in
     float32 (and in `dtype` when the engine ran in low precision: its noise yardstick).
-    Cached by (model, sequences, dtypes, spec, runner, transformers version)."""
-    from .check import REFERENCE_TRANSFORMERS, reference_python
+    Cached by (model, sequences, dtypes, spec, runner, transformers version); `python` gives the
+    reference's interpreter (made on first use) when the cache misses."""
 
     config = json.loads((model_dir / "config.json").read_text())
     dtypes = ["float32"] + ([dtype] if dtype in LOW_PRECISION_DTYPES else [])
@@ -98,7 +105,7 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         docs = load_capture(cached)
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
-    py = reference_python(cfg, progress)
+    py = python()
     if progress:
         progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
                  f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks")
@@ -125,32 +132,41 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
 
 
 def _run_logged(argv: list[str], log: Path, timeout: float, on_line=None) -> int:
-    """Run argv in its own session, output to `log` (and `on_line`); kill its group on timeout."""
+    """Run argv in its own session, output to `log` (and `on_line`); on timeout (status 124) or
+    when it is done, its whole process group is ended (patcher.procs)."""
+    import threading
+
+    from .procs import signal_group, stop_group
+
     with open(log, "w") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", start_new_session=True)
-        t_end = time.monotonic() + timeout
-        try:
+        timed_out = threading.Event()
+
+        def expire():
+            timed_out.set()
+            signal_group(proc.pid, signal.SIGKILL)
+
+        def read():
             assert proc.stdout is not None
             for line in proc.stdout:
                 f.write(line)
                 if on_line:
                     on_line(line.rstrip("\n"))
-                if time.monotonic() > t_end:
-                    break
-            try:
-                rc = proc.wait(timeout=max(1.0, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = 124
+
+        timer = threading.Timer(timeout, expire)
+        timer.start()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait()
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-    return rc
+            timer.cancel()
+            stop_group(proc)
+            reader.join(timeout=30)
+    return 124 if timed_out.is_set() else rc
 
 
 def compare(engine_doc: dict, reference_docs: dict[str, dict], config: dict, dtype: str, engine_name: str,

@@ -1,66 +1,52 @@
 """dsadapt build: a patched engine as an installable artifact.
 
+The engine decides how its stack is built (`Engine.build`); this module holds the builds
+engines share and lends them through `BuildHost` (the `engines.base.BuildServices` of a run):
+
 - overlay: the pinned release wheel with the stack's files swapped in (verified by blob id
   against the patches' pre-images), RECORD rewritten, version `X+ds.<stack hash>`;
   byte-reproducible.
 - full: the upstream's own build (`pip wheel --no-deps`) when a patch touches compiled
   code; refused up front when the toolchain or the source tree is missing.
-- backend: Triton's vLLM backend has nothing to compile; its adapter assembles a directory.
+
+Engines built differently (Triton's vLLM backend: a directory, nothing to compile) implement
+`build` themselves with the same services.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .buildkind import BuildKind, classify
 from .config import Config
-from .engines import adapter
-from .engines.base import EngineAdapter, VariantSpec
-from .errors import BuildError, ToolchainMissing, VerificationError
+from .engines import engine
+from .engines.base import BuildKind, BuildResult, Engine, Progress, Tree, VariantSpec
+from .errors import BuildError, EngineUnavailable, LockError, RefusedToClobber, ToolchainMissing, VerificationError
 from .fsutil import git_blob_id, sha256_file
 from .lock import Lock, LockEntry
 from .pinref import PinRef
 from .sources import fetch_artifact
+from .sourcetree import left_out as _left_out
 from .stack import Stack, expected_preimages, load_stack
+from .trees import checkout_tree
 from .wheel import format_record, new_member, parse_record, read_raw_members, record_hash, write_members
 from .workspace import Checkout, apply_stack
 
-
-@dataclass
-class BuildResult:
-    ref: str
-    variant: str
-    kind: str
-    artifact: str
-    sha256: str
-    size: int
-    seconds: float
-    stack_hash: str
-    base_artifact: str | None = None
-    base_sha256: str | None = None
-    version: str | None = None
-    replaced: list[str] = field(default_factory=list)
-    added: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    left_out: list[str] = field(default_factory=list)
-    not_shipped: list[str] = field(default_factory=list)
-    how: str = ""
-
-    def to_json(self) -> dict:
-        return asdict(self)
+__all__ = ["BuildHost", "BuildResult", "build_pin", "buildable_here", "full_build", "overlay_build",
+           "overlay_version"]
 
 
-def overlay_version(version: str, stack_hash: str) -> str:
-    """0.32.0 -> 0.32.0+ds.<8 hex>; an existing local label is kept in front (0.1+cpu -> 0.1+cpu.ds.<..>)."""
-    label = f"ds.{stack_hash[:8]}"
+def overlay_version(version: str, stack_hash: str, variant: str | None = None) -> str:
+    """0.32.0 -> 0.32.0+ds.<8 hex>; an existing local label is kept in front (0.1+cpu -> 0.1+cpu.ds.<..>).
+
+    A variant that overlays another variant's wheel (lmdeploy's `pytorch` on the `cuda` wheel) is
+    named in the label too (0.18.0+ds.<8 hex>.pytorch), so no two variants share a file name."""
+    label = f"ds.{stack_hash[:8]}" + (f".{variant}" if variant else "")
     return f"{version}.{label}" if "+" in version else f"{version}+{label}"
 
 
@@ -88,16 +74,16 @@ def _cat_blob(co: Checkout, blob: str) -> bytes:
     return r.stdout
 
 
-def _shipped(ad: EngineAdapter, path: str) -> bool:
+def _shipped(ad: Engine, path: str) -> bool:
     return path.split("/", 1)[0] in ad.packages
 
 
-def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, spec: VariantSpec, stack: Stack,
+def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: VariantSpec, stack: Stack,
                   out_dir: Path, progress=None) -> BuildResult:
     t0 = time.monotonic()
     art = entry.artifact(spec.artifact_variant, wheel=True)
     if art is None:
-        raise BuildError(f"{entry} has no pinned wheel for variant '{spec.name}'",
+        raise LockError(f"{entry} has no pinned wheel for variant '{spec.name}'",
                          hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
     apply_stack(cfg, lock, entry.ref, progress=progress)  # no-op when the checkout already holds the stack
     co = Checkout(cfg, entry.ref)
@@ -126,7 +112,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         old_di = f"{name}-{version}.dist-info"
         if f"{old_di}/RECORD" not in by_name:
             raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
-        new_version = overlay_version(version, stack.hash)
+        new_version = overlay_version(version, stack.hash, spec.name if spec.wheel_variant else None)
         new_di = f"{name}-{new_version}.dist-info"
         # the .data directory carries the version too; installers other than pip (installer, uv)
         # only treat `{name}-{version}.data/` as data and would copy an old-named one verbatim
@@ -139,7 +125,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         for m in members:
             if m.name.startswith(old_di + "/"):
                 continue
-            if any(fnmatch.fnmatch(m.name, pat) for pat in spec.leave_out):
+            if _left_out(m.name, spec.leave_out):
                 left_out.append(m.name)
                 continue
             if m.name in files and m.name not in not_shipped:
@@ -199,7 +185,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
         write_members(tmp, out_members + di_members + [record])
         final = out_dir / out_name
-        os.replace(tmp, final)
+        _install_output(tmp, final)
     finally:
         z.close()
     return BuildResult(
@@ -209,6 +195,18 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: EngineAdapter, 
         removed=removed, left_out=left_out, not_shipped=not_shipped,
         how=f"overlay of {len(replaced) + len(added) + len(removed)} file(s) on {art.file} (sha256 verified; "
             f"pre-images verified by blob id), stack {stack.short_hash}")
+
+
+def _install_output(tmp: Path, final: Path) -> None:
+    """Move a finished build into place; never over a different file of the same name."""
+    try:
+        if final.exists() and sha256_file(final) != sha256_file(tmp):
+            raise RefusedToClobber(f"{final} exists with other content than this build",
+                                   hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
+                                        f"different file in {final.parent.name}/")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _member_bytes(m) -> bytes:
@@ -232,9 +230,10 @@ def full_build(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, sta
                                hint=f"install {', '.join(missing)} or build on a machine that has them")
     co = Checkout(cfg, entry.ref)
     res = apply_stack(cfg, lock, entry.ref, progress=progress)
-    if (res.source or {}).get("kind") == "pypi":
-        raise BuildError(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
-                         f"{res.source['origin']}, which has no build files",
+    source = res.source or {}
+    if source.get("kind") == "pypi":
+        raise EngineUnavailable(f"{entry} needs a full source build ({why}), but its checkout was unpacked from "
+                                f"{source['origin']}, which has no build files",
                          hint="configure the git source or a mirror (DSADAPT_MIRRORS) so the checkout is the upstream tree")
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -252,37 +251,38 @@ def full_build(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, sta
                        round(time.monotonic() - t0, 2), stack.hash, how=f"pip wheel --no-deps ({why})")
 
 
+class BuildHost:
+    """The `engines.base.BuildServices` of a build: the checkout and the shared builds."""
+
+    def __init__(self, cfg: Config, lock: Lock, progress: Progress | None = None):
+        self.cfg, self.lock, self.progress = cfg, lock, progress
+
+    def checkout(self, ref: PinRef, *, patched: bool = True) -> Tree:
+        return checkout_tree(self.cfg, self.lock, ref, patched=patched, progress=self.progress)
+
+    def overlay_build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path) -> BuildResult:
+        return overlay_build(self.cfg, self.lock, entry, engine(entry.engine), spec, stack, out_dir, self.progress)
+
+    def full_build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, kind: BuildKind,
+                   out_dir: Path) -> BuildResult:
+        return full_build(self.cfg, self.lock, entry, spec, stack, kind, out_dir, self.progress)
+
+
 def build_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, out_dir: Path | None = None,
               progress=None) -> BuildResult:
     entry = lock.pin(ref)
-    ad = adapter(ref.engine)
-    spec = ad.variant_for(entry, variant)
+    eng = engine(ref.engine)
+    spec = eng.variant_for(entry, variant)
     stack = load_stack(cfg.patches_root, ref)
-    kind = classify(ad, stack)
-    out = out_dir or cfg.dist_dir
-    if kind.kind == "backend":
-        if ad.build_backend is None:
-            raise BuildError(f"{ref}: the {ad.name} adapter cannot assemble a backend", hint="update dsadapt")
-        return ad.build_backend(cfg, lock, entry, stack, out, progress)
-    if kind.kind == "full":
-        return full_build(cfg, lock, entry, spec, stack, kind, out, progress)
-    return overlay_build(cfg, lock, entry, ad, spec, stack, out, progress)
+    return eng.build(entry, spec, stack, out_dir or cfg.dist_dir, BuildHost(cfg, lock, progress))
 
 
 def buildable_here(cfg: Config, lock: Lock, entry: LockEntry, variant: str) -> str | None:
     """Why a pin/variant cannot be built on this machine, or None."""
-    ad = adapter(entry.engine)
-    spec = ad.variant(variant)
+    eng = engine(entry.engine)
+    spec = eng.variant(variant)
     try:
         stack = load_stack(cfg.patches_root, entry.ref)
     except Exception as e:  # reported as the reason
         return getattr(e, "message", str(e))
-    kind = classify(ad, stack)
-    if kind.kind == "backend":
-        return None if ad.build_backend else "no backend assembly"
-    if kind.kind == "full":
-        missing = missing_toolchain(spec)
-        return f"full build needs {', '.join(missing)}" if missing else None
-    if entry.artifact(spec.artifact_variant, wheel=True) is None:
-        return f"no pinned wheel for variant {spec.name}"
-    return None
+    return eng.build_blocker(entry, spec, stack)

@@ -12,32 +12,28 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 from . import bisect_run
 from .config import Config
-from .engines import adapter
-from .engines.base import VariantSpec
-from .equivalence import LOW_PRECISION_DTYPES, LogitReport, compare, explain
-from .errors import CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from .engines import engine
+from .engines.base import GateRun, VariantSpec
+from .equivalence import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, LogitReport, compare, explain
+from .errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from .hosts import RunHost
 from .lock import Lock, LockEntry
 from .machine import device_description
 from .pinref import PinRef
 from .prompts import build_prompt_set, write_prompts_json
-from .runners import REFERENCE_TOP_K, RUNNERS, RunnerSpec, run_runner
-from .sources import fetch_artifact
+from .runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 from .stack import load_stack
 
-#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
-#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
-#: were measured with, and it is recorded in every report.
-REFERENCE_TRANSFORMERS = "5.24.0"
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
 CONFIG_STYLES = ("transformers", "deepseek")
@@ -112,47 +108,27 @@ def reference_python(cfg: Config, progress=None) -> Path:
             return Path(sys.executable)
     except importlib.metadata.PackageNotFoundError:
         pass
+    from .envlocks import file_digest, find_lock, reference_spec
+    from .venvs import _pip
+
+    lock_file = find_lock(reference_spec().name)
+    digest = file_digest(lock_file)
     venv = cfg.venvs_root / f"reference-transformers-{REFERENCE_TRANSFORMERS}"
     py = venv / "bin" / "python"
-    if not (venv / "dsadapt-reference.ok").exists():
+    ok = venv / "dsadapt-reference.ok"
+    if not ok.exists() or ok.read_text().strip() != digest:
+        if venv.exists():
+            shutil.rmtree(venv)  # made from an older lock (or half made): derived data, remade below
         if progress:
-            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS})")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        import os
-
-        torch_spec = os.environ.get("DSADAPT_TORCH_SPEC", "torch")
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_spec, f"transformers=={REFERENCE_TRANSFORMERS}",
-                            "safetensors", "tokenizers"], stdout=sys.stderr, stderr=sys.stderr)
+            progress(f"creating the reference environment {venv} (transformers=={REFERENCE_TRANSFORMERS}, "
+                     f"{lock_file.name}, --require-hashes)")
+        r = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
         if r.returncode != 0:
-            raise EngineUnavailable(f"could not create the reference environment {venv}",
-                                    hint="see pip's output; set DSADAPT_TORCH_SPEC to pick a torch build")
-        (venv / "dsadapt-reference.ok").write_text("ok\n")
+            raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}",
+                             hint="check python3-venv is installed")
+        _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=False, progress=progress)
+        ok.write_text(digest + "\n")
     return py
-
-
-def engine_python(cfg: Config, lock: Lock, entry: LockEntry, spec: VariantSpec, unpatched: bool,
-                  progress=None, stream=True, suffix: str = "", post: tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """The interpreter of the pin's environment (patched build, or the pristine release).
-
-    `suffix` names a separate environment (e.g. '-triton', which adds the server's
-    requirements in `post`), so engines served differently never share site-packages.
-    """
-    from .venvs import ensure_env, install_pin, venv_python
-
-    base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
-    if not unpatched:
-        venv = base.with_name(base.name + suffix)
-        res = install_pin(cfg, lock, entry.ref, spec.name, progress=progress, stream=stream, venv=venv, post=post)
-        return Path(res.python), {"artifact": Path(res.artifact).name, "sha256": res.sha256, "venv": res.venv}
-    art = entry.artifact(spec.artifact_variant, wheel=True)
-    if art is None:
-        raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
-    wheel = fetch_artifact(cfg, entry, art, progress)
-    venv = base.with_name(base.name + "-unpatched" + suffix)
-    ad = adapter(entry.engine)
-    ensure_env(venv, wheel, art.sha256, extra=ad.install_extra(entry, spec.name), remove=ad.install_remove, post=post,
-               progress=progress, stream=stream, marker={"ref": str(entry.ref), "unpatched": True})
-    return venv_python(venv), {"artifact": art.file, "sha256": art.sha256, "venv": str(venv)}
 
 
 # ---------------------------------------------------------------- provenance
@@ -168,7 +144,7 @@ def _hash_json(obj) -> str:
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
                   progress=None, on_line=None) -> LogitReport:
     """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script)."""
-    spec = RUNNERS["hf_reference"]
+    spec = REFERENCE_RUNNER
     key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
                       "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest()})
     cached = cfg.cache / "reference" / f"{key}.json"
@@ -190,22 +166,35 @@ def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype:
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
-def engine_dtypes(ad) -> tuple[str, ...]:
-    """Every dtype the engine's gate runner serves (float32 first where it has it): what
-    `check` runs by default."""
-    key = (ad.runner or "").removesuffix(".py").removesuffix("_runner")
-    spec = RUNNERS.get(key)
-    order = ("float32", "bfloat16", "float16")
-    return tuple(d for d in order if spec and d in spec.dtypes) or ("float32",)
+def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
+              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
+    """What `check` can tell before it touches anything: the pin, the variant, whether it can run
+    here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
+    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
+    entry = lock.pin(ref)
+    eng = engine(ref.engine)
+    spec = eng.variant_for(entry, variant)
+    blocker = eng.run_blocker(entry, spec)
+    if blocker:
+        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
+                                hint=f"run `{command or f'dsadapt check {ref}'}` on a machine that has what it needs "
+                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
+    if dtype is not None:
+        dtypes = eng.gate_dtypes(spec)
+        if dtype not in dtypes:
+            raise UsageError(f"{ref} ({spec.name}) does not run in {dtype} for the gate",
+                             hint=f"its runner supports {', '.join(dtypes)}: pass --dtype {dtypes[0]}"
+                             if dtypes else f"see {eng.docs_page}")
+    return entry, spec
 
 
-@contextmanager
-def _default_session(cfg, lock, entry, spec, unpatched, progress, stream, **_kw) -> Iterator[tuple[Path, RunnerSpec, dict, dict]]:
-    ad = adapter(entry.engine)
-    if ad.runner is None or ad.runner.removesuffix(".py").removesuffix("_runner") not in RUNNERS:
-        raise EngineUnavailable(f"{entry}: no runner for {ad.name} in the gate", hint="see docs/equivalence.md")
-    py, installed = engine_python(cfg, lock, entry, spec, unpatched, progress, stream)
-    yield py, RUNNERS[ad.runner.removesuffix(".py").removesuffix("_runner")], {}, installed
+def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None) -> tuple[str, ...]:
+    """Every dtype the engine's gate runner serves for this pin (float32 first where it has it,
+    then bfloat16, float16): what `check` runs without --dtype."""
+    entry = lock.pin(ref)
+    eng = engine(entry.engine)
+    served = eng.gate_dtypes(eng.variant_for(entry, variant))
+    return tuple(d for d in ("float32", "bfloat16", "float16") if d in served) or tuple(served[:1])
 
 
 def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
@@ -215,14 +204,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     """The gate for one pin and dtype. `bisect` ("on-fail" or "always", see `patcher.bisect_run`)
     adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
     t_start = time.monotonic()
-    entry = lock.pin(ref)
-    ad = adapter(ref.engine)
-    spec = ad.variant_for(entry, variant)
-    blocker = ad.run_blocker(entry, spec)
-    if blocker:
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `dsadapt check {ref}` on a machine that has what it needs "
-                                     f"(docs/engines/{ref.engine}.md says where it was verified)")
+    entry, spec = preflight(lock, ref, variant, command, dtype)
+    eng = engine(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
     model_dir, label, style = resolve_model(cfg, model, config_style, progress)
     fingerprint = model_fingerprint(model_dir)
@@ -237,24 +220,28 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     t0 = time.monotonic()
     reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
-    session = ad.check_session or _default_session
-    bisect_mode = bisect_run.wanted(dtype, bisect)
-    table = bisect_run.table_for(ad) if bisect_mode else None
-    inline_capture = table is not None and ad.bisect_session is None
     t0 = time.monotonic()
     installed: dict = {}
+    run = GateRun(entry, spec, dtype, model_dir, unpatched=unpatched, unpatched_engine=unpatched_engine)
+    host = RunHost(cfg, lock, progress, stream)
+    bisect_mode = bisect_run.wanted(dtype, bisect)
+    table = bisect_run.table_for(eng) if bisect_mode else None
+    # capture in the gate's own engine run (one engine start) unless the engine says where else
+    inline_capture = table is not None and eng.bisect_session(run, host) is None
     try:
-        with session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
-                     unpatched_engine=unpatched_engine) as (py, runner, env, installed):
+        with eng.gate_session(run, host) as session:
+            installed = session.installed
             timings["install_s"] = round(time.monotonic() - t0, 2)
-            if inline_capture and table is not None:  # the same engine start captures every point too
+            runner = session.runner
+            if inline_capture and table is not None:
                 runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
             if progress:
-                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via {runner.name} runner"
-                         + (" (with bisect capture)" if inline_capture else ""))
+                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via "
+                         f"{runner.name} runner" + (" (with bisect capture)" if inline_capture else ""))
             t0 = time.monotonic()
-            engine = run_runner(runner, py, model_dir, prompts_path, dtype, ENGINE_TOP_K, MAX_TOKENS,
-                                work / "engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+            report = run_runner(runner, session.python, model_dir, prompts_path, dtype, ENGINE_TOP_K,
+                                MAX_TOKENS, work / "engine.json", env=session.env, fingerprint=fingerprint,
+                                on_line=on_line)
             timings["engine_s"] = round(time.monotonic() - t0, 2)
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
@@ -262,21 +249,21 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
                               e, installed, fingerprint, model_dir, command, model, timings, t_start)
     venv = installed.get("venv")
-    if venv and (engine.engine_path or "").startswith("/") and \
-            not str(Path(engine.engine_path).resolve()).startswith(str(Path(venv).resolve())):
-        raise DsadaptError(f"{ref}: the engine imported {engine.engine_path}, not the package in {venv}",
+    engine_path = report.engine_path or ""
+    if venv and engine_path.startswith("/") and \
+            not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
+        raise DsadaptError(f"{ref}: the engine imported {engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
-    for k, v in engine.timings.items():
+    for k, v in report.timings.items():
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
-    comparison = compare(reference, engine, ENGINE_TOP_K)
+    comparison = compare(reference, report, ENGINE_TOP_K)
     timings["compare_s"] = round(time.monotonic() - t0, 3)
     bisected = None
     if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
         t0 = time.monotonic()
-        bisected = _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, model_dir, label, style,
-                           fingerprint, config, dtype, work, out, ref, inline_capture, progress, stream, on_line,
-                           engine_path=engine.engine_path)
+        bisected = _bisect(cfg, host, run, eng, table, model_dir, label, style, fingerprint, config, dtype, work,
+                           out, ref, inline_capture, progress, on_line, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
     explanation = explain(comparison, config, bisected) if want_explain else []
     reasons = list(comparison.reasons)
@@ -285,7 +272,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         reasons += [f"per-module comparison ({dtype}): {r}" for r in bisected["reasons"][:1]]
     verdict = "pass" if not reasons else "fail"
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
                    + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
@@ -293,8 +280,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         "unpatched_engine": unpatched_engine,
         "patches": [] if unpatched else [e.name for e in stack.entries],
         "installed": installed,
-        "engine_version": engine.engine_version, "engine_versions": engine.versions,
-        "engine_path": engine.engine_path,
+        "engine_version": report.engine_version, "engine_versions": report.versions,
+        "engine_path": report.engine_path,
         "reference_versions": reference.versions,
         "model_fingerprint": fingerprint, "model_dir": str(model_dir),
         "dsadapt": _dsadapt_version(),
@@ -321,52 +308,50 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     return result
 
 
-def _bisect(cfg, lock, entry, spec, ad, table, unpatched, unpatched_engine, model_dir, label, style, fingerprint,
-            config, dtype, work, out, ref, inline_capture, progress, stream, on_line, engine_path=None) -> dict:
+def _bisect(cfg, host, run, eng, table, model_dir, label, style, fingerprint, config, dtype, work, out, ref,
+            inline_capture, progress, on_line, engine_path=None) -> dict:
     """The per-module comparison of this check: the engine's capture (taken in the gate's own
-    engine run, or for engines served elsewhere in a run of their own), the reference's, the
-    report next to the check report. Returns `bisect_run.summary` (with the failure in
-    `reasons` when the engine cannot be bisected)."""
+    engine run, or where the engine's `bisect_session` says), the reference's, the report next
+    to the check report. Returns `bisect_run.summary` (the failure in `reasons` when it cannot run)."""
     from .bisect import BisectError
 
+    def failed(why: str, passed: bool | None = False) -> dict:
+        return {"passed": passed, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
+                "reasons": [why], "explanation": [], "report_path": None, "plot_path": None}
+
     if table is None:  # nothing to compare with: the gate's verdict stands alone
-        return {"passed": None, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
-                "reasons": [f"{ad.name} has no capture table: it cannot be bisected"], "explanation": [],
-                "report_path": None, "plot_path": None}
-    capture = work / bisect_run.ENGINE_CAPTURE
+        return failed(f"{eng.name} has no capture table: it cannot be bisected", passed=None)
     try:
         import torch  # noqa: F401  (the comparison runs here, on the captures' tensors)
     except ImportError:
-        return {"passed": False, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
-                "reasons": ["bisect could not run: torch is not installed in dsadapt's environment "
-                            "(pip install 'dsadapt[models]')"], "explanation": [], "report_path": None,
-                "plot_path": None}
+        return failed("bisect could not run: torch is not installed in dsadapt's environment "
+                      "(pip install 'dsadapt[models]')")
+    capture = work / bisect_run.ENGINE_CAPTURE
     try:
         if not inline_capture:
-            with ad.bisect_session(cfg, lock, entry, spec, unpatched, progress, stream, model_dir=model_dir,
-                                   unpatched_engine=unpatched_engine) as (py, runner, env, _installed):
-                runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
+            with eng.bisect_session(run, host) as session:
+                runner = replace(session.runner,
+                                 extra_args=session.runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
                 if progress:
                     progress(f"bisect: {ref} {dtype} via {runner.name} runner with capture")
-                run_runner(runner, py, model_dir, work / "prompts.json", dtype, ENGINE_TOP_K, MAX_TOKENS,
-                           work / "bisect-engine.json", env=env, fingerprint=fingerprint, on_line=on_line)
+                run_runner(runner, session.python, model_dir, work / "prompts.json", dtype, ENGINE_TOP_K, MAX_TOKENS,
+                           work / "bisect-engine.json", env=session.env, fingerprint=fingerprint, on_line=on_line)
         if not capture.is_file():
             report = work / ("engine.json" if inline_capture else "bisect-engine.json")
             why = (json.loads(report.read_text()).get("settings") or {}).get("capture_error") if report.is_file() else None
             raise BisectError(f"the engine run wrote no capture{': ' + why if why else ''}",
                               hint=f"see the runner's log next to {report}")
         engine_doc = bisect_run.load_capture(capture)
-        ref_docs = bisect_run.reference_capture(cfg, model_dir, fingerprint, engine_doc, dtype, work, progress, on_line)
+        ref_docs = bisect_run.reference_capture(cfg, model_dir, fingerprint, engine_doc, dtype, work,
+                                                lambda: reference_python(cfg, progress), progress, on_line)
         result = bisect_run.compare(engine_doc, ref_docs, config, dtype, ref.engine, table)
     except (BisectError, EngineRunFailed) as e:
-        return {"passed": False, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
-                "reasons": [f"bisect could not run: {e.message}"], "explanation": [], "report_path": None,
-                "plot_path": None}
-    meta = {"pin": str(ref), "model": label, "config_style": style, "unpatched": unpatched,
+        return failed(f"bisect could not run: {e.message}")
+    meta = {"pin": str(ref), "model": label, "config_style": style, "unpatched": run.unpatched,
             "engine_path": engine_path, "model_fingerprint": fingerprint,
             "reference_versions": ref_docs["float32"].get("meta", {}),
             "engine_capture": {k: engine_doc.get(k) for k in ("calls", "stray_calls", "missing", "dropped", "meta")}}
-    title = f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}: per-module error vs HF"
+    title = f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if run.unpatched else ''}: per-module error vs HF"
     return bisect_run.write_report(result, out, meta, title)
 
 
@@ -374,7 +359,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
                    fingerprint, model_dir, command, model, timings, t_start) -> CheckResult:
     timings["total_s"] = round(time.monotonic() - t_start, 2)
     provenance = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_description(),
         "command": command or f"dsadapt check {ref} --model {model}",
         "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,

@@ -23,6 +23,10 @@ from patcher.errors import DsadaptError
 from patcher.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
+#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
+#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
+#: were measured with, and it is recorded in every report.
+REFERENCE_TRANSFORMERS = "5.24.0"
 STRICT_DTYPES = ("float32", "float64")
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 
@@ -91,6 +95,12 @@ class PositionLogprobs:
         return cls(int(d["token"]), float(d["logprob"]), dict(top))
 
 
+def _present(p: PositionLogprobs | None, d: dict) -> PositionLogprobs:
+    if p is None:
+        raise ReportError(f"prompt {d.get('id')!r}: a generated_logprobs entry is null")
+    return p
+
+
 @dataclass
 class PromptResult:
     id: str
@@ -111,7 +121,7 @@ class PromptResult:
         r = cls(str(d["id"]), d.get("batch"), [int(t) for t in d["prompt_token_ids"]],
                 [PositionLogprobs.from_json(p) for p in d["prompt_logprobs"]],
                 [int(t) for t in d["generated_token_ids"]],
-                [PositionLogprobs.from_json(p) for p in d["generated_logprobs"]])
+                [_present(PositionLogprobs.from_json(p), d) for p in d["generated_logprobs"]])
         if len(r.prompt_logprobs) != len(r.prompt_token_ids) or (r.prompt_logprobs and r.prompt_logprobs[0]):
             raise ReportError(f"prompt {r.id!r}: prompt_logprobs must have one entry per prompt token, "
                               "the first null")
@@ -302,10 +312,10 @@ def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gat
     checks: list[PositionCheck | None] = []
     first: int | None = None
 
-    def take(q: int, r: PositionLogprobs, e: PositionLogprobs | None, where: str):
+    def take(q: int, r: PositionLogprobs | None, e: PositionLogprobs | None, where: str):
         nonlocal first
-        if e is None:
-            failures.append(f"{where}: engine has no logprobs")
+        if r is None or e is None:
+            failures.append(f"{where}: {'engine' if r is not None else 'reference'} has no logprobs")
             checks.append(None)
             first = q if first is None else first
             return
@@ -497,7 +507,7 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
                      + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
                        f"exceeds the reference's own {dtype} noise)")
         return lines
-    tol = c.tolerance
+    tol = c.tolerance if c.tolerance is not None else math.inf
     bad = [r for r in c.rows if r.failures and r not in token_rows]
     if not bad:
         return lines or list(c.reasons)
@@ -510,7 +520,7 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
                      "batching (padding, attention mask, per-sequence positions, KV-cache slots)")
         return lines
     evidence = [r for r in bad if r.batch is None] or bad
-    d0 = [r.deltas[0] for r in evidence if r.deltas and r.deltas[0] is not None]
+    d0 = [d for r in evidence if r.deltas for d in r.deltas[:1] if d is not None]
     first0 = any(r.first_divergence == 0 for r in evidence)
     if first0 or any(d >= tol for d in d0):
         fmt = {k: config.get(k, "unset") for k in ("scoring_func", "topk_method", "n_group", "topk_group",

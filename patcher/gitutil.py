@@ -35,13 +35,42 @@ class GitError(DsadaptError):
     pass
 
 
+# Trees dsadapt handles (release artifacts, mirrors, upstream commits) are data: nothing in them
+# or next to them may make git run a program or change how git reads them. Every git command
+# runs with hooks off, no fsmonitor, no signing, no submodule recursion, only these transports,
+# and no attributes from the user's or the system's files; init_repo adds an attributes file
+# that turns off, in every repository dsadapt creates, whatever a tree's .gitattributes asks for.
+HARDENING_CONFIG = (
+    ("core.hooksPath", "/dev/null"),
+    ("core.fsmonitor", "false"),
+    ("core.attributesFile", "/dev/null"),
+    ("commit.gpgSign", "false"),
+    ("tag.gpgSign", "false"),
+    ("fetch.recurseSubmodules", "false"),
+    ("submodule.recurse", "false"),
+    ("protocol.ext.allow", "never"),
+    ("protocol.fd.allow", "never"),
+)
+ALLOWED_PROTOCOLS = "file:git:http:https:ssh"
+NEUTRAL_ATTRIBUTES = ("# written by dsadapt: attributes from the trees it unpacks never take effect here\n"
+                      "* !filter !diff !merge !text !eol !crlf !ident !working-tree-encoding !export-subst "
+                      "!export-ignore !whitespace !conflict-marker-size !delta !encoding\n")
+
+
 def base_env(fixed_dates: bool = False) -> dict[str, str]:
     env = {
         "GIT_TERMINAL_PROMPT": "0",
         "GIT_ASKPASS": "true",
         "LC_ALL": "C",
         "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_ATTR_NOSYSTEM": "1",
+        "GIT_ALLOW_PROTOCOL": ALLOWED_PROTOCOLS,
+        "GIT_NO_REPLACE_OBJECTS": "1",
+        "GIT_CONFIG_COUNT": str(len(HARDENING_CONFIG)),
     }
+    for i, (key, value) in enumerate(HARDENING_CONFIG):
+        env[f"GIT_CONFIG_KEY_{i}"] = key
+        env[f"GIT_CONFIG_VALUE_{i}"] = value
     env.setdefault("GIT_COMMITTER_NAME", os.environ.get("GIT_COMMITTER_NAME", DSADAPT_IDENT["name"]))
     env.setdefault("GIT_COMMITTER_EMAIL", os.environ.get("GIT_COMMITTER_EMAIL", DSADAPT_IDENT["email"]))
     if fixed_dates:
@@ -64,7 +93,7 @@ class Git:
         if input is not None:
             import tempfile
 
-            istream = tempfile.TemporaryFile()
+            istream = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
             istream.write(input.encode("utf-8"))
             istream.seek(0)
         try:
@@ -150,4 +179,7 @@ def init_repo(path: Path, bare: bool = False, identity: bool = True) -> Git:
         g.run("config", "user.email", DSADAPT_IDENT["email"])
     g.run("config", "core.autocrlf", "false")
     g.run("config", "gc.auto", "0")
+    info = g.git_dir() / "info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "attributes").write_text(NEUTRAL_ATTRIBUTES)
     return g

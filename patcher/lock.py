@@ -14,9 +14,9 @@ from pathlib import Path
 
 import tomli_w
 
-from .errors import LockError
+from .errors import LockError, UsageError, show
 from .pinref import PinRef, parse_pinref
-from .errors import UsageError
+from .textfile import read_text
 
 LOCK_VERSION = 1
 HEADER = (
@@ -26,6 +26,8 @@ HEADER = (
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\.(whl|tar\.gz|zip)$")
+# A git remote: a URL with a transport git runs itself (never ext::, fd:: or a "-option"), or a path.
+_GIT_URL_RE = re.compile(r"^(?:(?:https?|git|ssh|file)://[^\s]+|[A-Za-z0-9_.~-]+@[A-Za-z0-9_.-]+:[^\s]*|[/.~][^\s]*)$")
 _ENGINE_KEYS = {"git", "pypi"}
 _PIN_KEYS = {"version", "commit", "tree", "serves", "python", "artifacts", "note"}
 _ART_KEYS = {"dist", "variant", "file", "sha256", "source", "size"}
@@ -105,7 +107,7 @@ class Lock:
         except KeyError:
             known = ", ".join(sorted(self.engines)) or "none"
             raise UsageError(
-                f"unknown engine '{name}'", hint=f"engines in upstream.lock: {known}"
+                f"unknown engine '{show(name, 40)}'", hint=f"engines in upstream.lock: {known}"
             ) from None
 
     def pin(self, ref: PinRef | str) -> LockEntry:
@@ -121,12 +123,20 @@ class Lock:
             ) from None
 
     def pins_of(self, engine: str) -> list[LockEntry]:
-        return sorted((p for p in self.pins.values() if p.engine == engine), key=lambda p: version_key(p.version))
+        return sorted((p for p in self.pins.values() if p.engine == engine), key=pin_sort_key)
 
-    def with_pin(self, entry: LockEntry) -> "Lock":
+    def sorted_pins(self) -> list[LockEntry]:
+        """Every pin, by engine, then by release version (v0.4.0 before v0.18.0), then tag."""
+        return sorted(self.pins.values(), key=pin_sort_key)
+
+    def with_pin(self, entry: LockEntry) -> Lock:
         pins = dict(self.pins)
         pins[str(entry.ref)] = entry
         return replace(self, pins=pins)
+
+
+def pin_sort_key(p: LockEntry):
+    return (p.engine, version_key(p.version), version_key(p.tag.lstrip("vVrR")), p.tag)
 
 
 def version_key(v: str):
@@ -170,7 +180,7 @@ class _Ctx:
     def __init__(self, path: Path, text: str):
         self.path, self.text = path, text
 
-    def fail(self, msg: str, *needles: str, hint: str | None = None,
+    def fail(self, msg: str, *needles: str | tuple[str, ...], hint: str | None = None,
              section: tuple[str, int] | None = None) -> LockError:
         """The error, located at the first line matching a needle (inside `section`, the nth
         table with that header, when given: a key repeated in other tables is not the culprit)."""
@@ -199,25 +209,37 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
     unknown = set(data) - {"version", "engines", "pins"}
     if unknown:
         k = sorted(unknown)[0]
-        raise ctx.fail(f"unknown top-level key '{k}'", f"{k} =", f"[{k}")
+        raise ctx.fail(f"unknown top-level key '{show(k, 40)}'", f"{k} =", f"[{k}",
+                       hint="the top-level keys are version, engines and pins (docs/lock-format.md)")
+    for table_key in ("engines", "pins"):
+        if table_key in data and not isinstance(data[table_key], dict):
+            raise ctx.fail(f"'{table_key}' must be a table ([{table_key}.NAME] sections), "
+                           f"got {type(data[table_key]).__name__}", f"{table_key} =", f"{table_key}=",
+                           hint=f"write [{table_key}.\"...\"] tables (docs/lock-format.md)")
     if data.get("version") != LOCK_VERSION:
         raise ctx.fail(
             f"lock format version must be {LOCK_VERSION}, found {data.get('version')!r}", "version ="
         )
     engines: dict[str, EngineDecl] = {}
-    for name, e in (data.get("engines") or {}).items():
+    for name, edecl in (data.get("engines") or {}).items():
         needle = f"[engines.{name}]"
         sec = (needle, 1)
-        if not isinstance(e, dict):
+        if not re.match(r"^[a-z][a-z0-9_-]*$", name):
+            raise ctx.fail(f"engine name '{show(name, 40)}' is not lower-case letters, digits, - or _", needle)
+        if not isinstance(edecl, dict):
             raise ctx.fail(f"engine '{name}' must be a table", needle)
-        bad = set(e) - _ENGINE_KEYS
+        bad = set(edecl) - _ENGINE_KEYS
         if bad:
             raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle,
                            section=sec)
-        git = e.get("git")
+        git = edecl.get("git")
         if not isinstance(git, str) or not git:
             raise ctx.fail(f"engine '{name}': 'git' must be a URL string", ("git", "="), needle, section=sec)
-        pypi = e.get("pypi", [])
+        if not _GIT_URL_RE.match(git) or git.startswith("-"):
+            raise ctx.fail(f"engine '{name}': 'git' = {show(git, 60)!r} is not a git URL dsadapt will use",
+                           ("git", "="), needle, section=sec,
+                           hint="use an https://, ssh://, git://, file:// URL, user@host:path, or a path")
+        pypi = edecl.get("pypi", [])
         if not isinstance(pypi, list) or not all(isinstance(x, str) and x for x in pypi):
             raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", ("pypi", "="), needle,
                            section=sec)
@@ -229,7 +251,7 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
         try:
             ref = parse_pinref(key)
         except UsageError as e:
-            raise ctx.fail(f"pin key '{key}': {e.message}", needle) from None
+            raise ctx.fail(f"pin key '{show(key, 60)}': {e.message}", needle) from None
         if ref.engine not in engines:
             raise ctx.fail(f"pin '{key}' names engine '{ref.engine}', which is not declared", needle,
                            hint=f"add [engines.{ref.engine}] or fix the pin name")
@@ -305,7 +327,8 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
 
 def load_lock(path: Path) -> Lock:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, LockError, hint="upstream.lock is UTF-8 TOML; fix the byte or regenerate the entry "
+                                              "with `dsadapt pin`", where=path.name)
     except FileNotFoundError:
         raise LockError(f"{path} not found", hint="run dsadapt from the project root, or pass --project DIR") from None
     return parse_lock(text, path)
@@ -320,7 +343,7 @@ def format_lock(lock: Lock) -> str:
     for name in sorted(lock.engines):
         e = lock.engines[name]
         doc["engines"][name] = {"git": e.git, "pypi": list(e.pypi)}
-    for key in sorted(lock.pins, key=lambda k: (lock.pins[k].engine, version_key(lock.pins[k].version), k)):
+    for key in sorted(lock.pins, key=lambda k: pin_sort_key(lock.pins[k])):
         p = lock.pins[key]
         t: dict = {"version": p.version}
         for k in ("commit", "tree", "serves", "python", "note"):
@@ -329,7 +352,7 @@ def format_lock(lock: Lock) -> str:
                 t[k] = v
         arts = []
         for a in p.artifacts:
-            d = {"dist": a.dist, "variant": a.variant, "file": a.file, "sha256": a.sha256}
+            d: dict[str, object] = {"dist": a.dist, "variant": a.variant, "file": a.file, "sha256": a.sha256}
             if a.size is not None:
                 d["size"] = a.size
             if a.source:

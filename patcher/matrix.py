@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .config import Config
-from .engines import adapter
-from .engines.base import EngineAdapter, VariantSpec
+from .engines import engine
+from .engines.base import Engine, VariantSpec
 from .lock import Lock, LockEntry
 from .tags import TagsResult
 
@@ -45,17 +45,12 @@ def _python(entry: LockEntry | None) -> str:
     return DEFAULT_PYTHON
 
 
-def _variants_for(ad: EngineAdapter, entry: LockEntry | None, dists: tuple[str, ...]) -> list[VariantSpec]:
-    if ad.build_kind == "backend":
-        return list(ad.variants)
-    if entry is not None:
-        return [v for v in ad.variants if entry.artifact(v.artifact_variant)]
-    if dists:  # a new tag seen on PyPI: the variants whose distribution released it
-        return [v for v in ad.variants if v.dist in dists]
-    return list(ad.variants)  # a new tag seen on git: every variant may exist
+def _variants_for(ad: Engine, entry: LockEntry | None, dists: tuple[str, ...]) -> list[VariantSpec]:
+    """A pin's variants with what they build from; for a new tag, those its release may have."""
+    return list(ad.pinned_variants(entry) if entry is not None else ad.release_variants(dists))
 
 
-def pin_cells(ad: EngineAdapter, entry: LockEntry, has_stack: bool) -> list[Cell]:
+def pin_cells(ad: Engine, entry: LockEntry, has_stack: bool) -> list[Cell]:
     variants = _variants_for(ad, entry, ())
     cells = []
     for v in variants or [ad.variants[0]]:
@@ -73,7 +68,7 @@ def pin_cells(ad: EngineAdapter, entry: LockEntry, has_stack: bool) -> list[Cell
     return cells
 
 
-def new_tag_cells(ad: EngineAdapter, tags: TagsResult, lock: Lock) -> list[Cell]:
+def new_tag_cells(ad: Engine, tags: TagsResult, lock: Lock) -> list[Cell]:
     if not tags.baseline:
         return []
     base = lock.pin(f"{tags.engine}@{tags.baseline}")
@@ -91,14 +86,14 @@ def new_tag_cells(ad: EngineAdapter, tags: TagsResult, lock: Lock) -> list[Cell]
 def build_matrix(cfg: Config, lock: Lock, tags: dict[str, TagsResult], only: str | None = None) -> list[Cell]:
     """Cells for every pin (only='pinned'), every new tag (only='new'), or both."""
     cells: list[Cell] = []
-    for engine in sorted(lock.engines):
-        ad = adapter(engine)
+    for name in sorted(lock.engines):
+        ad = engine(name)
         if only in (None, "pinned"):
-            for entry in lock.pins_of(engine):
+            for entry in lock.pins_of(name):
                 has_stack = (cfg.patches_root / entry.engine / entry.tag / "series").is_file()
                 cells += pin_cells(ad, entry, has_stack)
-        if only in (None, "new") and engine in tags:
-            cells += new_tag_cells(ad, tags[engine], lock)
+        if only in (None, "new") and name in tags:
+            cells += new_tag_cells(ad, tags[name], lock)
     return cells
 
 
@@ -106,7 +101,7 @@ def blocker_here(cell: Cell, lock: Lock) -> str | None:
     """Why this machine could not run the cell's check (the adapter's run_blocker), or None.
 
     Machine-local, so it is shown by the human table only; CI asks the runner itself."""
-    ad = adapter(cell.engine)
+    ad = engine(cell.engine)
     entry = lock.pins.get(cell.pin) or LockEntry(cell.engine, cell.tag, ad.tag_to_version(cell.tag))
     return ad.run_blocker(entry, ad.variant(cell.variant))
 

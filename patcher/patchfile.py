@@ -26,14 +26,14 @@ import re
 from dataclasses import dataclass, field
 from email.header import decode_header, make_header
 
-from .errors import PatchFormatError
+from .errors import PatchFormatError, show
+from .paths import symlink_target_error, tree_path_error
 
 KNOWN_TRAILERS = ("Upstream-Status", "Drop-When", "Covered-By")
 UPSTREAM_STATUSES = ("Pending", "Submitted", "Backport", "Inappropriate", "Accepted")
 _STATUS_NEEDS_ARG = {"Submitted", "Backport", "Inappropriate", "Accepted"}
 _TRAILER_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9-]*):\s?(.*)$")
 _INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: ([0-7]{6}))?$")
-_DIFF_GIT_RE = re.compile(r"^diff --git (\S+) (\S+)$")
 _MBOX_FROM_RE = re.compile(r"^From [0-9a-f]{40} ")
 _SUBJECT_PREFIX_RE = re.compile(r"^\[PATCH[^\]]*\]\s*")
 ZERO_ID = "0" * 40
@@ -48,6 +48,7 @@ class FileChange:
     old_blob: str | None
     new_blob: str | None
     binary: bool = False
+    mode: str | None = None  # the new mode when the patch states one (100644, 100755, 120000 = symlink)
 
     @property
     def path(self) -> str:
@@ -131,87 +132,257 @@ def split_message(message: str) -> tuple[str, str, tuple[tuple[str, str], ...]]:
     return subject, body, trailers
 
 
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_C_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\",
+              '"': '"'}
+_SYMLINK_MODE = "120000"
+_GITLINK_MODE = "160000"
+
+
+def _bad(where: str, msg: str, hint: str = "regenerate the patch with `git format-patch --full-index`") \
+        -> PatchFormatError:
+    return PatchFormatError(f"{where}: {msg}", hint=hint)
+
+
+def unquote_c(text: str, start: int, where: str) -> tuple[str, int]:
+    """A C-style quoted name as git writes it ("a/x\\ty", octal UTF-8 bytes) starting at text[start]
+    (a double quote); returns (name, index after the closing quote)."""
+    assert text[start] == '"'
+    out = bytearray()
+    i = start + 1
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            try:
+                return out.decode("utf-8"), i + 1
+            except UnicodeDecodeError:
+                raise _bad(where, f"quoted path {show(text[start:i + 1], 60)!r} is not UTF-8") from None
+        if c == "\\":
+            nxt = text[i + 1:i + 2]
+            if nxt in _C_ESCAPES:
+                out += _C_ESCAPES[nxt].encode()
+                i += 2
+                continue
+            if re.match(r"[0-7]{3}", text[i + 1:i + 4]):
+                out.append(int(text[i + 1:i + 4], 8) & 0xFF)
+                i += 4
+                continue
+            raise _bad(where, f"bad escape in quoted path {show(text[start:], 60)!r}")
+        out += c.encode("utf-8")
+        i += 1
+    raise _bad(where, f"unterminated quoted path {show(text[start:], 60)!r}")
+
+
+def _name(text: str, where: str) -> str:
+    """A whole name field: quoted ("...") or taken as it is."""
+    if text.startswith('"'):
+        name, end = unquote_c(text, 0, where)
+        if text[end:].strip():
+            raise _bad(where, f"text after the quoted path {show(text, 60)!r}")
+        return name
+    return text
+
+
+def _header_names(rest: str, where: str) -> tuple[str, str] | None:
+    """(a-name, b-name) from what follows `diff --git `; None when ambiguous (unquoted names with
+    spaces that differ: then rename/copy or ---/+++ lines must name the files)."""
+    if rest.startswith('"'):
+        a, end = unquote_c(rest, 0, where)
+        if rest[end:end + 1] != " ":
+            raise _bad(where, f"malformed diff header 'diff --git {show(rest, 60)}'")
+        return a, _name(rest[end + 1:], where)
+    if rest.endswith('"'):
+        for k in range(len(rest) - 1, 0, -1):
+            if rest[k] == '"' and rest[k - 1] == " ":
+                try:
+                    b, end = unquote_c(rest, k, where)
+                except PatchFormatError:
+                    continue
+                if end == len(rest):
+                    return rest[:k - 1], b
+        raise _bad(where, f"malformed diff header 'diff --git {show(rest, 60)}'")
+    splits = [k for k in range(len(rest)) if rest[k] == " " and rest[k + 1:].startswith("b/") and rest.startswith("a/")]
+    if len(splits) == 1:
+        k = splits[0]
+        return rest[:k], rest[k + 1:]
+    same = [k for k in splits if rest[2:k] == rest[k + 3:]]
+    if len(same) == 1:
+        k = same[0]
+        return rest[:k], rest[k + 1:]
+    if not splits:
+        raise _bad(where, f"malformed diff header 'diff --git {show(rest, 60)}'",
+                   hint="patches must be made with git (a/ b/ prefixes)")
+    return None
+
+
+def _file_name(text: str, where: str) -> str:
+    """The name on a ---/+++ line: quoted, or up to a tab (git adds one after names with spaces)."""
+    if text.startswith('"'):
+        name, end = unquote_c(text, 0, where)
+        return name
+    return text.split("\t", 1)[0]
+
+
 def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
+    """The files a git diff touches, with every path git would write checked.
+
+    Hunk-aware: a `---`/`+++` pair outside a hunk that is not the current file's header (a
+    "traditional" diff section git apply would also act on) is refused, as are unparsable
+    headers, paths outside the tree or inside `.git`, gitlinks, and symbolic links whose target
+    leaves the tree.
+    """
     files: list[FileChange] = []
     cur: dict | None = None
+    old_left = new_left = 0
 
-    def close():
+    def close() -> None:
         if cur is not None:
             files.append(_file_change(cur, where))
 
-    for line in diff.split("\n"):
-        m = _DIFF_GIT_RE.match(line)
-        if m:
+    for n, line in enumerate(diff.split("\n"), 1):
+        if old_left > 0 or new_left > 0:  # inside a hunk: content, whatever it looks like
+            if line.startswith(" ") or line == "":
+                old_left, new_left = old_left - 1, new_left - 1
+            elif line.startswith("-"):
+                old_left -= 1
+            elif line.startswith("+"):
+                new_left -= 1
+                if cur is not None:
+                    cur["plus_lines"].append(line[1:])
+            elif line.startswith("\\"):
+                pass
+            else:
+                raise _bad(where, f"diff line {n}: a hunk ends before its header says ({show(line, 40)!r})")
+            if old_left < 0 or new_left < 0:
+                raise _bad(where, f"diff line {n}: a hunk is longer than its header says")
+            continue
+        if line.startswith("diff --git "):
+            if line.endswith("\r"):
+                raise _bad(where, "CRLF line endings", hint="convert the file to LF line endings (dos2unix)")
             close()
-            cur = {"a": m.group(1), "b": m.group(2), "new": False, "deleted": False, "index": None,
-                   "binary": False, "rename_from": None, "rename_to": None, "minus": None, "plus": None}
+            names = _header_names(line[len("diff --git "):], where)
+            cur = {"a": names[0] if names else None, "b": names[1] if names else None, "new": False,
+                   "deleted": False, "index": None, "binary": False, "rename_from": None, "rename_to": None,
+                   "copy_from": None, "copy_to": None, "minus": None, "plus": None, "hunks": 0,
+                   "old_mode": None, "new_mode": None, "plus_lines": [], "line": n}
             continue
         if cur is None:
+            if line.strip():
+                raise _bad(where, f"diff line {n}: text before the first `diff --git` header")
             continue
-        if line.startswith("new file mode"):
-            cur["new"] = True
-        elif line.startswith("deleted file mode"):
+        if line.startswith("\\"):  # "\ No newline at end of file" after a hunk's last line
+            continue
+        if line.startswith("@@"):
+            m = _HUNK_RE.match(line)
+            if not m or cur["binary"]:
+                raise _bad(where, f"diff line {n}: malformed hunk header {show(line, 40)!r}")
+            old_left = int(m.group(2)) if m.group(2) is not None else 1
+            new_left = int(m.group(4)) if m.group(4) is not None else 1
+            cur["hunks"] += 1
+            continue
+        if cur["binary"]:
+            continue  # base85 lines, literal/delta headers and blank separators
+        if line.startswith("--- ") or line.startswith("+++ "):
+            key = "minus" if line.startswith("-") else "plus"
+            if cur["hunks"] or cur[key] is not None:
+                raise _bad(where, f"diff line {n}: a file section without its own `diff --git` header "
+                                  "(a non-git diff inside the patch)")
+            cur[key] = _file_name(line[4:], where)
+        elif line.startswith("new file mode "):
+            cur["new"], cur["new_mode"] = True, line.split()[-1]
+        elif line.startswith("deleted file mode "):
             cur["deleted"] = True
-        elif line.startswith("rename from "):
-            cur["rename_from"] = line[len("rename from "):]
-        elif line.startswith("rename to "):
-            cur["rename_to"] = line[len("rename to "):]
+        elif line.startswith("old mode "):
+            cur["old_mode"] = line.split()[-1]
+        elif line.startswith("new mode "):
+            cur["new_mode"] = line.split()[-1]
+        elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
+            words = line.split(" ", 2)
+            cur[f"{words[0]}_{words[1]}"] = _name(words[2], where)
         elif line.startswith("index ") and cur["index"] is None:
             im = _INDEX_RE.match(line)
             if not im:
-                raise PatchFormatError(f"{where}: malformed index line {line!r}",
-                                       hint="regenerate the patch with `git format-patch --full-index`")
+                raise _bad(where, f"malformed index line {show(line, 60)!r}")
             cur["index"] = (im.group(1), im.group(2))
+            if im.group(3):
+                cur["new_mode"] = cur["new_mode"] or im.group(3)
         elif line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
             cur["binary"] = True
-        elif line.startswith("--- ") and cur["minus"] is None:
-            cur["minus"] = line[4:]
-        elif line.startswith("+++ ") and cur["plus"] is None:
-            cur["plus"] = line[4:]
     close()
     return tuple(files)
 
 
 def _strip_prefix(p: str, prefix: str, where: str) -> str:
     if not p.startswith(prefix):
-        raise PatchFormatError(f"{where}: path {p!r} lacks the '{prefix}' prefix",
+        raise PatchFormatError(f"{where}: path {show(p, 80)!r} lacks the '{prefix}' prefix",
                                hint="patches must be made with git (a/ b/ prefixes)")
     return p[len(prefix):]
 
 
 def check_path(path: str, where: str) -> str:
-    """Refuse paths that escape the tree or touch git's own files."""
-    parts = path.split("/")
-    if path.startswith("/") or "\\" in path or any(x in ("..", ".", "") for x in parts) or parts[0] == ".git":
-        raise PatchFormatError(f"{where}: path {path!r} escapes the source tree",
-                               hint="a patch may only touch files inside the upstream tree")
+    """Refuse paths that escape the tree or touch git's own files (see patcher.paths)."""
+    why = tree_path_error(path)
+    if why:
+        raise PatchFormatError(f"{where}: path {show(path, 80)!r} {why}",
+                               hint="a patch may only touch files inside the upstream tree, never .git")
     return path
 
 
 def _file_change(cur: dict, where: str) -> FileChange:
-    a = check_path(_strip_prefix(cur["a"], "a/", where), where)
-    b = check_path(_strip_prefix(cur["b"], "b/", where), where)
-    for key in ("rename_from", "rename_to"):
+    a = check_path(_strip_prefix(cur["a"], "a/", where), where) if cur["a"] is not None else None
+    b = check_path(_strip_prefix(cur["b"], "b/", where), where) if cur["b"] is not None else None
+    for key in ("rename_from", "rename_to", "copy_from", "copy_to"):
         if cur[key]:
             check_path(cur[key], where)
+    minus = plus = None
     for key, prefix in (("minus", "a/"), ("plus", "b/")):
         v = cur[key]
         if v and v != "/dev/null":
-            check_path(_strip_prefix(v, prefix, where), where)
+            checked = check_path(_strip_prefix(v, prefix, where), where)
+            if key == "minus":
+                minus = checked
+            else:
+                plus = checked
+    old_name = cur["rename_from"] or cur["copy_from"] or minus or a
+    new_name = cur["rename_to"] or cur["copy_to"] or plus or b
+    if old_name is None or new_name is None:
+        raise _bad(where, f"diff line {cur['line']}: cannot tell which files the section touches "
+                          "(unquoted names with spaces)")
+    # what git's own header parser would take: any name in the header must agree with the rest
+    for name in (a, b):
+        if name is not None and name not in (old_name, new_name) and not (cur["new"] or cur["deleted"]):
+            raise _bad(where, f"diff line {cur['line']}: the header names {show(name, 60)!r}, the section "
+                              f"{show(new_name, 60)!r}")
+    if _GITLINK_MODE in (cur["new_mode"], cur["old_mode"]):
+        raise _bad(where, f"{new_name}: a submodule (gitlink) change", hint="a stack patches files, not submodules")
+    if cur["new_mode"] == _SYMLINK_MODE and not cur["deleted"]:
+        if cur["binary"]:
+            raise _bad(where, f"{new_name}: a symbolic link given as a binary patch")
+        if cur["plus_lines"]:
+            why = symlink_target_error(new_name, cur["plus_lines"][-1] if len(cur["plus_lines"]) == 1
+                                       else "\n".join(cur["plus_lines"]))
+            if why:
+                raise PatchFormatError(f"{where}: symbolic link {show(new_name, 60)!r} {why}",
+                                       hint="a patch may create symbolic links only to files inside the tree")
     old_blob = new_blob = None
     if cur["index"]:
         old_blob, new_blob = cur["index"]
     return FileChange(
-        old_path=None if cur["new"] else (cur["rename_from"] or a),
-        new_path=None if cur["deleted"] else (cur["rename_to"] or b),
+        old_path=None if cur["new"] else old_name,
+        new_path=None if cur["deleted"] else new_name,
         old_blob=old_blob, new_blob=new_blob, binary=cur["binary"],
+        mode=cur["new_mode"],
     )
 
 
 def parse_patch(text: str, where: str = "patch") -> Patch:
     """Parse a git mail patch (format-patch output, normalized or not)."""
-    if "\r\n" in text:
-        raise PatchFormatError(f"{where}: CRLF line endings", hint="convert the file to LF line endings")
+    # A patch file converted to CRLF (an editor, a checkout with autocrlf) has CR on its own lines;
+    # CR inside hunk content is the content of a CRLF file and stays (checked per line below).
+    if text.split("\n", 1)[0].endswith("\r"):
+        raise PatchFormatError(f"{where}: CRLF line endings",
+                               hint="convert the file to LF line endings (dos2unix), and keep git from converting "
+                                    "it (`*.patch -text` in .gitattributes)")
     lines = text.split("\n")
     if lines and _MBOX_FROM_RE.match(lines[0]):
         lines = lines[1:]
@@ -225,7 +396,7 @@ def parse_patch(text: str, where: str = "patch") -> Patch:
         else:
             k, sep, v = line.partition(":")
             if not sep or " " in k:
-                raise PatchFormatError(f"{where}: line {i + 1} is not a mail header: {line[:60]!r}",
+                raise PatchFormatError(f"{where}: line {i + 1} is not a mail header: {show(line, 60)!r}",
                                        hint="a patch starts with From:/Subject: headers (git format-patch)")
             headers.append((k.strip(), v.strip()))
         i += 1

@@ -67,8 +67,10 @@ def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, p
         cache = engine_cache(cfg, ref.engine)
         cache.run("fetch", "-q", "--depth", "1", "--no-tags", decl.git, f"+refs/tags/{ref.tag}:refs/dsadapt/fetched/{ref.tag}",
                   timeout=cfg.git_timeout)
-        commit = cache.rev(f"refs/dsadapt/fetched/{ref.tag}")
-        tree = cache.tree_of(commit)
+        fetched = cache.rev(f"refs/dsadapt/fetched/{ref.tag}")
+        if fetched is None:
+            raise SourceError(f"{decl.git}: {ref.tag} did not arrive in the cache", hint="retry; the cache may be damaged")
+        commit, tree = fetched, cache.tree_of(fetched)
         notes.append(f"git: {ref.tag} -> commit {commit[:12]}, tree {tree[:12]}")
     except Unreachable as e:
         notes.append(f"git: {e.message}; commit/tree {'kept from the lock' if commit else 'unknown'}")

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.errors import DsadaptError
+from patcher.errors import UsageError
 
 #: The context length every runner is started with (vLLM ``max_model_len``).
 MAX_MODEL_LEN = 256
@@ -68,8 +68,8 @@ PROMPT_TEXTS: tuple[tuple[str, str, int | None, str | None], ...] = (
 )
 
 
-class PromptError(DsadaptError):
-    """The prompt set cannot be built for this model."""
+class PromptError(UsageError):
+    """The prompt set cannot be built for this model (a model folder the gate cannot use)."""
 
 
 @dataclass(frozen=True)

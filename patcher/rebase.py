@@ -22,7 +22,7 @@ import json
 import shutil
 import tempfile
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .config import Config
@@ -36,8 +36,16 @@ from .pin import resolve_pin
 from .pinref import PinRef
 from .rebase_report import CARRIED, PatchReport, RebaseReport, format_markdown, report_stem, split_range_diff
 from .stack import Stack, load_stack, stack_dir, write_stack
-from .workspace import (BASE_REF, Checkout, PatchOutcome, Progress, StackResult, ensure_checkout, export_commits,
-                        stop_on_conflict)
+from .workspace import (
+    BASE_REF,
+    Checkout,
+    PatchOutcome,
+    Progress,
+    StackResult,
+    ensure_checkout,
+    export_commits,
+    stop_on_conflict,
+)
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
@@ -201,8 +209,9 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         write_lock(lock, cfg.lock_path)
         lock_after = cfg.lock_path.read_text(encoding="utf-8")
         notes.append(f"pinned {new_ref} in upstream.lock")
-        for n in notes if progress else ():
-            progress(n)
+        if progress:
+            for n in notes:
+                progress(n)
     started = False
     try:
         new_entry = lock.pin(new_ref)
@@ -221,7 +230,7 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         co.git.update_ref(FROM_HEAD, _build_old_head(co, old_stack, from_base))
         ad = adapter(old_ref.engine)
         state = co.load_state()
-        op = {
+        op: dict = {
             "kind": "rebase", "stack_hash": old_stack.hash, "stack_dir": str(new_dir),
             "patches": [{"name": e.name, "subject": e.patch.subject} for e in old_stack.entries],
             "outcomes": [], "orig_branch": co.git.current_branch(), "orig_head": co.git.rev("HEAD"),
@@ -283,6 +292,7 @@ def run_rebase_patches(co: Checkout, state: dict, on_patch) -> StackResult:
             if head == before:
                 hit = "the 3-way merge left nothing to commit (already in NEW)"
             else:
+                assert before is not None and head is not None
                 new_patch = export_commits(co.git, before, head)[0]
                 outcome, detail = applied_detail(patch, new_patch, "3-way merge" in (r.out + r.err))
                 _record(co, state, PatchOutcome(i, meta["name"], meta["subject"], outcome, head), detail, on_patch)
@@ -330,7 +340,7 @@ def finish_rebase(co: Checkout, state: dict) -> StackResult:
     old_ref = PinRef(*rb["from"].split("@", 1))
     report = RebaseReport(
         engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=rb["from_version"],
-        new_version=rb["to_version"], date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        new_version=rb["to_version"], date=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         old_source=rb["from_source"], new_source=_source_words(state.get("source")),
         pinned_new=rb.get("lock_before") is not None, old_stack_hash=op["stack_hash"],
         new_stack_hash=new_stack.hash, range_diff_command=rd_cmd, patches=reports)

@@ -1,10 +1,12 @@
 """report: one row per pin: stack size, patches by Upstream-Status, the last check verdict, and
 patches whose Drop-When a newer pin already satisfies (candidates to drop).
 
-Check verdicts come from the JSON reports under reports/ (any depth; `dsadapt check` writes
-reports/<engine>/<tag>/<model>-<dtype>.json) that state `pin` and `verdict`, with `date`,
-`device` and `stack_hash` at the top level or under `provenance`; the newest by date wins.
-Other JSON (e.g. reports/rebase/) and unpatched control runs are not verdicts.
+Check verdicts come from the JSON reports under the project's committed reports/ and under this
+machine's scratch reports (the work dir's reports/, where `dsadapt check` writes
+<engine>/<tag>/<model>-<dtype>.json unless `--publish` sends it to reports/), any depth, that
+state `pin` and `verdict`, with `date`, `device` and `stack_hash` at the top level or under
+`provenance`; the newest by date wins. Other JSON (e.g. reports/rebase/) and unpatched control
+runs are not verdicts.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def verdict_of(data, file: str) -> Verdict | None:
     """
     if not isinstance(data, dict) or data.get("unpatched"):
         return None
-    prov = data.get("provenance") if isinstance(data.get("provenance"), dict) else {}
+    raw_prov = data.get("provenance")
+    prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
     if prov.get("unpatched_engine"):  # Triton served with the pristine engine: a control run too
         return None
     fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
@@ -82,10 +85,11 @@ def verdict_of(data, file: str) -> Verdict | None:
                    str(fields["stack_hash"] or ""))
 
 
-def read_verdicts(reports_root: Path) -> dict[str, list[Verdict]]:
-    """Every check report under reports/ (any depth), by pin."""
+def read_verdicts(*reports_roots: Path) -> dict[str, list[Verdict]]:
+    """Every check report under the given report folders (any depth), by pin."""
     out: dict[str, list[Verdict]] = {}
-    for f in sorted(reports_root.rglob("*.json")) if reports_root.is_dir() else []:
+    files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))]
+    for f in files:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -131,7 +135,7 @@ def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dist
 
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     rows = []
-    verdicts = read_verdicts(cfg.reports_root)
+    verdicts = read_verdicts(*cfg.report_roots)
     for engine in sorted(lock.engines):
         ad = adapter(engine)
         dists = (ad.name, *ad.pypi)

@@ -9,6 +9,7 @@ tree mismatch) is a hard error, never a reason to fall through to the next sourc
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import tempfile
@@ -18,12 +19,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .config import Config
-from .errors import SourceError, VerificationError
+from .errors import LockError, MachineError, SourceError, UnsafeArtifact, VerificationError, show
 from .fsutil import sha256_file
-from .gitutil import Git, init_repo
+from .gitutil import ALLOWED_PROTOCOLS, Git, init_repo
 from .lock import Artifact, EngineDecl, LockEntry
+from .paths import tree_path_error
+from .sourcetree import TreeRules, is_tree_member
 
-BINARY_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".a", ".o")
 PYPI_SIMPLE = "https://pypi.org/simple"
 
 
@@ -88,11 +90,14 @@ def _verify_commit(cache: Git, entry: LockEntry, commit: str, origin: str, allow
         return "commit id matches the lock", False
     if allow_snapshot and entry.tree and tree == entry.tree:
         return f"tree id {tree[:12]} matches the lock (snapshot commit {commit[:12]})", True
-    if entry.commit:
+    if entry.commit or entry.tree:
+        pinned = " ".join(x for x in (f"commit {entry.commit}" if entry.commit else "",
+                                      f"tree {entry.tree}" if entry.tree else "") if x)
         raise VerificationError(
-            f"{entry}: tag {entry.tag} at {origin} resolves to {commit[:12]}, lock pins {entry.commit[:12]} "
-            "(the tag moved or the source is not upstream)",
-            hint="investigate before trusting it; if the move is legitimate, re-pin with `dsadapt pin --update`")
+            f"{entry}: tag moved at {show(origin, 120)}: {entry.tag} is now commit {commit} tree {tree}; "
+            f"the lock pins {pinned}",
+            hint="investigate before trusting it (another mirror, a force-pushed tag?); if the move is legitimate, "
+                 "re-pin with `dsadapt pin --update`")
     raise VerificationError(
         f"{entry}: the lock records no commit or tree id, so {origin} cannot be verified",
         hint=f"record them with `dsadapt pin {entry}` where the upstream is reachable")
@@ -104,7 +109,8 @@ def from_git(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) -> 
     cache = engine_cache(cfg, decl.name)
     commit = _fetch_ref(cache, decl.git, entry, cfg.git_timeout, shallow=True)
     if commit is None:
-        raise SourceError(f"{decl.git} has no tag or branch {entry.tag}", hint="check the tag name in upstream.lock")
+        raise VerificationError(f"{decl.git} has no tag or branch {entry.tag} (the lock pins it)",
+                                hint="check the tag name in upstream.lock; a deleted upstream tag needs investigating")
     verified, snapshot = _verify_commit(cache, entry, commit, decl.git, allow_snapshot=False)
     _import_commit(checkout, cache, commit, entry.tag)
     return SourceResult("git", decl.git, commit, checkout.tree_of(commit), verified, snapshot)
@@ -141,7 +147,7 @@ def _import_commit(checkout: Git, cache: Git, commit: str, tag: str) -> None:
     checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
                  f"+refs/dsadapt/fetched/{tag}:refs/dsadapt/base")
     if not checkout.rev(commit):
-        raise SourceError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
+        raise MachineError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
 
 
 # ---------------------------------------------------------------- pypi
@@ -159,7 +165,7 @@ def find_local_artifact(cfg: Config, art: Artifact) -> Path | None:
     return None
 
 
-def _pip_download(art: Artifact, version: str, dest: Path) -> None:
+def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> None:
     from packaging.utils import parse_wheel_filename
 
     args = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -178,10 +184,20 @@ def _pip_download(art: Artifact, version: str, dest: Path) -> None:
     else:
         args += ["--no-binary=:all:", "--no-build-isolation"]
     args.append(f"{art.dist}=={version}")
-    r = subprocess.run(args, capture_output=True, text=True)
-    if r.returncode != 0:
-        last = (r.stderr or r.stdout).strip().splitlines()
-        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else r.returncode}")
+    args = [a for a in args if a != "-q"] + ["--progress-bar", "off"]
+    note = getattr(progress, "note", None)
+    last: list[str] = []
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert proc.stdout is not None
+    for line in proc.stdout:  # what the download is waiting on, for the progress display
+        line = line.strip()
+        if line and not line.startswith("WARNING: "):
+            last.append(line)
+            del last[:-3]
+            if note:
+                note(f"pip: {line}")
+    if proc.wait() != 0:
+        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else proc.returncode}")
 
 
 def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) -> Path:
@@ -191,11 +207,11 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
         with tempfile.TemporaryDirectory(dir=_mkdir(cfg.cache / "artifacts")) as tmp:
-            _pip_download(art, entry.version, Path(tmp))
+            _pip_download(art, entry.version, Path(tmp), progress)
             got = Path(tmp) / art.file
             if not got.is_file():
                 names = ", ".join(p.name for p in Path(tmp).iterdir()) or "nothing"
-                raise SourceError(f"pip fetched {names}, not {art.file}",
+                raise VerificationError(f"pip fetched {names}, not {art.file}",
                                   hint="the lock's file name does not match what PyPI serves; re-pin")
             _check_sha(got, art, entry)
             final = artifact_path(cfg, art)
@@ -218,26 +234,55 @@ def _check_sha(path: Path, art: Artifact, entry: LockEntry) -> None:
             hint=f"delete {path} if it is corrupt; if PyPI really serves other bytes, stop and investigate")
 
 
-def unpack_artifact(path: Path, dest: Path) -> tuple[int, list[str]]:
-    """Unpack a wheel's source files into dest; returns (files written, skipped names)."""
+def check_members(path: Path, infos: list[zipfile.ZipInfo]) -> None:
+    """Refuse the whole artifact if any member would land outside the tree, inside `.git` (any
+    case or spelling git would resolve there), or is a symbolic link or device: an artifact is data."""
+    for info in infos:
+        name = info.filename.rstrip("/") if info.filename.endswith("/") else info.filename
+        why = tree_path_error(name)
+        if why:
+            raise UnsafeArtifact(f"{path.name}: member {show(info.filename, 80)!r} {why}",
+                                 hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
+        fmt = stat.S_IFMT(info.external_attr >> 16)  # 0: no type recorded (zip tools that write none)
+        if fmt and fmt not in (stat.S_IFREG, stat.S_IFDIR):
+            kind = "a symbolic link" if fmt == stat.S_IFLNK else "not a regular file"
+            raise UnsafeArtifact(f"{path.name}: member {show(info.filename, 80)!r} is {kind}",
+                                 hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
+
+
+def check_wheel(path: Path) -> None:
+    """Refuse an unsafe artifact (`check_members`) without unpacking anything."""
+    if not path.name.endswith(".whl"):
+        raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
+                        hint="pin a wheel artifact with source = true")
+    try:
+        with zipfile.ZipFile(path) as z:
+            check_members(path, z.infolist())
+    except zipfile.BadZipFile as e:
+        raise UnsafeArtifact(f"{path.name}: not a valid wheel ({e})",
+                             hint="the pinned artifact is damaged or is not a wheel: re-pin it, and investigate") from None
+
+
+def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> tuple[int, list[str]]:
+    """Unpack a wheel's base-tree members (`sourcetree.is_tree_member`: the one rule for which
+    members form the tree) into dest; returns (files written, skipped names).
+
+    Every member, base-tree or not, is checked before anything is written (`check_members`)."""
     skipped: list[str] = []
     n = 0
     if not path.name.endswith(".whl"):
-        raise SourceError(f"{path.name}: only wheels can be unpacked as a source tree",
-                          hint="pin a wheel artifact with source = true")
+        raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
+                        hint="pin a wheel artifact with source = true")
     with zipfile.ZipFile(path) as z:
-        for info in sorted(z.infolist(), key=lambda i: i.filename):
+        infos = sorted(z.infolist(), key=lambda i: i.filename)
+        check_members(path, infos)
+        for info in infos:
             name = info.filename
             if name.endswith("/"):
                 continue
-            top = name.split("/", 1)[0]
-            if top.endswith(".dist-info") or top.endswith(".data") or name.endswith(BINARY_SUFFIXES) \
-                    or ".so." in name.rsplit("/", 1)[-1]:
+            if not is_tree_member(name, rules):
                 skipped.append(name)
                 continue
-            parts = name.split("/")
-            if name.startswith("/") or ".." in parts:
-                raise VerificationError(f"{path.name}: member {name!r} escapes the tree", hint="the artifact is unsafe")
             target = dest / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(z.read(info))
@@ -252,9 +297,12 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
     if art is None:
         raise Unreachable(f"{entry} has no release artifact in the lock")
     path = fetch_artifact(cfg, entry, art, progress)
+    check_wheel(path)  # an unsafe artifact is refused before anything is said or written
     if progress:
         progress(f"unpacking {art.file}")
-    n, skipped = unpack_artifact(path, checkout.path)
+    from .engines import engine
+
+    n, skipped = unpack_artifact(path, checkout.path, engine(decl.name).tree_rules)
     checkout.run("add", "-A", "-f", ".")
     msg = (f"{decl.name} {entry.version}: upstream tree from {art.file}\n\n"
            f"Unpacked by dsadapt's pypi source; {n} files. Left out: {len(skipped)} "
@@ -315,8 +363,13 @@ def pypi_versions(dist: str, timeout: float = 30) -> list[str]:
 
 def git_remote_tags(url: str, timeout: float) -> dict[str, str]:
     """tag -> commit from `git ls-remote --tags` (peeled where annotated)."""
+    from .gitutil import base_env
+
+    if url.startswith("-"):
+        raise LockError(f"git URL {show(url, 60)!r} starts with '-'", hint="fix the engine's git URL in upstream.lock")
+    env = {**base_env(), "PATH": "/usr/bin:/bin:/usr/local/bin", "GIT_ALLOW_PROTOCOL": ALLOWED_PROTOCOLS}
     r = subprocess.run(["git", "ls-remote", "--tags", url], capture_output=True, text=True, timeout=timeout,
-                       env={"GIT_TERMINAL_PROMPT": "0", "PATH": "/usr/bin:/bin:/usr/local/bin"})
+                       env=env)
     if r.returncode != 0:
         raise Unreachable(f"{url}: {(r.stderr.strip().splitlines() or ['unreachable'])[-1]}")
     tags: dict[str, str] = {}

@@ -6,10 +6,11 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import StackError
+from .errors import PatchFormatError, StackError, show
 from .fsutil import atomic_write_text
 from .patchfile import Patch, format_patch, lint_patch, parse_patch, patch_filename
 from .pinref import PinRef
+from .textfile import read_text
 
 SERIES_HEADER = "# Patch order for this stack; one file per line. Written by dsadapt; comments survive.\n"
 
@@ -59,19 +60,36 @@ def stack_dir(patches_root: Path, ref: PinRef) -> Path:
     return patches_root / ref.engine / ref.tag
 
 
+def series_name_error(name: str) -> str | None:
+    """Why a series line is not a plain patch file name of the stack's own directory."""
+    if "/" in name or "\\" in name or name.startswith(".") or any(c.isspace() or ord(c) < 0x20 or c == "\x7f"
+                                                                   for c in name):
+        return "is not a plain patch file name"
+    if len(name) > 200:
+        return "is longer than 200 characters"
+    return None
+
+
 def parse_series(text: str, where: str = "series") -> list[str]:
     names: list[str] = []
     for n, raw in enumerate(text.split("\n"), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        if "/" in line or "\\" in line or line in (".", "..") or " " in line:
-            raise StackError(f"{where}:{n}: {line!r} is not a plain patch file name",
+        why = series_name_error(line)
+        if why:
+            raise StackError(f"{where}:{n}: {show(line, 60)!r} {why}",
                              hint="series lines name files in the same directory, e.g. 0001-fix.patch")
         if line in names:
             raise StackError(f"{where}:{n}: {line} is listed twice", hint="remove the duplicate line")
         names.append(line)
     return names
+
+
+def _regular_file(path: Path, what: str) -> None:
+    if path.is_symlink():
+        raise StackError(f"{path}: the {what} is a symbolic link",
+                         hint="a stack holds regular files only; replace the link with the file it points to")
 
 
 def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
@@ -82,14 +100,18 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
             raise StackError(f"no stack for {ref}: {series} does not exist",
                              hint="create it (an empty series file is a valid stack) or check the tag")
         return Stack(ref, d, (), exists=False)
-    names = parse_series(series.read_text(encoding="utf-8"), where=str(series))
+    _regular_file(series, "series file")
+    names = parse_series(read_text(series, StackError, where=str(series)), where=str(series))
     entries = []
     for name in names:
         f = d / name
+        _regular_file(f, "patch file")
         if not f.is_file():
             raise StackError(f"{series}: names {name}, which does not exist",
                              hint=f"restore {f} or remove its line from series")
-        text = f.read_text(encoding="utf-8")
+        # bytes as they are: a CRLF patch stays CRLF, and the format check refuses it
+        text = read_text(f, PatchFormatError, where=str(f),
+                         hint="a patch is UTF-8 text; regenerate it with `dsadapt refresh` or `git format-patch`")
         entries.append(StackEntry(name, parse_patch(text, where=str(f)), text))
     return Stack(ref, d, tuple(entries))
 
@@ -187,7 +209,7 @@ def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list
 
 
 def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],
-                        stack: "Stack") -> list[str]:
+                        stack: Stack) -> list[str]:
     """Human-readable mismatches between expected base blobs and the tree's actual blobs."""
     out = []
     for path, (want, idx) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[0])):

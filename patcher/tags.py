@@ -53,7 +53,8 @@ def tag_version(ad: EngineAdapter, tag: str) -> Version | None:
 def baseline_pin(lock: Lock, engine: str, has_stack) -> LockEntry | None:
     pins = lock.pins_of(engine)
     stacked = [p for p in pins if has_stack(p)]
-    return (stacked or pins or [None])[-1]
+    found = stacked or pins
+    return found[-1] if found else None
 
 
 def newer_tags(ad: EngineAdapter, candidates: dict[str, tuple[str | None, tuple[str, ...]]], baseline: str | None,
@@ -78,7 +79,7 @@ def upstream_tags(cfg: Config, lock: Lock, engine: str, *, pre: bool = False) ->
     passed: list[str] = []
     try:
         remote = git_remote_tags(decl.git, cfg.git_timeout)
-        cands = {t: (c, ()) for t, c in remote.items()}
+        cands: dict[str, tuple[str | None, tuple[str, ...]]] = {t: (c, ()) for t, c in remote.items()}
         return TagsResult(engine, f"git {decl.git}", base.tag if base else None,
                           newer_tags(ad, cands, floor, pinned, pre), passed)
     except Unreachable as e:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import DsadaptError, UsageError
+from patcher.errors import MissingDependency, UsageError
 
 VARIANTS = ("v3", "v2-lite", "v2")
 CONFIG_STYLES = ("deepseek", "transformers")
@@ -404,10 +404,7 @@ def make_model(out: Path, variant: str = "v3", config_style: str = "deepseek", s
     safetensors_torch = _import("safetensors.torch")
     out.mkdir(parents=True, exist_ok=True)
     ds = deepseek_config(variant)
-    if config_style == "deepseek":
-        config_text = _dump(ds)
-    else:
-        config_text = transformers_config_json(variant)
+    config_text = _dump(ds) if config_style == "deepseek" else transformers_config_json(variant)
     tensors = init_weights(ds, seed)
     safetensors_torch.save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(config_text, encoding="utf-8")
@@ -443,7 +440,7 @@ def model_fingerprint(path: Path) -> str:
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         f = path / name
         if not f.is_file():
-            raise DsadaptError(f"{f} not found", hint="point at a folder written by `dsadapt model make`")
+            raise UsageError(f"{f} not found", hint="point at a folder written by `dsadapt model make`")
         h.update(name.encode() + b"\0" + str(f.stat().st_size).encode() + b"\0")
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -477,7 +474,7 @@ def _import(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise DsadaptError(
+        raise MissingDependency(
             f"the tiny-model maker needs {module.split('.')[0]} ({exc})",
             hint="install dsadapt's model extras: pip install 'dsadapt[models]'",
         ) from exc

@@ -39,8 +39,8 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
     entry = lock.pin(ref)
     try:
         stack = load_stack(cfg.patches_root, ref)
-    except DsadaptError as e:
-        return VerifyResult(str(ref), 0, [e.message])
+    except DsadaptError as broken:
+        return VerifyResult(str(ref), 0, [broken.message])
     res = VerifyResult(str(ref), len(stack))
     res.problems += lint_stack(stack)
     from .engines import adapter
@@ -54,8 +54,8 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
                 res.problems.append(f"{stack.dir / e.name}: Drop-When names {name!r}, not one of {sorted(allowed)}")
     try:
         co, _ = ensure_checkout(cfg, lock, entry, progress)
-    except SourceError as e:  # lint results stand; applying needs the tree
-        res.unverifiable = e.message
+    except SourceError as unreachable:  # lint results stand; applying needs the tree
+        res.unverifiable = unreachable.message
         return res
     state = co.load_state()
     res.source = f"{state['source']['kind']} {state['source']['origin']}"

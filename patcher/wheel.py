@@ -67,7 +67,7 @@ def new_member(name: str, data: bytes, external_attr: int = 0o644 << 16) -> Memb
 
 
 def write_members(path: Path, members: list[Member]) -> None:
-    buf = open(path, "wb")
+    buf = open(path, "wb")  # noqa: SIM115 - closed by the function that writes the members
     central = []
     try:
         for m in members:

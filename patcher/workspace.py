@@ -13,14 +13,14 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from email.utils import formatdate
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .config import Config
-from .errors import ConflictStop, VerificationError, WorkspaceError
+from .errors import ConflictStop, VerificationError, WorkspaceError, plural
 from .fsutil import atomic_write_text
 from .gitutil import DSADAPT_IDENT, FIXED_DATE, Git, init_repo
 from .lock import Lock, LockEntry
@@ -88,7 +88,7 @@ class CheckoutStatus:
 @contextmanager
 def workdir_lock(cfg: Config, timeout: float | None = None) -> Iterator[None]:
     """Serialize dsadapt runs on one work dir. flock dies with the process: no stale locks."""
-    timeout = float(os.environ.get("DSADAPT_LOCK_TIMEOUT", "600")) if timeout is None else timeout
+    timeout = cfg.lock_timeout if timeout is None else timeout  # DSADAPT_LOCK_TIMEOUT, validated by load_config
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "lock"
     with open(path, "a+") as f:
@@ -554,14 +554,14 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
     st.backups = co.backups()
     applied = state.get("applied")
     st.applied_hash = applied.get("stack_hash") if applied else None
-    op = state.get("op")
+    op: dict | None = state.get("op")
     if op or co.am_in_progress():
         done = len(op["outcomes"]) if op else 0
         total = len(op["patches"]) if op else 0
-        stopped = co.am_in_progress() and bool(op) and op.get("stopped") == done + 1
+        stopped = co.am_in_progress() and op is not None and op.get("stopped") == done + 1
         killed_in_am = co.am_in_progress() and not stopped
         st.state = "mid-apply"
-        st.detail = (f"{done}/{total} patches done; " +
+        st.detail = (f"{done}/{plural(total, 'patch')} done; " +
                      (f"stopped on {op['patches'][done]['name']}" if stopped and op and done < total
                       else f"interrupted while applying {op['patches'][done]['name']}" if killed_in_am and op
                       and done < total else "interrupted between patches") +
@@ -576,7 +576,7 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry) -> CheckoutStatus
             st.detail = (f"resolved or skipped during apply: {', '.join(applied['needs_refresh'])}; "
                          f"run `dsadapt refresh {entry.ref}` to export the branch")
         elif applied.get("stack_hash") == stack.hash:
-            st.state, st.detail = "stack applied", f"{len(stack)} patches on {st.base[:12] if st.base else '?'}"
+            st.state, st.detail = "stack applied", f"{plural(len(stack), 'patch')} on {st.base[:12] if st.base else '?'}"
         else:
             st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {entry.ref}`"
         return st

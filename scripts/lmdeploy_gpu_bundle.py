@@ -39,8 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 WHEEL = "lmdeploy-0.18.0-cp312-cp312-manylinux_2_28_x86_64.whl"
 WHEEL_SHA256 = "fcef7cf0d210d766e02e2e6df025378d2f8ae36080400b2818eb9a34ef3392dc"
-#: What the PyTorch engine never loads: TurboMind's extension and its static xgrammar.
-DROP = ("lmdeploy/turbomind/_turbomind", "lmdeploy/turbomind/lib64/libxgrammar.a")
+sys.path.insert(0, str(ROOT))
+from patcher.engines import engine  # noqa: E402
+from patcher.sourcetree import left_out  # noqa: E402
+
+#: What the PyTorch engine never loads (TurboMind's extension, its static xgrammar...): the
+#: members the `pytorch` variant leaves out, by dsadapt's one rule for what a variant ships.
+DROP = engine("lmdeploy").variant("pytorch").leave_out
 STACK = ROOT / "patches" / "lmdeploy" / "v0.18.0"
 PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
                  "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -70,7 +75,7 @@ def unpack_wheel(wheel: Path, dest: Path) -> list[str]:
     dropped = []
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
-            if info.filename.startswith(DROP):
+            if left_out(info.filename, DROP):
                 dropped.append(info.filename)
                 continue
             z.extract(info, dest)
@@ -156,7 +161,9 @@ def main() -> int:
     download_wheels(Path(args.requirements), dest / "whl", Path(args.wheel_dir) / "gpu-wheels")
     for name in ("lmdeploy_gpu_check.py", "lmdeploy_models.py", "run.sh"):
         shutil.copy2(HERE / ("lmdeploy_gpu_run.sh" if name == "run.sh" else name), dest / name)
-    shutil.copy2(ROOT / "patcher" / "runners" / "lmdeploy_runner.py", dest / "lmdeploy_runner.py")
+    # the runners import the stdlib runner protocol (dsadapt_runner.py) from their own directory
+    shutil.copy2(ROOT / "patcher" / "engines" / "lmdeploy" / "runner.py", dest / "lmdeploy_runner.py")
+    shutil.copy2(ROOT / "patcher" / "runners" / "dsadapt_runner.py", dest / "dsadapt_runner.py")
     shutil.copy2(gate_src / "patcher" / "runners" / "hf_reference.py", dest / "hf_reference.py")
     tm = dest / "tm" / "patcher"
     (tm / "data").mkdir(parents=True)

@@ -69,7 +69,7 @@ def plot(bisects: dict[str, dict], out: Path) -> None:
             rows = run["vs_hf_float32"]["per_position_max_abs"]
             flat = [v for r in rows for v in r]
             ax.plot(range(len(flat)), flat, lw=0.8, label=f"LMDeploy {label}")
-        for label, doc in list(bisects.items())[:1]:
+        for _label, doc in list(bisects.items())[:1]:
             run = doc["runs"].get(f"v2/{dtype}")
             if run and f"hf_{dtype}_vs_hf_float32" in run:
                 flat = [v for r in run[f"hf_{dtype}_vs_hf_float32"]["per_position_max_abs"] for v in r]

@@ -33,6 +33,13 @@ import patcher  # noqa: E402
 
 assert Path(patcher.__file__).resolve().parent == REPO_ROOT / "patcher", patcher.__file__
 
+# Runner scripts import the runner protocol as a top-level module (`import dsadapt_runner`), as
+# they do in their engine's environment; tests that load a runner script by path need it too.
+from patcher.runners import KIT_DIR  # noqa: E402
+
+if str(KIT_DIR) not in sys.path:
+    sys.path.append(str(KIT_DIR))
+
 from patcher.patchfile import format_patch, parse_patch  # noqa: E402
 
 TAG1, TAG2 = "v1.0.0", "v1.1.0"
@@ -253,7 +260,7 @@ class Project:
     def write_lock(self, text: str) -> None:
         (self.root / "upstream.lock").write_text(text)
 
-    def run(self, *args: str, env: dict[str, str] | None = None) -> "CliResult":
+    def run(self, *args: str, env: dict[str, str] | None = None) -> CliResult:
         """`dsadapt ARGS` in-process with main() semantics (exit code, stdout, stderr)."""
         from patcher.cli import main
 
@@ -367,3 +374,17 @@ def make_wheel(up: Upstream, dest_dir: Path, tag: str = TAG1, *, overrides: dict
 def artifact_toml(file: str, sha: str, tag: str = TAG1) -> str:
     return (f'\n[[pins."vllm@{tag}".artifacts]]\ndist = "vllm"\nvariant = "cpu"\nfile = "{file}"\n'
             f'sha256 = "{sha}"\nsource = true\n')
+
+
+# ---------------------------------------------------------------- engines
+
+
+def swap_engine(monkeypatch, name: str, **attrs):
+    """Replace engine `name` for this test by a subclass of its adapter with `attrs` changed
+    (class attributes or methods); returns the new adapter."""
+    from patcher import engines
+
+    base = type(engines.engine(name))
+    adapter = type(f"Test{base.__name__}", (base,), attrs)()
+    monkeypatch.setitem(engines._LOADED, name, adapter)
+    return adapter

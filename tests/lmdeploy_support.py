@@ -1,5 +1,7 @@
-"""Helpers for the LMDeploy tests: the pinned wheels' base trees, the stacks applied on them,
-and loading single upstream modules by file path with the few imports they need stubbed.
+"""Helpers for the LMDeploy tests: the pinned wheels' base trees and the stacks applied on
+them -- both made by dsadapt itself (`dsadapt apply` from the pinned wheel: the product's
+source-tree rule, series parsing and `git am`) -- and loading single upstream modules by file
+path with the few imports they need stubbed.
 
 The wheels come from DSADAPT_LMDEPLOY_WHEEL_DIR when set, else from dsadapt's shared artifact
 cache (tests/shared_envs.py), which downloads the pinned wheels from PyPI once per machine
@@ -8,34 +10,40 @@ cache (tests/shared_envs.py), which downloads the pinned wheels from PyPI once p
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import types
-import zipfile
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from patcher.fsutil import sha256_file as sha256  # noqa: F401 (re-exported for the tests)
+from patcher.lock import load_lock
+from patcher.patchfile import ZERO_ID
+from patcher.pinref import PinRef
+from patcher.stack import load_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES = REPO_ROOT / "patches" / "lmdeploy"
 
-#: tag -> (wheel file name, sha256), as downloaded from PyPI on 2026-11-29.
-WHEELS = {
-    "v0.4.0": ("lmdeploy-0.4.0-cp311-cp311-manylinux2014_x86_64.whl",
-               "1a407f293d9b211a19cd8a1cf9383591df81397886c9cec60433948620bdd1f4"),
-    "v0.18.0": ("lmdeploy-0.18.0-cp312-cp312-manylinux_2_28_x86_64.whl",
-                "fcef7cf0d210d766e02e2e6df025378d2f8ae36080400b2818eb9a34ef3392dc"),
-}
-#: git tree ids of the base commits (wheel files minus *.dist-info, .so and .a).
+
+def _pinned_wheels() -> dict[str, tuple[str, str]]:
+    lock = load_lock(REPO_ROOT / "upstream.lock")
+    out = {}
+    for e in lock.pins_of("lmdeploy"):
+        art = e.source_artifact()
+        if art is not None:
+            out[e.tag] = (art.file, art.sha256)
+    return out
+
+
+#: tag -> (wheel file name, sha256), from upstream.lock.
+WHEELS = _pinned_wheels()
+#: git tree ids of the base commits dsadapt makes from the wheels (measured 2026-11-29: the
+#: wheel's files minus *.dist-info and binaries).
 BASE_TREES = {"v0.4.0": "16ea260b61cc295f342def12465540bdde5a2d1b",
               "v0.18.0": "ff7fe48e286106b5d6b5478103f3245c028561dc"}
-
-_INDEX_RE = re.compile(r"^index ([0-9a-f]{40})\.\.([0-9a-f]{40})", re.M)
-_GIT_ENV = {"GIT_AUTHOR_NAME": "dsadapt", "GIT_AUTHOR_EMAIL": "dsadapt@localhost",
-            "GIT_COMMITTER_NAME": "dsadapt", "GIT_COMMITTER_EMAIL": "dsadapt@localhost",
-            "GIT_AUTHOR_DATE": "2026-11-29T00:00:00Z", "GIT_COMMITTER_DATE": "2026-11-29T00:00:00Z"}
 
 
 def wheel_path(tag: str) -> Path | None:
@@ -50,59 +58,46 @@ def wheel_path(tag: str) -> Path | None:
     return pinned_wheel(f"lmdeploy@{tag}")
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _keep(name: str) -> bool:
-    top = name.split("/", 1)[0]
-    return not (name.endswith("/") or top.endswith(".dist-info") or name.endswith((".so", ".a"))
-                or ".so." in name.rsplit("/", 1)[-1])
-
-
 def git(tree: Path, *args: str) -> str:
-    env = {**os.environ, **_GIT_ENV}
-    return subprocess.run(["git", *args], cwd=tree, env=env, check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(["git", *args], cwd=tree, check=True, capture_output=True, text=True).stdout
 
 
-def base_tree(tag: str, dest: Path) -> Path:
-    """The wheel's files except *.dist-info and binaries, committed as one git commit."""
+@dataclass(frozen=True)
+class Trees:
+    base: Path                          # the pinned wheel's base tree (a worktree at refs/dsadapt/base)
+    patched: Path                       # the checkout with the stack applied
+    applied: list[tuple[str, str]]      # (path, post-image blob id) of every file the stack leaves
+
+
+def trees(tag: str, root: Path) -> Trees:
+    """`dsadapt apply lmdeploy@TAG` from the pinned wheel in a work dir under `root`; the base tree
+    is the checkout's verified base commit, checked out next to it."""
+    from shared_envs import real_lock, shared_config
+
+    from patcher.workspace import apply_stack
+
     wheel = wheel_path(tag)
     assert wheel is not None
-    with zipfile.ZipFile(wheel) as z:
-        for info in z.infolist():
-            if _keep(info.filename):
-                z.extract(info, dest)
-                mode = (info.external_attr >> 16) & 0o777
-                if mode:  # keep the wheel's file modes (executable scripts), as unzip does
-                    os.chmod(dest / info.filename, mode)
-    git(dest, "init", "-q")
-    git(dest, "add", "-A")
-    git(dest, "commit", "-q", "-m", f"lmdeploy {tag} wheel base")
-    return dest
+    ref = PinRef("lmdeploy", tag)
+    cfg = replace(shared_config(), workdir=root / "work", sources=("pypi",),
+                  artifact_dirs=(wheel.parent, *shared_config().artifact_dirs))
+    apply_stack(cfg, real_lock(), ref)
+    patched = cfg.checkout_dir("lmdeploy", tag)
+    base = root / "base"
+    git(patched, "worktree", "add", "-q", "--detach", str(base), "refs/dsadapt/base")
+    last: dict[str, str | None] = {}
+    for e in load_stack(REPO_ROOT / "patches", ref).entries:
+        for f in e.patch.files:
+            if f.old_path and f.old_path != f.new_path:
+                last[f.old_path] = None
+            if f.new_path:
+                last[f.new_path] = None if f.new_blob in (None, ZERO_ID) else f.new_blob
+    return Trees(base, patched, [(p, b) for p, b in last.items() if b is not None])
 
 
 def series(tag: str) -> list[Path]:
-    d = PATCHES / tag
-    names = [ln.split("#", 1)[0].strip() for ln in (d / "series").read_text().splitlines()]
-    return [d / n for n in names if n]
-
-
-def apply_stack(tree: Path, tag: str) -> list[tuple[str, str]]:
-    """git apply each patch of the stack in series order; returns (path, post-image blob id)."""
-    applied = []
-    for patch in series(tag):
-        git(tree, "apply", "--check", str(patch))
-        git(tree, "apply", str(patch))
-        text = patch.read_text(encoding="utf-8")
-        paths = re.findall(r"^diff --git a/(\S+) b/", text, re.M)
-        applied += [(p, new) for p, (_, new) in zip(paths, _INDEX_RE.findall(text))]
-    return applied
+    stack = load_stack(REPO_ROOT / "patches", PinRef("lmdeploy", tag))
+    return [stack.dir / e.name for e in stack.entries]
 
 
 def blob_id(tree: Path, path: str) -> str:

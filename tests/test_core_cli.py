@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, files_snapshot, lock_text, make_wheel
 
 
@@ -136,6 +135,6 @@ def test_nothing_in_progress(project, clean_stack, cmd):
     assert project.run("apply", REF1).rc == 0
     r = project.run(cmd)
     lines = r.err.strip().split("\n")
-    assert r.rc == 1 and lines[0] == "error: no apply in progress" and lines[1].startswith("hint: "), r
+    assert r.rc == 4 and lines[0] == "error: no apply in progress" and lines[1].startswith("hint: "), r
     r = project.run(cmd, REF1)
-    assert r.rc == 1 and "no apply in progress" in r.err, r
+    assert r.rc == 4 and "no apply in progress" in r.err, r

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from patcher.errors import LockError, UsageError
 from patcher.lock import Artifact, Lock, LockEntry, format_lock, load_lock, parse_lock
 from patcher.pinref import PinRef, parse_pinref

@@ -9,13 +9,23 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import git
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import git
 from patcher.errors import PatchFormatError
-from patcher.patchfile import (Patch, check_path, drop_when_error, drop_when_satisfied, format_patch, lint_patch,
-                               parse_patch, patch_filename, slugify, split_message)
+from patcher.patchfile import (
+    Patch,
+    check_path,
+    drop_when_error,
+    drop_when_satisfied,
+    format_patch,
+    lint_patch,
+    parse_patch,
+    patch_filename,
+    slugify,
+    split_message,
+)
 
 OLD = "a = 1\nb = 2\n"
 NEW = "a = 1\nb = 3\n"
@@ -86,9 +96,10 @@ def test_parse_rejects_garbage():
 
 
 @pytest.mark.parametrize("path", ["../etc/passwd", "pkg/../../x", "/etc/passwd", ".git/hooks/pre-commit", "pkg//x",
-                                  "./x", "pkg\\x"])
+                                  "./x", "pkg\\x", "pkg/.GIT/config", "pkg/.git./hooks/x", "GIT~1/config",
+                                  ".g\u200cit/hooks/post-commit", "C:/x", "pkg/x\ty"])
 def test_path_escape_refused(path):
-    with pytest.raises(PatchFormatError, match="escapes the source tree"):
+    with pytest.raises(PatchFormatError, match="escapes the source tree|is absolute|inside .git|backslash|control"):
         check_path(path, "p")
     diff = DIFF.replace("pkg/x.py", path)
     with pytest.raises(PatchFormatError):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import (MOD_V1, REF1, TAG1, commit_msg, edit, files_snapshot, git, make_patches, refs_snapshot)
+from conftest import MOD_V1, REF1, TAG1, commit_msg, edit, files_snapshot, git, make_patches, refs_snapshot
+
 from patcher.patchfile import format_patch, parse_patch
 
 
@@ -90,7 +91,7 @@ def test_refresh_refuses_uncommitted_changes(project, clean_stack):
     (co / "vllm" / "util.py").write_text("# wip\n")
     before = files_snapshot(project.root)
     r = project.run("refresh", REF1)
-    assert r.rc == 1 and "uncommitted changes" in r.err, r
+    assert r.rc == 4 and "uncommitted changes" in r.err, r
     assert files_snapshot(project.root) == before
 
 

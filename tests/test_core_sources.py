@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import (REF1, TAG1, artifact_toml, files_snapshot, git, lock_text, make_wheel)
+from conftest import REF1, TAG1, artifact_toml, files_snapshot, git, lock_text, make_wheel
 
 
 def _state(project, tag=TAG1) -> dict:

@@ -9,8 +9,17 @@ import pytest
 from patcher.errors import PatchFormatError, StackError
 from patcher.patchfile import ZERO_ID, FileChange, Patch, format_patch
 from patcher.pinref import PinRef
-from patcher.stack import (StackEntry, expected_preimages, format_series, lint_stack, load_stack, parse_series,
-                           preimage_mismatches, stack_hash, write_stack)
+from patcher.stack import (
+    StackEntry,
+    expected_preimages,
+    format_series,
+    lint_stack,
+    load_stack,
+    parse_series,
+    preimage_mismatches,
+    stack_hash,
+    write_stack,
+)
 
 REF = PinRef("vllm", "v1.0.0")
 A, B, C, D = ("a" * 40, "b" * 40, "c" * 40, "d" * 40)

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from equivalence_helpers import greedy_case, prompt_doc
 
+from patcher.engines import engine, engine_names
 from patcher.equivalence import SCHEMA
 from patcher.prompts import Prompt
 from patcher.runners import (
-    RUNNERS,
+    REFERENCE_RUNNER,
     RunnerFailed,
     RunnerOutputError,
     RunnerSpec,
@@ -67,13 +68,15 @@ def fake(tmp_path):
 
 
 def test_argv_is_the_common_command_line():
-    argv = RUNNERS["vllm"].argv(Path("/v/bin/python"), Path("/m"), Path("/p.json"), "float32", 5, 16,
+    vllm = engine("vllm").runner
+    argv = vllm.argv(Path("/v/bin/python"), Path("/m"), Path("/p.json"), "float32", 5, 16,
                                 Path("/o.json"), fingerprint="abc")
-    assert argv[0] == "/v/bin/python" and argv[1].endswith("patcher/runners/vllm_runner.py")
+    assert argv[0] == "/v/bin/python" and argv[1].endswith("patcher/engines/vllm/runner.py")
     assert argv[2:] == ["--model", "/m", "--prompts", "/p.json", "--dtype", "float32", "--top-k", "5",
                         "--max-tokens", "16", "--out", "/o.json", "--fingerprint", "abc"]
-    assert RUNNERS["vllm"].env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    assert all(s.script.is_file() for s in RUNNERS.values())
+    assert vllm.env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    runners = [REFERENCE_RUNNER] + [engine(n).runner for n in engine_names()]
+    assert all(s.script.is_file() for s in runners if s is not None)
 
 
 def test_success_returns_validated_report_and_log(fake, tmp_path):
@@ -132,7 +135,7 @@ def test_root_cause_skips_vllm_wrapper_errors():
 def _script(name):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / f"patcher/runners/{name}.py"
+    path = engine(name).runner.script if name in engine_names() else REFERENCE_RUNNER.script
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -144,7 +147,7 @@ def test_vllm_position_entry_reads_logprob_mappings():
     FlatLogprobs row is): top-k by rank, plus the actual token whatever its rank."""
     from collections import namedtuple
 
-    vr = _script("vllm_runner")  # importable without vllm: vllm is imported in main()
+    vr = _script("vllm")  # importable without vllm: vllm is imported in main()
     Lp = namedtuple("Logprob", "logprob rank decoded_token")
     row = {9: Lp(-4.0, 7, None), 5: Lp(-0.1, 1, None), 7: Lp(-2.5, 2, None), 8: Lp(-3.0, 3, None)}
     assert vr.position_entry(row, 9, 2) == {"token": 9, "logprob": -4.0, "top": {"5": -0.1, "7": -2.5}}

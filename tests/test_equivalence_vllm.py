@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from equivalence_helpers import make_tiny
 
+from patcher.engines import engine
 from patcher.equivalence import compare, explain
 from patcher.prompts import build_prompt_set
-from patcher.runners import REFERENCE_TOP_K, RUNNERS, RunnerFailed, run_runner
+from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerFailed, run_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -33,9 +34,9 @@ def vllm_python() -> Path:
 
 def gate(model: Path, vllm_python: Path, out: Path):
     prompts = build_prompt_set(model, max_tokens=MAX_TOKENS)
-    ref = run_runner(RUNNERS["hf_reference"], Path(sys.executable), model, prompts, "float32", REFERENCE_TOP_K,
+    ref = run_runner(REFERENCE_RUNNER, Path(sys.executable), model, prompts, "float32", REFERENCE_TOP_K,
                      MAX_TOKENS, out / "ref.json")
-    eng = run_runner(RUNNERS["vllm"], vllm_python, model, prompts, "float32", TOP_K, MAX_TOKENS,
+    eng = run_runner(engine("vllm").runner, vllm_python, model, prompts, "float32", TOP_K, MAX_TOKENS,
                      out / "vllm.json", timeout=600)
     return ref, eng
 

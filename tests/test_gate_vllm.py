@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, git
+
 from patcher.engines.base import has_cuda
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
@@ -87,9 +87,14 @@ class Gate:
                            capture_output=True, text=True, timeout=timeout)
         return Run(args, p.returncode, p.stdout, p.stderr, round(time.monotonic() - t0, 1))
 
+    @property
+    def reports(self) -> Path:
+        """Where a run's reports go without --publish: scratch under the work dir."""
+        return Path(self.env["DSADAPT_WORKDIR"]) / "reports" / "vllm" / "v0.32.0"
+
     def report_path(self, model: str, style: str, dtype: str = "float32", unpatched: bool = False) -> Path:
         name = f"{model}-{style}-{dtype}" + ("-unpatched" if unpatched else "")
-        return self.root / "reports" / "vllm" / "v0.32.0" / f"{name}.json"
+        return self.reports / f"{name}.json"
 
     def check(self, model: str = "v3", style: str = "transformers", dtype: str = "float32", *extra: str,
               unpatched: bool = False, fresh: bool = False) -> Run:
@@ -113,7 +118,7 @@ class Gate:
                 *(("--unpatched",) if unpatched else ()), "--json", *extra)
         label = Path(model).name if "/" in model else model
         path = self.report_path(label, style, dtype, unpatched) if style else \
-            self.root / "reports" / "vllm" / "v0.32.0" / f"{label}-{dtype}{'-unpatched' if unpatched else ''}.json"
+            self.reports / f"{label}-{dtype}{'-unpatched' if unpatched else ''}.json"
         path.unlink(missing_ok=True)
         run = self.cli(*args)
         run.report = json.loads(path.read_text()) if path.is_file() else None

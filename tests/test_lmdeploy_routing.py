@@ -12,11 +12,9 @@ LMDeploy's default (non-CUDA) implementation, softmax in float32 then top-k.
 from __future__ import annotations
 
 import ast
-import shutil
 
 import pytest
-
-from lmdeploy_support import WHEELS, apply_stack, base_tree, wheel_path
+from lmdeploy_support import WHEELS, trees, wheel_path
 
 # the pinned LMDeploy 0.18.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
 pytestmark = pytest.mark.network
@@ -33,10 +31,8 @@ def gate_sources(tmp_path_factory):
     if wheel_path("v0.18.0") is None:
         pytest.skip(f"{WHEELS['v0.18.0'][0]} could not be found or fetched")
     root = tmp_path_factory.mktemp("lmd018")
-    base = base_tree("v0.18.0", root / "base")
-    patched = root / "patched"
-    shutil.copytree(base, patched)
-    apply_stack(patched, "v0.18.0")
+    t = trees("v0.18.0", root)
+    base, patched = t.base, t.patched
     return {"base": (base / GATE_FILE).read_text(), "patched": (patched / GATE_FILE).read_text()}
 
 

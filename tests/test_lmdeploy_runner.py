@@ -1,4 +1,4 @@
-"""patcher/runners/lmdeploy_runner.py: output handling, on synthetic engine outputs and on
+"""patcher/engines/lmdeploy/runner.py: output handling, on synthetic engine outputs and on
 the reports it wrote on an H200 (tests/fixtures/lmdeploy, see provenance.json there)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SCHEMA = "dsadapt.logit-report/1"
 
 @pytest.fixture(scope="module")
 def runner():
-    spec = importlib.util.spec_from_file_location("lmdeploy_runner", ROOT / "patcher/runners/lmdeploy_runner.py")
+    spec = importlib.util.spec_from_file_location("lmdeploy_runner", ROOT / "patcher/engines/lmdeploy/runner.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -249,7 +249,7 @@ def test_bisect_capture_reaches_the_model_through_the_agent(runner, monkeypatch)
     fake.GenerationConfig = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "lmdeploy", fake)
     monkeypatch.syspath_prepend(str(ROOT / "patcher" / "runners"))
-    from patcher.engines.lmdeploy_bisect import TABLE
+    from patcher.engines.lmdeploy.bisect import TABLE
 
     model = _LmdModel()
     pipe = _FakePipe()

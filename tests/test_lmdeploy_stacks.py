@@ -6,21 +6,20 @@ Needs the pinned wheels (shared artifact cache, fetched from PyPI once); skips w
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-
 from lmdeploy_support import (
     BASE_TREES,
     WHEELS,
-    apply_stack,
-    base_tree,
     blob_id,
     git,
     load_module,
     series,
     sha256,
     wheel_path,
+)
+from lmdeploy_support import (
+    trees as make_trees,
 )
 
 # the pinned LMDeploy wheels come from PyPI (once per machine: tests/shared_envs.py)
@@ -42,12 +41,8 @@ def trees(tmp_path_factory):
     def get(tag: str):
         _need(tag)
         if tag not in cache:
-            root = tmp_path_factory.mktemp(f"lmdeploy-{tag}")
-            base = base_tree(tag, root / "base")
-            patched = root / "patched"
-            shutil.copytree(base, patched)
-            applied = apply_stack(patched, tag)
-            cache[tag] = (base, patched, applied)
+            t = make_trees(tag, tmp_path_factory.mktemp(f"lmdeploy-{tag}"))
+            cache[tag] = (t.base, t.patched, t.applied)
         return cache[tag]
     return get
 

@@ -7,11 +7,8 @@ the rendered text is the card's text without it.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-
-from lmdeploy_support import WHEELS, apply_stack, base_tree, load_module, wheel_path
+from lmdeploy_support import WHEELS, load_module, trees, wheel_path
 
 # the pinned LMDeploy 0.4.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
 pytestmark = pytest.mark.network
@@ -25,10 +22,8 @@ def model_py(tmp_path_factory):
     if wheel_path("v0.4.0") is None:
         pytest.skip(f"{WHEELS['v0.4.0'][0]} could not be found or fetched")
     root = tmp_path_factory.mktemp("lmd040")
-    base = base_tree("v0.4.0", root / "base")
-    patched = root / "patched"
-    shutil.copytree(base, patched)
-    apply_stack(patched, "v0.4.0")
+    t = trees("v0.4.0", root)
+    base, patched = t.base, t.patched
     return (load_module(patched / "lmdeploy/model.py", "lmd040_model_patched", stub_mmengine=True),
             load_module(base / "lmdeploy/model.py", "lmd040_model_base", stub_mmengine=True))
 

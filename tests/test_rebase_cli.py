@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import rebase_fixture as fx
+
 from patcher import tags as tags_mod
 from patcher.cli import main
 from patcher.lock import EngineDecl, load_lock, write_lock
@@ -71,7 +71,9 @@ def test_rebase_cli_stops_continues_and_reports(proj, capsys):
     fx.git(co, "add", "pkg/d.py")
     assert main(["--project", str(proj), "continue", "--json"]) == 0
     capsys.readouterr()
-    report = json.loads((proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
+    # scratch report under the work dir: a rebase never changes the committed reports/ unless --publish
+    assert not (proj / "reports").exists()
+    report = json.loads((proj.parent / "work" / "reports/rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
     assert report["counts"] == {"clean": 1, "merged": 1, "changed": 1, "upstream": 4}
     rows = _json(capsys, "--project", str(proj), "report", "--json")["pins"]
     assert [(r["pin"], r["patches"], r["check"]) for r in rows] == [

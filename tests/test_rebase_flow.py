@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import rebase_fixture as fx
+
 from patcher import workspace
 from patcher.errors import ConflictStop, WorkspaceError
 from patcher.lock import load_lock
@@ -56,7 +56,7 @@ def test_rebase_classifies_each_patch_and_writes_new_stack(env):
     res = _resolve_and_continue(cfg)
     assert [o.outcome for o in res.outcomes] == ["upstream", "upstream", "upstream", "merged", "changed",
                                                 "upstream", "clean"]
-    report = json.loads((proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
+    report = json.loads((cfg.reports_root / "rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
     detail = {p["index"]: p["detail"] for p in report["patches"]}
     assert "reverse-applies onto NEW (" in detail[1]           # git source is shallow: no history for patch-id
     assert "ignoring whitespace" in detail[2]
@@ -83,7 +83,7 @@ def test_rebase_classifies_each_patch_and_writes_new_stack(env):
     assert rd[5].splitlines()[0].endswith("d: raise the timeout") and " ! " in rd[5].splitlines()[0]
     assert "timeout = 30  # ours" in rd[5]
     assert " = " in rd[7].splitlines()[0]
-    md = (proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.md").read_text()
+    md = (cfg.reports_root / "rebase/vllm-v1.0.0-to-v1.1.0.md").read_text()
     assert "### 5. d: raise the timeout (changed)" in md
     assert "- 0006-e-prefer-b.patch: already upstream: Drop-When" in md
 
@@ -151,7 +151,7 @@ def test_skip_drops_the_conflicting_patch(env):
     assert [o.outcome for o in res.outcomes][4:] == ["skipped", "upstream", "clean"]
     assert [e.name for e in load_stack(cfg.patches_root, NEW).entries] == [
         "0001-c-double-the-total.patch", "0002-f-shift-f2.patch"]
-    md = (proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.md").read_text()
+    md = (cfg.reports_root / "rebase/vllm-v1.0.0-to-v1.1.0.md").read_text()
     assert "- 0005-d-raise-the-timeout.patch: skipped by the user" in md
 
 
@@ -195,7 +195,7 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
     assert [o.outcome for o in res.outcomes] == ["upstream", "upstream", "upstream", "merged", "changed",
                                                 "upstream", "clean"]
     assert cfg.lock_path.read_bytes() == lock_before  # NEW was pinned already
-    report = json.loads((proj / "reports/rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
+    report = json.loads((cfg.reports_root / "rebase/vllm-v1.0.0-to-v1.1.0.json").read_text())
     assert report["pinned_new"] is False and report["new_source"].startswith("pypi vllm-1.1.0-")
     assert "reverse-applies" in report["patches"][0]["detail"]
     assert [e.name for e in load_stack(cfg.patches_root, NEW).entries][0] == "0001-c-double-the-total.patch"

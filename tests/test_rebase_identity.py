@@ -5,10 +5,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import rebase_fixture as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import rebase_fixture as fx
 from patcher.gitutil import Git
 from patcher.lock import load_lock
 from patcher.pinref import PinRef

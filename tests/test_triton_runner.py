@@ -1,4 +1,4 @@
-"""patcher/runners/triton_runner.py: request body and answer -> report (pure)."""
+"""patcher/engines/triton/runner.py: request body and answer -> report (pure)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from patcher.runners import triton_runner as tr
+from patcher.engines.triton import runner as tr
 
 
 def _pos(entries):

@@ -1,4 +1,4 @@
-"""patcher.tritonserver: pure parts always; the lifecycle against a real tritonserver
+"""patcher.engines.triton.server: pure parts always; the lifecycle against a real tritonserver
 (from nvidia-pytriton: DSADAPT_TRITON_VENV, else a shared venv made on first use) with a
 trivial python backend."""
 
@@ -11,9 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import triton_support as sup
-from patcher import tritonserver as ts
+
+from patcher.engines.triton import server as ts
+from patcher.errors import EngineRunFailed, EngineUnavailable, ExitCode, MachineError, UsageError
+from patcher.runners import RunnerFailed, RunnerTimeout
 
 # --- pure parts ---------------------------------------------------------------------
 
@@ -75,13 +77,13 @@ def test_server_env_orders_path_and_library_path(tmp_path):
 
 
 def test_numpy_2_is_refused(tmp_path):
-    with pytest.raises(ts.TritonEnvironmentError, match="numpy < 2"):
+    with pytest.raises(EngineUnavailable, match="numpy < 2"):
         ts.check_numpy(_info(tmp_path, "2.3.5"))
     ts.check_numpy(_info(tmp_path, "1.26.4"))
 
 
 def test_missing_pytriton_says_how_to_install(tmp_path):
-    with pytest.raises(ts.TritonNotInstalled) as e:
+    with pytest.raises(EngineUnavailable) as e:
         ts.locate_triton(tmp_path)
     assert "nvidia-pytriton==0.7.0" in e.value.hint
 
@@ -91,7 +93,7 @@ def test_sitecustomize_not_overwritten_when_foreign(tmp_path):
     info.purelib.mkdir(parents=True)
     assert ts.write_sitecustomize(info).read_text() == ts.SITECUSTOMIZE
     (info.purelib / "sitecustomize.py").write_text("import something_else\n")
-    with pytest.raises(ts.TritonEnvironmentError, match="not written by dsadapt"):
+    with pytest.raises(EngineUnavailable, match="not written by dsadapt"):
         ts.write_sitecustomize(info)
 
 
@@ -100,7 +102,7 @@ def test_backend_source_accepts_checkout_or_built_dir(tmp_path):
     (tmp_path / "co" / "src" / "model.py").write_text("")
     assert ts.backend_source(tmp_path / "co") == tmp_path / "co" / "src"
     assert ts.backend_source(tmp_path / "co" / "src") == tmp_path / "co" / "src"
-    with pytest.raises(ts.TritonError, match="no model.py"):
+    with pytest.raises(UsageError, match="no model.py"):
         ts.backend_source(tmp_path)
 
 
@@ -118,7 +120,9 @@ def test_load_failure_is_the_models_error_line():
 def test_group_members_finds_own_group():
     import os
 
-    assert os.getpid() in ts.group_members(os.getpgid(0))
+    from patcher.procs import group_members
+
+    assert os.getpid() in group_members(os.getpgid(0))
 
 
 # --- real server, trivial backend ---------------------------------------------------
@@ -168,9 +172,9 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e:
-            with ts.serve(layout, port=port, ready_timeout_s=60):
-                pass
+        with pytest.raises(MachineError, match=str(port)) as e, ts.serve(layout, port=port, ready_timeout_s=60):
+            pass
+    assert e.value.exit_code == ExitCode.ENVIRONMENT  # the machine's state, not bad input
     assert "--port" in e.value.hint
     assert sup.processes_under(layout.root) == []
 
@@ -178,11 +182,11 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 @pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_backend_crash_at_load_reports_log_tail(tmp_path):
     layout = _layout(tmp_path, "crash")
-    with pytest.raises(ts.TritonBackendCrashed) as e:
-        with ts.serve(layout, ready_timeout_s=120, grace_s=10):
-            pass
+    with pytest.raises(RunnerFailed) as e, ts.serve(layout, ready_timeout_s=120, grace_s=10):
+        pass
     assert "failed to load 'echo' version 1" in e.value.message.splitlines()[0]
     assert "crash at load" in e.value.message
+    assert isinstance(e.value, EngineRunFailed)  # a verdict for the gate, not an accident
     assert e.value.log_path and e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []
 
@@ -190,9 +194,9 @@ def test_backend_crash_at_load_reports_log_tail(tmp_path):
 @pytest.mark.network  # nvidia-pytriton is installed from PyPI on first use
 def test_never_ready_times_out_and_kills_everything(tmp_path):
     layout = _layout(tmp_path, "hang")
-    with pytest.raises(ts.TritonNeverReady, match="not ready after 8 s") as e:
-        with ts.serve(layout, ready_timeout_s=8, grace_s=5):
-            pass
+    with pytest.raises(RunnerTimeout, match="not ready after 8 s") as e, \
+            ts.serve(layout, ready_timeout_s=8, grace_s=5):
+        pass
     assert e.value.log_path.is_file()
     assert sup.processes_under(layout.root) == []
 
@@ -205,8 +209,8 @@ def test_port_taken_after_the_check_is_read_from_the_log(tmp_path, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ts.TritonPortInUse, match=str(port)) as e:
-            with ts.serve(layout, port=port, ready_timeout_s=60, grace_s=5):
-                pass
-    assert e.value.log_path.is_file()
+        with pytest.raises(MachineError, match=str(port)) as e, \
+                ts.serve(layout, port=port, ready_timeout_s=60, grace_s=5):
+            pass
+    assert Path(e.value.hint.rsplit("server log: ", 1)[1]).is_file()
     assert sup.processes_under(layout.root) == []

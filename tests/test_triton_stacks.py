@@ -7,7 +7,6 @@ import ast
 import re
 
 import pytest
-
 import triton_support as sup
 
 TAGS = sorted(sup.PINS)

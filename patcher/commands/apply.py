@@ -7,7 +7,7 @@ import click
 from .. import workspace
 from ..errors import ConflictStop
 from ..stack import load_stack
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, ref_of, say, to_ref
 
 
 def _line(o: workspace.PatchOutcome) -> str:
@@ -23,7 +23,7 @@ def _report(res: workspace.StackResult, as_json: bool, verb: str) -> None:
         say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
         return
     src = res.source or {}
-    say(f"{res.ref}: {verb} {len(res.outcomes)} patch(es) onto {res.base[:12]} "
+    say(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
         f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
     say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
     if res.backup_ref:
@@ -41,7 +41,7 @@ def _on_patch(as_json: bool):
 @pass_ctx
 def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     """Materialize + verify the pinned checkout, then apply the stack as commits."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
     load_stack(ctx.cfg.patches_root, ref)
     with workspace.workdir_lock(ctx.cfg):

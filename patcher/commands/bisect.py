@@ -9,11 +9,12 @@ from pathlib import Path
 
 import click
 
-from ..check import CheckResult, engine_dtypes, run_check
-from ..engines import adapter
+from ..check import CheckResult, check_dtypes, preflight, run_check
+from ..engines import engine
 from ..errors import CheckFailed, DsadaptError, EngineUnavailable
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table, to_ref
+from .check import _check_model
+from .common import Context, PinRefParam, emit_json, json_option, pass_ctx, progress_printer, say, table, to_ref
 
 
 def _num(x, spec=".3g") -> str:
@@ -46,7 +47,7 @@ def render(res: CheckResult, report: dict | None) -> None:
 
 
 @click.command("bisect")
-@click.argument("pin", metavar="ENGINE@TAG")
+@click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model (default: transformers, what save_pretrained writes).")
@@ -63,18 +64,19 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    ctx.lock.pin(ref)
-    ad = adapter(ref.engine)
-    if ad.bisect_table is None:
+    _check_model(model)
+    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+    if getattr(engine(ref.engine), "bisect_table", None) is None:
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")
-    dtype = dtype or engine_dtypes(ad)[0]
-    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    dtype = dtype or check_dtypes(ctx.lock, ref, variant)[0]
     progress = progress_printer(not as_json)
+    on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
         res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                         unpatched=unpatched, progress=progress, stream=not as_json, command=command,
-                        unpatched_engine=unpatched_engine, bisect="always")
+                        unpatched_engine=unpatched_engine, bisect="always", on_line=on_line)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
         if as_json:

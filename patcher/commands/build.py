@@ -8,11 +8,11 @@ import time
 import click
 
 from ..build import build_pin, buildable_here
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError, SourceError
-from ..venvs import install_pin
+from ..venvs import install_plan
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, ref_of, say, table
 
 
 @click.command("build")
@@ -22,8 +22,10 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 @pass_ctx
 def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
+    if variant is not None:
+        engine(ref.engine).variant(variant)
     with workdir_lock(ctx.cfg):
         res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
     if as_json:
@@ -40,7 +42,8 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
         say(f"  removed  {p}")
     if res.left_out:
         say(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
-    blocker = adapter(ref.engine).run_blocker(ctx.lock.pin(ref), adapter(ref.engine).variant(res.variant))
+    eng = engine(ref.engine)
+    blocker = eng.run_blocker(ctx.lock.pin(ref), eng.variant(res.variant))
     if blocker:
         say(f"  note: built here, but it cannot run here: {blocker}")
 
@@ -51,27 +54,22 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 @json_option
 @pass_ctx
 def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
-    """Create (or reuse) the pin's own virtual environment and install the patched engine there."""
-    ref = to_ref(pin)
-    ctx.lock.pin(ref)
-    if adapter(ref.engine).build_kind == "backend":  # Triton: the served engine's environment + the server
-        from ..engines.triton import server_venv
+    """Create (or reuse) the environment the pin runs in and install the patched engine there.
 
-        with workdir_lock(ctx.cfg):
-            py, installed = server_venv(ctx.cfg, ctx.lock, ctx.lock.pin(ref), False,
-                                        progress=progress_printer(not as_json), stream=not as_json)
-        if as_json:
-            emit_json({"ref": str(ref), "python": str(py), **installed})
-        else:
-            say(f"{ref}: serving environment for {installed['served']} ready in {installed['venv']}")
-            say(f"  activate: source {installed['venv']}/bin/activate   (tritonserver: `dsadapt serve {ref}`)")
-        return
+    For most engines that is the pin's own virtual environment; a served engine (Triton's vLLM
+    backend) gets the environment of the engine it serves, with its server added."""
+    ref = ref_of(pin)
+    entry = ctx.lock.pin(ref)
+    eng = engine(ref.engine)
+    plan = eng.env_plan(entry, eng.variant_for(entry, variant), ctx.lock)
     with workdir_lock(ctx.cfg):
-        res = install_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json), stream=not as_json)
+        res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(not as_json), stream=not as_json)
     if as_json:
-        emit_json(res.to_json())
+        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None})
         return
-    say(f"{ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    say(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    if plan.note:
+        say(f"  {plan.note}")
     if res.removed:
         say(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
     say(f"  activate: {res.activate}")
@@ -84,15 +82,14 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
     """Build every pin (and variant) that can be built on this machine; a table of the rest says why not."""
     rows, data, failed = [], [], False
     with workdir_lock(ctx.cfg):
-        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
-            ad = adapter(entry.engine)
-            variants = [v.name for v in ad.variants
-                        if entry.artifact(v.artifact_variant, wheel=True) or ad.build_kind == "backend"]
+        for entry in ctx.lock.sorted_pins():
+            ad = engine(entry.engine)
+            variants = [v.name for v in ad.pinned_variants(entry)]
             for v in variants or [ad.variants[0].name]:
                 t0 = time.monotonic()
                 reason = buildable_here(ctx.cfg, ctx.lock, entry, v)
                 runs = ad.run_blocker(entry, ad.variant(v))
-                row = {"pin": str(entry.ref), "variant": v, "kind": None, "artifact": None, "seconds": None,
+                row: dict[str, object] = {"pin": str(entry.ref), "variant": v, "kind": None, "artifact": None, "seconds": None,
                        "status": "skipped", "reason": reason, "runs_here": runs is None, "run_blocker": runs}
                 if reason is None:
                     try:
@@ -107,8 +104,9 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                         failed = True
                 data.append(row)
                 note = row["reason"] or ("" if row["runs_here"] else f"built; cannot run here: {runs}")
-                rows.append([row["pin"], v, row["kind"] or "-", (row["artifact"] or "-").rsplit("/", 1)[-1],
-                             f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", row["status"], note])
+                rows.append([str(row["pin"]), v, str(row["kind"] or "-"), str(row["artifact"] or "-").rsplit("/", 1)[-1],
+                             f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", str(row["status"]),
+                             str(note)])
     if as_json:
         emit_json({"builds": data, "ok": not failed})
     else:

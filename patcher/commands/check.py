@@ -2,17 +2,72 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
-from ..check import CheckResult, bisect_command, check_or_raise, engine_dtypes, run_check
-from ..engines import adapter
-from ..errors import CheckFailed, DsadaptError, EngineUnavailable, UsageError
+from ..check import CheckResult, bisect_command, check_dtypes, check_or_raise, preflight, run_check
+from ..engines import engine
+from ..errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
 from ..stack import load_stack
+from ..textfile import read_text
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table, to_ref
+from .common import (
+    Context,
+    PinRefParam,
+    emit_json,
+    json_option,
+    pass_ctx,
+    progress_printer,
+    publish_option,
+    say,
+    table,
+    to_ref,
+)
+
+BUILTIN_MODELS = ("v3", "v2-lite", "v2")
+
+
+def command_line(click_ctx: click.Context) -> str:
+    """The check command as the user gave it (their flags only, in a canonical order)."""
+    parts = ["dsadapt", "check"]
+    for param in click_ctx.command.params:
+        name = param.name
+        if name in ("as_json",) or name is None:
+            continue
+        source = click_ctx.get_parameter_source(name)
+        if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        value = click_ctx.params.get(name)
+        if isinstance(param, click.Argument):
+            parts.append(shlex.quote(str(value)))
+        elif getattr(param, "is_flag", False):
+            if value:
+                parts.append(param.opts[0])
+        elif value is not None:
+            parts += [param.opts[0], shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def _check_model(model: str) -> None:
+    """--model is a built-in name or a directory with a readable config.json (checked before anything runs)."""
+    if model in BUILTIN_MODELS:
+        return
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+                         "directory with config.json",
+                         hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
+    try:
+        data = json.loads(read_text(config, UsageError))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{show(config, 120)}:{e.lineno}: not valid JSON ({e.msg})",
+                         hint="fix the model's config.json") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{show(config, 120)}: not a JSON object", hint="fix the model's config.json")
 
 
 def _fmt(x, spec=".2g"):
@@ -72,7 +127,7 @@ def render_bisect_summary(b: dict) -> None:
 
 
 @click.command("check")
-@click.argument("pin", metavar="ENGINE@TAG", required=False)
+@click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model (default: transformers, what save_pretrained writes).")
@@ -87,6 +142,7 @@ def render_bisect_summary(b: dict) -> None:
 @click.option("--bisect", "bisect", is_flag=True,
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
+@publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
@@ -94,46 +150,53 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
-    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    _check_model(model)
+    command = command_line(click.get_current_context())
     progress = progress_printer(not as_json)
+    on_line = progress.note if progress is not None else None
     mode = "on-fail" if bisect else None
     if not all_pins:
         ref = to_ref(pin)
-        ctx.lock.pin(ref)
-        dtypes = (dtype,) if dtype else engine_dtypes(adapter(ref.engine))
-        results: list[CheckResult] = []
+        assert ref is not None
+        preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant)
+        done: list[CheckResult] = []
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
                 res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dt,
                                 variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
-                                command=command, unpatched_engine=unpatched_engine, bisect=mode)
-                results.append(res)
+                                command=command, unpatched_engine=unpatched_engine, on_line=on_line, bisect=mode)
+                done.append(res)
                 if not as_json:
                     render(res)
                     if explain and res.passed:
                         say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
         if as_json:
-            emit_json(results[0].to_json() if dtype else overall_json(str(ref), results))
-        elif len(results) > 1:
-            say(f"overall: {'PASS' if all(r.passed for r in results) else 'FAIL'} ("
-                + ", ".join(f"{r.dtype} {r.verdict}" for r in results) + ")")
-        failed = [r for r in results if not r.passed]
-        if failed and len(results) > 1:
-            first = failed[0]
+            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done))
+        elif len(done) > 1:
+            say(f"overall: {'PASS' if all(r.passed for r in done) else 'FAIL'} ("
+                + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")")
+        failed_runs = [r for r in done if not r.passed]
+        if failed_runs and len(done) > 1:
+            first = failed_runs[0]
             try:
                 check_or_raise(first)
             except CheckFailed as e:
-                raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed)}: "
+                raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed_runs)}: "
                                   f"{first.dtype}: {'; '.join(first.reasons[:2])}", hint=e.hint) from None
-        for r in failed:
+        for r in failed_runs:
             check_or_raise(r)
         return
-    results, rows, failed = [], [], False
+    results: list[dict[str, object]] = []
+    rows: list[list[str]] = []
+    failed = False
     with workdir_lock(ctx.cfg):
-        for entry in sorted(ctx.lock.pins.values(), key=lambda e: (e.engine, str(e.ref))):
-            ad = adapter(entry.engine)
-            spec = ad.variant_for(entry, None)
-            blocker = ad.run_blocker(entry, spec)
+        for entry in ctx.lock.sorted_pins():
+            eng = engine(entry.engine)
+            spec = eng.variant_for(entry, None)
+            blocker = eng.run_blocker(entry, spec)
+            if blocker is None and dtype is not None and dtype not in eng.gate_dtypes(spec):
+                blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
             if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
                 blocker = "no stack"
             if blocker:
@@ -142,8 +205,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 continue
             try:
                 runs = [run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dt,
-                                  progress=progress, stream=not as_json, command=command, bisect=mode)
-                        for dt in ((dtype,) if dtype else engine_dtypes(ad))]
+                                  progress=progress, stream=not as_json, command=command, on_line=on_line, bisect=mode)
+                        for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref))]
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
                 results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
@@ -155,11 +218,13 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                     runs[0].report_path if ok and len(runs) == 1 else
                     ("; ".join(f"{r.dtype}: {'; '.join(r.reasons[:1])}" for r in bad) if bad else "every dtype passed")])
                 failed |= not ok
-            except EngineUnavailable as e:
-                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": e.message})
-                rows.append([str(entry.ref), "not run", e.message])
             except DsadaptError as e:
-                results.append({"pin": str(entry.ref), "verdict": "error", "reason": e.message})
+                if e.exit_code == ExitCode.CANNOT_RUN:  # not runnable here (no GPU, no source): never a pass
+                    results.append({"pin": str(entry.ref), "verdict": "not run", "reason": e.message})
+                    rows.append([str(entry.ref), "not run", e.message])
+                    continue
+                results.append({"pin": str(entry.ref), "verdict": "error", "reason": e.message,
+                                "exit_code": int(e.exit_code)})
                 rows.append([str(entry.ref), "error", e.message])
                 failed = True
     ran = [r for r in results if r["verdict"] in ("pass", "fail")]
@@ -171,9 +236,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
             f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
     if failed:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
     if not ran:
-        sys.exit(EngineUnavailable.exit_code)
+        sys.exit(ExitCode.CANNOT_RUN)
 
 
 def overall_json(pin: str, results: list[CheckResult]) -> dict:

@@ -7,17 +7,17 @@ import click
 from ..lock import write_lock
 from ..pin import resolve_pin
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, ref_of, say
 
 
 @click.command("pin")
-@pinref_arg()
+@pinref_arg(pinned=False)
 @click.option("--update", is_flag=True, help="Accept a moved tag (after you investigated it).")
 @json_option
 @pass_ctx
 def pin_cmd(ctx: Context, pin: str, update: bool, as_json: bool) -> None:
     """Resolve the tag (git where reachable) and hash its release artifacts (PyPI) into upstream.lock."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     with workdir_lock(ctx.cfg):
         entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=progress_printer(not as_json))
         old = ctx.lock.pins.get(str(ref))

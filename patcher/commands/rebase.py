@@ -7,10 +7,21 @@ import click
 from .. import workspace
 from ..errors import DsadaptError, UsageError
 from ..matrix import blocker_here, build_matrix, github_matrix
-from ..pinref import parse_pinref
+from ..pinref import check_tag, parse_pinref
 from ..rebase import load_report, rebase_stack, report_paths
 from ..tags import upstream_tags
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, table, to_ref
+from .common import (
+    Context,
+    emit_json,
+    json_option,
+    pass_ctx,
+    pinref_arg,
+    progress_printer,
+    publish_option,
+    ref_of,
+    say,
+    table,
+)
 
 
 @click.command("tags")
@@ -33,8 +44,9 @@ def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
 
 
 def _onto(engine: str, onto: str) -> str:
+    """--onto TAG (or ENGINE@TAG), validated as a tag before any git or PyPI query."""
     if "@" not in onto:
-        return onto
+        return check_tag(onto, "--onto")
     ref = parse_pinref(onto)
     if ref.engine != engine:
         raise UsageError(f"--onto {onto} names engine {ref.engine}, not {engine}",
@@ -45,6 +57,7 @@ def _onto(engine: str, onto: str) -> str:
 @click.command("rebase")
 @pinref_arg()
 @click.option("--onto", "onto", required=True, metavar="TAG", help="The upstream tag to carry the stack onto.")
+@publish_option
 @json_option
 @pass_ctx
 def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
@@ -52,8 +65,11 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
     On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
-    old = to_ref(pin)
+    old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
+    if new_tag == old.tag:
+        raise UsageError(f"--onto {new_tag} is the tag {old} is already on", hint="name the newer upstream tag to carry the stack onto")
+    ctx.lock.pin(old)  # an unpinned OLD fails before anything (even the work-dir lock file) is created
     on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
     with workspace.workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(not as_json),
@@ -65,7 +81,14 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
         return
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
     say(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
-    say(f"  report: {md.relative_to(ctx.cfg.project)} (+ .json)")
+    say(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
+
+
+def _rel(path, root) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 @click.command("matrix")

@@ -8,23 +8,26 @@ HEADER = ("# Command reference\n\nGenerated from the commands' own help (`make d
           "Every reporting command takes `--json`. Exit codes: see the [user guide](user-guide.md#errors-and-exit-codes).\n")
 
 
-def _walk(cmd: click.Command, path: list[str]):
-    yield path, cmd
+#: What `dsadapt CMD --help` uses on any terminal at least 100 columns wide (click: min(cols, 100) - 2).
+WIDTH = 98
+
+
+def _walk(cmd: click.Command, ctx: click.Context):
+    """(context, command) for every command under `cmd`, each context a child of its group's, as
+    when the CLI runs: the usage line reads `dsadapt model make`, and the group's
+    context_settings (help option names "-h, --help") hold for every command."""
+    yield ctx, cmd
     if isinstance(cmd, click.Group):
         for name in sorted(cmd.commands):
-            yield from _walk(cmd.commands[name], path + [name])
+            sub = cmd.commands[name]
+            yield from _walk(sub, click.Context(sub, info_name=name, parent=ctx, terminal_width=WIDTH,
+                                                max_content_width=100))
 
 
 def command_reference(root: click.Group) -> str:
     out = [HEADER]
-    # Each command's context descends from the group's, as when the CLI runs: the group's
-    # context_settings (help option names "-h, --help") hold for every command, whatever
-    # context first asked a command for its help option.
-    settings = {**root.context_settings, "terminal_width": 100, "max_content_width": 100}
+    settings = {**root.context_settings, "terminal_width": WIDTH, "max_content_width": 100}
     root_ctx = click.Context(root, info_name="dsadapt", **settings)
-    for path, cmd in _walk(root, ["dsadapt"]):
-        if cmd is root:
-            continue
-        ctx = click.Context(cmd, info_name=" ".join(path), parent=root_ctx, terminal_width=100, max_content_width=100)
-        out.append(f"\n## `{' '.join(path)}`\n\n```\n{cmd.get_help(ctx).rstrip()}\n```\n")
+    for ctx, cmd in _walk(root, root_ctx):
+        out.append(f"\n## `{ctx.command_path}`\n\n```\n{cmd.get_help(ctx).rstrip()}\n```\n")
     return "".join(out)

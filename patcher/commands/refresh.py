@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import workspace
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, ref_of, say
 
 
 @click.command("refresh")
@@ -14,7 +14,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, say, 
 @pass_ctx
 def refresh_cmd(ctx: Context, pin: str, as_json: bool) -> None:
     """Write the branch's commits to patches/ENGINE/TAG in normalized form and rewrite series."""
-    ref = to_ref(pin)
+    ref = ref_of(pin)
     ctx.lock.pin(ref)
     with workspace.workdir_lock(ctx.cfg):
         changed, removed = workspace.refresh_stack(ctx.cfg, ctx.lock, ref)

@@ -6,12 +6,11 @@ from collections import Counter
 
 import click
 
-from ..buildkind import classify
-from ..engines import adapter
+from ..engines import engine
 from ..errors import DsadaptError
 from ..stack import load_stack
 from ..workspace import checkout_status
-from .common import Context, emit_json, json_option, pass_ctx, table
+from .common import Context, emit_json, json_option, pass_ctx, plural, table
 
 
 def _stack_info(ctx: Context, entry):
@@ -29,23 +28,24 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     """Engines, pins, patch counts, build kind, and whether each pin can run here."""
     rows, data = [], []
     for name in sorted(ctx.lock.engines):
-        ad = adapter(name)
+        ad = engine(name)
         for entry in ctx.lock.pins_of(name):
             st, err = _stack_info(ctx, entry)
-            kind = classify(ad, st) if st is not None else None
+            kind = ad.build_kind(st) if st is not None else None
             statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
-            blockers = {v.name: ad.run_blocker(entry, v) for v in ad.variants
-                        if entry.artifact(v.artifact_variant) or ad.build_kind == "backend"}
+            # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
+            variants = ad.pinned_variants(entry)
+            blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
             runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
             d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
                  "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
                  "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
                  "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
-                 "variants": list(entry.variants), "runs_here": {v: b is None for v, b in blockers.items()},
+                 "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
                  "run_blockers": {v: b for v, b in blockers.items() if b}, "serves": entry.serves, "error": err}
             data.append(d)
             rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
-                         kind.kind if kind else err or "?", ", ".join(entry.variants) or "-", runs])
+                         kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
     if as_json:
         emit_json({"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
                    "pins": data})
@@ -58,14 +58,14 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
 @pass_ctx
 def status_cmd(ctx: Context, as_json: bool) -> None:
     """Where each checkout stands: not fetched / clean base / stack applied / mid-apply / dirty."""
-    sts = [checkout_status(ctx.cfg, ctx.lock, e) for e in sorted(ctx.lock.pins.values(), key=lambda e: str(e.ref))]
+    sts = [checkout_status(ctx.cfg, ctx.lock, e) for e in ctx.lock.sorted_pins()]
     if as_json:
         emit_json({"checkouts": [s.to_json() for s in sts]})
         return
     rows = []
     for s in sts:
         src = f"{s.source['kind']}" if s.source else "-"
-        rows.append([s.ref, s.state, src, s.detail + (f" ({len(s.backups)} backup ref(s))" if s.backups else "")])
+        rows.append([s.ref, s.state, src, s.detail + (f" ({plural(len(s.backups), 'backup ref')})" if s.backups else "")])
     table("checkouts", ["pin", "state", "source", "detail"], rows)
 
 

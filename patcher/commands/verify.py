@@ -9,7 +9,7 @@ import click
 from ..errors import EngineUnavailable
 from ..verify import verify_stack
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, say, to_ref
+from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, plural, progress_printer, ref_of, say
 
 
 @click.command("verify")
@@ -18,7 +18,7 @@ from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progr
 @pass_ctx
 def verify_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Lint one stack (or every pinned stack) and apply it in a temporary worktree."""
-    refs = [to_ref(pin)] if pin else [p.ref for p in sorted(ctx.lock.pins.values(), key=lambda p: str(p.ref))
+    refs = [ref_of(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
                                       if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
     for ref in refs:
         ctx.lock.pin(ref)  # unknown pins fail before anything is created
@@ -32,11 +32,11 @@ def verify_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     else:
         for r in results:
             if r.unverifiable and not r.problems:
-                say(f"{r.ref}: NOT VERIFIED — {r.patches} patch(es) lint clean, but the pinned tree is not "
+                say(f"{r.ref}: NOT VERIFIED — {plural(r.patches, 'patch')} lint clean, but the pinned tree is not "
                     f"available here: {r.unverifiable}")
                 continue
             verdict = "ok" if r.ok else "FAILED"
-            say(f"{r.ref}: {verdict} — {r.patches} patch(es), applies: {'yes' if r.applied else 'no'}, "
+            say(f"{r.ref}: {verdict} — {plural(r.patches, 'patch')}, applies: {'yes' if r.applied else 'no'}, "
                 f"{r.compiled} .py file(s) compile, source {r.source}")
             for p in r.problems:
                 say(f"  - {p}")

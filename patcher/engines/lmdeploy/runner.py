@@ -1,13 +1,14 @@
 """LMDeploy (PyTorch engine) runner for dsadapt's logit-equivalence gate.
 
-Standalone: stdlib + torch + lmdeploy only; it runs with the pin's environment
-interpreter in a subprocess and never imports `patcher`. Needs a CUDA device.
+Standalone: stdlib + torch + lmdeploy + the runner protocol (``dsadapt_runner``, on
+PYTHONPATH); it runs with the pin's environment interpreter in a subprocess and never
+imports `patcher`. Needs a CUDA device.
 
     python lmdeploy_runner.py --model DIR --prompts prompts.json --dtype bfloat16 \
         --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA]
 
 What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
-``patcher/equivalence.py``):
+``patcher/runners/dsadapt_runner.py``):
 
 - prompt logprobs: one prefill over the prompt with ``output_logits="all"``
   (``AsyncEngine.async_get_logits``), a full float32 ``log_softmax`` per position,
@@ -28,46 +29,30 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import platform
-import sys
 import time
 
-SCHEMA = "dsadapt.logit-report/1"
+import dsadapt_runner as kit
+
 DTYPES = ("bfloat16", "float16")
 #: Context length the engine is started with (the gate's MAX_MODEL_LEN).
 SESSION_LEN = 256
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--fingerprint", default=None)
+    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20)
     ap.add_argument("--session-len", type=int, default=SESSION_LEN)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.05,
                     help="fraction of free GPU memory for the KV cache")
-    ap.add_argument("--capture", default=None,
-                    help="also capture every comparison point of `dsadapt bisect` into this file (torch.save)")
-    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON) naming the points")
-    ap.add_argument("--capture-decode-steps", type=int, default=2)
+    kit.add_capture_args(ap)
     return ap.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- pure
 
-
-def position_entry(row, token_id: int, top_k: int) -> dict:
-    """One position from a full log-softmax row (a 1-D tensor): the actual token's
-    logprob and the top-k ``{id: logprob}`` in descending order."""
-    vals, ids = row.topk(top_k)
-    return {"token": int(token_id), "logprob": float(row[token_id]),
-            "top": {str(int(i)): float(v) for i, v in zip(ids.tolist(), vals.tolist())}}
+#: One position from a full log-softmax row (a 1-D tensor).
+position_entry = kit.position_from_row
 
 
 def prompt_entries(logits, prompt: list[int], top_k: int) -> list[dict | None]:
@@ -101,26 +86,12 @@ def generated_entries(token_ids: list[int], steps: list[dict], top_k: int) -> li
 def prompt_result(doc: dict, logits, generated: list[int], steps: list[dict], top_k: int) -> dict:
     """A PromptResult document."""
     prompt = list(doc["token_ids"])
-    return {"id": doc["id"], "batch": doc.get("batch"), "prompt_token_ids": prompt,
-            "prompt_logprobs": prompt_entries(logits, prompt, top_k),
-            "generated_token_ids": list(generated),
-            "generated_logprobs": generated_entries(list(generated), steps, top_k)}
+    return kit.prompt_result(doc, prompt_entries(logits, prompt, top_k), generated,
+                             generated_entries(list(generated), steps, top_k))
 
 
-def submission_groups(prompt_docs: list[dict]) -> list[list[dict]]:
-    """Singles alone, each named batch as one group, in first-appearance order."""
-    groups: dict[str, list[dict]] = {}
-    order: list[list[dict]] = []
-    for p in prompt_docs:
-        name = p.get("batch")
-        if not name:
-            order.append([p])
-        elif name not in groups:
-            groups[name] = [p]
-            order.append(groups[name])
-        else:
-            groups[name].append(p)
-    return order
+#: Singles alone, each named batch as one group, in first-appearance order.
+submission_groups = kit.submission_groups
 
 
 # ----------------------------------------------------------------------------- engine
@@ -146,12 +117,12 @@ async def _request(engine, ids: list[int], max_tokens: int, top_k: int):
     tokens: list[int] = []
     steps: list[dict] = []
     try:
-        async with session.request_handle() as handle:
-            async with engine.safe_run(handle, session=session, input_ids=list(ids), gen_config=config,
-                                       stream_output=False) as gen:
-                async for out in gen:
-                    tokens.extend(out.token_ids or [])
-                    steps.extend(out.logprobs or [])
+        async with session.request_handle() as handle, \
+                engine.safe_run(handle, session=session, input_ids=list(ids), gen_config=config,
+                                stream_output=False) as gen:
+            async for out in gen:
+                tokens.extend(out.token_ids or [])
+                steps.extend(out.logprobs or [])
     finally:
         engine.session_mgr.remove(session)
     return tokens, steps
@@ -218,9 +189,9 @@ def engine_model(pipe):
 
 
 def capture_pass(pipe, prompt_docs: list[dict], args) -> float:
-    """`dsadapt bisect`'s capture (patcher/runners/capture.py): hooks on the live model, each
-    prompt alone through the request path, prefill plus a few greedy decode steps."""
-    from capture import Recorder, load_spec, save
+    """`dsadapt bisect`'s capture (capture.py): hooks on the live model, each prompt alone through
+    the request path, prefill plus a few greedy decode steps."""
+    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
 
     t0 = time.time()
     rec = Recorder(load_spec(args.capture_spec))
@@ -246,7 +217,7 @@ def main(argv=None):
     import lmdeploy
     import torch
 
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    prompt_docs = kit.load_prompts(args.prompts)
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
     t1 = time.time()
@@ -254,45 +225,30 @@ def main(argv=None):
     try:
         results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
         if args.capture:
-            try:
-                capture_s = capture_pass(pipe, prompt_docs, args)
-            except Exception as e:  # the gate's logits stand; the caller reports why bisect could not run
-                import traceback
-
-                traceback.print_exc()
-                capture_error = f"{type(e).__name__}: {e}"
+            capture_s, capture_error = kit.try_capture(lambda: capture_pass(pipe, prompt_docs, args))
     finally:
         pipe.close()
     t2 = time.time()
     versions = {"torch": torch.__version__, "lmdeploy": lmdeploy.__version__,
                 "python": platform.python_version(), "cuda": str(torch.version.cuda)}
     for name in ("transformers", "triton"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    report = {
-        "schema": SCHEMA, "runner": "lmdeploy_runner", "engine": "lmdeploy",
-        "engine_version": lmdeploy.__version__, "versions": versions,
-        "engine_path": lmdeploy.__file__, "dtype": args.dtype, "top_k": args.top_k,
-        "max_tokens": args.max_tokens, "model": {"path": args.model, "fingerprint": args.fingerprint},
-        "settings": {"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
-                     "session_len": args.session_len, "eager_mode": True,
-                     "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
-                     "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
-                     "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
-                     "generation_requests": requests,
-                     **({"capture_error": capture_error} if capture_error else {})},
-        "timings": {"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
-                    **({"capture_s": capture_s} if capture_s is not None else {})},
-        "prompts": results,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
-    print(f"lmdeploy_runner: {len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}",
-          file=sys.stderr)
+    kit.write_report(args.out, kit.report(
+        args, runner="lmdeploy_runner", engine="lmdeploy", engine_version=lmdeploy.__version__, versions=versions,
+        engine_path=lmdeploy.__file__, prompts=results,
+        settings={"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
+                  "session_len": args.session_len, "eager_mode": True,
+                  "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
+                  "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
+                  "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
+                  "generation_requests": requests,
+                  **({"capture_error": capture_error} if capture_error else {})},
+        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
+                 **({"capture_s": capture_s} if capture_s is not None else {})}))
+    kit.say("lmdeploy_runner", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    kit.run(main)

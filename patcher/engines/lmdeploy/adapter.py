@@ -1,22 +1,22 @@
-"""LMDeploy: overlay builds on the pinned wheel; its engines run on CUDA only."""
+"""LMDeploy's adapter: overlay builds on the pinned wheel; its engines run on CUDA only."""
 
 from __future__ import annotations
 
-from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
+from pathlib import Path
+
+from ...runners import RunnerSpec
+from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
+from .bisect import TABLE
+
+HERE = Path(__file__).resolve().parent
 
 
-def _bisect_table():
-    from .lmdeploy_bisect import TABLE
-
-    return TABLE
-
-
-ADAPTER = EngineAdapter(
-    name="lmdeploy",
-    git_url="https://github.com/InternLM/lmdeploy.git",
-    pypi=("lmdeploy",),
-    packages=("lmdeploy",),
-    variants=(
+class LmdeployEngine(WheelEngine):
+    name = "lmdeploy"
+    git_url = "https://github.com/InternLM/lmdeploy.git"
+    pypi = ("lmdeploy",)
+    packages = ("lmdeploy",)
+    variants = (
         VariantSpec("cuda", "lmdeploy", "cuda", description="full wheel (TurboMind + PyTorch engine)",
                     toolchain=("nvcc", "cmake", "g++")),
         VariantSpec("pytorch", "lmdeploy", "cuda",
@@ -28,8 +28,11 @@ ADAPTER = EngineAdapter(
                     # selection imports them. AWQ models in the PyTorch engine need the full variant.
                     leave_out=("lmdeploy/lib/_turbomind*.so", "lmdeploy/turbomind/_turbomind*.so",
                                "lmdeploy/turbomind/lib64/libxgrammar.a", "lmdeploy/bin/llama_gemm")),
-    ),
-    compiled_patterns=COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*"),
-    runner="lmdeploy_runner.py",
-    bisect_table=_bisect_table,
-)
+    )
+    compiled_patterns = COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*")
+    docs_page = "docs/engines/lmdeploy.md"
+    # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
+    runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+    # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
+    bisect_table = TABLE
+    module_map = TABLE.module_map()

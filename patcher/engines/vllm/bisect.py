@@ -27,13 +27,12 @@ What differs from HF transformers, and how the table brings vLLM's values to HF'
   layer outputs and MoE outputs are multiplied back in float16.
 - The logits processor computes logits for the sampled row of each step only.
 
-This table is a module of its own so that it moves with the engine: it belongs in
-``patcher/engines/vllm/bisect.py`` once engines are packages.
+The adapter (`VllmEngine.bisect_table`) serves this table; Triton serves vLLM and uses it too.
 """
 
 from __future__ import annotations
 
-from ..bisect import CaptureTable, Site
+from ...bisect import CaptureTable, Site
 
 RSF = ("routed_scaling_factor", 1.0)
 L = "model.layers.{i}"

