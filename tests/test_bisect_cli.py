@@ -143,7 +143,7 @@ def test_triton_is_bisected_through_the_vllm_build_it_serves(proj, tmp_path):
     import types
 
     from patcher.engines.base import GateRun
-    from patcher.engines.vllm.bisect import TABLE
+    from patcher.engines.vllm.bisect_table import TABLE
     from patcher.lock import load_lock
 
     lock = load_lock(proj.root / "upstream.lock")

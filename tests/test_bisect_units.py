@@ -20,8 +20,8 @@ from patcher.bisect import (  # noqa: E402
     heatmap_grid,
     moe_layers,
 )
-from patcher.engines.lmdeploy.bisect import TABLE as LMDEPLOY_TABLE  # noqa: E402
-from patcher.engines.vllm.bisect import TABLE as VLLM_TABLE  # noqa: E402
+from patcher.engines.lmdeploy.bisect_table import TABLE as LMDEPLOY_TABLE  # noqa: E402
+from patcher.engines.vllm.bisect_table import TABLE as VLLM_TABLE  # noqa: E402
 from patcher.equivalence import explain  # noqa: E402
 from patcher.runners import capture  # noqa: E402
 
@@ -553,3 +553,15 @@ def test_explain_when_the_gate_fails_but_every_module_matches():
     clean = compare_captures(synthetic(), ref, CONFIG, "float32")
     lines = explain(_comparison(), {}, summary(clean, None, None))
     assert any("outside the model's forward" in ln for ln in lines)
+
+
+def test_no_module_next_to_a_runner_script_shadows_the_standard_library():
+    """Runner scripts run with their own directory first on sys.path: a module there named like a
+    stdlib one (an engine's bisect.py once did) replaces it for everything the engine imports."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "patcher"
+    dirs = {p.parent for p in root.rglob("runner.py")} | {root / "runners"}
+    clash = [str(f) for d in dirs for f in d.glob("*.py") if f.stem in sys.stdlib_module_names]
+    assert len(dirs) >= 4 and clash == []

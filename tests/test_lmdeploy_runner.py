@@ -249,7 +249,7 @@ def test_bisect_capture_reaches_the_model_through_the_agent(runner, monkeypatch)
     fake.GenerationConfig = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "lmdeploy", fake)
     monkeypatch.syspath_prepend(str(ROOT / "patcher" / "runners"))
-    from patcher.engines.lmdeploy.bisect import TABLE
+    from patcher.engines.lmdeploy.bisect_table import TABLE
 
     model = _LmdModel()
     pipe = _FakePipe()

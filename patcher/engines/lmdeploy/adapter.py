@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
-from .bisect import TABLE
+from .bisect_table import TABLE
 
 HERE = Path(__file__).resolve().parent
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
-from .bisect import TABLE
+from .bisect_table import TABLE
 
 HERE = Path(__file__).resolve().parent
 
