@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             'Materialize + verify the pinned checkout, then apply the stack as commits.'),
     "bench": ("bench", "bench_cmd",
             'Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md.'),
+    "bisect": ("bisect", "bisect_cmd",
+            "Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts."),
     "build": ("build", "build_cmd",
             'Build the patched engine into dist/ and print the artifact, its sha256 and how it was built.'),
     "build-all": ("build", "build_all_cmd",

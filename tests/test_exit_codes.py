@@ -120,6 +120,8 @@ SITUATIONS: dict[str, list[tuple]] = {
                ("no reachable source", _with_triton, [TRITON], {}, 6),
                ("a stack with lint problems", lambda p: (p.stack_dir() / "9999-stray.patch").write_text("x"),
                 [REF1], {}, 1)],
+    "bisect": [("no reachable source", _with_triton, [TRITON, "--model", "MODEL"], {}, 6),
+               ("no pin", None, [], {}, 2)],
     "check": [("no reachable source", _with_triton, [TRITON, "--model", "MODEL"], {}, 6),
               ("no pin", None, [], {}, 2),
               ("no runnable pin (--all)", lambda p: p.write_lock(lock_text(p.upstream, pins="")), ["--all"], {}, 6)],

@@ -256,7 +256,10 @@ class Engine(Protocol):
     # -- bench: what the alternative to dsadapt's build is (bench.py)
     full_build_doc: tuple[str, str] | None  # (what upstream documents for a compiling build, source URL)
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
-    # -- bisect (issue 14): HF module name -> engine module name, per compared point
+    # -- bisect (issue 14): the engine's capture table (its name mapping to HF transformers, per
+    #    compared point: patcher.bisect.CaptureTable; None: the engine cannot be bisected), and
+    #    module_map, the same as HF point -> engine module name
+    bisect_table: Any
     module_map: Mapping[str, str]
     # -- serving (issue 15): what a pin served by `serve` speaks; None: dsadapt cannot serve it
     serve_api: str | None
@@ -284,6 +287,7 @@ class Engine(Protocol):
     def gate_dtypes(self, spec: VariantSpec) -> tuple[str, ...]: ...
     def run_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]: ...
+    def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None: ...
 
     # -- offline hosts: `dsadapt bundle` (its environment plan, builds and `VariantSpec.unused_deps`)
     def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
@@ -325,6 +329,7 @@ class EngineBase:
     runner: ClassVar[RunnerSpec | None] = None
     full_build_doc: ClassVar[tuple[str, str] | None] = None
     compile_note: ClassVar[str | None] = None
+    bisect_table: ClassVar[Any] = None
     module_map: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     serve_api: ClassVar[str | None] = None
 
@@ -406,6 +411,12 @@ class EngineBase:
 
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]:
         raise EngineUnavailable(f"{run.entry}: {self.name} has no runner for the gate", hint=f"see {self.docs_page}")
+
+    def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None:
+        """Where `dsadapt bisect` captures: None (the default) = in the gate session's own engine run,
+        whose runner takes the capture arguments (one engine start). Engines whose gate cannot see
+        the model (a server) yield an in-process runner that can."""
+        return None
 
     # -- offline hosts
 

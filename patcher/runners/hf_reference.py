@@ -29,6 +29,7 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 
@@ -38,7 +39,7 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parse_args(argv=None):
-    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20)
+    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20, report_required=False)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     ap.add_argument("--experts", default="eager",
                     help="transformers experts_implementation (eager: the plain per-expert loop; "
@@ -47,7 +48,19 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model runs (cuda: float32 matmuls without TF32)")
-    return ap.parse_args(argv)
+    ap.add_argument("--capture", default=None,
+                    help="bisect mode: capture every comparison point into this file instead of a logit report")
+    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON)")
+    ap.add_argument("--capture-sequences", default=None,
+                    help="JSON {prompt id: token ids}: the exact sequences the engine ran (teacher-forced here)")
+    ap.add_argument("--capture-dtypes", default="float32",
+                    help="comma-separated dtypes to capture in (the first is the reference, the others noise yardsticks)")
+    args = ap.parse_args(argv)
+    if args.capture is None and (args.prompts is None or args.out is None):
+        ap.error("--prompts and --out are required (or --capture for bisect mode)")
+    if args.capture is not None and (args.capture_spec is None or args.capture_sequences is None):
+        ap.error("--capture needs --capture-spec and --capture-sequences")
+    return args
 
 
 def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None, device="cpu"):
@@ -153,6 +166,50 @@ def run(model, prompt_docs, top_k, max_tokens, batch_mode="individual"):
     return [out[p["id"]] for p in prompt_docs], flips
 
 
+def capture_run(model, spec: dict, sequences: dict, meta: dict | None = None) -> dict:
+    """One teacher-forced causal forward per sequence with the capture hooks installed
+    (patcher/runners/capture.py); returns the capture document."""
+    import torch
+    from capture import Recorder
+
+    rec = Recorder(spec)
+    rec.install(model)
+    try:
+        with torch.no_grad():
+            for pid, ids in sequences.items():
+                rec.prompt = pid
+                rec.begin_call(ids, list(range(len(ids))))
+                model(torch.tensor([ids]))
+    finally:
+        rec.remove()
+    return rec.finish(sequences, meta=meta)
+
+
+def capture_main(args) -> int:
+    """Bisect mode: one teacher-forced forward per sequence per dtype with the capture hooks
+    (patcher/runners/capture.py) installed; writes ``{dtype: capture document}``."""
+    import torch
+    import transformers
+    from capture import load_spec
+
+    spec = load_spec(args.capture_spec)
+    with open(args.capture_sequences, encoding="utf-8") as f:
+        sequences = {str(k): [int(t) for t in v] for k, v in json.load(f).items()}
+    out, timings = {}, {}
+    for dtype in [d for d in args.capture_dtypes.split(",") if d]:
+        t0 = time.time()
+        model = load_model(args.model, dtype, args.attn, args.experts)
+        out[dtype] = capture_run(model, spec, sequences, meta={
+            "engine": "transformers", "dtype": dtype, "transformers": transformers.__version__,
+            "torch": torch.__version__, "device": "cpu"})
+        timings[dtype] = round(time.time() - t0, 3)
+        del model
+    torch.save(out, args.capture)
+    kit.say("hf_reference", f"captured {len(sequences)} sequences in "
+                            f"{', '.join(f'{d} {s:.1f}s' for d, s in timings.items())} -> {args.capture}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -160,6 +217,9 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.capture:
+        torch.manual_seed(0)
+        return capture_main(args)
     torch.manual_seed(0)
     device = {"device": "cpu", "threads": torch.get_num_threads()}
     if args.device == "cuda":

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
+from .bisect_table import TABLE
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,3 +39,6 @@ class LmdeployEngine(WheelEngine):
     docs_page = "docs/engines/lmdeploy.md"
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+    # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
+    bisect_table = TABLE
+    module_map = TABLE.module_map()
