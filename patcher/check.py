@@ -71,12 +71,14 @@ class CheckResult:
 # ---------------------------------------------------------------- inputs
 
 
-def resolve_model(cfg: Config, model: str, config_style: str | None, progress=None) -> tuple[Path, str, str | None]:
-    """(model dir, label, config style) for a built-in variant name or a directory."""
+def resolve_model(cfg: Config, model: str, config_style: str | None, progress=None,
+                  default_style: str = "transformers") -> tuple[Path, str, str | None]:
+    """(model dir, label, config style) for a built-in variant name (made in `config_style`, else
+    `default_style`: the engine's) or a directory (whose style is whatever the caller states)."""
     from . import tinymodel
 
     if model in tinymodel.VARIANTS:
-        style = config_style or "transformers"
+        style = config_style or default_style
         if style not in tinymodel.CONFIG_STYLES:
             raise UsageError(f"unknown config style {style!r}", hint=f"one of {', '.join(tinymodel.CONFIG_STYLES)}")
         out = cfg.workdir / "models" / f"{model}-{style}-seed0"
@@ -230,7 +232,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     ref_device = reference_device(reference_on, spec)
     eng = engine(ref.engine)
     stack = load_stack(cfg.patches_root, ref)
-    model_dir, label, style = resolve_model(cfg, model, config_style, progress)
+    model_dir, label, style = resolve_model(cfg, model, config_style, progress, default_style=eng.model_config_style)
     fingerprint = model_fingerprint(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     prompts = build_prompt_set(model_dir, MAX_TOKENS)

@@ -285,3 +285,27 @@ def test_publish_writes_the_committed_reports_and_report_reads_both(proj, model_
     assert rc == 1 and json.loads(out)["report_path"] == str(published) and published.is_file()
     rc, out, err = proj.run("--publish", "check", PIN, "--model", str(model_dir), "--json")
     assert rc == 1 and json.loads(out)["report_path"] == str(published)
+
+
+def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
+    """LMDeploy reads DeepSeek's released config keys, so its gate runs on DeepSeek-style configs
+    unless --config-style says otherwise; the style comes from the engine, not from its name."""
+    from patcher.engines import engine
+    from patcher.engines.lmdeploy.adapter import LmdeployEngine
+    from patcher.lock import load_lock
+
+    assert LmdeployEngine.model_config_style == "deepseek"
+    eng = engine("vllm")
+    assert eng.model_config_style == "transformers"
+    monkeypatch.setattr(type(eng), "model_config_style", "deepseek")
+    seen = []
+
+    def fake_resolve(cfg, model, style, progress=None, default_style="transformers"):
+        seen.append(style or default_style)
+        raise KeyboardInterrupt  # stop before anything runs
+
+    monkeypatch.setattr(check_mod, "resolve_model", fake_resolve)
+    for asked in (None, "transformers"):
+        with pytest.raises(KeyboardInterrupt):
+            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"), PinRef("vllm", "v0.32.0"), config_style=asked)
+    assert seen == ["deepseek", "transformers"]

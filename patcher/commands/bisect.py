@@ -50,7 +50,7 @@ def render(res: CheckResult, report: dict | None) -> None:
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model (default: transformers, what save_pretrained writes).")
+              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="The engine's dtype (default: float32 where the engine has it, else its first).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")

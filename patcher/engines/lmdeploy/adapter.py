@@ -37,6 +37,10 @@ class LmdeployEngine(WheelEngine):
     )
     compiled_patterns = COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*")
     docs_page = "docs/engines/lmdeploy.md"
+    # LMDeploy reads the keys of DeepSeek's released config.json (moe_layer_freq, ...): a config
+    # saved by transformers 5 has none and LMDeploy 0.18 stops at load (AttributeError
+    # moe_layer_freq, H200 2026-11-30), so its gate runs on the DeepSeek-style configs by default.
+    model_config_style = "deepseek"
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
