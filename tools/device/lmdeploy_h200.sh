@@ -19,8 +19,8 @@
 #           output goes to $OUT/extra.txt.
 # Results in $OUT (8 files at most): log.txt, host-pip-list.json (the probe for the next bundle:
 # tools/device/h200-pip-list.json), install.json, chain1.txt.., extra.txt, reports.tgz (the
-# published reports/ tree, each work dir's runs/ with the runner reports and logs, the
-# environments' install records).
+# published reports' JSON, EXTRA's JSON and logs, the environments' install records, and the
+# runner logs of each work dir's runs/ while the archive stays under 15 MB).
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 B=$(cd "${1:-.carry/gpu}" && pwd) || exit 9
@@ -62,7 +62,14 @@ for chain in "${chains[@]}"; do
 done
 wait "${pids[@]}"
 stamp done
-tar czf "$OUT/reports.tgz" reports extra .w*/runs .dsadapt/venvs/offline-installs \
-  .dsadapt/venvs/*/dsadapt-install.json .dsadapt/venvs/*/dsadapt-pip.log 2>/dev/null
+# reports.tgz must stay under the device's 16 MiB a file: JSON reports and logs only (heat maps,
+# plots and capture tensors are rebuilt here from the JSON), the runners' logs if room is left
+{ find reports extra -type f \( -name '*.json' -o -name '*.log' -o -name '*.txt' \) 2>/dev/null
+  ls .dsadapt/venvs/*/dsadapt-install.json 2>/dev/null; } > /tmp/dsadapt-pack.txt
+tar czf "$OUT/reports.tgz" -T /tmp/dsadapt-pack.txt
+find .w*/runs -type f \( -name '*.log' -o -name '*.json' \) -size -2M 2>/dev/null >> /tmp/dsadapt-pack.txt
+tar czf "$OUT/reports-full.tgz" -T /tmp/dsadapt-pack.txt && [ "$(stat -c %s "$OUT/reports-full.tgz")" -lt 15000000 ] \
+  && mv "$OUT/reports-full.tgz" "$OUT/reports.tgz"; rm -f "$OUT/reports-full.tgz"
+ls -la "$OUT/reports.tgz"
 ls -la reports/*/*/ 2>/dev/null
 stamp end
