@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -388,3 +389,16 @@ def swap_engine(monkeypatch, name: str, **attrs):
     adapter = type(f"Test{base.__name__}", (base,), attrs)()
     monkeypatch.setitem(engines._LOADED, name, adapter)
     return adapter
+
+
+def pytest_report_header(config):
+    """Free disk and memory at the start: the slow tests build two vLLM environments (~7 GB under
+    .dsadapt/), and a run that fills the disk fails in ways unrelated to the code under test."""
+    import shutil as _shutil
+
+    free = _shutil.disk_usage(REPO_ROOT).free / 2**30
+    tmp = _shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    lines = [f"dsadapt: free disk {free:.1f} GiB at the repository, {tmp:.1f} GiB at {tempfile.gettempdir()}"]
+    if (free < 12 and not (REPO_ROOT / ".dsadapt" / "venvs").is_dir()):
+        lines.append("dsadapt: WARNING less than 12 GiB free and no engine environments yet: the slow tests may fill the disk")
+    return lines
