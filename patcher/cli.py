@@ -40,7 +40,7 @@ def _register_optional() -> None:
     """Command families whose modules import heavier dependencies lazily."""
     import importlib
 
-    for name in ("build", "bench", "check", "model", "rebase", "report", "serve"):
+    for name in ("build", "bench", "check", "model", "perf", "rebase", "report", "serve"):
         try:
             module = importlib.import_module(f"patcher.commands.{name}")
         except ModuleNotFoundError as e:

@@ -11,6 +11,12 @@ def _extra(entry, variant: str) -> list[str]:
     return []
 
 
+def _perf_recipe(spec: VariantSpec):
+    from .vllm_perf import recipe
+
+    return recipe(spec.device)
+
+
 ADAPTER = EngineAdapter(
     name="vllm",
     git_url="https://github.com/vllm-project/vllm.git",
@@ -28,4 +34,5 @@ ADAPTER = EngineAdapter(
     # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch and break
     # `import transformers` / `import vllm` (NOTES: operator torchvision::nms does not exist).
     install_remove=("torchvision", "torchaudio", "torchcodec"),
+    perf_recipe=_perf_recipe,
 )
