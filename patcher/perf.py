@@ -328,13 +328,15 @@ def bootstrap_ci(values: Sequence[float], stat: Callable[[Sequence[float]], floa
     """
     if not values:
         raise ValueError("bootstrap of no values")
-    stat = stat or (lambda xs: sum(xs) / len(xs))
     if len(values) == 1:
-        v = float(stat(values))
+        v = float(stat(values)) if stat else float(values[0])
         return v, v
     rng = random.Random(seed)
     n = len(values)
-    boots = sorted(stat([values[rng.randrange(n)] for _ in range(n)]) for _ in range(samples))
+    if stat is None:
+        boots = sorted(sum(rng.choices(values, k=n)) / n for _ in range(samples))
+    else:
+        boots = sorted(stat(rng.choices(values, k=n)) for _ in range(samples))
     alpha = (1.0 - level) / 2.0
     return _quantile_sorted(boots, alpha), _quantile_sorted(boots, 1.0 - alpha)
 

@@ -40,7 +40,7 @@ from .errors import DsadaptError, EngineUnavailable, UsageError
 from .lock import Lock
 from .machine import device_description
 from .pinref import PinRef
-from .procgroup import Guarded, gpu_memory, group_rss, log_tail, start_guarded
+from .procgroup import Guarded, gpu_memory, group_rss, log_tail, repin, start_guarded
 
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
 SERVER_START_S = 900.0
@@ -305,7 +305,9 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
     """Serve both sides, warm up, run the schedule; always stop every process it started.
 
     `pythons` maps each side to the interpreter of its environment; the load generator runs
-    with the second side's (the baseline's). Raises ServerFailed (a side did not serve),
+    with the second side's (the baseline's). The servers start on every core; once they serve,
+    each of their threads moves to `cpus` except the compute threads the engine bound to
+    `settings.compute_cpus` itself; the load generator runs on `cpus`. Raises ServerFailed (a side did not serve),
     PerfRunError (load generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
     t_start = time.monotonic()
     deadline = t_start + time_limit_s
@@ -317,8 +319,9 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
     timings: dict = {}
     with ExitStack() as stack, _sigterm_as_interrupt():
         servers: dict[str, Server] = {}
-        for side in sides:
-            srv = start_server(side, recipe, pythons[side], settings, work, cpus, guard_deadline,
+        all_cpus = tuple(sorted(set(cpus) | set(settings.compute_cpus)))
+        for side in sides:  # start on every core (start-up is imports and loading), pinned once serving
+            srv = start_server(side, recipe, pythons[side], settings, work, all_cpus, guard_deadline,
                                avoid=[int(s.url.rsplit(":", 1)[1]) for s in servers.values()])
             stack.callback(srv.proc.stop)
             servers[side] = srv
@@ -330,6 +333,9 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
         stack.callback(sampler.stop)
         wait_ready(list(servers.values()), min(server_start_s, max(1.0, deadline - time.monotonic())), progress)
         timings["servers_ready_s"] = round(time.monotonic() - t_start, 2)
+        if cpus and set(cpus) != set(all_cpus):
+            for srv in servers.values():
+                repin(srv.proc.pgid, cpus, keep=settings.compute_cpus)
         driver = LoadDriver(recipe, pythons[sides[1]], work, cpus, guard_deadline)
         stack.callback(driver.stop)
         plan = P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
@@ -385,12 +391,16 @@ def default_cpus() -> tuple[int, ...]:
         return ()
 
 
-def compute_cpus(cpus: Sequence[int]) -> tuple[int, ...]:
-    """Cores for the engine's compute threads: all but the last when there are several (the
-    last is left to each server's scheduler/API process and to the load generator, as
-    vLLM's own CPU auto-binding reserves one)."""
+def split_cpus(cpus: Sequence[int], device: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(compute, service) cores. On CPU builds the engine's compute threads get all cores but
+    the last, and every other process -- each server's API and scheduler processes, the load
+    generator -- gets the last one (vLLM's own CPU auto-binding reserves one core the same
+    way), so the load generator's own CPU cost never lands on a compute core. Both servers
+    get the same sets. GPU builds: no compute binding, every process on all cores."""
     cpus = tuple(cpus)
-    return cpus[:-1] if len(cpus) > 1 else cpus
+    if device != "cpu" or len(cpus) < 2:
+        return (cpus if device == "cpu" else ()), cpus
+    return cpus[:-1], cpus[-1:]
 
 
 def parse_cpus(text: str | None) -> tuple[int, ...] | None:
@@ -454,9 +464,9 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                                 output_lens=output_lens, concurrency=concurrency, rounds=rounds, requests=requests,
                                 warmup_rounds=warmup_rounds)
     cpus = tuple(cpus) if cpus else default_cpus()
+    compute, service = split_cpus(cpus, spec.device)
     settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max(workload.concurrency), device=spec.device,
-                             compute_cpus=compute_cpus(cpus) if spec.device == "cpu" else ())
+                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute)
     out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf")
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     sides = (P.PATCHED, P.PATCHED + "-2") if aa else (P.PATCHED, P.UNPATCHED)
@@ -477,7 +487,8 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
         "stack_hash": stack.hash, "patches": [e.name for e in stack.entries], "mode": "aa" if aa else "patched-vs-unpatched",
         "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir),
         "model_dir": str(model_dir), "original_max_position_embeddings": original, "tool": recipe.tool,
-        "cpus": list(cpus), "compute_cpus": list(settings.compute_cpus), "load_average_before": load_before,
+        "cpus": list(cpus), "compute_cpus": list(compute), "service_cpus": list(service),
+        "load_average_before": load_before,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "dsadapt": _dsadapt_version(),
     }
@@ -485,7 +496,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                   mode="aa" if aa else "patched-vs-unpatched", sides=list(sides), threshold=threshold,
                   workload=workload.to_json(), report_path=str(out))
     try:
-        m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=cpus,
+        m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=service,
                     time_limit_s=time_limit_s, progress=progress, on_servers=on_servers)
     except ServerFailed as e:
         if e.side == sides[0] and not aa:

@@ -151,3 +151,27 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def repin(pgid: int, cpus: Sequence[int], keep: Sequence[int] = ()) -> int:
+    """Move every thread of the group onto `cpus`, except threads already pinned inside `keep`
+    (an engine's compute threads, which the engine bound itself). Returns threads moved."""
+    target, keep_set, moved = set(cpus), set(keep), 0
+    if not target:
+        return 0
+    for pid in group_members(pgid):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                current = os.sched_getaffinity(tid)
+                if keep_set and current <= keep_set:
+                    continue
+                if current != target:
+                    os.sched_setaffinity(tid, target)
+                    moved += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+    return moved

@@ -33,6 +33,25 @@ TOOL_KEYS = ("duration", "completed", "failed", "output_throughput", "request_th
              "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms")
 
 
+def kv_cache_bytes(s: ServeSettings) -> int:
+    """KV cache for CPU servers: twice what max_num_seqs full-length sequences need, at least
+    64 MiB (vLLM's CPU default, VLLM_CPU_KVCACHE_SPACE, is whole GiB: for a tiny model that
+    is 100k+ tokens of cache nobody uses, 1 GiB of RAM per server on a 24 GiB machine)."""
+    try:
+        c = json.loads((Path(s.model_dir) / "config.json").read_text())
+        layers = int(c.get("num_hidden_layers", 32))
+        if c.get("kv_lora_rank"):
+            per_token = int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim", 64))  # MLA: one latent per layer
+        else:
+            heads = int(c.get("num_key_value_heads") or c.get("num_attention_heads", 32))
+            per_token = 2 * heads * int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 1 << 30
+    width = 4 if s.dtype == "float32" else 2
+    need = 2 * s.max_num_seqs * s.max_model_len * layers * per_token * width
+    return max(64 << 20, -(-need // (1 << 20)) << 20)
+
+
 def cpu_bind(cpus: Sequence[int]) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for a core list: '0,1' (vLLM parses lists and ranges)."""
     return ",".join(str(c) for c in cpus)
@@ -51,8 +70,7 @@ class VllmPerfRecipe:
                 "--disable-log-stats", "--uvicorn-log-level", "warning"]
         env = dict(QUIET_ENV)
         if self.device == "cpu":
-            argv.append("--enforce-eager")
-            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+            argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes(s))]
             if s.compute_cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(s.compute_cpus)
                 env["OMP_NUM_THREADS"] = str(len(s.compute_cpus))
