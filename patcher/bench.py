@@ -236,6 +236,8 @@ def read_check_timings(reports_root: Path) -> list[CheckTimings]:
             continue
         if not isinstance(d, dict) or not isinstance(d.get("timings"), dict) or d.get("unpatched"):
             continue
+        if str(d.get("schema", "")).startswith("dsadapt.perf-report/"):  # speed-gate reports: their own section
+            continue
         prov = d.get("provenance") or {}
         out.append(CheckTimings(str(path.relative_to(reports_root.parent)), d.get("pin", "?"), d.get("variant"),
                                 d.get("model"), d.get("dtype"), d.get("verdict"), prov.get("date"),
@@ -321,7 +323,8 @@ def _md_table(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(report: BenchReport, command: str = "dsadapt bench") -> str:
+def format_markdown(report: BenchReport, command: str = "dsadapt bench", reports_root: Path | None = None) -> str:
+    """docs/benchmarks.md; with `reports_root`, the speed gate's section from its reports (patcher.perfdoc)."""
     m = report.machine
     out = [
         "# Benchmarks",
@@ -363,4 +366,8 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench") -> str:
         out.append("")
     else:
         out += ["No check report with timings under `reports/` yet (run `dsadapt check`).", ""]
+    if reports_root is not None:
+        from .perfdoc import perf_markdown, read_perf_reports
+
+        out.append(perf_markdown(read_perf_reports(reports_root)))
     return "\n".join(out)

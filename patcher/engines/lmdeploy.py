@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
 
+
+def _perf_recipe(spec: VariantSpec):
+    from .lmdeploy_perf import recipe
+
+    return recipe(spec.device)
+
+
 ADAPTER = EngineAdapter(
     name="lmdeploy",
     git_url="https://github.com/InternLM/lmdeploy.git",
@@ -24,4 +31,5 @@ ADAPTER = EngineAdapter(
     ),
     compiled_patterns=COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*"),
     runner="lmdeploy_runner.py",
+    perf_recipe=_perf_recipe,
 )

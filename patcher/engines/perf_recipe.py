@@ -86,3 +86,67 @@ class PerfRecipe(Protocol):
     def job(self, job: LoadJob) -> dict: ...
 
     def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun: ...
+
+
+# ---------------------------------------------------------------- the stdlib streaming load generator
+
+STREAM_LOAD = Path(__file__).resolve().parent.parent / "runners" / "stream_load.py"
+
+
+def prompt_token_ids(model_dir: Path, requests: Sequence[RequestSpec]) -> list[list[int]]:
+    """Exact-length prompts as token ids: the gate's prompt texts (patcher/prompts.py), tokenized
+    with the model's tokenizer.json and repeated/cut to each request's length, a different text
+    per request so no two requests share a prefix."""
+    from tokenizers import Tokenizer
+
+    from ..prompts import PROMPT_TEXTS, fit_tokens
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    texts = [text for _id, text, _len, _batch in PROMPT_TEXTS]
+    return [list(fit_tokens(tok.encode(texts[r.index % len(texts)][r.index % 7:] or texts[0]).ids, r.input_len))
+            for r in requests]
+
+
+@dataclass(frozen=True)
+class StreamLoadRecipe:
+    """The shared part of recipes loaded by runners/stream_load.py (token-id or text prompts)."""
+
+    protocol: str = "lmdeploy-generate"
+    text_prompts: bool = False
+    tool: str = "dsadapt stream_load (stdlib streaming client)"
+
+    def driver_command(self, python: Path) -> ProcessCommand:
+        return ProcessCommand([str(python), str(STREAM_LOAD)], {"PYTHONHASHSEED": "0"})
+
+    def write_workload(self, requests: Sequence[RequestSpec], settings: ServeSettings, dest_dir: Path) -> Path:
+        import json
+
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        ids = prompt_token_ids(settings.model_dir, requests)
+        rows = []
+        for r, toks in zip(requests, ids):
+            row: dict = {"mix": r.mix, "input_len": r.input_len, "output_len": r.output_len}
+            if self.text_prompts:
+                from tokenizers import Tokenizer
+
+                row["text"] = Tokenizer.from_file(str(Path(settings.model_dir) / "tokenizer.json")).decode(toks)
+            else:
+                row["input_ids"] = toks
+            rows.append(row)
+        path = dest_dir / "workload.stream.json"
+        path.write_text(json.dumps(rows))
+        return path
+
+    def stream_job(self, job: LoadJob, model: str = "") -> dict:
+        return {"protocol": self.protocol, "url": job.base_url, "model": model or job.settings.served_name,
+                "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path)}
+
+    def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun:
+        import json
+
+        d = json.loads(Path(job.out_path).read_text())
+        if len(d["requests"]) != len(requests):
+            raise ValueError(f"{job.out_path}: {len(d['requests'])} requests reported, {len(requests)} sent")
+        recs = [RequestRecord(q["mix"], int(q["input_len"]), int(q["output_len"]), float(q["ttft_s"]),
+                              float(q["latency_s"]), bool(q["ok"]), str(q.get("error") or "")) for q in d["requests"]]
+        return ParsedRun(float(d["duration_s"]), recs, d.get("tool") or {})
