@@ -13,8 +13,8 @@ Design (docs/speed.md has the method and the measurements behind the defaults):
   oriented so that < 1 means the patched build is slower: throughput patched/unpatched,
   latency unpatched/patched.
 - The estimate is the geometric mean of the per-round ratios; its confidence interval is
-  a percentile bootstrap over rounds (pairs are resampled whole). With 3 rounds the 95 %
-  interval is close to [smallest, largest] round ratio.
+  a bootstrap over rounds (pairs are resampled whole): the percentile interval, expanded for
+  the small number of rounds so that it covers about 95 % (see `bootstrap_ci`).
 - Verdict: fail when, at any concurrency, a gated metric's interval lies entirely below
   the threshold (default 0.95), or when any request failed; pass otherwise.
 """
@@ -320,17 +320,39 @@ def oriented_ratio(a: float | None, b: float | None, higher_is_better: bool) -> 
     return a / b if higher_is_better else b / a
 
 
-def bootstrap_ci(values: Sequence[float], stat: Callable[[Sequence[float]], float] | None = None, *,
-                 samples: int = BOOTSTRAP_SAMPLES, level: float = CI_LEVEL, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of `stat` (default: the mean) over resamples of `values`.
+#: Two-sided 97.5 % Student-t quantiles by degrees of freedom (df > 30: the normal's 1.96).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+         2.042)
+_Z975 = 1.959964
 
-    Deterministic for a given seed. One value gives a zero-width interval at that value.
+
+def expansion(n: int, level: float = CI_LEVEL) -> float:
+    """How much wider than a plain percentile bootstrap interval the interval of `n` rounds is
+    made: sqrt(n/(n-1)) * t(n-1) / z (the "expanded percentile" small-sample correction,
+    Hesterberg 2015), for the 95 % level; 1 for other levels or n < 2."""
+    if n < 2 or abs(level - 0.95) > 1e-9:
+        return 1.0
+    t = _T975[n - 2] if n - 1 <= len(_T975) else _Z975
+    return math.sqrt(n / (n - 1)) * t / _Z975
+
+
+def bootstrap_ci(values: Sequence[float], stat: Callable[[Sequence[float]], float] | None = None, *,
+                 samples: int = BOOTSTRAP_SAMPLES, level: float = CI_LEVEL, seed: int = 0,
+                 expand: bool = True) -> tuple[float, float]:
+    """Bootstrap interval of `stat` (default: the mean) over resamples of `values`.
+
+    The percentile interval of the resampled statistics, widened around the statistic of the
+    data by `expansion(n)` (with few values a plain percentile interval covers far less than its
+    level: measured here 74 % at 3 values and 84 % at 5 for a nominal 95 %; expanded, about
+    95 %). `expand=False` gives the plain percentile interval. Deterministic for a given seed;
+    one value gives a zero-width interval at that value.
     """
     if not values:
         raise ValueError("bootstrap of no values")
+    center = float(stat(values)) if stat else sum(values) / len(values)
     if len(values) == 1:
-        v = float(stat(values)) if stat else float(values[0])
-        return v, v
+        return center, center
     rng = random.Random(seed)
     n = len(values)
     if stat is None:
@@ -338,7 +360,11 @@ def bootstrap_ci(values: Sequence[float], stat: Callable[[Sequence[float]], floa
     else:
         boots = sorted(stat(rng.choices(values, k=n)) for _ in range(samples))
     alpha = (1.0 - level) / 2.0
-    return _quantile_sorted(boots, alpha), _quantile_sorted(boots, 1.0 - alpha)
+    lo, hi = _quantile_sorted(boots, alpha), _quantile_sorted(boots, 1.0 - alpha)
+    if not expand:
+        return lo, hi
+    f = expansion(n, level)
+    return center - f * (center - lo), center + f * (hi - center)
 
 
 def _quantile_sorted(xs: Sequence[float], q: float) -> float:

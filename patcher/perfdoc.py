@@ -85,6 +85,24 @@ def findings(d: dict) -> list[str]:
     return out
 
 
+def against_aa(d: dict, aa: dict) -> str | None:
+    """One sentence setting a patched-vs-unpatched run against the A/A run of the same setup."""
+    def spread(doc):
+        ests = [p["ratios"][k]["estimate"] for p in doc["points"] for k in GATED
+                if p["ratios"][k].get("estimate") is not None]
+        his = [p["ratios"][k]["hi"] for p in doc["points"] for k in GATED if p["ratios"][k].get("hi") is not None]
+        return (min(ests), max(ests), min(his)) if ests and his else None
+
+    a, b = spread(d), spread(aa)
+    if not a or not b:
+        return None
+    inside = b[0] - 0.05 <= a[0] and a[1] <= b[1] + 0.15
+    return (f"Against the A/A run of the same setup (estimates {b[0]:.3f} to {b[1]:.3f}, lowest upper end "
+            f"{b[2]:.3f}): estimates {a[0]:.3f} to {a[1]:.3f}, lowest upper end {a[2]:.3f} — "
+            + ("within the spread identical builds show: no cost this machine can resolve."
+               if inside and a[2] >= d["threshold"] else "outside what identical builds show."))
+
+
 def perf_markdown(reports: list[tuple[str, dict]]) -> str:
     out = ["## Engine speed (`dsadapt perf`)", ""]
     if not reports:
@@ -92,8 +110,10 @@ def perf_markdown(reports: list[tuple[str, dict]]) -> str:
     out += ["How (method, noise band and margins: docs/speed.md): both builds served at once on 127.0.0.1, the "
             "pinned wheel's own load tool, rounds alternating the sides, a warm-up round first; per-round ratios "
             "oriented so that < 1 means the first side is slower (tokens/s first/second, latencies "
-            "second/first); the estimate is their geometric mean with a 95 % percentile-bootstrap interval over "
-            "rounds. `perf-aa-*` reports are A/A calibration runs (the patched build against itself).", ""]
+            "second/first); the estimate is their geometric mean with a 95 % bootstrap interval over rounds "
+            "(percentile interval expanded for the small number of rounds). `perf-aa-*` reports are A/A "
+            "calibration runs (the patched build against itself); what the numbers mean for the stack is "
+            "discussed in docs/speed.md.", ""]
     for rel, d in reports:
         prov = d.get("provenance") or {}
         w = d.get("workload") or {}
@@ -108,5 +128,12 @@ def perf_markdown(reports: list[tuple[str, dict]]) -> str:
                 f"before, {prov.get('load_average_after')} after.", ""]
         if d.get("points"):
             out += [report_table(d), ""]
-        out += [f"- {s}" for s in findings(d)] + [""]
+        lines = findings(d)
+        if d.get("mode") != "aa" and d.get("points"):
+            aa = next((x for _r, x in reports if x.get("mode") == "aa" and x.get("points") and
+                       all(x.get(k) == d.get(k) for k in ("pin", "variant", "model", "config_style", "dtype"))), None)
+            sentence = against_aa(d, aa) if aa else None
+            if sentence:
+                lines.append(sentence)
+        out += [f"- {s}" for s in lines] + [""]
     return "\n".join(out)

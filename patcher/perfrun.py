@@ -531,6 +531,46 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
     return result
 
 
+def rescore(path: Path, threshold: float | None = None, pin: str | None = None) -> PerfResult:
+    """Recompute a saved perf report's ratios, verdict and band from its recorded runs with the
+    current rule (and `threshold`, default the report's own), and rewrite it and its plot."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a readable perf report ({e})", hint="pass a reports/.../perf-*.json") from None
+    if not isinstance(doc, dict) or doc.get("schema") != P.SCHEMA or not isinstance(doc.get("runs"), list):
+        raise UsageError(f"{path}: not a {P.SCHEMA} report with recorded runs", hint="pass a reports/.../perf-*.json")
+    if pin is not None and pin != doc.get("pin"):
+        raise UsageError(f"{path} is a report of {doc.get('pin')}, not {pin}", hint=f"name {doc.get('pin')} or no pin")
+    threshold = float(doc["threshold"] if threshold is None else threshold)
+    if not 0 < threshold <= 1:
+        raise UsageError(f"--threshold {threshold:g} must be in (0, 1]", hint="0.95 means: fail beyond 5 % slower")
+    sides = tuple(doc["sides"])
+    runs = [P.RunRecord(r["side"], r["round"], r["concurrency"], r["duration_s"],
+                        [P.RequestRecord(**q) for q in r["requests"]], r.get("order", 0), r.get("tool") or {},
+                        r.get("peak_rss"), r.get("peak_gpu")) for r in doc["runs"]]
+    conc = tuple(doc["workload"]["concurrency"])
+    points = P.build_points(runs, conc, sides) if runs else []  # type: ignore[arg-type]
+    verdict, reasons = P.decide(points, threshold, sides) if runs else (doc["verdict"], doc["reasons"])  # type: ignore[arg-type]
+    prov = {**doc["provenance"], "rescored": {"date": _now(), "dsadapt": _dsadapt_version(), "threshold": threshold}}
+    fields = {k: doc[k] for k in ("pin", "engine", "variant", "model", "config_style", "dtype", "mode", "sides",
+                                  "workload", "report_path", "timings")}
+    result = PerfResult(**fields, verdict=verdict, reasons=reasons, threshold=threshold,
+                        points=[p.to_json() for p in points], band=P.band(points, threshold) if points else {},
+                        plot_path=None, provenance=prov, runs=doc["runs"])
+    out = Path(path)
+    result.report_path = str(out)
+    if points:
+        try:
+            from .plot import plot_perf
+
+            result.plot_path = str(plot_perf(result.to_json(), out.with_suffix(".png")))
+        except ImportError:
+            result.plot_path = None
+    _write(out, result)
+    return result
+
+
 def _write(out: Path, result: PerfResult) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if result.plot_path is None:

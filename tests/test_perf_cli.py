@@ -240,3 +240,54 @@ def test_matrix_cells_carry_the_speed_gate_where_a_recipe_exists():
     no_recipe = dataclasses.replace(ADAPTERS["vllm"], perf_recipe=None)
     cells = pin_cells(no_recipe, lock.pin(PIN), has_stack=True)
     assert all("perf" not in c.steps and any(s.startswith("perf: ") for s in c.skip) for c in cells)
+
+
+@needs_cpu_only
+def test_rescore_recomputes_a_saved_report_deterministically(proj, model_dir, fake_engine, tmp_path):
+    fake_engine["A"] = (0.04, 0.008)
+    rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), *SMALL)
+    assert rc == 1, err
+    before = json.loads(proj.report().read_text())
+    rc, out, err = proj.run("perf", "--rescore", str(proj.report()), "--json")
+    after = json.loads(proj.report().read_text())
+    assert rc == 1 and json.loads(out)["verdict"] == "fail"
+    assert after["points"] == before["points"] and after["reasons"] == before["reasons"]  # same rule, same numbers
+    assert after["provenance"]["rescored"]["threshold"] == before["threshold"]
+    # a looser threshold on the same data: the verdict follows the rule, nothing is re-measured
+    rc, out, err = proj.run("perf", "--rescore", str(proj.report()), "--threshold", "0.01")
+    assert rc == 0, err
+    assert json.loads(proj.report().read_text())["runs"] == before["runs"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc, out, err = proj.run("perf", "--rescore", str(bad))
+    assert rc == 2 and "not a readable perf report" in err
+    text = proj.report().read_text()
+    rc, out, err = proj.run("perf", "vllm@v0.3.3", "--rescore", str(proj.report()))
+    assert rc == 2 and "is a report of vllm@v0.32.0" in err
+    assert proj.report().read_text() == text  # bad input changes nothing
+
+
+def test_perf_needs_a_pin_or_a_report(proj):
+    rc, out, err = proj.run("perf")
+    assert rc == 2 and "name one ENGINE@TAG (or --rescore REPORT)" in err
+
+
+def test_benchmarks_section_comes_from_the_committed_perf_reports(tmp_path):
+    """docs/benchmarks.md's engine-speed section is generated from reports/ (perfdoc), and the
+    check wall-time table never mistakes a perf report for a check report."""
+    from patcher.bench import read_check_timings
+    from patcher.perfdoc import perf_markdown, read_perf_reports
+
+    root = tmp_path / "reports" / "vllm" / "v0.32.0"
+    root.mkdir(parents=True)
+    for name in ("perf-aa-v3-deepseek-float32.json", "perf-v3-deepseek-float32.json"):
+        shutil.copy2(REPO_ROOT / "reports" / "vllm" / "v0.32.0" / name, root / name)
+    reports = read_perf_reports(tmp_path / "reports")
+    assert [d["mode"] for _p, d in reports] == ["aa", "patched-vs-unpatched"]
+    md = perf_markdown(reports)
+    assert "A/A calibration, pass" in md and "patched vs unpatched, pass" in md
+    assert "gated intervals contain 1.0" in md and "Against the A/A run of the same setup" in md
+    assert md.count("| 16 | TPOT mean (gated) |") == 2
+    assert read_check_timings(tmp_path / "reports") == []
+    committed = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    assert md.strip() in committed  # the committed page is what the reports say (regenerate: make bench)

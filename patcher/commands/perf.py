@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
 from ..perf import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, parse_int_list
 from ..workspace import workdir_lock
+from ..errors import UsageError
 from ..pinref import parse_pinref
 from .common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table
 
@@ -48,7 +50,7 @@ def render(res) -> None:
 
 
 @click.command("perf")
-@click.argument("pin", metavar="ENGINE@TAG")
+@click.argument("pin", metavar="ENGINE@TAG", required=False)
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default="deepseek", show_default=True,
@@ -70,10 +72,13 @@ def render(res) -> None:
 @click.option("--cpus", default=None, help="CPU ids for servers and load generator (default: all this process may use).")
 @click.option("--time-limit", type=float, default=3600.0, show_default=True,
               help="Seconds for the whole measurement; past it the run stops with no verdict.")
+@click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
+                   "--threshold if given) instead of measuring; rewrites the report and its plot.")
 @json_option
 @pass_ctx
 def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency, input_len, output_len, requests,
-             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, as_json) -> None:
+             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, as_json) -> None:
     """Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.
 
     Both builds are served on 127.0.0.1 at once and loaded in alternating rounds by the
@@ -82,8 +87,19 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     confidence intervals. It fails when a gated ratio (tokens/s, TTFT, TPOT) is below the
     threshold with its whole interval.
     """
-    from ..perfrun import parse_cpus, perf_or_raise, run_perf
+    from ..perfrun import parse_cpus, perf_or_raise, rescore, run_perf
 
+    if rescore_path is not None:
+        given = click.get_current_context().get_parameter_source("threshold") != click.core.ParameterSource.DEFAULT
+        res = rescore(rescore_path, threshold if given else None, pin=str(parse_pinref(pin)) if pin else None)
+        if as_json:
+            emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
+        else:
+            render(res)
+        perf_or_raise(res)
+        return
+    if not pin:
+        raise UsageError("name one ENGINE@TAG (or --rescore REPORT)", hint="e.g. dsadapt perf vllm@v0.32.0")
     ref = parse_pinref(pin)
     conc = parse_int_list(concurrency, "--concurrency")
     ins = parse_int_list(input_len, "--input-len")
