@@ -8,7 +8,7 @@
   TPOT and output tokens/s, while the same run's prefill (TTFT) is untouched;
 - Ctrl-C while the servers load, and every normal end, leave no vLLM process behind.
 
-Small workload (concurrency 4, 4 rounds of 8 requests) so the file stays within a few
+Small workload (concurrency 4, 5 rounds of 8 requests) so the file stays within a few
 minutes; the full calibration is a manual `dsadapt perf` run (docs/speed.md).
 
 Environments: the perf tests keep their own venv root (DSADAPT_TEST_PERF_VENVS, default
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
 PIN = "vllm@v0.32.0"
 VENVS = Path(os.environ.get("DSADAPT_TEST_PERF_VENVS") or REPO_ROOT / ".dsadapt" / "perf-venvs")
 CACHE = Path(os.environ.get("DSADAPT_TEST_CACHE") or REPO_ROOT / ".dsadapt" / "cache")
-WORKLOAD = ("--concurrency", "4", "--rounds", "4", "--requests", "8", "--warmup", "1", "--time-limit", "900")
+WORKLOAD = ("--concurrency", "4", "--rounds", "5", "--requests", "8", "--warmup", "1", "--time-limit", "900")
 SLOW_FILE = "vllm/v1/attention/backends/mla/cpu_mla.py"
 KERNEL_CALL = "        ops.mla_decode_kvcache_cpu(\n"
 SLOW_LINE = "        kv_c_and_k_pe_cache = kv_c_and_k_pe_cache.clone()  # planted: a copy per decode step\n"
@@ -145,12 +145,14 @@ def proj(tmp_path_factory):
     VENVS.mkdir(parents=True, exist_ok=True)
     proj = Proj(root)
     yield proj
-    # Whatever happened, leave the pin's environment with the project's real stack built in
-    # (the planted test swaps a deliberately slow build into it).
-    stack = root / "patches" / "vllm" / "v0.32.0"
-    shutil.rmtree(stack)
-    shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
-    proj.cli("install", PIN)
+    if os.environ.get("DSADAPT_TEST_PERF_VENVS"):
+        # A venv root given from outside may be shared: leave the pin's environment with the project's
+        # real stack built in (the planted test swaps a deliberately slow build into it). The default
+        # root is this file's own; its next run installs the real build first anyway.
+        stack = root / "patches" / "vllm" / "v0.32.0"
+        shutil.rmtree(stack)
+        shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
+        proj.cli("install", PIN)
 
 
 def test_the_real_stack_passes_the_speed_gate(proj):
@@ -173,7 +175,7 @@ def test_the_real_stack_passes_the_speed_gate(proj):
     assert point["concurrency"] == 4
     for side in ("patched", "unpatched"):
         s = point["sides"][side]
-        assert s["rounds"] == 4 and s["failed"] == 0 and s["completed"] == 4 * 9
+        assert s["rounds"] == 5 and s["failed"] == 0 and s["completed"] == 5 * 9
         assert s["output_throughput"] > 0 and 0 < s["ttft_p50"] <= s["ttft_p99"] and s["tpot_mean"] > 0
         assert s["peak_rss"] > 200 * 2**20
     # our numbers are vLLM's: the tool's own summary of every run agrees with what we computed
@@ -216,7 +218,7 @@ def test_a_planted_kv_cache_copy_per_step_fails_the_speed_gate(proj):
     (point,) = rep["points"]
     tpot, tput = point["ratios"]["tpot_mean"], point["ratios"]["output_throughput"]
     # every decode step copies the layer's cache (64 MiB over 4 layers): TPOT ratio 0.59-0.62 measured on
-    # 2 loaded cores; the interval of 4 noisy rounds may still be wide, the verdict must not be
+    # 2 loaded cores; the interval of 5 noisy rounds may still be wide, the verdict must not be
     assert tpot["estimate"] < 0.85 and tput["estimate"] < 0.85, (tpot, tput)
     assert tpot["hi"] < 0.95 or tput["hi"] < 0.95, (tpot, tput)
     assert any("TPOT mean" in r or "output tokens/s" in r for r in rep["reasons"]), rep["reasons"]
