@@ -293,7 +293,6 @@ class Measurement:
     runs: list[P.RunRecord]
     peak_rss: dict[str, int]
     peak_gpu: dict[str, int | None]
-    startup_s: dict[str, float]
     timings: dict
 
 
@@ -374,7 +373,7 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
         sampler.sample()
         peak_rss, peak_gpu = dict(sampler.peak), dict(sampler.gpu_peak)
     timings["measure_s"] = round(time.monotonic() - t_start, 2)
-    return Measurement(runs, peak_rss, peak_gpu, {}, timings)
+    return Measurement(runs, peak_rss, peak_gpu, timings)
 
 
 def _fmt(x, spec: str) -> str:

@@ -130,14 +130,14 @@ class Guarded:
 def start_guarded(name: str, argv: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
                   cwd: Path | None = None, deadline_s: float = 3600.0, cpus: Sequence[int] = (),
                   grace_s: float = 10.0, stdin_pipe: bool = False) -> Guarded:
-    """Start `argv` under procguard, output appended to `log_path`; stdin a pipe if asked."""
+    """Start `argv` under procguard, its output in a fresh `log_path`; stdin a pipe if asked."""
     guard = [sys.executable, str(GUARD), "--parent", str(os.getpid()), "--deadline", f"{deadline_s:.0f}",
              "--grace", f"{grace_s:g}"]
     if cpus:
         guard += ["--cpus", ",".join(str(c) for c in cpus)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log: IO[bytes]
-    with open(log_path, "ab") as log:
+    with open(log_path, "wb") as log:  # a fresh log: an earlier run's errors must not read as this one's
         log.write(("$ " + " ".join(str(a) for a in argv) + "\n").encode())
         log.flush()
         proc = subprocess.Popen([*guard, "--", *[str(a) for a in argv]], stdout=log, stderr=subprocess.STDOUT,
