@@ -55,11 +55,11 @@ def _variants_for(ad: EngineAdapter, entry: LockEntry | None, dists: tuple[str, 
     return list(ad.variants)  # a new tag seen on git: every variant may exist
 
 
-def _perf_step(ad: EngineAdapter, v: VariantSpec, skip: list[str]) -> list[str]:
-    """["perf"] when the engine has a speed-gate recipe for the variant, else the reason in `skip`."""
-    if ad.perf_recipe is not None and ad.perf_recipe(v) is not None:
+def _perf_step(ad: EngineAdapter, entry: LockEntry, v: VariantSpec, skip: list[str]) -> list[str]:
+    """["perf"] when the engine has a speed-gate recipe for this version and variant, else the reason in `skip`."""
+    if ad.perf_recipe is not None and ad.perf_recipe(entry, v) is not None:
         return ["perf"]
-    skip.append(f"perf: dsadapt perf has no recipe for {ad.name} ({v.name})")
+    skip.append(f"perf: dsadapt perf has no recipe for {ad.name} {entry.version} ({v.name})")
     return []
 
 
@@ -75,7 +75,7 @@ def pin_cells(ad: EngineAdapter, entry: LockEntry, has_stack: bool) -> list[Cell
         if v in variants:
             steps += ["build", "check"]
             if has_stack:
-                steps += _perf_step(ad, v, skip)
+                steps += _perf_step(ad, entry, v, skip)
         else:
             skip.append(f"build, check: {entry.ref} pins no release artifact for variant {v.name}")
         cells.append(Cell(f"{entry.ref} {v.name}", entry.engine, entry.tag, str(entry.ref), "pinned", v.name,
@@ -94,7 +94,8 @@ def new_tag_cells(ad: EngineAdapter, tags: TagsResult, lock: Lock) -> list[Cell]
         for v in _variants_for(ad, None, t.dists):
             pin = f"{tags.engine}@{t.tag}"
             skip: list[str] = []
-            steps = ["rebase", "build", "check", *_perf_step(ad, v, skip)]
+            new_entry = LockEntry(tags.engine, t.tag, t.version)
+            steps = ["rebase", "build", "check", *_perf_step(ad, new_entry, v, skip)]
             cells.append(Cell(f"{pin} {v.name} (new)", tags.engine, t.tag, pin, "new", v.name, v.device,
                               RUNNERS[v.device], _python(base), steps, str(base.ref), skip))
     return cells

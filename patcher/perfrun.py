@@ -447,9 +447,9 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
                                 hint=f"run `dsadapt perf {ref}` on a machine that has what it needs "
                                      f"(docs/engines/{ref.engine}.md says where it was verified)")
-    recipe = ad.perf_recipe(spec) if ad.perf_recipe else None
+    recipe = ad.perf_recipe(entry, spec) if ad.perf_recipe else None
     if recipe is None:
-        raise EngineUnavailable(f"{ref}: dsadapt perf has no recipe for {ref.engine} ({spec.name})",
+        raise EngineUnavailable(f"{ref}: dsadapt perf has no recipe for {ref.engine} {entry.version} ({spec.name})",
                                 hint="docs/speed.md lists the engines the speed gate can serve and load")
     dtype = dtype or recipe.dtypes[0]
     if dtype not in recipe.dtypes:

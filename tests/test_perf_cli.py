@@ -84,7 +84,7 @@ def fake_engine(monkeypatch):
         return Path(key), {"venv": f"/fake/{key}", "artifact": f"{key}.whl", "sha256": key * 8}
 
     monkeypatch.setattr(check_mod, "engine_python", engine_python)
-    fake = dataclasses.replace(engines.ADAPTERS["vllm"], perf_recipe=lambda spec: perf_fake.FakeRecipe(speeds))
+    fake = dataclasses.replace(engines.ADAPTERS["vllm"], perf_recipe=lambda entry, spec: perf_fake.FakeRecipe(speeds))
     monkeypatch.setitem(engines.ADAPTERS, "vllm", fake)
     return speeds
 
@@ -237,6 +237,11 @@ def test_matrix_cells_carry_the_speed_gate_where_a_recipe_exists():
     lock = load_lock(REPO_ROOT / "upstream.lock")
     cells = pin_cells(ADAPTERS["vllm"], lock.pin(PIN), has_stack=True)
     assert all(c.steps[-1] == "perf" for c in cells)
+    # recipes are per version: vLLM 0.3.3's wheel has neither `vllm serve` nor a benchmark
+    old = pin_cells(ADAPTERS["vllm"], lock.pin("vllm@v0.3.3"), has_stack=True)
+    assert all("perf" not in c.steps and any("no recipe for vllm 0.3.3" in s for s in c.skip) for c in old)
+    assert [("perf" in c.steps) for c in pin_cells(ADAPTERS["lmdeploy"], lock.pin("lmdeploy@v0.18.0"), True)] == [True, True]
+    assert not any("perf" in c.steps for c in pin_cells(ADAPTERS["lmdeploy"], lock.pin("lmdeploy@v0.4.0"), True))
     no_recipe = dataclasses.replace(ADAPTERS["vllm"], perf_recipe=None)
     cells = pin_cells(no_recipe, lock.pin(PIN), has_stack=True)
     assert all("perf" not in c.steps and any(s.startswith("perf: ") for s in c.skip) for c in cells)

@@ -51,7 +51,7 @@ class EngineAdapter:
     # engines checked through a server (Triton): a context manager
     # (cfg, lock, entry, spec, unpatched, progress, stream) -> (python, RunnerSpec, env, installed)
     check_session: Callable | None = None
-    # the speed gate (dsadapt perf): VariantSpec -> a PerfRecipe (patcher/engines/perf_recipe.py), or None
+    # the speed gate (dsadapt perf): (LockEntry, VariantSpec) -> a PerfRecipe (engines/perf_recipe.py) or None
     perf_recipe: Callable | None = None
 
     def variant(self, name: str | None) -> VariantSpec:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from .base import COMPILED_DEFAULT, EngineAdapter, VariantSpec
 
 
-def _perf_recipe(spec: VariantSpec):
+def _perf_recipe(entry, spec: VariantSpec):
     from .lmdeploy_perf import recipe
 
-    return recipe(spec.device)
+    return recipe(entry.version, spec.device)
 
 
 ADAPTER = EngineAdapter(

@@ -50,5 +50,17 @@ class LmdeployPerfRecipe(StreamLoadRecipe):
         return self.stream_job(job)
 
 
-def recipe(device: str) -> LmdeployPerfRecipe | None:
-    return LmdeployPerfRecipe() if device == "cuda" else None
+#: The oldest release the recipe is written for (the api_server's `/generate` with `input_ids`,
+#: `--num-gpu-blocks`); LMDeploy 0.4 has neither.
+MIN_VERSION = "0.18.0"
+
+
+def recipe(version: str, device: str) -> LmdeployPerfRecipe | None:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if device != "cuda" or Version(version) < Version(MIN_VERSION):
+            return None
+    except InvalidVersion:
+        return None
+    return LmdeployPerfRecipe()

@@ -11,10 +11,10 @@ def _extra(entry, variant: str) -> list[str]:
     return []
 
 
-def _perf_recipe(spec: VariantSpec):
+def _perf_recipe(entry, spec: VariantSpec):
     from .vllm_perf import recipe
 
-    return recipe(spec.device)
+    return recipe(entry.version, spec.device)
 
 
 ADAPTER = EngineAdapter(

@@ -122,5 +122,18 @@ class VllmPerfRecipe:
         return ParsedRun(float(d["duration"]), records, {k: d.get(k) for k in TOOL_KEYS})
 
 
-def recipe(device: str) -> VllmPerfRecipe:
+#: The oldest release the recipe is verified with (`vllm bench serve` with the timed_trace dataset,
+#: `--kv-cache-memory-bytes`); older pins (vllm 0.3.3 has neither `vllm serve` nor a benchmark in its
+#: wheel) get no recipe rather than a guess.
+MIN_VERSION = "0.32.0"
+
+
+def recipe(version: str, device: str) -> VllmPerfRecipe | None:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if Version(version) < Version(MIN_VERSION):
+            return None
+    except InvalidVersion:
+        return None
     return VllmPerfRecipe(device=device)
