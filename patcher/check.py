@@ -157,8 +157,11 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
 
 
 def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
-                 unpatched_engine: bool = False) -> Path:
-    name = "-".join(x for x in (label, style, dtype, "unpatched" if unpatched else None,
+                 unpatched_engine: bool = False, kind: str | None = None) -> Path:
+    """Where a gate's report goes: reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-unpatched].json.
+
+    `kind` names another gate's report (``perf``, ``perf-aa``) next to the check reports."""
+    name = "-".join(x for x in (kind, label, style, dtype, "unpatched" if unpatched else None,
                                 "unpatched-engine" if unpatched_engine else None) if x)
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
+from .perf import LmdeployPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,3 +34,7 @@ class LmdeployEngine(WheelEngine):
     docs_page = "docs/engines/lmdeploy.md"
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
+        # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only
+        return recipe(entry.version, spec.device)

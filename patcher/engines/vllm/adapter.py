@@ -7,6 +7,7 @@ from pathlib import Path
 from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
+from .perf import VllmPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,3 +42,7 @@ class VllmEngine(WheelEngine):
         # torchvision/torchaudio/torchcodec do not match the CPU torch and break
         # `import transformers` / `import vllm` (operator torchvision::nms does not exist).
         return EnvRecipe(remove=("torchvision", "torchaudio", "torchcodec"))
+
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
+        # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)
+        return recipe(entry.version, spec.device)
