@@ -166,19 +166,27 @@ def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype:
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
-def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
-              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
-    """What `check` can tell before it touches anything: the pin, the variant, whether it can run
-    here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
-    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
+def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tuple[LockEntry, VariantSpec]:
+    """The pin's entry and variant, or EngineUnavailable (exit 6) saying why it cannot run here
+    and where `command` can (shared by check and perf)."""
     entry = lock.pin(ref)
     eng = engine(ref.engine)
     spec = eng.variant_for(entry, variant)
     blocker = eng.run_blocker(entry, spec)
     if blocker:
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `{command or f'dsadapt check {ref}'}` on a machine that has what it needs "
+                                hint=f"run `{command}` on a machine that has what it needs "
                                      f"({eng.docs_page or 'the engine docs'} says where it was verified)")
+    return entry, spec
+
+
+def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
+              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
+    """What `check` can tell before it touches anything: the pin, the variant, whether it can run
+    here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
+    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
+    entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}")
+    eng = engine(ref.engine)
     if dtype is not None:
         dtypes = eng.gate_dtypes(spec)
         if dtype not in dtypes:

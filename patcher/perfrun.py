@@ -27,8 +27,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -43,7 +41,17 @@ from .errors import EngineUnavailable, MachineError, UsageError
 from .lock import Lock, LockEntry
 from .machine import device_description
 from .pinref import PinRef
-from .procs import Guarded, gpu_memory, group_members, group_rss, log_tail, repin, start_guarded
+from .procs import (
+    Guarded,
+    free_port,
+    gpu_memory,
+    group_members,
+    group_rss,
+    http_ok,
+    log_tail,
+    repin,
+    start_guarded,
+)
 
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
 SERVER_START_S = 900.0
@@ -100,25 +108,6 @@ class PerfResult:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
-
-
-def free_port(avoid: Sequence[int] = ()) -> int:
-    import socket
-
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
 
 
 @dataclass
@@ -212,7 +201,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 def start_server(side: str, recipe: PerfRecipe, python: Path, settings: ServeSettings, work: Path,
                  cpus: Sequence[int], deadline_s: float, avoid: Sequence[int] = ()) -> Server:
-    port = free_port(avoid)
+    port = free_port(avoid=avoid)
     cmd = recipe.server_command(python, port, settings)
     proc = start_guarded(f"{side} server", cmd.argv, log_path=work / f"server-{side}.log", env=_env(cmd.env),
                          cwd=work, deadline_s=deadline_s, cpus=cpus, grace_s=10)
@@ -233,7 +222,7 @@ def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> No
                 cause = root_cause(text) or next((ln for ln in reversed(text) if ln.strip()), "no output")
                 raise ServerFailed(s.side, f"the {s.side} server exited before it served the model: {cause[:300]}",
                                    s.proc.log_path, hint=f"log: {s.proc.log_path}\n{log_tail(s.proc.log_path, 15)}")
-            if _http_ok(s.ready_url):
+            if http_ok(s.ready_url):
                 pending.remove(s)
                 if progress:
                     progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s")
@@ -442,15 +431,10 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
     """What `perf` can tell before it touches anything: the pin, the variant, whether it can run
     here (exit 6), whether the engine has a speed-gate recipe for it (exit 6) and whether that
     serves `dtype` (exit 2; checked after the machine, as `check` does)."""
-    entry = lock.pin(ref)
-    eng = engine(ref.engine)
-    spec = eng.variant_for(entry, variant)
-    blocker = eng.run_blocker(entry, spec)
-    if blocker:
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `{command or f'dsadapt perf {ref}'}` on a machine that has what it needs "
-                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
-    recipe = eng.perf_recipe(entry, spec)
+    from .check import runnable
+
+    entry, spec = runnable(lock, ref, variant, command or f"dsadapt perf {ref}")
+    recipe = engine(ref.engine).perf_recipe(entry, spec)
     if recipe is None:
         raise EngineUnavailable(f"{ref}: dsadapt perf has no recipe for {ref.engine} {entry.version} ({spec.name})",
                                 hint="docs/speed.md lists the engines the speed gate can serve and load")

@@ -85,6 +85,33 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 1
         time.sleep(0.1)
 
 
+# ---------------------------------------------------------------- servers: ports and readiness
+
+
+def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
+    """A port nothing listens on now (the kernel's pick), not one of `avoid`."""
+    import socket
+
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """GET `url` answers 200 (anything else, or no answer: False)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
 # ---------------------------------------------------------------- what a group holds
 
 
