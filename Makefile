@@ -64,10 +64,16 @@ bench: setup
 	$(BIN)/python -m compileall -q patcher
 	$(BIN)/dsadapt bench
 
-## Build the LMDeploy GPU bundle (.carry/lmdeploy) and print the one device command to run.
+## The LMDeploy gate on a GPU machine without network (here: the device tool's H200): the offline
+## bundle in .carry/gpu (dsadapt bundle: builds, carried wheels, locks; what the H200 has is left
+## out, tools/device/h200-pip-list.json) and the device command (tools/device/lmdeploy_h200.sh).
+GPU_BUNDLE ?= .carry/gpu
 gpu-check: setup
-	$(BIN)/dsadapt build lmdeploy@v0.18.0 --variant pytorch
-	PYTHON=$(BIN)/python DSADAPT_LMDEPLOY_WHEEL_DIR=$${DSADAPT_CACHE:-.dsadapt/cache}/artifacts bash scripts/gpu_check.sh
+	$(BIN)/dsadapt bundle lmdeploy@v0.18.0 --variant pytorch --have tools/device/h200-pip-list.json \
+	  --out $(GPU_BUNDLE) --max-size 58MiB
+	@echo "device tool, from this checkout: run command 'bash tools/device/lmdeploy_h200.sh $(GPU_BUNDLE)'," \
+	  "carry ['$(GPU_BUNDLE)'], timeout_s 600 (knobs: CHAINS, LIMIT, EXTRA; the script's header)"
+	@echo "then, here: tar xzf OUT/reports.tgz reports && python tools/check_table.py reports/lmdeploy"
 
 ## Regenerate docs/commands.md from the commands' help.
 docs: setup

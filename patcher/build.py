@@ -38,7 +38,7 @@ from .wheel import format_record, new_member, parse_record, read_raw_members, re
 from .workspace import Checkout, apply_stack
 
 __all__ = ["BuildHost", "BuildResult", "build_pin", "buildable_here", "full_build", "overlay_build",
-           "overlay_version"]
+           "overlay_version", "unpatched_build", "unpatched_version"]
 
 
 def overlay_version(version: str, stack_hash: str, variant: str | None = None) -> str:
@@ -108,84 +108,11 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: V
                     f"{art.file}: {path} is {got[:12] if got else 'absent'} in the wheel, {name} expects "
                     f"{want[:12] if want else 'absent'}",
                     hint="the wheel is not byte-identical to the tree the stack was made on; re-pin or rebase")
-        name, version, tags = _wheel_parts(art.file)
-        old_di = f"{name}-{version}.dist-info"
-        if f"{old_di}/RECORD" not in by_name:
-            raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
-        new_version = overlay_version(version, stack.hash, spec.name if spec.wheel_variant else None)
-        new_di = f"{name}-{new_version}.dist-info"
-        # the .data directory carries the version too; installers other than pip (installer, uv)
-        # only treat `{name}-{version}.data/` as data and would copy an old-named one verbatim
-        old_data, new_data = f"{name}-{version}.data/", f"{name}-{new_version}.data/"
-        renamed: dict[str, str] = {}  # new member name -> name in the release wheel
-        rows = parse_record(z.read(f"{old_di}/RECORD").decode("utf-8"))
-        record_of = {r[0]: r for r in rows}
-        out_members = []
-        replaced, added, removed, left_out = [], [], [], []
-        for m in members:
-            if m.name.startswith(old_di + "/"):
-                continue
-            if _left_out(m.name, spec.leave_out):
-                left_out.append(m.name)
-                continue
-            if m.name in files and m.name not in not_shipped:
-                data = files[m.name]
-                if data is None:
-                    removed.append(m.name)
-                    continue
-                out_members.append(new_member(m.name, data, m.external_attr))
-                replaced.append(m.name)
-            elif m.name.startswith(old_data):
-                new_name = new_data + m.name[len(old_data):]
-                renamed[new_name] = m.name
-                out_members.append(type(m)(**{**m.__dict__, "name": new_name}))
-            else:
-                out_members.append(m)
-        for path in sorted(files):
-            if path in not_shipped or path in by_name or files[path] is None:
-                continue
-            out_members.append(new_member(path, files[path]))  # type: ignore[arg-type]
-            added.append(path)
-        # dist-info: renamed, METADATA re-versioned, provenance added, RECORD rebuilt last
-        di_members = []
-        for m in members:
-            if not m.name.startswith(old_di + "/") or m.name == f"{old_di}/RECORD":
-                continue
-            rel = m.name[len(old_di) + 1:]
-            if rel == "METADATA":
-                meta = z.read(m.name).decode("utf-8")
-                meta = "\n".join(f"Version: {new_version}" if l.startswith("Version: ") else l for l in meta.split("\n"))
-                di_members.append(new_member(f"{new_di}/{rel}", meta.encode("utf-8"), m.external_attr))
-            else:
-                m2 = type(m)(**{**m.__dict__, "name": f"{new_di}/{rel}"})
-                di_members.append(m2)
-        provenance = {
-            "pin": str(entry.ref), "variant": spec.name, "base_artifact": art.file, "base_sha256": art.sha256,
-            "stack_hash": stack.hash, "patches": [e.name for e in stack.entries],
-            "replaced": replaced, "added": added, "removed": removed, "left_out": left_out,
-        }
-        di_members.append(new_member(f"{new_di}/dsadapt.json",
-                                     (json.dumps(provenance, indent=2, sort_keys=True) + "\n").encode()))
-        changed = {m.name for m in out_members if m.name in replaced or m.name in added}
-        new_rows = []
-        for m in out_members:
-            r = record_of.get(renamed.get(m.name, m.name))
-            if r is not None and m.name not in changed:
-                new_rows.append([m.name, *r[1:]])
-            else:
-                data = files[m.name] if m.name in files else z.read(renamed.get(m.name, m.name))
-                new_rows.append([m.name, record_hash(data), str(len(data))])  # type: ignore[arg-type]
-        for m in di_members:
-            data = _member_bytes(m)
-            new_rows.append([m.name, record_hash(data), str(len(data))])
-        new_rows.append([f"{new_di}/RECORD", "", ""])
-        record = new_member(f"{new_di}/RECORD", format_record(new_rows).encode("utf-8"))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        out_name = f"{name}-{new_version}-{tags}.whl"
-        tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
-        write_members(tmp, out_members + di_members + [record])
-        final = out_dir / out_name
-        _install_output(tmp, final)
+        new_version = overlay_version(_wheel_parts(art.file)[1], stack.hash, spec.name if spec.wheel_variant else None)
+        provenance = {"pin": str(entry.ref), "variant": spec.name, "base_artifact": art.file,
+                      "base_sha256": art.sha256, "stack_hash": stack.hash, "patches": [e.name for e in stack.entries]}
+        final, replaced, added, removed, left_out = _rewrite_wheel(z, members, art, spec, files, not_shipped,
+                                                                   new_version, provenance, out_dir)
     finally:
         z.close()
     return BuildResult(
@@ -195,6 +122,126 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: V
         removed=removed, left_out=left_out, not_shipped=not_shipped,
         how=f"overlay of {len(replaced) + len(added) + len(removed)} file(s) on {art.file} (sha256 verified; "
             f"pre-images verified by blob id), stack {stack.short_hash}")
+
+
+def unpatched_version(version: str, variant: str | None = None) -> str:
+    """0.18.0 -> 0.18.0+unpatched[.variant]: the release's files, a variant's leave-out dropped."""
+    label = "unpatched" + (f".{variant}" if variant else "")
+    return f"{version}.{label}" if "+" in version else f"{version}+{label}"
+
+
+def unpatched_build(cfg: Config, entry: LockEntry, spec: VariantSpec, out_dir: Path, progress=None) -> BuildResult:
+    """The unpatched side of a variant: the pinned release wheel itself, or, for a variant that
+    leaves members out (LMDeploy's `pytorch`: no TurboMind), the release wheel with exactly that
+    leave-out and nothing else changed, named ``X+unpatched.<variant>`` so it is never mistaken for
+    the release or for a patched build. Needs no checkout (no stack is applied)."""
+    t0 = time.monotonic()
+    art = entry.artifact(spec.artifact_variant, wheel=True)
+    if art is None:
+        raise LockError(f"{entry} has no pinned wheel for variant '{spec.name}'",
+                        hint=f"pinned variants: {', '.join(entry.variants) or 'none'}; add one with `dsadapt pin`")
+    wheel_path = fetch_artifact(cfg, entry, art, progress)
+    if not spec.leave_out:
+        return BuildResult(str(entry.ref), spec.name, "release", str(wheel_path), art.sha256,
+                           wheel_path.stat().st_size, round(time.monotonic() - t0, 2), "", base_artifact=art.file,
+                           base_sha256=art.sha256, version=entry.version, how=f"the pinned release wheel {art.file}")
+    if progress:
+        progress(f"dropping the {spec.name} variant's leave-out from {art.file} (unpatched)")
+    members, z = read_raw_members(wheel_path)
+    try:
+        new_version = unpatched_version(_wheel_parts(art.file)[1], spec.name)
+        provenance = {"pin": str(entry.ref), "variant": spec.name, "base_artifact": art.file,
+                      "base_sha256": art.sha256, "unpatched": True, "stack_hash": None, "patches": []}
+        final, _, _, _, left_out = _rewrite_wheel(z, members, art, spec, {}, [], new_version, provenance, out_dir)
+    finally:
+        z.close()
+    return BuildResult(str(entry.ref), spec.name, "unpatched", str(final), sha256_file(final), final.stat().st_size,
+                       round(time.monotonic() - t0, 2), "", base_artifact=art.file, base_sha256=art.sha256,
+                       version=new_version, left_out=left_out,
+                       how=f"{art.file} (sha256 verified) without the {spec.name} variant's {len(left_out)} left-out "
+                           f"member(s); no patch applied")
+
+
+def _rewrite_wheel(z, members, art, spec: VariantSpec, files: dict[str, bytes | None], not_shipped: list[str],
+                   new_version: str, provenance: dict, out_dir: Path) -> tuple[Path, list, list, list, list]:
+    """The release wheel `art` (open as `z`, its raw `members`) with `files` swapped in (None: deleted),
+    the variant's leave-out dropped, renamed to `new_version`, provenance in dsadapt.json and RECORD
+    rebuilt; written atomically into `out_dir`. Returns (path, replaced, added, removed, left out)."""
+    by_name = {m.name: m for m in members}
+    name, version, tags = _wheel_parts(art.file)
+    old_di = f"{name}-{version}.dist-info"
+    if f"{old_di}/RECORD" not in by_name:
+        raise BuildError(f"{art.file}: no {old_di}/RECORD", hint="the artifact is not a standard wheel")
+    new_di = f"{name}-{new_version}.dist-info"
+    # the .data directory carries the version too; installers other than pip (installer, uv)
+    # only treat `{name}-{version}.data/` as data and would copy an old-named one verbatim
+    old_data, new_data = f"{name}-{version}.data/", f"{name}-{new_version}.data/"
+    renamed: dict[str, str] = {}  # new member name -> name in the release wheel
+    rows = parse_record(z.read(f"{old_di}/RECORD").decode("utf-8"))
+    record_of = {r[0]: r for r in rows}
+    out_members = []
+    replaced, added, removed, left_out = [], [], [], []
+    for m in members:
+        if m.name.startswith(old_di + "/"):
+            continue
+        if _left_out(m.name, spec.leave_out):
+            left_out.append(m.name)
+            continue
+        if m.name in files and m.name not in not_shipped:
+            data = files[m.name]
+            if data is None:
+                removed.append(m.name)
+                continue
+            out_members.append(new_member(m.name, data, m.external_attr))
+            replaced.append(m.name)
+        elif m.name.startswith(old_data):
+            new_name = new_data + m.name[len(old_data):]
+            renamed[new_name] = m.name
+            out_members.append(type(m)(**{**m.__dict__, "name": new_name}))
+        else:
+            out_members.append(m)
+    for path in sorted(files):
+        if path in not_shipped or path in by_name or files[path] is None:
+            continue
+        out_members.append(new_member(path, files[path]))  # type: ignore[arg-type]
+        added.append(path)
+    # dist-info: renamed, METADATA re-versioned, provenance added, RECORD rebuilt last
+    di_members = []
+    for m in members:
+        if not m.name.startswith(old_di + "/") or m.name == f"{old_di}/RECORD":
+            continue
+        rel = m.name[len(old_di) + 1:]
+        if rel == "METADATA":
+            meta = z.read(m.name).decode("utf-8")
+            meta = "\n".join(f"Version: {new_version}" if l.startswith("Version: ") else l for l in meta.split("\n"))
+            di_members.append(new_member(f"{new_di}/{rel}", meta.encode("utf-8"), m.external_attr))
+        else:
+            m2 = type(m)(**{**m.__dict__, "name": f"{new_di}/{rel}"})
+            di_members.append(m2)
+    provenance = {**provenance, "replaced": replaced, "added": added, "removed": removed, "left_out": left_out}
+    di_members.append(new_member(f"{new_di}/dsadapt.json",
+                                 (json.dumps(provenance, indent=2, sort_keys=True) + "\n").encode()))
+    changed = {m.name for m in out_members if m.name in replaced or m.name in added}
+    new_rows = []
+    for m in out_members:
+        r = record_of.get(renamed.get(m.name, m.name))
+        if r is not None and m.name not in changed:
+            new_rows.append([m.name, *r[1:]])
+        else:
+            data = files[m.name] if m.name in files else z.read(renamed.get(m.name, m.name))
+            new_rows.append([m.name, record_hash(data), str(len(data))])  # type: ignore[arg-type]
+    for m in di_members:
+        data = _member_bytes(m)
+        new_rows.append([m.name, record_hash(data), str(len(data))])
+    new_rows.append([f"{new_di}/RECORD", "", ""])
+    record = new_member(f"{new_di}/RECORD", format_record(new_rows).encode("utf-8"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_name = f"{name}-{new_version}-{tags}.whl"
+    tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
+    write_members(tmp, out_members + di_members + [record])
+    final = out_dir / out_name
+    _install_output(tmp, final)
+    return final, replaced, added, removed, left_out
 
 
 def _install_output(tmp: Path, final: Path) -> None:

@@ -26,10 +26,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             'Materialize + verify the pinned checkout, then apply the stack as commits.'),
     "bench": ("bench", "bench_cmd",
             'Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md.'),
+    "bisect": ("bisect", "bisect_cmd",
+            "Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts."),
     "build": ("build", "build_cmd",
             'Build the patched engine into dist/ and print the artifact, its sha256 and how it was built.'),
     "build-all": ("build", "build_all_cmd",
             'Build every pin (and variant) that can be built on this machine; a table of the rest says why not.'),
+    "bundle": ("bundle", "bundle_cmd",
+            'One folder (or .tar) with everything an offline machine needs to run `dsadapt check PIN` there.'),
     "check": ("check", "check_cmd",
             'Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass.'),
     "continue": ("apply", "continue_cmd",
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     as_json = wants_json(args)
     reset_output()
     _scrub_git_environment()
+    previous = _terminate_like_interrupt()
     try:
         # make_context + invoke rather than cli.main: click.main would print its own newline on
         # Ctrl-C and turn a broken pipe into exit 1; here every outcome is rendered once, below
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(err.exit_code)
     finally:
         close_progress()
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
 
 
 # Variables a calling git (a hook, an alias) exports that would point dsadapt's own git
@@ -225,6 +234,25 @@ _GIT_LEAKS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTOR
               "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_TEMPLATE_DIR",
               "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
               "GIT_GRAFT_FILE", "GIT_ATTR_SOURCE")
+
+
+def _terminate_like_interrupt():
+    """SIGTERM (`timeout`, a CI runner cancelling a job, `kill`) ends dsadapt the way Ctrl-C does:
+    cleanup runs (an engine or a reference runner dsadapt started in its own process group is
+    stopped, a transaction rolls back), then exit 130. Without this, Python dies on the spot and
+    those children run on, orphaned."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return signal.signal(signal.SIGTERM, handler)  # the previous handler, restored when main() returns
+    except (ValueError, OSError):  # not allowed here (embedded): keep the default
+        return None
 
 
 def _silence_stdout() -> None:

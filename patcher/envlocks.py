@@ -169,6 +169,18 @@ def locked_packages(text: str) -> dict[str, str]:
     return out
 
 
+def locked_hashes(text: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Pure: {canonical name: (version, sha256 hashes)} of a lock file."""
+    from packaging.utils import canonicalize_name
+
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        m = _REQ_LINE.match(line.strip())
+        if m:
+            out[str(canonicalize_name(m.group(1)))] = (m.group(3), tuple(re.findall(r"--hash=sha256:([0-9a-f]{64})", line)))
+    return out
+
+
 def find_lock(name: str, python: str | None = None) -> Path:
     """The lock file for environment `name` on this Python; a typed error when there is none."""
     python = python or here_python()

@@ -271,7 +271,8 @@ class Comparison:
     def to_json(self) -> dict:
         d = asdict(self)
         for r, row in zip(d["rows"], self.rows):
-            r["passed"] = row.passed
+            # low precision: the rule is pooled, so no row passes while the pooled rule fails
+            r["passed"] = row.passed and (self.passed or self.rule != "low-precision")
         return _json_safe(d)
 
 
@@ -445,7 +446,7 @@ POSITIONWISE_HINT = ("a position-independent layer: MoE routing (scoring_func={s
                      "e_score_correction_bias), MLP/experts, RMSNorm, embeddings or lm_head")
 
 
-def explain(comparison: Comparison, config: dict) -> list[str]:
+def explain(comparison: Comparison, config: dict, bisect: dict | None = None) -> list[str]:
     """Where the first divergence happens and the layer family it points to.
 
     Principle: at query position 0 attention attends to a single key (softmax
@@ -457,9 +458,41 @@ def explain(comparison: Comparison, config: dict) -> list[str]:
     batching/masking. (Each claim is checked by planting the bug in the HF model:
     tests/test_equivalence_explain.py.)"""
     c = comparison
+    located = bisect_lines(bisect)
     if c.passed:
-        return [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
-                f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
+        lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
+                 f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
+        if bisect and bisect.get("passed") is False:
+            lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
+        elif bisect and bisect.get("passed"):
+            lines.append(f"per-module comparison ({bisect.get('dtype')}): {bisect.get('compared')} points within "
+                         "their limits")
+        return lines
+    if located:
+        # the per-module comparison names the layer and module: it comes first, the logit-shape
+        # heuristics below only add context
+        return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
+    lines = _explain_logits(c, config)
+    if bisect and bisect.get("passed"):
+        lines.append(f"bisect: every module of every layer matches ({bisect.get('compared')} points, each prompt "
+                     "run alone, prefill and decode): the difference is outside the model's forward — "
+                     "batching (only batch members diverge?), the sampler or logprob post-processing")
+    return lines
+
+
+def bisect_lines(bisect: dict | None) -> list[str]:
+    """explain() lines from a per-module comparison summary (`patcher.bisect_run.summary`)."""
+    if not bisect:
+        return []
+    if bisect.get("first"):
+        return ["bisect: " + ln for ln in bisect.get("explanation") or []] + \
+            ([f"bisect report: {bisect['report_path']}"] if bisect.get("report_path") else [])
+    if bisect.get("passed") is False:
+        return ["bisect: " + r for r in bisect.get("reasons") or []]
+    return []
+
+
+def _explain_logits(c: Comparison, config: dict) -> list[str]:
     lines = []
     token_rows = [r for r in c.rows if r.failures and r.failures[0].startswith("prompt token ids differ")]
     if token_rows:
@@ -467,8 +500,12 @@ def explain(comparison: Comparison, config: dict) -> list[str]:
                      + ": the runner re-tokenized, truncated or added special tokens; prompts must "
                        "reach the engine as token ids")
     if c.rule == "low-precision":
+        dtype = c.engine.get("dtype")
+        # not float32: a bug may live in code that runs only in this dtype (vLLM's float16
+        # overflow scaling), and a float32 run would pass
         lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if ":" not in r)
-                     + "); rerun the gate in float32 to localize the divergence")
+                     + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
+                       f"exceeds the reference's own {dtype} noise)")
         return lines
     tol = c.tolerance if c.tolerance is not None else math.inf
     bad = [r for r in c.rows if r.failures and r not in token_rows]

@@ -142,6 +142,10 @@ class Git:
     @property
     def repo(self):
         """GitPython's Repo for this path (imported on first use only)."""
+        # GitPython refuses to import where git is missing unless told to stay quiet; commands
+        # that never touch a repository (`install --offline`, `check` on an air-gapped host) never
+        # get here, and the ones that do fail when they call git (GitCommandNotFound: exit 5).
+        os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
         import git as gitpython
 
         return gitpython.Repo(self.path)

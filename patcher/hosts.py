@@ -37,4 +37,4 @@ class RunHost:
             res = install_plan(self.cfg, self.lock, plan, unpatched=unpatched, progress=self.progress,
                                stream=self.stream)
         return EngineEnv(Path(res.python), Path(res.venv), Path(res.artifact).name, res.sha256, res.reused,
-                         tuple(res.removed))
+                         tuple(res.removed), dict(res.details))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,3 +31,35 @@ def gpu_name() -> str | None:
 def device_description() -> str:
     gpu = gpu_name()
     return f"GPU {gpu}" if gpu else f"CPU {cpu_model()} ({os.cpu_count()} cores)"
+
+
+def gpu_info() -> dict | None:
+    """The GPUs as nvidia-smi reports them (name, driver, memory), for a report's provenance; None
+    without nvidia-smi or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in r.stdout.strip().splitlines() if line.strip()]
+    if r.returncode != 0 or not rows or len(rows[0]) < 3:
+        return None
+    name, driver, mem = rows[0][:3]
+    info: dict = {"name": name, "driver": driver, "count": len(rows)}
+    try:
+        info["memory_mib"] = int(float(mem))
+    except ValueError:
+        info["memory"] = mem
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", _smi_header())
+    if cuda:
+        info["driver_cuda"] = cuda.group(1)
+    return info
+
+
+def _smi_header() -> str:
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout[:2000]
+    except (OSError, subprocess.TimeoutExpired):
+        return ""

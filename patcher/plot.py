@@ -120,3 +120,46 @@ def _conc_axis(ax, conc) -> None:
     ax.set_xticklabels([str(c) for c in conc])
     ax.minorticks_off()
     ax.set_xlabel("concurrency")
+
+
+def plot_bisect(result, out: Path, title: str | None = None) -> Path:
+    """Heat map of a `BisectResult`: decoder layers (rows, plus one for model-level points) x
+    comparison points (columns), colour = log10 of the point's error (relative L2; 1 -
+    agreement for expert selection). Points above their limit are marked with a cross, the
+    first divergence with a red box; blank cells were not compared."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from patcher.bisect import heatmap_grid
+
+    rows, cols, values, status = heatmap_grid(result)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(cols) + 2), max(3.0, 0.5 * len(rows) + 1.8)))
+    finite = grid[np.isfinite(grid)]
+    vmin = float(finite.min()) if finite.size else -8.0
+    vmax = float(finite.max()) if finite.size else 0.0
+    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=min(vmin, vmax - 1e-6), vmax=vmax)
+    for r in range(len(rows)):
+        for c in range(len(cols)):
+            s = status[r][c]
+            if s in ("above", "first"):
+                ax.text(c, r, "x", ha="center", va="center", color="white", fontsize=9, fontweight="bold")
+            if s == "first":
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels(cols, rotation=55, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows, fontsize=8)
+    fig.colorbar(im, ax=ax, label="log10 relative error")
+    first = result.first
+    sub = (f"first divergence: {first.where}" if first else "no point above its limit") + f" ({result.rule} rule)"
+    ax.set_title((title or f"{result.engine} vs HF transformers, {result.dtype}") + "\n" + sub, fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

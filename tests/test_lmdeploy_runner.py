@@ -184,3 +184,109 @@ def test_recorded_reports_through_the_gate():
     ref = eq.LogitReport.from_json(_load("hf_v2_float32.json"))
     verdict = {n: eq.compare(ref, eq.LogitReport.from_json(_load(n))).passed for n in ENGINE_FIXTURES}
     assert verdict == {"lmdeploy_patched_v2_float16.json": True, "lmdeploy_unpatched_v2_float16.json": False}
+
+
+# ----------------------------------------------------------------------------- bisect capture (GPU-only path, faked)
+
+
+class _LmdNorm(torch.nn.Module):
+    def forward(self, x, residual=None):
+        if residual is None:
+            return x * 2
+        s = x + residual
+        return s * 2, s
+
+
+class _LmdLayer(torch.nn.Module):
+    """LMDeploy's shapes: hidden states [1, T, H], MLA internals [T, ...], rope out as halves."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = _LmdNorm()
+        self.self_attn = torch.nn.Module()
+        self.self_attn.apply_rotary_pos_emb = torch.nn.Identity()
+
+    def forward(self, h, residual):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        t = h.shape[1]
+        q = h[0].view(t, 2, 4)
+        self.self_attn.apply_rotary_pos_emb(q.reshape(t, 2, 2, 2).transpose(-1, -2).reshape(t, 2, 4))
+        return h, residual
+
+
+class _LmdModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(10, 8)
+        self.model.layers = torch.nn.ModuleList([_LmdLayer(), _LmdLayer()])
+
+    def forward(self, input_ids, position_ids, past_key_values=None, attn_metadata=None, inputs_embeds=None):
+        h, r = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            h, r = layer(h, r)
+        return h + r
+
+
+class _GraphRunner:
+    """What LMDeploy's agent holds after build_graph_runner: not a module, get_model() is."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+
+def test_bisect_capture_reaches_the_model_through_the_agent(runner, monkeypatch):
+    """The LMDeploy capture path (GPU-only for real): the model found through
+    pipeline.async_engine.engine.executor.model_agent, hooks on LMDeploy's module names, each prompt
+    as a request whose prefill and decode steps call the model as LMDeploy does."""
+    fake = types.ModuleType("lmdeploy")
+    fake.GenerationConfig = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "lmdeploy", fake)
+    monkeypatch.syspath_prepend(str(ROOT / "patcher" / "runners"))
+    from patcher.engines.lmdeploy.bisect_table import TABLE
+
+    model = _LmdModel()
+    pipe = _FakePipe()
+    pipe.async_engine.engine = types.SimpleNamespace(
+        executor=types.SimpleNamespace(model_agent=types.SimpleNamespace(patched_model=_GraphRunner(model))))
+    base = pipe.async_engine.safe_run
+
+    def safe_run(handle, session, input_ids, gen_config, stream_output):
+        n = gen_config.max_new_tokens
+        toks = [(input_ids[-1] + i) % 6 for i in range(n)]
+        with torch.no_grad():  # prefill, then one decode step per generated token but the last
+            model(input_ids=torch.tensor([input_ids]), position_ids=torch.arange(len(input_ids))[None])
+            for i, t in enumerate(toks[:-1]):
+                model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[len(input_ids) + i]]))
+        return base(handle, session, input_ids, gen_config, stream_output)
+
+    pipe.async_engine.safe_run = safe_run
+    assert runner.engine_model(pipe) is model
+    config = {"num_hidden_layers": 2, "qk_rope_head_dim": 4, "n_routed_experts": None}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(TABLE.spec(config, "bfloat16")))
+        args = types.SimpleNamespace(capture_spec=str(spec_path), capture=str(Path(tmp) / "cap.pt"),
+                                     capture_decode_steps=2, dtype="bfloat16")
+        docs = [{"id": "s", "token_ids": [1, 2, 3]}, {"id": "t", "token_ids": [4, 5]}]
+        runner.capture_pass(pipe, docs, args)
+        doc = torch.load(args.capture, weights_only=False)
+    assert doc["sequences"] == {"s": [1, 2, 3, 3, 4, 5], "t": [4, 5, 5, 0, 1]}
+    pts = {(p["layer"], p["point"]): p for p in doc["points"]}
+    norm = pts[(1, "input_norm")]
+    assert norm["pos"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3] and norm["phase"].tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert norm["value"].shape == (9, 8)  # [1, T, H] -> [T, H]
+    q = pts[(0, "attn.q_rope")]["value"]
+    with torch.no_grad():
+        h = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor([1, 2, 3])))
+    assert torch.equal(q[:3], h)  # halves converted back to DeepSeek's interleaved layout
+    assert not any(m._forward_hooks for m in model.modules())  # hooks removed
+    assert "attn.kv_a_norm" in doc["missing"] and pipe.async_engine.live == 0

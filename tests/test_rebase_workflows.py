@@ -16,7 +16,7 @@ from patcher.cli import cli
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
 # command families registered only when their module is in this checkout (cli._register_optional)
-OPTIONAL = ("build", "check", "model", "rebase", "report", "serve")
+OPTIONAL = ("bisect", "build", "check", "model", "rebase", "report", "serve")
 
 
 def _load(name: str) -> dict:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from ..build import build_pin, buildable_here
 from ..engines import engine
-from ..errors import DsadaptError, SourceError
+from ..errors import DsadaptError, SourceError, UsageError
 from ..venvs import install_plan
 from ..workspace import workdir_lock
 from .common import Context, emit_json, json_option, pass_ctx, pinref_arg, progress_printer, ref_of, say, table
@@ -49,19 +50,36 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
 
 
 @click.command("install")
-@pinref_arg()
+@pinref_arg(required=False)
 @click.option("--variant", default=None)
+@click.option("--offline", "offline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
+              help="Install from a bundle (`dsadapt bundle`: a folder or .tar) with no network: pip --no-index.")
+@click.option("--system-site-packages", is_flag=True,
+              help="With --offline: the environments see the packages of the one dsadapt runs in (the host's "
+                   "CUDA torch), which the bundle did not carry.")
 @json_option
 @pass_ctx
-def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
+def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Path | None, system_site_packages: bool,
+                as_json: bool) -> None:
     """Create (or reuse) the environment the pin runs in and install the patched engine there.
 
     For most engines that is the pin's own virtual environment; a served engine (Triton's vLLM
-    backend) gets the environment of the engine it serves, with its server added."""
+    backend) gets the environment of the engine it serves, with its server added. With
+    --offline BUNDLE: the pin's environments (patched and unpatched) from a bundle, on a machine
+    without network; `check` then uses them."""
+    if offline is not None:
+        _install_offline(ctx, pin, variant, offline, system_site_packages, as_json)
+        return
+    if pin is None:
+        raise UsageError("name the ENGINE@TAG to install, or pass --offline BUNDLE",
+                         hint="e.g. dsadapt install vllm@v0.32.0, or dsadapt install --offline dist/bundle-...")
+    if system_site_packages:
+        raise UsageError("--system-site-packages goes with --offline",
+                         hint="an engine's recipe decides whether its online environment sees the host's packages")
     ref = ref_of(pin)
     entry = ctx.lock.pin(ref)
     eng = engine(ref.engine)
-    plan = eng.env_plan(entry, eng.variant_for(entry, variant), ctx.lock)
+    plan = eng.env_plan(entry, eng.variant_for(entry, default_variant(ctx, ref, variant)), ctx.lock)
     with workdir_lock(ctx.cfg):
         res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(not as_json), stream=not as_json)
     if as_json:
@@ -73,6 +91,46 @@ def install_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> N
     if res.removed:
         say(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
     say(f"  activate: {res.activate}")
+
+
+def default_variant(ctx: Context, ref, variant: str | None) -> str | None:
+    """The variant asked for; else, where a bundle installed exactly one variant of the pin, that one."""
+    if variant is not None:
+        return variant
+    from ..bundlefile import offline_variants
+
+    found = offline_variants(ctx.cfg, ref)
+    return found[0] if len(found) == 1 else None
+
+
+def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle: Path, system_site_packages: bool,
+                     as_json: bool) -> None:
+    from ..bundlefile import read_manifest
+    from ..offline import install_offline, open_bundle
+
+    progress = progress_printer(not as_json)
+    with workdir_lock(ctx.cfg):
+        directory = open_bundle(ctx.cfg, bundle, progress)
+        m = read_manifest(directory)
+        if pin is not None and str(ref_of(pin)) != m.pin:
+            raise UsageError(f"the bundle holds {m.pin}, not {ref_of(pin)}", hint=f"dsadapt install --offline {bundle}")
+        if variant is not None and variant != m.variant:
+            raise UsageError(f"the bundle holds variant {m.variant} of {m.pin}, not {variant}",
+                             hint=f"make a bundle with --variant {variant}")
+        res = install_offline(ctx.cfg, ctx.lock, directory, system_site_packages=system_site_packages,
+                              progress=progress, stream=not as_json)
+    if as_json:
+        emit_json(res.to_json())
+        return
+    say(f"{res.pin} ({res.variant}) installed from {res.bundle}")
+    for side, env in res.environments.items():
+        say(f"  {side:9} {env['venv']} ({'reused' if env['reused'] else 'installed'}, {env['artifact']})")
+    if res.host_packages:
+        say("  from this host: " + ", ".join(f"{n} {v or '?'}" for n, v in sorted(res.host_packages.items())))
+    for w in res.warnings:
+        say(f"  note: {w}")
+    say(f"next: dsadapt check {res.pin} --variant {res.variant} --model v3 --dtype {{bfloat16|float16|...}}"
+        + (" [--unpatched]" if "unpatched" in res.environments else ""))
 
 
 @click.command("build-all")

@@ -36,7 +36,8 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
     spec = eng.variant_for(entry, variant)
     progress = progress_printer()
     with workdir_lock(ctx.cfg):
-        model_dir, label, _style = resolve_model(ctx.cfg, model, config_style, progress)
+        model_dir, label, _style = resolve_model(ctx.cfg, model, config_style, progress,
+                                                   default_style=eng.model_config_style)
     run = GateRun(entry, spec, dtype, model_dir, unpatched_engine=unpatched_engine)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -59,6 +59,10 @@ class VariantSpec:
     toolchain: tuple[str, ...] = ()  # programs a full source build needs
     leave_out: tuple[str, ...] = ()  # wheel members (fnmatch) an overlay build drops
     wheel_variant: str | None = None  # overlay the wheel pinned for this other variant (default: own name)
+    # dependencies of the wheel that this variant's gate run never imports (TurboMind's CUDA 12
+    # libraries for a PyTorch-engine-only build, ...): an offline bundle leaves them (and what only
+    # they need) out; `dsadapt bundle` lists them, docs/engines/<engine>.md says how it was verified
+    unused_deps: tuple[str, ...] = ()
 
     @property
     def artifact_variant(self) -> str:
@@ -136,9 +140,10 @@ class EngineEnv:
     sha256: str
     reused: bool = False
     removed: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)  # the install marker: lock digest, bundle, host packages
 
     def provenance(self) -> dict:
-        return {"artifact": self.artifact, "sha256": self.sha256, "venv": str(self.venv)}
+        return {"artifact": self.artifact, "sha256": self.sha256, "venv": str(self.venv), **self.details}
 
 
 @dataclass(frozen=True)
@@ -251,10 +256,14 @@ class Engine(Protocol):
     notes: str
     # -- how it runs for the gate
     runner: RunnerSpec | None        # the engine's runner script (None: no gate)
+    model_config_style: str          # config.json style of the built-in models it is checked on by default
     # -- bench: what the alternative to dsadapt's build is (bench.py)
     full_build_doc: tuple[str, str] | None  # (what upstream documents for a compiling build, source URL)
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
-    # -- bisect (issue 14): HF module name -> engine module name, per compared point
+    # -- bisect (issue 14): the engine's capture table (its name mapping to HF transformers, per
+    #    compared point: patcher.bisect.CaptureTable; None: the engine cannot be bisected), and
+    #    module_map, the same as HF point -> engine module name
+    bisect_table: Any
     module_map: Mapping[str, str]
     # -- serving (issue 15): what a pin served by `serve` speaks; None: dsadapt cannot serve it
     serve_api: str | None
@@ -282,6 +291,10 @@ class Engine(Protocol):
     def gate_dtypes(self, spec: VariantSpec) -> tuple[str, ...]: ...
     def run_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]: ...
+    def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None: ...
+
+    # -- offline hosts: `dsadapt bundle` (its environment plan, builds and `VariantSpec.unused_deps`)
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
 
     # -- serving and speed (issue 15)
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]: ...
@@ -319,8 +332,12 @@ class EngineBase:
     docs_page: ClassVar[str] = ""
     notes: ClassVar[str] = ""
     runner: ClassVar[RunnerSpec | None] = None
+    # what the built-in models' config.json looks like unless --config-style says otherwise:
+    # "transformers" (what save_pretrained writes) or "deepseek" (DeepSeek's released keys)
+    model_config_style: ClassVar[str] = "transformers"
     full_build_doc: ClassVar[tuple[str, str] | None] = None
     compile_note: ClassVar[str | None] = None
+    bisect_table: ClassVar[Any] = None
     module_map: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     serve_api: ClassVar[str | None] = None
 
@@ -403,6 +420,19 @@ class EngineBase:
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]:
         raise EngineUnavailable(f"{run.entry}: {self.name} has no runner for the gate", hint=f"see {self.docs_page}")
 
+    def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None:
+        """Where `dsadapt bisect` captures: None (the default) = in the gate session's own engine run,
+        whose runner takes the capture arguments (one engine start). Engines whose gate cannot see
+        the model (a server) yield an in-process runner that can."""
+        return None
+
+    # -- offline hosts
+
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None:
+        """Why `dsadapt bundle` cannot carry this pin to an offline host, or None. A bundle holds
+        wheels: an engine whose build is something else says so here."""
+        return f"{self.name} is not built as a wheel; dsadapt cannot bundle it for an offline host"
+
     # -- serving and speed (issue 15: `dsadapt perf` plugs in here)
 
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]:
@@ -458,6 +488,11 @@ class WheelEngine(EngineBase):
         if self.build_kind(stack).kind == "full":
             return None
         return entry.artifact(spec.artifact_variant, wheel=True)
+
+    def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None:
+        if self.runner is None:
+            return f"{self.name} has no runner for the gate"
+        return None
 
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
               svc: BuildServices) -> BuildResult:

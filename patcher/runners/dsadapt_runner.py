@@ -38,17 +38,42 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parser(description: str, dtypes: Sequence[str] = DTYPES, default_dtype: str | None = None,
-           top_k: int = 5, model_required: bool = True) -> argparse.ArgumentParser:
-    """The common command line; a runner adds its own options to what this returns."""
+           top_k: int = 5, model_required: bool = True, report_required: bool = True) -> argparse.ArgumentParser:
+    """The common command line; a runner adds its own options to what this returns.
+    `report_required` False: --prompts/--out may be absent (a runner with another mode, the HF
+    reference's bisect capture, checks them itself)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=model_required, default=None)
-    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--prompts", required=report_required, default=None)
     ap.add_argument("--dtype", default=default_dtype or dtypes[0], choices=tuple(dtypes))
     ap.add_argument("--top-k", type=int, default=top_k)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=report_required, default=None)
     ap.add_argument("--fingerprint", default=None)
     return ap
+
+
+def add_capture_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`dsadapt bisect`'s protocol for runners that can capture (capture.py): after the gate's
+    prompts, capture every comparison point named by the spec into a file (torch.save)."""
+    ap.add_argument("--capture", default=None,
+                    help="also capture every comparison point of `dsadapt bisect` into this file (torch.save)")
+    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON) naming the points")
+    ap.add_argument("--capture-decode-steps", type=int, default=2,
+                    help="greedy decode steps captured after each prompt's prefill")
+    return ap
+
+
+def try_capture(capture: Callable[[], float]) -> tuple[float | None, str | None]:
+    """Run a capture pass; a failure is reported (settings.capture_error), not fatal: the gate's
+    logits stand and dsadapt says why bisect could not run. Returns (seconds, error)."""
+    try:
+        return capture(), None
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        return None, f"{type(e).__name__}: {e}"
 
 
 def load_prompts(path: str) -> list[dict]:

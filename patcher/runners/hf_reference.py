@@ -7,7 +7,8 @@ environment's interpreter in a subprocess and never imports `patcher`.
         --top-k 20 --max-tokens 16 --out report.json [--attn eager|sdpa] \
         [--experts eager|grouped_mm] [--batch-mode individual|padded] [--fingerprint SHA]
 
-What it computes, on CPU, for each prompt:
+What it computes, on CPU (or, with ``--device cuda``, on the GPU, in true float32: TF32 off),
+for each prompt:
 - teacher-forced prompt logprobs: a full ``log_softmax`` over the vocabulary at
   every position, keeping the top-K values and the logprob of the actual next
   token (position 0 has none);
@@ -28,6 +29,7 @@ Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 
@@ -37,19 +39,33 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def parse_args(argv=None):
-    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20)
+    ap = kit.parser(__doc__.split("\n")[0], DTYPES, top_k=20, report_required=False)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     ap.add_argument("--experts", default="eager",
                     help="transformers experts_implementation (eager: the plain per-expert loop; "
                          "grouped_mm has no float64 kernel)")
     ap.add_argument("--batch-mode", default="individual", choices=("individual", "padded"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    return ap.parse_args(argv)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the model runs (cuda: float32 matmuls without TF32)")
+    ap.add_argument("--capture", default=None,
+                    help="bisect mode: capture every comparison point into this file instead of a logit report")
+    ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON)")
+    ap.add_argument("--capture-sequences", default=None,
+                    help="JSON {prompt id: token ids}: the exact sequences the engine ran (teacher-forced here)")
+    ap.add_argument("--capture-dtypes", default="float32",
+                    help="comma-separated dtypes to capture in (the first is the reference, the others noise yardsticks)")
+    args = ap.parse_args(argv)
+    if args.capture is None and (args.prompts is None or args.out is None):
+        ap.error("--prompts and --out are required (or --capture for bisect mode)")
+    if args.capture is not None and (args.capture_spec is None or args.capture_sequences is None):
+        ap.error("--capture needs --capture-spec and --capture-sequences")
+    return args
 
 
-def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None):
-    """Load the model on CPU in eval mode. `config_overrides` (a dict) edits the
-    config before the weights load (tests use it to plant known bugs)."""
+def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None, device="cpu"):
+    """Load the model (on CPU unless `device`) in eval mode. `config_overrides` (a dict) edits
+    the config before the weights load (tests use it to plant known bugs)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,7 +75,7 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation=attn,
         experts_implementation=experts)
-    return model.eval()
+    return model.eval().to(device)
 
 
 position_entry = kit.position_from_row
@@ -72,11 +88,11 @@ def _log_softmax(logits):
 
 
 def full_logprobs(model, ids):
-    """log_softmax rows of one causal forward over `ids`: row i predicts token i+1."""
+    """log_softmax rows of one causal forward over `ids`: row i predicts token i+1 (on the CPU)."""
     import torch
 
     with torch.no_grad():
-        return _log_softmax(model(torch.tensor([ids])).logits[0])
+        return _log_softmax(model(torch.tensor([ids], device=model.device)).logits[0]).cpu()
 
 
 def exact_greedy(model, prompt, n):
@@ -115,12 +131,12 @@ def padded_rows(model, seqs, pad_id=0):
     import torch
 
     width = max(len(s) for s in seqs)
-    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs])
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], device=model.device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    return [_log_softmax(logits[b, width - len(s):]) for b, s in enumerate(seqs)]
+    return [_log_softmax(logits[b, width - len(s):]).cpu() for b, s in enumerate(seqs)]
 
 
 def run_padded(model, prompt_docs, top_k, max_tokens):
@@ -150,6 +166,50 @@ def run(model, prompt_docs, top_k, max_tokens, batch_mode="individual"):
     return [out[p["id"]] for p in prompt_docs], flips
 
 
+def capture_run(model, spec: dict, sequences: dict, meta: dict | None = None) -> dict:
+    """One teacher-forced causal forward per sequence with the capture hooks installed
+    (patcher/runners/capture.py); returns the capture document."""
+    import torch
+    from capture import Recorder
+
+    rec = Recorder(spec)
+    rec.install(model)
+    try:
+        with torch.no_grad():
+            for pid, ids in sequences.items():
+                rec.prompt = pid
+                rec.begin_call(ids, list(range(len(ids))))
+                model(torch.tensor([ids]))
+    finally:
+        rec.remove()
+    return rec.finish(sequences, meta=meta)
+
+
+def capture_main(args) -> int:
+    """Bisect mode: one teacher-forced forward per sequence per dtype with the capture hooks
+    (patcher/runners/capture.py) installed; writes ``{dtype: capture document}``."""
+    import torch
+    import transformers
+    from capture import load_spec
+
+    spec = load_spec(args.capture_spec)
+    with open(args.capture_sequences, encoding="utf-8") as f:
+        sequences = {str(k): [int(t) for t in v] for k, v in json.load(f).items()}
+    out, timings = {}, {}
+    for dtype in [d for d in args.capture_dtypes.split(",") if d]:
+        t0 = time.time()
+        model = load_model(args.model, dtype, args.attn, args.experts)
+        out[dtype] = capture_run(model, spec, sequences, meta={
+            "engine": "transformers", "dtype": dtype, "transformers": transformers.__version__,
+            "torch": torch.__version__, "device": "cpu"})
+        timings[dtype] = round(time.time() - t0, 3)
+        del model
+    torch.save(out, args.capture)
+    kit.say("hf_reference", f"captured {len(sequences)} sequences in "
+                            f"{', '.join(f'{d} {s:.1f}s' for d, s in timings.items())} -> {args.capture}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -157,10 +217,20 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.capture:
+        torch.manual_seed(0)
+        return capture_main(args)
     torch.manual_seed(0)
+    device = {"device": "cpu", "threads": torch.get_num_threads()}
+    if args.device == "cuda":
+        # true float32: no TF32 anywhere (matmul's default is off; cuDNN's is on)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        device = {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda),
+                  "tf32": False}
     prompt_docs = kit.load_prompts(args.prompts)
     t0 = time.time()
-    model = load_model(args.model, args.dtype, args.attn, args.experts)
+    model = load_model(args.model, args.dtype, args.attn, args.experts, device=args.device)
     t1 = time.time()
     results, flips = run(model, prompt_docs, args.top_k, args.max_tokens, args.batch_mode)
     t2 = time.time()
@@ -169,7 +239,7 @@ def main(argv=None):
         versions={"torch": torch.__version__, "transformers": transformers.__version__,
                   "python": platform.python_version()},
         engine_path=transformers.__file__, prompts=results,
-        settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, "device": "cpu",
+        settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, **device,
                   "greedy_flips": flips},
         timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
     kit.say("hf_reference", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")

@@ -7,6 +7,7 @@ from pathlib import Path
 from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
+from .bisect_table import TABLE
 from .perf import LmdeployPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
@@ -28,12 +29,25 @@ class LmdeployEngine(WheelEngine):
                     # and TurboMind's GEMM tuner bin/llama_gemm. The turbomind/*.py files stay: backend
                     # selection imports them. AWQ models in the PyTorch engine need the full variant.
                     leave_out=("lmdeploy/lib/_turbomind*.so", "lmdeploy/turbomind/_turbomind*.so",
-                               "lmdeploy/turbomind/lib64/libxgrammar.a", "lmdeploy/bin/llama_gemm")),
+                               "lmdeploy/turbomind/lib64/libxgrammar.a", "lmdeploy/bin/llama_gemm"),
+                    # What the gate's PyTorch-engine run never imports (docs/engines/lmdeploy.md, "Offline
+                    # bundle"): TurboMind's CUDA 12 libraries, the multi-node executor (ray), and model
+                    # families the tiny DeepSeek models do not use (tilelang kernels, linear attention,
+                    # the chemistry tokenizer's rdkit). An offline bundle leaves them out.
+                    unused_deps=("nvidia-nccl-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12",
+                                 "nvidia-curand-cu12", "ray", "tilelang", "flash-linear-attention", "rdkit")),
     )
     compiled_patterns = COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*")
     docs_page = "docs/engines/lmdeploy.md"
+    # LMDeploy reads the keys of DeepSeek's released config.json (moe_layer_freq, ...): a config
+    # saved by transformers 5 has none and LMDeploy 0.18 stops at load (AttributeError
+    # moe_layer_freq, H200 2026-11-30), so its gate runs on the DeepSeek-style configs by default.
+    model_config_style = "deepseek"
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+    # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
+    bisect_table = TABLE
+    module_map = TABLE.module_map()
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
         # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only

@@ -45,6 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--session-len", type=int, default=SESSION_LEN)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.05,
                     help="fraction of free GPU memory for the KV cache")
+    kit.add_capture_args(ap)
     return ap.parse_args(argv)
 
 
@@ -170,6 +171,47 @@ def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[lis
     return [out[p["id"]] for p in prompt_docs], requests
 
 
+def engine_model(pipe):
+    """The live ``nn.Module`` behind a ``pipeline`` (PyTorch engine, single-process ``uni``
+    executor): ``async_engine.engine.executor.model_agent.patched_model``, unwrapped from the
+    graph runner (lmdeploy 0.18.0)."""
+    import torch
+
+    engine = getattr(getattr(pipe, "async_engine", None), "engine", None)
+    agent = getattr(getattr(engine, "executor", None), "model_agent", None)
+    model = getattr(agent, "patched_model", None)
+    if model is None:
+        raise RuntimeError("cannot reach the model through pipeline.async_engine.engine.executor.model_agent "
+                           "(bisect needs the PyTorch engine with its single-process 'uni' executor)")
+    if not isinstance(model, torch.nn.Module):
+        model = model.get_model()
+    return model
+
+
+def capture_pass(pipe, prompt_docs: list[dict], args) -> float:
+    """`dsadapt bisect`'s capture (capture.py): hooks on the live model, each prompt alone through
+    the request path, prefill plus a few greedy decode steps."""
+    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
+
+    t0 = time.time()
+    rec = Recorder(load_spec(args.capture_spec))
+    rec.install(engine_model(pipe))
+    steps = args.capture_decode_steps + 1
+    sequences: dict[str, list[int]] = {}
+    try:
+        for p in prompt_docs:
+            rec.prompt = p["id"]
+            tokens, _ = pipe._run(coro=_request(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
+            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in tokens]
+    finally:
+        rec.active = False
+        rec.remove()
+    doc = rec.finish(sequences, meta={"engine": "lmdeploy", "dtype": args.dtype,
+                                      "decode_steps": args.capture_decode_steps})
+    save(doc, args.capture)
+    return round(time.time() - t0, 3)
+
+
 def main(argv=None):
     args = parse_args(argv)
     import lmdeploy
@@ -179,8 +221,11 @@ def main(argv=None):
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
     t1 = time.time()
+    capture_s, capture_error = None, None
     try:
         results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
+        if args.capture:
+            capture_s, capture_error = kit.try_capture(lambda: capture_pass(pipe, prompt_docs, args))
     finally:
         pipe.close()
     t2 = time.time()
@@ -197,8 +242,10 @@ def main(argv=None):
                   "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
                   "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
                   "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
-                  "generation_requests": requests},
-        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
+                  "generation_requests": requests,
+                  **({"capture_error": capture_error} if capture_error else {})},
+        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
+                 **({"capture_s": capture_s} if capture_s is not None else {})}))
     kit.say("lmdeploy_runner", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 

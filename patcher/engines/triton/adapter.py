@@ -198,3 +198,23 @@ class TritonEngine(EngineBase):
             runner = replace(self.runner, extra_args=("--url", served.url, "--model-name", served.model))
             assert served.python is not None
             yield GateSession(served.python, runner, {}, served.installed)
+
+    # -- bisect: a server hides the model from hooks, so the vLLM build it serves is captured
+    #    in-process by vLLM's own runner, in this pin's serving environment (the backend itself
+    #    computes no tensor of the model)
+
+    @property
+    def bisect_table(self):
+        from .. import engine
+
+        return engine("vllm").bisect_table
+
+    @contextmanager
+    def bisect_session(self, run: GateRun, svc: RunServices) -> Iterator[GateSession]:
+        from .. import engine
+
+        plan = self.env_plan(run.entry, run.variant, svc.lock)
+        env = svc.environment(plan, unpatched=run.unpatched_engine)
+        served_engine = engine(plan.pin.engine)
+        assert served_engine.runner is not None
+        yield GateSession(env.python, served_engine.runner, {}, {**env.provenance(), "served": str(plan.pin)})

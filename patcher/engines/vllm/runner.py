@@ -5,7 +5,8 @@ with the pin's venv interpreter in a subprocess and never imports `patcher`. The
 the environment (on CPU: ``VLLM_CPU_KVCACHE_SPACE=1``).
 
     python vllm_runner.py --model DIR --prompts prompts.json --dtype float32 \
-        --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA]
+        --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA] \
+        [--capture FILE --capture-spec SPEC.json [--capture-decode-steps 2]]
 
 Prompts go in as token ids (``{"prompt_token_ids": [...]}``), never text; the
 tokenizer is not even loaded (``skip_tokenizer_init``). Sampling is greedy
@@ -15,10 +16,15 @@ of a named batch are submitted together in one call.
 
 The report records ``vllm.__version__`` and ``vllm.__file__`` (``engine_path``),
 so the caller can prove which (patched) package was loaded.
+
+``--capture`` (`dsadapt bisect`): after the gate's prompts, each prompt again alone with forward
+hooks on the live model (``LLM.apply_model``; the engine core runs in this process for that,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), recording the points the spec names (capture.py).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -28,6 +34,7 @@ import dsadapt_runner as kit
 def parse_args(argv=None):
     ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16"))
     ap.add_argument("--max-model-len", type=int, default=256)
+    kit.add_capture_args(ap)
     return ap.parse_args(argv)
 
 
@@ -63,8 +70,38 @@ def result_from_output(doc, out, top_k):
 groups = kit.submission_groups
 
 
+def capture_pass(llm, prompt_docs, args):
+    """`dsadapt bisect`'s capture: forward hooks registered on the live model (in this process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0), each prompt alone, prefill plus a few greedy decode
+    steps, so every row maps to (prompt, position). Returns the capture's timing."""
+    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
+    from vllm import SamplingParams
+
+    t0 = time.time()
+    rec = Recorder(load_spec(args.capture_spec))
+    llm.apply_model(rec.install)
+    steps = args.capture_decode_steps + 1
+    params = SamplingParams(temperature=0.0, max_tokens=steps, min_tokens=steps, ignore_eos=True, detokenize=False)
+    sequences = {}
+    try:
+        for p in prompt_docs:
+            llm.reset_prefix_cache()  # every prompt token must be computed, not read from the cache
+            rec.prompt = p["id"]
+            out = llm.generate([{"prompt_token_ids": list(p["token_ids"])}], params, use_tqdm=False)
+            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in out[0].outputs[0].token_ids]
+    finally:
+        rec.active = False
+        llm.apply_model(lambda model: rec.remove())
+    doc = rec.finish(sequences, meta={"engine": "vllm", "dtype": args.dtype, "decode_steps": args.capture_decode_steps})
+    save(doc, args.capture)
+    return round(time.time() - t0, 3)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.capture:
+        # the engine core must run in this process for hooks on its model to see the forward
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.time()
     import vllm
     from vllm import LLM, SamplingParams
@@ -86,6 +123,8 @@ def main(argv=None):
         for p, out in zip(group, outs):
             results[p["id"]] = result_from_output(p, out, args.top_k)
     t3 = time.time()
+    capture_s, capture_error = kit.try_capture(lambda: capture_pass(llm, prompt_docs, args)) if args.capture \
+        else (None, None)
     import torch
 
     kit.write_report(args.out, kit.report(
@@ -93,9 +132,14 @@ def main(argv=None):
         versions={"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         engine_path=vllm.__file__, prompts=[results[p["id"]] for p in prompt_docs],
         settings={"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
-                  "groups": [[p["id"] for p in g] for g in groups(prompt_docs)]},
+                  "groups": [[p["id"] for p in g] for g in groups(prompt_docs)],
+                  # capturing runs the engine core in this process (hooks must see its model): float32
+                  # sums may then differ from a multiprocess run in the last bits (~1e-6)
+                  "engine_core": "in-process" if args.capture else "multiprocess",
+                  **({"capture_error": capture_error} if capture_error else {})},
         timings={"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
-                 "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times}))
+                 "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
+                 **({"capture_s": capture_s} if capture_s is not None else {})}))
     kit.say("vllm_runner", f"{len(results)} prompts, start {t2 - t1:.1f}s, generate {t3 - t2:.1f}s -> {args.out}")
     return 0
 

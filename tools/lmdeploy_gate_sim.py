@@ -1,11 +1,13 @@
 """CPU evidence for the LMDeploy 0.18.0 DeepSeek-V2 routing bug (no engine needed).
 
-Runs the tiny V2 in HF transformers (float32) three times: with HF's own router, with
-HF's router forward replaced by LMDeploy 0.18.0's `MoEGate` group_limited_greedy arithmetic
-(restated below line by line), and with the patched arithmetic. Prints JSON: top-1 agreement
-and |delta log-softmax| of each against HF, plus how many tokens route to another expert set.
+Runs dsadapt's built-in tiny V2 (`dsadapt model make --variant v2`: group_limited_greedy,
+softmax scoring, routed_scaling_factor 16, norm_topk_prob false) in HF transformers (float32)
+three times over the gate's prompt set: with HF's own router, with HF's router forward replaced
+by LMDeploy 0.18.0's `MoEGate` group_limited_greedy arithmetic (restated below line by line),
+and with the patched arithmetic. Prints JSON: top-1 agreement and |delta log-softmax| of each
+against HF, plus how many tokens route to another expert set (docs/engines/lmdeploy.md).
 
-    python scripts/lmdeploy_gate_sim.py [--out sim.json]
+    python tools/lmdeploy_gate_sim.py [--out sim.json]
 """
 
 from __future__ import annotations
@@ -15,10 +17,32 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from lmdeploy_models import build_model, prompt_ids  # noqa: E402
+
+from patcher.prompts import build_prompt_set  # noqa: E402
+from patcher.tinymodel import make_model  # noqa: E402
+
+MODEL_DIR = Path(tempfile.mkdtemp(prefix="dsadapt-gate-sim-")) / "v2"
+
+
+def build_model():
+    """dsadapt's built-in tiny V2 (seed 0, transformers-style config), loaded by HF in float32."""
+    from transformers import AutoModelForCausalLM
+
+    if not (MODEL_DIR / "config.json").is_file():
+        make_model(MODEL_DIR, variant="v2", config_style="transformers", seed=0)
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, attn_implementation="eager",
+                                                experts_implementation="eager").eval()
+
+
+def prompt_ids() -> list[list[int]]:
+    """The gate's prompt set (patcher/prompts.py) as token ids."""
+    return [list(p.token_ids) for p in build_prompt_set(MODEL_DIR, 16)]
 
 
 def _group_mask(scores, n_group, topk_group):
@@ -64,7 +88,7 @@ def install(model, route, log):
 
 
 def run(route):
-    model = build_model("v2")
+    model = build_model()
     log: list = []
     install(model, route, log)
     with torch.no_grad():
@@ -89,7 +113,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
     ref, ref_log = run(None)
-    result = {"model": "tiny v2 (group_limited_greedy, softmax, routed_scaling_factor 16, norm_topk_prob false)",
+    result = {"model": "dsadapt built-in v2 (group_limited_greedy, softmax, routed_scaling_factor 16, "
+                       "norm_topk_prob false), seed 0",
               "dtype": "float32", "device": "cpu", "torch": torch.__version__,
               "lmdeploy_0.18.0_gate_vs_hf": compare(ref, ref_log, *run(lmdeploy_0180_route)),
               "patched_gate_vs_hf": compare(ref, ref_log, *run(patched_route))}

@@ -1,0 +1,373 @@
+"""Per-module capture for `dsadapt bisect`: forward hooks on a live model, no source patching.
+
+Standalone: stdlib + torch only (a runner imports it from its own directory; it never
+imports `patcher`). The orchestrator passes a *capture spec* (JSON, written from the
+engine's table in ``patcher/engines/<engine>_bisect.py`` or the reference's table in
+``patcher/bisect.py``) that names, for each comparison point, where it lives in the model:
+
+    {"schema": "dsadapt.capture-spec/1",
+     "layers": "model.layers",                      # ModuleList of decoder layers
+     "rows": {"ids": "input_ids", "positions": "positions"},   # root forward kwargs (engines)
+     "points": [
+       {"point": "input_norm", "path": "model.layers.{i}.input_layernorm", "take": 0},
+       {"point": "attn.core", "path": "model.layers.{i}.self_attn.o_proj", "take": "input0"},
+       {"point": "router.ids", "path": "model.layers.{i}.mlp.experts.router",
+        "method": "select_experts", "take": 1},
+       {"point": "attn.q_rope", "function": "pkg.module:function_name", "take": 0},
+       {"point": "logits", "path": "logits_processor", "take": 0, "rows": "last"},
+       ...]}
+
+- ``path`` is an attribute path from the root module (``{i}`` = each decoder layer);
+  a forward hook records the output. Objects shared between layers (vLLM reuses one
+  rotary-embedding module) are hooked once and attributed to the layer that is running.
+- ``method`` wraps that bound method of the object at run time (an instance attribute;
+  the class is untouched) — for values that are not a module's output (vLLM's expert
+  selection inside its fused MoE).
+- ``function`` wraps a module-level function for the duration of the capture (the HF
+  reference's RoPE helpers).
+- ``take``: an output index (0 also takes a plain tensor), ``"sum"`` (the sum of a tuple:
+  vLLM/LMDeploy return ``(hidden_states, residual)`` from fused add-norm layers), or
+  ``"input0"`` (the first input: what a projection receives).
+- ``token_axis`` (default 0): the axis holding tokens; values are stored as
+  ``[tokens, features]`` float32 (integer tensors keep their dtype).
+- ``rows``: ``"all"`` (default; one row per token of the forward call) or ``"last"``
+  (one row per call: the logits of the sampled position).
+
+A forward pre-hook on each decoder layer tells the recorder which layer is running; a
+pre-hook on the root module (engines) records each forward call's token ids and positions,
+so every captured row maps to (prompt, position). `Recorder.finish` checks that mapping
+against the known token sequences and returns the capture document saved with `save`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = "dsadapt.capture/1"
+SPEC_SCHEMA = "dsadapt.capture-spec/1"
+
+
+class CaptureError(RuntimeError):
+    """The capture spec does not fit the model, or rows cannot be mapped to positions."""
+
+
+def load_spec(path: str) -> dict:
+    with open(path) as f:
+        spec = json.load(f)
+    if spec.get("schema") != SPEC_SCHEMA:
+        raise CaptureError(f"{path}: not a {SPEC_SCHEMA} document")
+    return spec
+
+
+# ----------------------------------------------------------------------------- model access
+
+
+def resolve(root, path: str):
+    """The object at a dotted attribute path ('' is the root; numbers index sequences)."""
+    obj = root
+    for part in [p for p in path.split(".") if p]:
+        obj = obj[int(part)] if part.isdigit() and not hasattr(obj, part) else getattr(obj, part)
+    return obj
+
+
+def _try_resolve(root, path: str):
+    try:
+        return resolve(root, path)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+def take(value, how, args=None, kwargs=None):
+    """Extract the captured tensor from a hook's output (or inputs)."""
+    import torch
+
+    if how == "input0":
+        if args:
+            return args[0]
+        return next(iter((kwargs or {}).values()), None)
+    if how == "sum":
+        if isinstance(value, (tuple, list)):
+            parts = [v for v in value if isinstance(v, torch.Tensor)]
+            return sum(parts[1:], parts[0]) if parts else None
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[int(how)] if int(how) < len(value) else None
+    return value if int(how) == 0 else None
+
+
+def apply_transforms(t, transforms):
+    """The spec's per-point conversions to the reference's conventions, on ``[tokens, F]``:
+    ``interleave`` (rotary vectors laid out as halves -> DeepSeek's interleaved pairs, per
+    ``dim``-sized chunk) and ``scale`` (multiply by ``by``)."""
+    for tr in transforms:
+        if not t.is_floating_point():
+            break
+        if tr["op"] == "interleave":
+            dim = int(tr["dim"])
+            if t.shape[1] % dim:
+                raise CaptureError(f"cannot interleave {t.shape[1]} features in chunks of {dim}")
+            t = t.reshape(t.shape[0], -1, 2, dim // 2).transpose(-1, -2).reshape(t.shape[0], -1)
+        elif tr["op"] == "scale":
+            t = t * float(tr["by"])
+        else:
+            raise CaptureError(f"unknown transform {tr['op']!r}")
+    return t
+
+
+def as_rows(t, token_axis: int = 0):
+    """A tensor as ``[tokens, features]`` on CPU: float32 for floating point, else as is."""
+
+    t = t.detach()
+    if token_axis:
+        t = t.movedim(token_axis, 0)
+    t = t.reshape(t.shape[0], -1) if t.dim() != 1 else t.reshape(t.shape[0], 1)
+    # a copy: engines modify outputs in place after the hook (vLLM's float16 residual scaling,
+    # the sampler's min_tokens mask on the logits)
+    t = t.to("cpu", copy=True)
+    return t.float() if t.is_floating_point() else t
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+@dataclass
+class Call:
+    prompt: str
+    ids: list[int]
+    positions: list[int]
+
+
+@dataclass
+class Recorder:
+    """Records hook outputs per forward call. `prompt` is set by the driver before it runs
+    a prompt; engines' root pre-hook (or the HF driver's `begin_call`) opens a call."""
+
+    spec: dict
+    prompt: str | None = None
+    layer: int | None = None
+    calls: list[Call] = field(default_factory=list)
+    records: list[tuple[int, int | None, str, Any, str]] = field(default_factory=list)
+    handles: list = field(default_factory=list)
+    restores: list = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    active: bool = True
+
+    # -- calls
+    def begin_call(self, ids, positions) -> None:
+        if not self.active:
+            return
+        self.calls.append(Call(self.prompt or "", [int(x) for x in ids], [int(x) for x in positions]))
+        self.layer = None
+
+    def record(self, point: str, tensor, token_axis: int = 0, rows: str = "all", layered: bool = True,
+               transforms: list | None = None) -> None:
+        import torch
+
+        if not self.active or not self.calls or not isinstance(tensor, torch.Tensor):
+            return
+        if rows == "last":
+            t = tensor.detach().reshape(-1, tensor.shape[-1])[-1:].to("cpu", copy=True)
+            t = t.float() if t.is_floating_point() else t
+        else:
+            t = as_rows(tensor, token_axis)
+        self.records.append((len(self.calls) - 1, self.layer if layered else None, point,
+                             apply_transforms(t, transforms or ()), rows))
+
+    # -- installation
+    def install(self, root) -> None:
+        """Register every hook and wrapper the spec asks for."""
+        layers = _try_resolve(root, self.spec.get("layers", "")) if self.spec.get("layers") else None
+        n_layers = len(layers) if layers is not None else 0
+        if layers is not None:
+            for i, layer in enumerate(layers):
+                self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        rows = self.spec.get("rows")
+        if rows:
+            self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
+                self._root_pre(rows), with_kwargs=True))
+        groups: dict[tuple, list[dict]] = {}
+        for p in self.spec["points"]:
+            if "function" in p:
+                groups.setdefault(("function", p["function"]), []).append(p)
+                continue
+            paths = [p["path"].replace("{i}", str(i)) for i in range(n_layers)] if "{i}" in p["path"] else [p["path"]]
+            found = False
+            for path in paths:
+                obj = _try_resolve(root, path)
+                if obj is None:
+                    continue
+                found = True
+                kind = ("method", id(obj), p["method"]) if "method" in p else ("module", id(obj))
+                groups.setdefault(kind + (), []).append({**p, "_obj": obj})
+            if not found:
+                self.missing.append(p["point"])
+        for key, entries in groups.items():
+            if key[0] == "function":
+                self._wrap_function(key[1], entries)
+            elif key[0] == "method":
+                self._wrap_method(entries[0]["_obj"], key[2], _dedup(entries))
+            else:
+                self.handles.append(entries[0]["_obj"].register_forward_hook(self._module_hook(_dedup(entries)),
+                                                                              with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for undo in reversed(self.restores):
+            undo()
+        self.handles.clear()
+        self.restores.clear()
+
+    def _layer_pre(self, i: int):
+        def hook(module, args):
+            self.layer = i
+        return hook
+
+    def _root_pre(self, rows: dict):
+        def hook(module, args, kwargs):
+            ids = kwargs.get(rows.get("ids", "input_ids"))
+            pos = kwargs.get(rows.get("positions", "positions"))
+            if ids is None and args:
+                ids = args[0]
+            if pos is None and len(args) > 1:
+                pos = args[1]
+            if ids is None or pos is None:
+                raise CaptureError("the root forward has no token ids / positions to map rows with")
+            self.begin_call(ids.reshape(-1).tolist(), pos.reshape(-1).tolist())
+        return hook
+
+    def _emit(self, entries, output, args=None, kwargs=None) -> None:
+        for e in entries:
+            layered = "{i}" in e.get("path", "") or bool(e.get("layered"))
+            if layered and "layers_only" in e and self.layer not in e["layers_only"]:
+                continue
+            self.record(e["point"], take(output, e.get("take", 0), args, kwargs), e.get("token_axis", 0),
+                        e.get("rows", "all"), layered, e.get("transforms"))
+
+    def _module_hook(self, entries):
+        def hook(module, args, kwargs, output):
+            self._emit(entries, output, args, kwargs)
+        return hook
+
+    def _wrap_method(self, obj, name: str, entries) -> None:
+        original = getattr(obj, name)
+        had_own = name in getattr(obj, "__dict__", {})
+
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._emit(entries, out, args, kwargs)
+            return out
+
+        setattr(obj, name, wrapper)
+        self.restores.append(lambda: setattr(obj, name, original) if had_own else delattr(obj, name))
+
+    def _wrap_function(self, target: str, entries) -> None:
+        mod_name, _, attr = target.partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+            original = getattr(mod, attr)
+        except (ImportError, AttributeError):
+            self.missing.extend(e["point"] for e in entries)
+            return
+
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._emit(entries, out, args, kwargs)
+            return out
+
+        setattr(mod, attr, wrapper)
+        self.restores.append(lambda: setattr(mod, attr, original))
+
+    # -- result
+    def finish(self, sequences: dict[str, list[int]], meta: dict | None = None) -> dict:
+        """The capture document. Every call's token ids must equal the prompt's known
+        sequence at the call's positions (otherwise rows would be misattributed)."""
+        import torch
+
+        order = list(sequences)
+        index = {pid: k for k, pid in enumerate(order)}
+        dropped: dict[str, int] = {}
+        stray: list[int] = []
+        for c, call in enumerate(self.calls):
+            n = _real_rows(call, sequences[call.prompt]) if call.prompt in sequences else 0
+            if n == 0:
+                # a forward that is not this prompt's (an engine step issued ahead, a warm-up):
+                # its rows cannot be mapped to positions, so none of them is used
+                stray.append(c)
+            call.ids, call.positions = call.ids[:n], call.positions[:n]
+        if self.calls and len(stray) == len(self.calls):
+            c0 = self.calls[0]
+            raise CaptureError(f"no forward call matches its prompt's tokens (first: prompt {c0.prompt!r}, "
+                               f"positions {c0.positions[:8]}): rows cannot be mapped to positions")
+        grouped: dict[tuple, list] = {}
+        for c, layer, point, t, rows in self.records:
+            call = self.calls[c]
+            n = len(call.positions)
+            if n == 0:
+                continue
+            if rows == "last":
+                if t.shape[0] < 1:
+                    continue
+                t, pos = t[-1:], call.positions[-1:]
+            elif t.shape[0] >= n:
+                t, pos = t[:n], call.positions
+            else:
+                dropped[point] = dropped.get(point, 0) + 1
+                continue
+            phase = 0 if call.positions[0] == 0 else 1
+            g = grouped.setdefault((layer, point), [[], [], [], []])
+            g[0].append(t)
+            g[1].extend([index[call.prompt]] * t.shape[0])
+            g[2].extend(pos)
+            g[3].extend([phase] * t.shape[0])
+        points = []
+        for (layer, point), (ts, prompts, pos, phase) in grouped.items():
+            width = {t.shape[1] for t in ts}
+            if len(width) != 1:
+                dropped[point] = dropped.get(point, 0) + len(ts)
+                continue
+            points.append({"layer": layer, "point": point, "value": torch.cat(ts),
+                           "prompt": torch.tensor(prompts, dtype=torch.long),
+                           "pos": torch.tensor(pos, dtype=torch.long),
+                           "phase": torch.tensor(phase, dtype=torch.long)})
+        return {"schema": SCHEMA, "prompts": order, "sequences": {p: list(sequences[p]) for p in order},
+                "calls": len(self.calls), "stray_calls": len(stray), "points": points, "missing": sorted(set(self.missing)),
+                "dropped": dropped, "meta": dict(meta or {})}
+
+
+def _dedup(entries: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for e in entries:
+        key = (e["point"], str(e.get("take", 0)), json.dumps(e.get("transforms")), str(e.get("layers_only")))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _real_rows(call: Call, seq: list[int]) -> int:
+    """How many leading rows of a call are real tokens of `seq`: consecutive positions
+    whose token ids match (engines may pad a step with rows at position 0)."""
+    n = 0
+    for k, (t, p) in enumerate(zip(call.ids, call.positions)):
+        if p >= len(seq) or seq[p] != t or (k and p != call.positions[k - 1] + 1):
+            break
+        n += 1
+    return n
+
+
+def save(doc: dict, path: str) -> None:
+    import torch
+
+    torch.save(doc, path)
+
+
+_LAYER_RE = re.compile(r"\{i\}")
+
+
+def spec_layers(spec: dict) -> bool:
+    return any(_LAYER_RE.search(p.get("path", "")) for p in spec.get("points", []))
