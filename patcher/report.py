@@ -125,11 +125,13 @@ def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
 
 
 def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked") -> tuple[str, Verdict | None]:
-    """Pure: the last verdict (newest date) in words."""
+    """Pure: the last verdict in words: the newest check of the current stack; only when the
+    current stack was never checked, the newest of any (and "stack changed since"). A newer check
+    of another stack (a planted-bug copy, an older branch) never hides the current stack's."""
     if not verdicts:
         return never, None
-    # newest first; on equal dates, a report of the current stack wins over an older stack's
-    last = max(verdicts, key=lambda v: (v.date, bool(stack_hash) and v.stack_hash == stack_hash, v.file))
+    current = [v for v in verdicts if stack_hash and v.stack_hash == stack_hash]
+    last = max(current or verdicts, key=lambda v: (v.date, v.file))
     if last.verdict == "pass":
         words = f"GPU-verified {last.date}" if last.gpu else f"pass {last.date} ({last.device})"
     else:

@@ -567,15 +567,19 @@ def test_no_module_next_to_a_runner_script_shadows_the_standard_library():
     assert len(dirs) >= 4 and clash == []
 
 
-def test_expert_weights_may_carry_two_roundings_of_the_engine_dtype():
-    """LMDeploy computes expert weights in the activation dtype (H200: bf16 0.00375, fp16 0.00048
-    against HF's own 0.00076 / 0.00011, every other point matching): correct, within the floor;
+def test_expert_weights_may_carry_a_few_roundings_of_the_engine_dtype():
+    """LMDeploy computes expert weights in the activation dtype (H200: bf16 up to 0.0052, fp16 up to
+    0.0015, against HF's own 0.00076 / 0.00011 at the first MoE layer, every other point matching): correct, within the floor;
     an expert-weight bug (routed_scaling_factor ignored: 0.60) stays far above it."""
     from patcher.bisect import LOW_PRECISION_POINT_RULES
 
     bf16, fp16 = LOW_PRECISION_POINT_RULES["bfloat16"], LOW_PRECISION_POINT_RULES["float16"]
-    assert 0.00375 < bf16.limit("experts_w", 0.000762) < 0.60 / 50
-    assert 0.000482 < fp16.limit("experts_w", 0.000106) < 0.60 / 50
+    from patcher.bisect import POINTS
+
+    weights = next(p.name for p in POINTS if p.label == "experts_w")  # the rule's key is the point's name
+    assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 30
+    assert 2 * 0.0015 < fp16.limit(weights, 0.000106) < 0.60 / 30
     # every other point keeps its noise-scaled limit: the eps bug at kv_a_norm still fails
-    assert bf16.limit("kv_a_norm", 0.0037) == 2.5 * 0.0037 < 0.0128
+    kv_a_norm = next(p.name for p in POINTS if p.label == "kv_a_norm")
+    assert bf16.limit(kv_a_norm, 0.0037) == 2.5 * 0.0037 < 0.0128
     assert bf16.limit("attn_core", 0.0) == 1e-3

@@ -162,6 +162,11 @@ def test_check_words_from_check_reports(tmp_path):
     _verdict(tmp_path, "z.json", date="2026-11-30", verdict="fail")
     assert check_words(read_verdicts(reports)[pin], "h")[0] == "fail 2026-11-30 (CPU AMD EPYC 7B13 (2 cores))"
     assert len(read_verdicts(reports)[pin]) == 3
+    # a newer check of another stack (a planted-bug copy) never hides the current stack's last check
+    _verdict(tmp_path, "planted.json", date="2026-12-02", verdict="fail", stack_hash="planted")
+    assert check_words(read_verdicts(reports)[pin], "h")[0] == "fail 2026-11-30 (CPU AMD EPYC 7B13 (2 cores))"
+    words, last = check_words(read_verdicts(reports)[pin], "never-checked")  # no check of this stack: the newest
+    assert words == "fail 2026-12-02 (CPU AMD EPYC 7B13 (2 cores)); stack changed since" and last.stack_hash == "planted"
     assert verdict_of({"pin": pin, "verdict": "pass"}, "f") is None  # no date/device: not a check report
 
 
