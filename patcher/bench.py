@@ -229,6 +229,8 @@ def read_check_timings(reports_root: Path) -> list[CheckTimings]:
             continue
         if not isinstance(d, dict) or not isinstance(d.get("timings"), dict) or d.get("unpatched"):
             continue
+        if str(d.get("schema", "")).startswith("dsadapt.perf-report/"):  # speed-gate reports: their own section
+            continue
         prov = d.get("provenance") or {}
         out.append(CheckTimings(str(path.relative_to(reports_root.parent)), d.get("pin", "?"), d.get("variant"),
                                 d.get("model"), d.get("dtype"), d.get("verdict"), prov.get("date"),
@@ -341,8 +343,10 @@ def _sections(text: str) -> dict[str, str]:
     return {k: v.rstrip("\n") + "\n" for k, v in out.items()}
 
 
-def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: str | None = None) -> str:
-    """docs/benchmarks.md. A section this run did not measure is kept from `old` (the file as it was)."""
+def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: str | None = None,
+                    reports_root: Path | None = None) -> str:
+    """docs/benchmarks.md. A section this run did not measure is kept from `old` (the file as it was);
+    with `reports_root`, the speed gate's section from its reports (patcher.perfdoc)."""
     m = report.machine
     kept = _sections(old or "")
     out = [
@@ -370,6 +374,10 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: st
         out.append("")
     else:
         out += ["No check report with timings under `reports/` yet (run `dsadapt check`).", ""]
+    if reports_root is not None:
+        from .perfdoc import perf_markdown, read_perf_reports
+
+        out.append(perf_markdown(read_perf_reports(reports_root)))
     return "\n".join(out)
 
 

@@ -183,10 +183,27 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
 
 
 def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
-                 unpatched_engine: bool = False) -> Path:
-    name = "-".join(x for x in (label, style, dtype, "unpatched" if unpatched else None,
+                 unpatched_engine: bool = False, kind: str | None = None) -> Path:
+    """Where a gate's report goes: reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-unpatched].json.
+
+    `kind` names another gate's report (``perf``, ``perf-aa``) next to the check reports."""
+    name = "-".join(x for x in (kind, label, style, dtype, "unpatched" if unpatched else None,
                                 "unpatched-engine" if unpatched_engine else None) if x)
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
+
+
+def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tuple[LockEntry, VariantSpec]:
+    """The pin's entry and variant, or EngineUnavailable (exit 6) saying why it cannot run here
+    and where `command` can (shared by check and perf)."""
+    entry = lock.pin(ref)
+    eng = engine(ref.engine)
+    spec = eng.variant_for(entry, variant)
+    blocker = eng.run_blocker(entry, spec)
+    if blocker:
+        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
+                                hint=f"run `{command}` on a machine that has what it needs "
+                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
+    return entry, spec
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
@@ -194,14 +211,8 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
     """What `check` can tell before it touches anything: the pin, the variant, whether it can run
     here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
     dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
-    entry = lock.pin(ref)
+    entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}")
     eng = engine(ref.engine)
-    spec = eng.variant_for(entry, variant)
-    blocker = eng.run_blocker(entry, spec)
-    if blocker:
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `{command or f'dsadapt check {ref}'}` on a machine that has what it needs "
-                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
     if dtype is not None:
         dtypes = eng.gate_dtypes(spec)
         if dtype not in dtypes:

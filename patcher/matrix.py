@@ -31,7 +31,7 @@ class Cell:
     device: str                # cpu | cuda
     runs_on: list[str]
     python: str
-    steps: list[str]           # subset of rebase, apply, build, check, in order
+    steps: list[str]           # subset of rebase, apply, build, check, perf, in order
     rebase_from: str = ""      # new cells: the pin whose stack is carried forward
     skip: list[str] = field(default_factory=list)  # steps left out, and why
 
@@ -50,6 +50,14 @@ def _variants_for(ad: Engine, entry: LockEntry | None, dists: tuple[str, ...]) -
     return list(ad.pinned_variants(entry) if entry is not None else ad.release_variants(dists))
 
 
+def _perf_step(ad: Engine, entry: LockEntry, v: VariantSpec, skip: list[str]) -> list[str]:
+    """["perf"] when the engine has a speed-gate recipe for this version and variant, else the reason in `skip`."""
+    if ad.perf_recipe(entry, v) is not None:
+        return ["perf"]
+    skip.append(f"perf: dsadapt perf has no recipe for {ad.name} {entry.version} ({v.name})")
+    return []
+
+
 def pin_cells(ad: Engine, entry: LockEntry, has_stack: bool) -> list[Cell]:
     variants = _variants_for(ad, entry, ())
     cells = []
@@ -61,6 +69,8 @@ def pin_cells(ad: Engine, entry: LockEntry, has_stack: bool) -> list[Cell]:
             skip.append(f"apply: {entry.ref} has no stack")
         if v in variants:
             steps += ["build", "check"]
+            if has_stack:
+                steps += _perf_step(ad, entry, v, skip)
         else:
             skip.append(f"build, check: {entry.ref} pins no release artifact for variant {v.name}")
         cells.append(Cell(f"{entry.ref} {v.name}", entry.engine, entry.tag, str(entry.ref), "pinned", v.name,
@@ -78,8 +88,11 @@ def new_tag_cells(ad: Engine, tags: TagsResult, lock: Lock) -> list[Cell]:
             continue
         for v in _variants_for(ad, None, t.dists):
             pin = f"{tags.engine}@{t.tag}"
+            skip: list[str] = []
+            new_entry = LockEntry(tags.engine, t.tag, t.version)
+            steps = ["rebase", "build", "check", *_perf_step(ad, new_entry, v, skip)]
             cells.append(Cell(f"{pin} {v.name} (new)", tags.engine, t.tag, pin, "new", v.name, v.device,
-                              RUNNERS[v.device], _python(base), ["rebase", "build", "check"], str(base.ref)))
+                              RUNNERS[v.device], _python(base), steps, str(base.ref), skip))
     return cells
 
 

@@ -48,6 +48,80 @@ def plot_deltas(comparison: Comparison, out: Path, title: str | None = None,
     return out
 
 
+def plot_perf(report: dict, out: Path) -> Path:
+    """The speed gate's picture: output tokens/s and latency against concurrency for both
+    sides (every round a dot, the mean a line), and each gated ratio with its confidence
+    interval against the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from patcher.perf import GATED, METRIC
+
+    sides = report["sides"]
+    points = report["points"]
+    conc = [p["concurrency"] for p in points]
+    colors = {sides[0]: "tab:red", sides[1]: "tab:blue"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    ax = axes[0]
+    for side in sides:
+        ax.plot(conc, [p["sides"][side]["output_throughput"] for p in points], marker="o", color=colors[side],
+                label=side)
+        for p in points:
+            ys = [r["output_throughput"] for r in p["per_round"][side] if r.get("output_throughput")]
+            ax.scatter([p["concurrency"]] * len(ys), ys, s=10, color=colors[side], alpha=0.5)
+    _conc_axis(ax, conc)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput (dots: rounds)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for side in sides:
+        for key, style in (("ttft_mean", "-"), ("tpot_mean", "--"), ("e2el_p50", ":"), ("e2el_p99", "-.")):
+            ys = [p["sides"][side][key] for p in points]
+            ax.plot(conc, ys, linestyle=style, marker=".", color=colors[side], label=f"{side} {METRIC[key].label}")
+    _conc_axis(ax, conc)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title("latency")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[2]
+    width = 0.08
+    for i, key in enumerate(GATED):
+        xs, ys, lo, hi = [], [], [], []
+        for p in points:
+            r = p["ratios"][key]
+            if r["estimate"] is None:
+                continue
+            xs.append(p["concurrency"] * (1 + (i - 1) * width))
+            ys.append(r["estimate"])
+            lo.append(r["estimate"] - r["lo"])
+            hi.append(r["hi"] - r["estimate"])
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=METRIC[key].label)
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.axhline(report["threshold"], color="red", linestyle="--", linewidth=1, label=f"threshold {report['threshold']:g}")
+    _conc_axis(ax, conc)
+    ax.set_ylabel(f"{sides[0]} / {sides[1]} (< 1: {sides[0]} slower)")
+    ax.set_title("ratios, 95% bootstrap CI")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"dsadapt perf {report['pin']} ({report['variant']}) {report['model']} {report.get('config_style') or ''} "
+                 f"{report['dtype']}: {report['verdict'].upper()}", fontsize=11)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _conc_axis(ax, conc) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc)
+    ax.set_xticklabels([str(c) for c in conc])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency")
+
+
 def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     """Heat map of a `BisectResult`: decoder layers (rows, plus one for model-level points) x
     comparison points (columns), colour = log10 of the point's error (relative L2; 1 -

@@ -7,6 +7,8 @@ machine's scratch reports (the work dir's reports/, where `dsadapt check` writes
 state `pin` and `verdict`, with `date`, `device` and `stack_hash` at the top level or under
 `provenance`; the newest by date wins. Other JSON (e.g. reports/rebase/) and unpatched control
 runs are not verdicts.
+Speed-gate reports (`dsadapt perf`, schema dsadapt.perf-report/1) give the "last perf"
+column the same way; A/A calibration runs are not verdicts.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class PinReport:
     last_check: dict | None = None
     drop_candidates: list[DropCandidate] = field(default_factory=list)
     error: str | None = None
+    perf: str = "never measured"   # the speed gate's last verdict, in the same words
+    last_perf: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -72,7 +76,7 @@ def verdict_of(data, file: str) -> Verdict | None:
     level or under `provenance` (where `dsadapt check` puts them). Reports of the unpatched
     engine (`"unpatched": true`, a control run) are not the stack's verdict.
     """
-    if not isinstance(data, dict) or data.get("unpatched"):
+    if not isinstance(data, dict) or data.get("unpatched") or _is_perf(data):
         return None
     raw_prov = data.get("provenance")
     prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
@@ -85,8 +89,28 @@ def verdict_of(data, file: str) -> Verdict | None:
                    str(fields["stack_hash"] or ""))
 
 
-def read_verdicts(*reports_roots: Path) -> dict[str, list[Verdict]]:
-    """Every check report under the given report folders (any depth), by pin."""
+def _is_perf(data: dict) -> bool:
+    return str(data.get("schema", "")).startswith("dsadapt.perf-report/")
+
+
+def perf_verdict_of(data, file: str) -> Verdict | None:
+    """Pure: the verdict a speed-gate report states, or None (not a perf report, an A/A
+    calibration run, or a report without date/device)."""
+    if not isinstance(data, dict) or not _is_perf(data) or data.get("mode") != "patched-vs-unpatched":
+        return None
+    raw_prov = data.get("provenance")
+    prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
+    fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
+    if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
+        return None
+    return Verdict(file, str(fields["pin"]), str(fields["verdict"]), str(fields["date"]), str(fields["device"]),
+                   str(fields["stack_hash"] or ""))
+
+
+def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
+    """Every check report under the given report folders (any depth), by pin (`of=perf_verdict_of`:
+    every speed-gate report instead)."""
+    of = of or verdict_of
     out: dict[str, list[Verdict]] = {}
     files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))]
     for f in files:
@@ -94,18 +118,18 @@ def read_verdicts(*reports_roots: Path) -> dict[str, list[Verdict]]:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        v = verdict_of(data, str(f))
+        v = of(data, str(f))
         if v is not None:
             out.setdefault(v.pin, []).append(v)
     return out
 
 
-def check_words(verdicts: list[Verdict], stack_hash: str | None) -> tuple[str, Verdict | None]:
+def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked") -> tuple[str, Verdict | None]:
     """Pure: the last verdict in words: the newest check of the current stack; only when the
     current stack was never checked, the newest of any (and "stack changed since"). A newer check
     of another stack (a planted-bug copy, an older branch) never hides the current stack's."""
     if not verdicts:
-        return "never checked", None
+        return never, None
     current = [v for v in verdicts if stack_hash and v.stack_hash == stack_hash]
     last = max(current or verdicts, key=lambda v: (v.date, v.file))
     if last.verdict == "pass":
@@ -138,6 +162,7 @@ def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dist
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     rows = []
     verdicts = read_verdicts(*cfg.report_roots)
+    perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of)
     for engine in sorted(lock.engines):
         ad = adapter(engine)
         dists = (ad.name, *ad.pypi)
@@ -149,9 +174,12 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
                 rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
                 continue
             words, last = check_words(verdicts.get(str(entry.ref), []), stack.hash if stack.exists else None)
+            perf_words, last_perf = check_words(perfs.get(str(entry.ref), []), stack.hash if stack.exists else None,
+                                                never="never measured")
             statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
             rows.append(PinReport(
                 str(entry.ref), len(stack), stack.exists, stack.hash if stack.exists else None,
                 dict(sorted(statuses.items())), words, asdict(last) if last else None,
-                drop_candidates(stack, entry, pins[i + 1:], dists)))
+                drop_candidates(stack, entry, pins[i + 1:], dists), perf=perf_words,
+                last_perf=asdict(last_perf) if last_perf else None))
     return rows

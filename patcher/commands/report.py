@@ -1,4 +1,4 @@
-"""report: one table over all pins (stack, Upstream-Status, last check, drop candidates)."""
+"""report: one table over all pins (stack, Upstream-Status, last check, last perf, drop candidates)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from .common import Context, emit_json, json_option, pass_ctx, table
 @json_option
 @pass_ctx
 def report_cmd(ctx: Context, as_json: bool) -> None:
-    """Every pin: stack size, patches by Upstream-Status, last check verdict, patches to drop."""
+    """Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop."""
     rows = build_report(ctx.cfg, ctx.lock)
     if as_json:
         emit_json({"pins": [r.to_json() for r in rows]})
         return
-    table("dsadapt report", ["pin", "patches", "upstream status", "last check", "drop candidates"],
+    table("dsadapt report", ["pin", "patches", "upstream status", "last check", "last perf", "drop candidates"],
           [[r.pin,
             str(r.patches) if r.stack_exists else "no stack",
             ", ".join(f"{k} {n}" for k, n in r.upstream_status.items()) or "-",
             r.error or r.check,
+            r.perf,
             _drops(r.drop_candidates)]
            for r in rows])
 

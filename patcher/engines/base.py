@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ..config import Config
 from ..errors import EngineUnavailable, UsageError
@@ -37,6 +37,9 @@ from ..pinref import PinRef
 from ..runners import RunnerSpec
 from ..sourcetree import TreeRules
 from ..stack import Stack
+
+if TYPE_CHECKING:
+    from .perf_recipe import PerfRecipe
 
 Progress = Callable[[str], None]
 
@@ -296,6 +299,7 @@ class Engine(Protocol):
     # -- serving and speed (issue 15)
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]: ...
     def benchmark(self, served: Served, workload: Mapping[str, Any], svc: RunServices) -> dict: ...
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> PerfRecipe | None: ...
 
 
 #: The old name of the protocol.
@@ -438,6 +442,11 @@ class EngineBase:
     def benchmark(self, served: Served, workload: Mapping[str, Any], svc: RunServices) -> dict:
         """Load `served` with `workload` using the engine's own benchmark tool; return its numbers."""
         raise NotSupported(f"{self.name} has no benchmark recipe in dsadapt", hint=f"see {self.docs_page}")
+
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> PerfRecipe | None:
+        """How `dsadapt perf` serves this pin/variant and loads it with the engine's own tool
+        (patcher/engines/perf_recipe.py), or None: the speed gate cannot measure it."""
+        return None
 
 
 class WheelEngine(EngineBase):

@@ -98,6 +98,11 @@ _ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.*
 _WRAPPERS = ("Engine core initialization failed", "See root cause above", "Worker failed")
 
 
+def kit_pythonpath(env: Mapping[str, str]) -> str:
+    """PYTHONPATH for a script that imports the runner protocol: KIT_DIR first, then `env`'s own."""
+    return os.pathsep.join([str(KIT_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
 def root_cause(lines: Sequence[str]) -> str | None:
     """The most telling exception line of a runner's log: the first ``XError: ...`` line
     that is not a wrapper saying "see above" (vLLM's engine-core failure), else the last
@@ -140,7 +145,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
     out.unlink(missing_ok=True)
     argv = spec.argv(python, model_dir, prompts_path, dtype, top_k, max_tokens, out, fingerprint)
     child_env = {**os.environ, **spec.env, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(KIT_DIR)] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    child_env["PYTHONPATH"] = kit_pythonpath(child_env)
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
     errors: list[str] = []
     t0 = time.monotonic()

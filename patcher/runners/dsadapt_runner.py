@@ -140,3 +140,52 @@ def run(main: Callable[[], int], hard_exit: bool = False) -> None:
         sys.stderr.flush()
         os._exit(rc)
     sys.exit(rc)
+
+
+# ---------------------------------------------------------------- load drivers (`dsadapt perf`)
+#
+# A load driver is a long-lived script of the speed gate (patcher/engines/perf_recipe.py): jobs
+# arrive on stdin, one JSON object per line with a "done" path; after each job the driver writes
+# {"ok": bool, "error": str, "seconds": float} to that path, whole or not at all. It leaves at the
+# end of its input, and by itself when the process that started it is gone.
+
+
+def watch_parent(poll_s: float = 0.5) -> None:
+    """Exit (status 3, no teardown) as soon as the parent process is gone."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(poll_s)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def serve_jobs(name: str, handle: Callable[[dict], None]) -> None:
+    """The driver loop: `handle(job)` for each stdin line; its exception is the job's error."""
+    import time
+    import traceback
+
+    watch_parent()
+    print(f"{name} ready", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        t0 = time.monotonic()
+        try:
+            handle(job)
+            result = {"ok": True, "error": ""}
+        except SystemExit as e:  # argparse errors inside a tool's own main
+            result = {"ok": False, "error": f"{name}: the tool exited with {e.code}"}
+        except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which fails the run
+            traceback.print_exc()
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        write_report(job["done"], {**result, "seconds": round(time.monotonic() - t0, 3)})

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, VariantSpec, WheelEngine
 from .bisect_table import TABLE
+from .perf import LmdeployPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,3 +48,7 @@ class LmdeployEngine(WheelEngine):
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
     bisect_table = TABLE
     module_map = TABLE.module_map()
+
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
+        # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only
+        return recipe(entry.version, spec.device)

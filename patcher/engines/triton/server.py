@@ -39,15 +39,13 @@ import shutil
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import EngineUnavailable, MachineError, UsageError
-from ...procs import stop_group
+from ...procs import free_port, http_ok, stop_group
 from ...runners import RunnerFailed, RunnerTimeout
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
@@ -363,15 +361,6 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
-
-
 def _port_in_use_error(port: int, log_path: Path | None = None) -> MachineError:
     """A port held by another process: the machine's state, not the user's input (exit 7)."""
     return MachineError(
@@ -433,17 +422,9 @@ def _log_says_port_in_use(text: str) -> bool:
     return "already in use" in text.lower()
 
 
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
-
-
 def is_ready(url: str, models: tuple[str, ...]) -> bool:
-    return _http_ok(f"{url}/v2/health/ready") and all(
-        _http_ok(f"{url}/v2/models/{name}/ready") for name in models
+    return http_ok(f"{url}/v2/health/ready") and all(
+        http_ok(f"{url}/v2/models/{name}/ready") for name in models
     )
 
 

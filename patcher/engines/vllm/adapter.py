@@ -8,6 +8,7 @@ from ...lock import LockEntry
 from ...runners import RunnerSpec
 from ..base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
 from .bisect_table import TABLE
+from .perf import VllmPerfRecipe, recipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,3 +46,7 @@ class VllmEngine(WheelEngine):
         # torchvision/torchaudio/torchcodec do not match the CPU torch and break
         # `import transformers` / `import vllm` (operator torchvision::nms does not exist).
         return EnvRecipe(remove=("torchvision", "torchaudio", "torchcodec"))
+
+    def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
+        # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)
+        return recipe(entry.version, spec.device)
