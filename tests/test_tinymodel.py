@@ -269,7 +269,9 @@ VLLM_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize("variant", tm.VARIANTS)
+# One variant here (the tokenizer and the config as vLLM reads them); every variant's logits against
+# HF go through the product in test_gate_vllm.py (v3, v2-lite, v2), so the others are not run twice.
+@pytest.mark.parametrize("variant", ["v2-lite"])
 def test_vllm_matches_hf_on_deepseek_style(made, variant, tmp_path):
     from shared_envs import vllm_python
 
