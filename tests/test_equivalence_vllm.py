@@ -16,7 +16,7 @@ from equivalence_helpers import make_tiny
 from patcher.engines import engine
 from patcher.equivalence import compare, explain
 from patcher.prompts import build_prompt_set
-from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerFailed, run_runner
+from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
