@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 # The CPU build of torch (this machine's pip config serves it from a local wheel folder;
 # elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
 TORCH   ?= torch==2.13.0
-# The gate's reference version (patcher/equivalence.py REFERENCE_TRANSFORMERS): with it in dsadapt's
+# The gate's reference version (patcher/rules/logits.py REFERENCE_TRANSFORMERS): with it in dsadapt's
 # own environment the reference runs there instead of in an extra venv.
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
@@ -45,13 +45,13 @@ lint: setup
 	$(BIN)/lint-imports
 
 ## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
-## `uv pip compile --generate-hashes` from the recipes in patcher/envlocks.py (docs/environments.md).
+## `uv pip compile --generate-hashes` from the recipes in patcher/build/envlocks.py (docs/environments.md).
 ## Needs PyPI; the CPU torch build comes from DSADAPT_LOCK_FIND_LINKS (default /opt/wheels).
 lock-envs: setup
-	$(BIN)/python -m patcher.envlocks
+	$(BIN)/python -m patcher.build.envlocks
 
 check-env-locks: setup
-	$(BIN)/python -m patcher.envlocks --check
+	$(BIN)/python -m patcher.build.envlocks --check
 
 ## Fast feedback: no network, no engines.
 test-fast: setup
@@ -77,7 +77,7 @@ gpu-check: setup
 
 ## Regenerate docs/commands.md from the commands' help.
 docs: setup
-	$(BIN)/python -c "from patcher.cli import cli; from patcher.commands.reference import command_reference; \
+	$(BIN)/python -c "from patcher.cli.main import cli; from patcher.cli.commands.reference import command_reference; \
 	text = command_reference(cli); open('docs/commands.md', 'w').write(text)"
 
 clean:

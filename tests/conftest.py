@@ -3,7 +3,7 @@
 Everything is local: each test builds its own fixture "upstream" git repository (with tags)
 in tmp_path, a project (upstream.lock + patches/) pointing at it, and a DSADAPT_* environment
 that keeps the work dir, cache and artifact dirs inside tmp_path. The CLI runs in-process
-through `patcher.cli.main` (exit code, stdout and stderr captured), or in a subprocess where
+through `patcher.cli.main.main` (exit code, stdout and stderr captured), or in a subprocess where
 a test needs to kill it or hold a lock from another process.
 """
 
@@ -41,7 +41,7 @@ from patcher.runners import KIT_DIR  # noqa: E402
 if str(KIT_DIR) not in sys.path:
     sys.path.append(str(KIT_DIR))
 
-from patcher.patchfile import format_patch, parse_patch  # noqa: E402
+from patcher.formats.patchfile import format_patch, parse_patch  # noqa: E402
 
 TAG1, TAG2 = "v1.0.0", "v1.1.0"
 REF1 = f"vllm@{TAG1}"
@@ -245,7 +245,7 @@ class Project:
 
     def write_stack(self, texts: list[str], tag: str = TAG1, names: list[str] | None = None,
                     series_extra: str = "") -> list[str]:
-        from patcher.patchfile import patch_filename
+        from patcher.formats.patchfile import patch_filename
 
         d = self.stack_dir(tag)
         if d.exists():
@@ -263,7 +263,7 @@ class Project:
 
     def run(self, *args: str, env: dict[str, str] | None = None) -> CliResult:
         """`dsadapt ARGS` in-process with main() semantics (exit code, stdout, stderr)."""
-        from patcher.cli import main
+        from patcher.cli.main import main
 
         out, err = io.StringIO(), io.StringIO()
         full_env = {**self.env, **(env or {})}
@@ -274,17 +274,17 @@ class Project:
     def spawn(self, *args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         """`dsadapt ARGS` as a subprocess running this worktree's code, in its own process group."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-        return subprocess.Popen([sys.executable, "-m", "patcher.cli", *args], env=full_env, cwd=self.root,
+        return subprocess.Popen([sys.executable, "-m", "patcher.cli.main", *args], env=full_env, cwd=self.root,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, **kw)
 
     def config(self):
-        from patcher.config import load_config
+        from patcher.base.config import load_config
 
         return load_config(self.root, env=self.env)
 
     def lock(self):
-        from patcher.lock import load_lock
+        from patcher.formats.lock import load_lock
 
         return load_lock(self.root / "upstream.lock")
 

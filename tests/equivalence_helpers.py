@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.equivalence import SCHEMA, LogitReport
+from patcher.rules.logits import SCHEMA, LogitReport
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 60
@@ -69,7 +69,7 @@ def load_hf_reference():
 
 
 def make_tiny(out: Path, variant="v3", config_style="deepseek") -> Path:
-    tinymodel = pytest.importorskip("patcher.tinymodel", reason="patcher.tinymodel (tiny model maker) not present")
+    tinymodel = pytest.importorskip("patcher.checkpoints.tiny", reason="patcher.checkpoints.tiny (tiny model maker) not present")
     pytest.importorskip("transformers")
     tinymodel.make_model(out, variant=variant, config_style=config_style, seed=0)
     return out

@@ -2,7 +2,7 @@
 
 A scenario builds a pre-state once (a fixture project, work dir, checkout); every kill runs on a
 fresh copy of it. The command runs in a forked child in its own session with
-`DSADAPT_FAULT=any:<k>` (patcher/faults.py: SIGKILL to the child's process group, git included,
+`DSADAPT_FAULT=any:<k>` (patcher/base/faults.py: SIGKILL to the child's process group, git included,
 at the k-th git start/end, durable write or removal). After each kill the harness checks:
 
 - no user work is lost (uncommitted edits, untracked files, unexported commits, hand-edited
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from conftest import Project, git
 
-from patcher import faults
+from patcher.base import faults
 
 ALLOWED = {"not fetched", "clean base", "stack applied", "stack outdated", "stopped", "interrupted", "dirty",
            "diverged", "absent"}
@@ -48,7 +48,7 @@ def fork_run(project: Project, argv: list[str], env: dict[str, str] | None = Non
             os.environ.update({**project.env, **(env or {})})
             os.environ["DSADAPT_TEST_PGID"] = str(os.getpgrp())
             faults.reset()
-            from patcher.cli import main
+            from patcher.cli.main import main
 
             rc = main(list(argv))
         except BaseException:  # noqa: B036 - the child must never return into pytest

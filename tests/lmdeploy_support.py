@@ -18,11 +18,11 @@ import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from patcher.fsutil import sha256_file as sha256  # noqa: F401 (re-exported for the tests)
-from patcher.lock import load_lock
-from patcher.patchfile import ZERO_ID
-from patcher.pinref import PinRef
-from patcher.stack import load_stack
+from patcher.base.fsutil import sha256_file as sha256  # noqa: F401 (re-exported for the tests)
+from patcher.formats.lock import load_lock
+from patcher.formats.patchfile import ZERO_ID
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import load_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES = REPO_ROOT / "patches" / "lmdeploy"
@@ -74,7 +74,7 @@ def trees(tag: str, root: Path) -> Trees:
     is the checkout's verified base commit, checked out next to it."""
     from shared_envs import real_lock, shared_config
 
-    from patcher.workspace import apply_stack
+    from patcher.stack.workspace import apply_stack
 
     wheel = wheel_path(tag)
     assert wheel is not None

@@ -2,7 +2,7 @@
 
     python perf_fake.py server --port P [--ttft-s S] [--token-s S] [--fail]
     python perf_fake.py driver
-    python perf_fake.py orchestrate STATE_DIR [--stall]   (runs patcher.perfrun.measure; needs PYTHONPATH)
+    python perf_fake.py orchestrate STATE_DIR [--stall]   (runs patcher.gate.perf.measure; needs PYTHONPATH)
 
 The server is a stdlib HTTP server that, like a real engine, leaves a helper process running
 in its process group; ``GET /gen?n=N`` answers after ``--ttft-s`` and then streams N lines,
@@ -153,7 +153,7 @@ class FakeRecipe:
 
     def parse(self, job, requests):
         from patcher.engines.perf_recipe import ParsedRun
-        from patcher.perf import RequestRecord
+        from patcher.rules.speed import RequestRecord
 
         d = json.loads(Path(job.out_path).read_text())
         return ParsedRun(d["duration_s"], [RequestRecord(**r) for r in d["requests"]], {"fake": True})
@@ -166,7 +166,7 @@ def settings(tmp: Path, max_num_seqs: int = 4):
 
 
 def small_workload(rounds: int = 2, concurrency=(1, 2), requests: int = 4):
-    from patcher.perf import Mix, Workload
+    from patcher.rules.speed import Mix, Workload
 
     return Workload((Mix("a", 8, 6, requests // 2), Mix("b", 16, 4, requests - requests // 2)), tuple(concurrency),
                     rounds, 0)
@@ -174,7 +174,7 @@ def small_workload(rounds: int = 2, concurrency=(1, 2), requests: int = 4):
 
 def orchestrate(state: Path, stall: bool) -> None:
     """measure() with the fake engine; the servers' process groups go to STATE/groups.json."""
-    from patcher.perfrun import measure
+    from patcher.gate.perf import measure
 
     def on_servers(servers):
         (state / "groups.json").write_text(json.dumps({s: srv.proc.pgid for s, srv in servers.items()}))

@@ -17,11 +17,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from patcher.config import load_config
-from patcher.gitutil import Git, init_repo
-from patcher.lock import EngineDecl, Lock, LockEntry, format_lock
-from patcher.stack import write_stack
-from patcher.workspace import export_commits
+from patcher.base.config import load_config
+from patcher.base.gitutil import Git, init_repo
+from patcher.formats.lock import EngineDecl, Lock, LockEntry, format_lock
+from patcher.formats.stackfiles import write_stack
+from patcher.stack.workspace import export_commits
 
 ENGINE = "vllm"
 
@@ -170,8 +170,8 @@ def make_wheels(up: Path, dest: Path, tags=("v1.0.0", "v1.1.0")) -> dict[str, Pa
 
 def make_pypi_project(root: Path, up: Path) -> tuple[Path, Path]:
     """Project whose pins (v1.0.0 and v1.1.0) have only wheel artifacts; returns (project, wheel dir)."""
-    from patcher.fsutil import sha256_file
-    from patcher.lock import Artifact
+    from patcher.base.fsutil import sha256_file
+    from patcher.formats.lock import Artifact
 
     wheels = make_wheels(up, root / "wheels")
     proj = root / "project"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from patcher.config import load_config
-from patcher.errors import SourceError
-from patcher.lock import load_lock
-from patcher.pinref import parse_pinref
+from patcher.base.config import load_config
+from patcher.base.errors import SourceError
+from patcher.formats.lock import load_lock
+from patcher.formats.pinref import parse_pinref
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def real_lock():
 
 def pinned_wheel(pin: str, variant: str | None = None) -> Path:
     """The pinned release wheel of `pin` (sha256 checked), downloading it once if needed."""
-    from patcher.sources import fetch_artifact
+    from patcher.upstream.sources import fetch_artifact
 
     lock = real_lock()
     entry = lock.pin(parse_pinref(pin))
@@ -56,8 +56,8 @@ def pinned_wheel(pin: str, variant: str | None = None) -> Path:
 def _engine_python(pin: str, unpatched: bool, via: str | None = None) -> Path:
     """The interpreter of the environment `pin` runs in (as `dsadapt install` / `check` make it);
     `via`: the environment another pin runs it in (triton@r26.01 serving vllm@v0.32.0)."""
+    from patcher.build.venvs import install_plan
     from patcher.engines import engine
-    from patcher.venvs import install_plan
 
     lock = real_lock()
     entry = lock.pin(parse_pinref(via or pin))

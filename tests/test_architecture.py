@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from patcher import engines
+from patcher.base.errors import UsageError
 from patcher.engines import EngineLoadError, engine, engine_names
 from patcher.engines.base import Engine
-from patcher.errors import UsageError
 from patcher.runners import KIT_DIR, REFERENCE_RUNNER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_no_import_cycle_runs_through_the_engines_or_the_runners():
     for comp in cycles:
         assert not any(m.startswith(("patcher.engines", "patcher.runners")) for m in comp), comp
     # the stack transaction's cycle (workspace <-> rebase) is gone: op kinds register with
-    # patcher.transaction (issue 11), so no import cycle is left anywhere in patcher/
+    # patcher.stack.transaction (issue 11), so no import cycle is left anywhere in patcher/
     assert cycles == [], cycles
 
 
@@ -128,7 +128,7 @@ def test_runner_scripts_never_import_patcher_and_the_protocol_is_stdlib_only():
 
 def test_speed_gate_scripts_never_import_patcher_and_the_guard_is_stdlib_only():
     """perf's engine-side scripts run in the engine's environment (the runner protocol only), and
-    the guard is patcher/procs.py run as a script (`python -I`): stdlib only."""
+    the guard is patcher/base/procs.py run as a script (`python -I`): stdlib only."""
     from patcher.engines.perf_recipe import STREAM_LOAD
     from patcher.engines.vllm.perf import SCRIPT
 
@@ -136,13 +136,13 @@ def test_speed_gate_scripts_never_import_patcher_and_the_guard_is_stdlib_only():
         imported = _imports(script)
         assert "patcher" not in imported and "<relative>" not in imported, script
         assert "dsadapt_runner" in imported, f"{script} does not use the runner protocol"
-    guard = _imports(PATCHER / "procs.py")
+    guard = _imports(PATCHER / "base" / "procs.py")
     assert guard <= set(sys.stdlib_module_names) | {"__future__"}, guard - set(sys.stdlib_module_names)
 
 
 def test_the_speed_gate_asks_the_protocol_for_recipes():
     """Every engine answers perf_recipe (EngineBase: None); vLLM's and LMDeploy's live in their package."""
-    from patcher.lock import load_lock
+    from patcher.formats.lock import load_lock
 
     lock = load_lock(ROOT / "upstream.lock")
     for name in engine_names():
@@ -168,7 +168,7 @@ def test_every_engine_is_one_package_with_one_adapter_implementing_the_protocol(
 
 def test_cli_help_loads_no_engine():
     """`dsadapt --help` must not pay for the engines: no adapter is imported, no entry point read."""
-    code = ("import contextlib, io, sys; import patcher.cli as cli, patcher.engines as e\n"
+    code = ("import contextlib, io, sys; import patcher.cli.main as cli, patcher.engines as e\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = cli.main(['--help'])\n"
             "print(rc, e._ENTRIES is None, sorted(m for m in sys.modules if m.startswith('patcher.engines.')\n"
@@ -229,7 +229,7 @@ def test_broken_plugins_are_one_line_errors_naming_the_package(tmp_path, monkeyp
 
 def test_a_broken_plugin_is_the_machines_problem_not_bad_input(tmp_path, monkeypatch, fresh_loader):
     """exit 7 (an installed package failing), not 2: the user's ENGINE@TAG was right."""
-    from patcher.errors import ExitCode
+    from patcher.base.errors import ExitCode
 
     (tmp_path / "badengine2.py").write_text("raise RuntimeError('half installed')\n")
     _dist(tmp_path, "dsadapt_plugins2", """\

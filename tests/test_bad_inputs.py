@@ -418,15 +418,15 @@ CASES: dict[str, Case] = {
     "config: not TOML": C("status", 2, "not valid TOML", lambda p: _config(p, "[x\n")),
     # ---- file system (the machine refuses; typed one-line errors, exit 7)
     "fs: read-only (EROFS)": C(f"apply {REF1}", 7, "read-only file system",
-                               _raise_in("patcher.workspace.init_repo", OSError(errno.EROFS, "Read-only file system", "/w/x")), deep=True),
+                               _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EROFS, "Read-only file system", "/w/x")), deep=True),
     "fs: permission denied (EACCES)": C(f"apply {REF1}", 7, "permission denied",
-                                        _raise_in("patcher.workspace.init_repo", PermissionError(errno.EACCES, "Permission denied", "/w/x")), deep=True),
+                                        _raise_in("patcher.stack.workspace.init_repo", PermissionError(errno.EACCES, "Permission denied", "/w/x")), deep=True),
     "fs: disk full (ENOSPC)": C(f"apply {REF1}", 7, "no space left on the device",
-                                _raise_in("patcher.workspace.init_repo", OSError(errno.ENOSPC, "No space left on device", "/w/x")), deep=True),
+                                _raise_in("patcher.stack.workspace.init_repo", OSError(errno.ENOSPC, "No space left on device", "/w/x")), deep=True),
     "fs: quota (EDQUOT)": C(f"apply {REF1}", 7, "disk quota exceeded",
-                            _raise_in("patcher.workspace.init_repo", OSError(errno.EDQUOT, "Disk quota exceeded", "/w/x")), deep=True),
+                            _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EDQUOT, "Disk quota exceeded", "/w/x")), deep=True),
     "fs: file too large (EFBIG)": C(f"apply {REF1}", 7, "file too large",
-                                    _raise_in("patcher.workspace.init_repo", OSError(errno.EFBIG, "File too large", "/w/x")), deep=True),
+                                    _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EFBIG, "File too large", "/w/x")), deep=True),
     # ---- concurrent runs
     "concurrent: another run holds the work dir": C(f"apply {REF1}", 4, "another dsadapt run holds", _hold_lock),
 }
@@ -547,16 +547,16 @@ def test_brackets_print_verbatim(project, clean_stack):
     project.env["DSADAPT_SOURCES"] = "mirror"
     r = project.run("apply", REF1)
     assert r.rc == 6 and "(DSADAPT_MIRRORS or [mirrors] in dsadapt.toml)" in r.err, r
-    from patcher.errors import MissingDependency
+    from patcher.base.errors import MissingDependency
 
-    with mock.patch("patcher.commands.status.checkout_status",
+    with mock.patch("patcher.cli.commands.status.checkout_status",
                     side_effect=MissingDependency("no torch", hint="pip install 'dsadapt[models]'")):
         r = project.run("status")
     assert r.rc == 5 and r.err == "error: no torch\nhint: pip install 'dsadapt[models]'\n", r
 
 
 def test_unexpected_exception_is_one_line_exit_8_and_traceback_only_with_debug(project, clean_stack):
-    with mock.patch("patcher.commands.status.checkout_status", side_effect=RuntimeError("boom\nsecond line")):
+    with mock.patch("patcher.cli.commands.status.checkout_status", side_effect=RuntimeError("boom\nsecond line")):
         r = project.run("status")
         assert r.rc == 8 and r.err.startswith("error: internal error: RuntimeError: boom\n"), r
         assert "DSADAPT_DEBUG=1" in r.err and "Traceback" not in r.err and len(r.err.strip().split("\n")) == 2
@@ -565,7 +565,7 @@ def test_unexpected_exception_is_one_line_exit_8_and_traceback_only_with_debug(p
 
 
 def test_interrupt_is_exit_130(project, clean_stack):
-    with mock.patch("patcher.commands.status.checkout_status", side_effect=KeyboardInterrupt):
+    with mock.patch("patcher.cli.commands.status.checkout_status", side_effect=KeyboardInterrupt):
         r = project.run("status")
     assert r.rc == 130 and r.err.startswith("error: interrupted\nhint: "), r
 
@@ -637,7 +637,7 @@ def test_disk_full_while_unpacking_a_wheel_is_exit_7(project, clean_stack):
 def test_cli_entry_point_renders_errors_in_a_subprocess(project, clean_stack):
     """The installed console script, not just main(): one line, no traceback, exit 2."""
     env = {**os.environ, **project.env, "PYTHONPATH": str(REPO_ROOT)}
-    r = subprocess.run([sys.executable, "-m", "patcher.cli", "apply", "vllm@" + LONG], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "patcher.cli.main", "apply", "vllm@" + LONG], capture_output=True,
                        text=True, env=env, cwd=project.root)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().split("\n")) == 2, r
     assert "Traceback" not in r.stderr and len(r.stderr) < 600
@@ -646,6 +646,6 @@ def test_cli_entry_point_renders_errors_in_a_subprocess(project, clean_stack):
 def test_a_closed_stdout_is_exit_141_without_noise(project, clean_stack):
     """`dsadapt list --json | head -0`: the reader went away; no traceback, no error text."""
     env = {**os.environ, **project.env, "PYTHONPATH": str(REPO_ROOT)}
-    r = subprocess.run(f"{sys.executable} -m patcher.cli list --json | (exec 0<&-; true); echo rc=${{PIPESTATUS[0]}}",
+    r = subprocess.run(f"{sys.executable} -m patcher.cli.main list --json | (exec 0<&-; true); echo rc=${{PIPESTATUS[0]}}",
                        shell=True, executable="/bin/bash", capture_output=True, text=True, env=env, cwd=project.root)
     assert r.stdout.strip() == "rc=141" and r.stderr == "", r

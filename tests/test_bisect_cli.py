@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_check_cli import PIN, Proj, failing_engine, model_dir, needs_cpu_only, proj  # noqa: F401 (fixtures)
 
-from patcher import check as check_mod
 from patcher.engines import engine
 from patcher.engines.base import EngineEnv
+from patcher.gate import check as check_mod
 from patcher.runners import RunnerSpec
 
 
@@ -58,7 +58,7 @@ def test_check_human_output_gives_one_verdict_per_dtype_and_one_overall(proj, mo
 
 
 def test_check_dtypes_follow_the_engines_runner(proj):
-    from patcher.lock import load_lock
+    from patcher.formats.lock import load_lock
 
     lock = load_lock(proj.root / "upstream.lock")
     assert check_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
@@ -110,7 +110,7 @@ def test_runner_receives_the_capture_protocol(proj, model_dir, tmp_path, monkeyp
                       "sys.exit(3)\n")
     from conftest import swap_engine
 
-    from patcher.hosts import RunHost
+    from patcher.gate.hosts import RunHost
 
     swap_engine(monkeypatch, "vllm", runner=RunnerSpec("vllm", script, dtypes=("float32", "bfloat16", "float16")))
     monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(Path(sys.executable), tmp_path, "x.whl",
@@ -131,7 +131,7 @@ def test_runner_receives_the_capture_protocol(proj, model_dir, tmp_path, monkeyp
 @pytest.mark.parametrize("mode,dtype,expect", [(None, "float32", None), ("on-fail", "float32", "on-fail"),
                                                (None, "bfloat16", "always"), (None, "float16", "always")])
 def test_when_a_check_compares_modules(mode, dtype, expect):
-    from patcher.bisect_run import wanted
+    from patcher.gate.bisect import wanted
 
     assert wanted(dtype, mode) == expect
 
@@ -144,7 +144,7 @@ def test_triton_is_bisected_through_the_vllm_build_it_serves(proj, tmp_path):
 
     from patcher.engines.base import GateRun
     from patcher.engines.vllm.bisect_table import TABLE
-    from patcher.lock import load_lock
+    from patcher.formats.lock import load_lock
 
     lock = load_lock(proj.root / "upstream.lock")
     tri, vllm = engine("triton"), engine("vllm")
@@ -171,7 +171,7 @@ def test_triton_is_bisected_through_the_vllm_build_it_serves(proj, tmp_path):
 def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path, monkeypatch):
     """The engine ran and gave logits, but its capture pass failed (say a new engine version no
     longer fits the table): the low-precision check fails with that reason; nothing passes silently."""
-    from patcher.equivalence import Comparison, LogitReport
+    from patcher.rules.logits import Comparison, LogitReport
 
     def fake_runner(spec, py, model, prompts, dtype, top_k, max_tokens, out, **kw):
         Path(out).write_text(json.dumps({"settings": {"capture_error": "CaptureError: no forward call matches"}}))
@@ -181,7 +181,7 @@ def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path,
     passing = Comparison(rule="low-precision", reference={}, engine={"dtype": "bfloat16"}, top_k=5, tolerance=None,
                          thresholds={}, rows=[], passed=True, reasons=[],
                          summary={"positions": 1, "prompts": 1, "max_abs": 0.1})
-    from patcher.hosts import RunHost
+    from patcher.gate.hosts import RunHost
 
     monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(Path(sys.executable), tmp_path, "x.whl",
                                                                           "0" * 64))

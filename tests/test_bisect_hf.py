@@ -1,6 +1,6 @@
 """`dsadapt bisect`'s method against bugs planted in the HF model itself (tiny V3, in-process).
 
-The reference's own capture table (patcher.bisect.REFERENCE_TABLE) runs on a clean float32
+The reference's own capture table (patcher.rules.modules.REFERENCE_TABLE) runs on a clean float32
 model and on a copy with one known bug playing the engine; the comparison must name the layer
 and module where the bug acts. The low-precision cases are the issue's measurement: a wrong
 kv_a_layernorm eps is invisible at the logits in bfloat16 but stands out at its module
@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 # the reference runner imports its capture helper from its own directory, as it does when run
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patcher" / "runners"))
 
-from patcher.bisect import REFERENCE_TABLE, compare_captures  # noqa: E402
-from patcher.prompts import build_prompt_set  # noqa: E402
+from patcher.rules.modules import REFERENCE_TABLE, compare_captures  # noqa: E402
+from patcher.rules.prompts import build_prompt_set  # noqa: E402
 
 
 def hf_capture(model, spec, sequences):

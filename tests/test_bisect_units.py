@@ -10,7 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from patcher.bisect import (  # noqa: E402
+from patcher.engines.lmdeploy.bisect_table import TABLE as LMDEPLOY_TABLE  # noqa: E402
+from patcher.engines.vllm.bisect_table import TABLE as VLLM_TABLE  # noqa: E402
+from patcher.rules.logits import explain  # noqa: E402
+from patcher.rules.modules import (  # noqa: E402
     POINTS,
     REFERENCE_TABLE,
     BisectError,
@@ -20,9 +23,6 @@ from patcher.bisect import (  # noqa: E402
     heatmap_grid,
     moe_layers,
 )
-from patcher.engines.lmdeploy.bisect_table import TABLE as LMDEPLOY_TABLE  # noqa: E402
-from patcher.engines.vllm.bisect_table import TABLE as VLLM_TABLE  # noqa: E402
-from patcher.equivalence import explain  # noqa: E402
 from patcher.runners import capture  # noqa: E402
 
 nn = torch.nn
@@ -500,7 +500,7 @@ def test_heatmap_grid_has_a_row_per_layer_and_marks_the_first_divergence():
 
 def test_plot_bisect_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from patcher.plot import plot_bisect
+    from patcher.rules.plots import plot_bisect
 
     ref = synthetic()
     res = compare_captures(downstream(ref, 0, "post_norm", lambda v: v + 1), ref, CONFIG, "float32", engine_name="e")
@@ -512,7 +512,7 @@ def test_plot_bisect_writes_a_png(tmp_path):
 
 
 def _comparison(rule="strict", passed=False):
-    from patcher.equivalence import Comparison
+    from patcher.rules.logits import Comparison
 
     return Comparison(rule=rule, reference={}, engine={"dtype": "bfloat16" if rule != "strict" else "float32"},
                       top_k=5, tolerance=1e-4 if rule == "strict" else None, thresholds=None, rows=[],
@@ -521,7 +521,7 @@ def _comparison(rule="strict", passed=False):
 
 
 def test_explain_leads_with_the_bisect_result():
-    from patcher.bisect_run import summary
+    from patcher.gate.bisect import summary
 
     ref = synthetic()
     res = compare_captures(downstream(ref, 1, "attn.kv_a_norm", lambda v: v * 1.01), ref, CONFIG, "float32")
@@ -537,7 +537,7 @@ def test_low_precision_explain_points_at_bisect_in_that_dtype():
 
 
 def test_low_precision_rows_do_not_pass_when_the_pooled_rule_fails():
-    from patcher.equivalence import PromptRow
+    from patcher.rules.logits import PromptRow
 
     c = _comparison("low-precision")
     c.rows = [PromptRow("p", None, 3, 0.1, 0.1, 1.0, 1.0, True, False, None, [0.1], [])]
@@ -547,7 +547,7 @@ def test_low_precision_rows_do_not_pass_when_the_pooled_rule_fails():
 
 
 def test_explain_when_the_gate_fails_but_every_module_matches():
-    from patcher.bisect_run import summary
+    from patcher.gate.bisect import summary
 
     ref = synthetic()
     clean = compare_captures(synthetic(), ref, CONFIG, "float32")
@@ -571,10 +571,10 @@ def test_expert_weights_may_carry_a_few_roundings_of_the_engine_dtype():
     """LMDeploy computes expert weights in the activation dtype (H200: bf16 up to 0.0052, fp16 up to
     0.0015, against HF's own 0.00076 / 0.00011 at the first MoE layer, every other point matching): correct, within the floor;
     an expert-weight bug (routed_scaling_factor ignored: 0.60) stays far above it."""
-    from patcher.bisect import LOW_PRECISION_POINT_RULES
+    from patcher.rules.modules import LOW_PRECISION_POINT_RULES
 
     bf16, fp16 = LOW_PRECISION_POINT_RULES["bfloat16"], LOW_PRECISION_POINT_RULES["float16"]
-    from patcher.bisect import POINTS
+    from patcher.rules.modules import POINTS
 
     weights = next(p.name for p in POINTS if p.label == "experts_w")  # the rule's key is the point's name
     assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 30

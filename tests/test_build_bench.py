@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import REF1, TAG2
 from test_build_overlay import pin_wheel
 
-from patcher.bench import BenchReport, BuildBench, CheckTimings, build_table, format_markdown, read_check_timings
+from patcher.bench.builds import BenchReport, BuildBench, CheckTimings, build_table, format_markdown, read_check_timings
 
 TIMINGS = {"install_s": 0.74, "reference_s": 5.29, "engine_import_s": 6.093, "engine_engine_start_s": 18.727,
            "engine_generate_s": 7.197, "engine_s": 38.38, "compare_s": 0.002, "total_s": 47.37}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.build import _install_output, overlay_version
+from patcher.base.errors import ExitCode, RefusedToClobber
+from patcher.build.builder import _install_output, overlay_version
 from patcher.engines import adapter
-from patcher.errors import ExitCode, RefusedToClobber
 
 
 def test_variant_overlaying_another_variants_wheel_is_named_in_the_local_label():

@@ -35,7 +35,7 @@ from conftest import (
 
 from patcher.engines import engine
 from patcher.engines.base import VariantSpec
-from patcher.wheel import format_record, parse_record, record_hash, verify_record
+from patcher.formats.wheel import format_record, parse_record, record_hash, verify_record
 
 WHEEL_NAME = "vllm-1.0.0-py3-none-any.whl"
 DIST_INFO = "vllm-1.0.0.dist-info"
@@ -294,8 +294,8 @@ def test_list_json_shows_build_kind_and_full_build_reasons(project):
 
 
 def test_build_kind_uses_each_engines_rules():
-    from patcher.pinref import PinRef
-    from patcher.stack import load_stack
+    from patcher.formats.pinref import PinRef
+    from patcher.formats.stackfiles import load_stack
 
     root = Path(__file__).resolve().parents[1] / "patches"
     assert engine("vllm").build_kind(load_stack(root, PinRef("vllm", "v0.32.0"))).kind == "overlay"
@@ -338,7 +338,7 @@ def test_build_all_reports_a_failed_build_and_exits_nonzero(project):
 
 @pytest.mark.parametrize("version,label", [("0.32.0", "0.32.0+ds.0123abcd"), ("0.1+cpu", "0.1+cpu.ds.0123abcd")])
 def test_overlay_version(version, label):
-    from patcher.build import overlay_version
+    from patcher.build.builder import overlay_version
 
     assert overlay_version(version, "0123abcd" + "f" * 56) == label
 
@@ -363,10 +363,10 @@ def test_full_build_runs_the_upstream_build_when_toolchain_and_tree_are_there(pr
 def test_the_unpatched_side_of_a_variant_is_the_release_with_only_that_leave_out(project, monkeypatch):
     """`check --unpatched --variant pytorch` (LMDeploy without TurboMind) runs the same variant
     without the stack: the release wheel minus the variant's leave-out, labelled +unpatched."""
-    from patcher.build import unpatched_build
-    from patcher.config import load_config
-    from patcher.lock import load_lock
-    from patcher.pinref import parse_pinref
+    from patcher.base.config import load_config
+    from patcher.build.builder import unpatched_build
+    from patcher.formats.lock import load_lock
+    from patcher.formats.pinref import parse_pinref
 
     with_variants(monkeypatch, VariantSpec("slim", "vllm", "cpu", wheel_variant="cpu", leave_out=("vllm/_C*.so",)))
     release, sha = pin_wheel(project)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, Project
 
-from patcher.wheel import verify_record
+from patcher.formats.wheel import verify_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 

@@ -14,18 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import REF1
 
-from patcher.bundle import (
-    HostPackages,
-    Target,
-    parse_have,
-    parse_platform,
-    parse_python,
-    parse_size,
-    resolve,
-    root_requirements,
-    wheel_requires,
-)
-from patcher.bundlefile import (
+from patcher.base.errors import EngineUnavailable, UnsafeArtifact, UsageError, VerificationError
+from patcher.build.venvs import host_pth_text, read_host_pth
+from patcher.formats.bundle import (
     BuiltWheel,
     Manifest,
     OfflineRecord,
@@ -36,10 +27,19 @@ from patcher.bundlefile import (
     verify_bundle,
     write_record,
 )
-from patcher.errors import EngineUnavailable, UnsafeArtifact, UsageError, VerificationError
-from patcher.offline import check_host, split_expected
-from patcher.pinref import parse_pinref
-from patcher.venvs import host_pth_text, read_host_pth
+from patcher.formats.pinref import parse_pinref
+from patcher.offline.install import check_host, split_expected
+from patcher.offline.pack import (
+    HostPackages,
+    Target,
+    parse_have,
+    parse_platform,
+    parse_python,
+    parse_size,
+    resolve,
+    root_requirements,
+    wheel_requires,
+)
 
 T312 = Target("3.12")
 
@@ -252,7 +252,7 @@ def test_tarballs_unpack_only_regular_files_inside(tmp_path):
 
 
 def test_the_install_record_lives_with_the_environments(tmp_path):
-    from patcher.config import load_config
+    from patcher.base.config import load_config
 
     (tmp_path / "upstream.lock").write_text("version = 1\n")
     cfg = load_config(tmp_path, {"DSADAPT_VENVS": str(tmp_path / "shared-venvs")})
@@ -309,7 +309,7 @@ def _bootstrap(d: Path, *args: str):
     import subprocess
     import sys
 
-    shutil.copy(Path(__file__).resolve().parents[1] / "patcher" / "offline_bootstrap.py", d / "bootstrap.py")
+    shutil.copy(Path(__file__).resolve().parents[1] / "patcher" / "offline" / "bootstrap.py", d / "bootstrap.py")
     return subprocess.run([sys.executable, str(d / "bootstrap.py"), *args], capture_output=True, text=True,
                           timeout=120)
 

@@ -21,11 +21,11 @@ from unittest import mock
 import pytest
 from conftest import REPO_ROOT
 
-from patcher import check as check_mod
-from patcher.config import load_config
+from patcher.base.config import load_config
+from patcher.base.errors import UsageError
 from patcher.engines.base import EngineEnv, has_cuda
-from patcher.errors import UsageError
-from patcher.pinref import PinRef
+from patcher.formats.pinref import PinRef
+from patcher.gate import check as check_mod
 from patcher.runners import RunnerSpec
 
 PIN = "vllm@v0.32.0"
@@ -44,7 +44,7 @@ class Proj:
         return load_config(self.root, env=self.env)
 
     def run(self, *args: str) -> tuple[int, str, str]:
-        from patcher.cli import main
+        from patcher.cli.main import main
 
         out, err = io.StringIO(), io.StringIO()
         with mock.patch.dict(os.environ, self.env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -108,7 +108,7 @@ def test_check_rejects_an_unknown_dtype_and_style(proj):
 
 
 def test_resolve_model_builtin_makes_it_once(proj, monkeypatch):
-    from patcher import tinymodel
+    from patcher.checkpoints import tiny as tinymodel
 
     made = []
 
@@ -173,7 +173,7 @@ def failing_engine(tmp_path, monkeypatch):
         "sys.exit(1)\n")
     from conftest import swap_engine
 
-    from patcher.hosts import RunHost
+    from patcher.gate.hosts import RunHost
 
     swap_engine(monkeypatch, "vllm", runner=RunnerSpec("vllm", script))
     venv = tmp_path / "fake-venv"
@@ -292,7 +292,7 @@ def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
     unless --config-style says otherwise; the style comes from the engine, not from its name."""
     from patcher.engines import engine
     from patcher.engines.lmdeploy.adapter import LmdeployEngine
-    from patcher.lock import load_lock
+    from patcher.formats.lock import load_lock
 
     assert LmdeployEngine.model_config_style == "deepseek"
     eng = engine("vllm")

@@ -69,7 +69,7 @@ def test_usage_errors_from_click_exit_2(project):
 
 
 def test_no_project_found(tmp_path, monkeypatch):
-    from patcher.cli import main
+    from patcher.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["status"]) == 2

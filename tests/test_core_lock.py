@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-from patcher.errors import LockError, UsageError
-from patcher.lock import Artifact, Lock, LockEntry, format_lock, load_lock, parse_lock
-from patcher.pinref import PinRef, parse_pinref
+from patcher.base.errors import LockError, UsageError
+from patcher.formats.lock import Artifact, Lock, LockEntry, format_lock, load_lock, parse_lock
+from patcher.formats.pinref import PinRef, parse_pinref
 
 C1, C2 = "a" * 40, "b" * 40
 T1, T2 = "c" * 40, "d" * 40

@@ -13,8 +13,8 @@ from conftest import git
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from patcher.errors import PatchFormatError
-from patcher.patchfile import (
+from patcher.base.errors import PatchFormatError
+from patcher.formats.patchfile import (
     Patch,
     check_path,
     drop_when_error,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import MOD_V1, REF1, TAG1, commit_msg, edit, files_snapshot, git, make_patches, refs_snapshot
 
-from patcher.patchfile import format_patch, parse_patch
+from patcher.formats.patchfile import format_patch, parse_patch
 
 
 def _applied(project):

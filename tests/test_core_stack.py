@@ -6,10 +6,10 @@ import hashlib
 
 import pytest
 
-from patcher.errors import PatchFormatError, StackError
-from patcher.patchfile import ZERO_ID, FileChange, Patch, format_patch
-from patcher.pinref import PinRef
-from patcher.stack import (
+from patcher.base.errors import PatchFormatError, StackError
+from patcher.formats.patchfile import ZERO_ID, FileChange, Patch, format_patch
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import (
     StackEntry,
     expected_preimages,
     format_series,

@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 import pytest
 
-from patcher.cli import cli
-from patcher.commands.reference import command_reference
+from patcher.cli.commands.reference import command_reference
+from patcher.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "commands.md"
@@ -48,7 +48,7 @@ def test_every_command_is_documented():
 def test_reference_matches_help_run_as_a_subprocess(path):
     sections = _sections(DOC.read_text(encoding="utf-8"))
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "patcher.cli", *path, "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "patcher.cli.main", *path, "--help"], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip() == sections[" ".join(("dsadapt",) + path)]

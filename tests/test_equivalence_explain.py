@@ -12,8 +12,8 @@ import json
 import pytest
 from equivalence_helpers import load_hf_reference, tiny_v3  # noqa: F401 (fixture)
 
-from patcher.equivalence import SCHEMA, LogitReport, compare, explain
-from patcher.prompts import build_prompt_set, prompts_to_json, rope_original_max
+from patcher.rules.logits import SCHEMA, LogitReport, compare, explain
+from patcher.rules.prompts import build_prompt_set, prompts_to_json, rope_original_max
 
 MAX_TOKENS = 2
 

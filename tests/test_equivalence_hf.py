@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from equivalence_helpers import load_hf_reference, tiny_v3  # noqa: F401 (fixture)
 
-from patcher.equivalence import PromptResult, compare
-from patcher.prompts import (
+from patcher.rules.logits import PromptResult, compare
+from patcher.rules.prompts import (
     MAX_MODEL_LEN,
     MIXED_BATCH,
     PromptError,

@@ -7,12 +7,12 @@ import copy
 import pytest
 from equivalence_helpers import greedy_case, prompt_doc, report
 
-from patcher.equivalence import compare
+from patcher.rules.logits import compare
 
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from patcher.plot import plot_deltas
+    from patcher.rules.plots import plot_deltas
 
     ids, rows, gen = greedy_case(0)
     ref = prompt_doc("a", ids, rows, gen, 20)

@@ -9,7 +9,7 @@ import math
 import pytest
 from equivalence_helpers import greedy_case, prompt_doc, report
 
-from patcher.equivalence import (
+from patcher.rules.logits import (
     STRICT_TOLERANCE,
     LogitReport,
     PositionLogprobs,

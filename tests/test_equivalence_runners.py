@@ -11,8 +11,8 @@ import pytest
 from equivalence_helpers import greedy_case, prompt_doc
 
 from patcher.engines import engine, engine_names
-from patcher.equivalence import SCHEMA
-from patcher.prompts import Prompt
+from patcher.rules.logits import SCHEMA
+from patcher.rules.prompts import Prompt
 from patcher.runners import (
     REFERENCE_RUNNER,
     RunnerFailed,

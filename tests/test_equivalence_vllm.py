@@ -14,8 +14,8 @@ import pytest
 from equivalence_helpers import make_tiny
 
 from patcher.engines import engine
-from patcher.equivalence import compare, explain
-from patcher.prompts import build_prompt_set
+from patcher.rules.logits import compare, explain
+from patcher.rules.prompts import build_prompt_set
 from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

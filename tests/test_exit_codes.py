@@ -1,6 +1,6 @@
 """One meaning per exit code, for every command: the table in docs/user-guide.md, enforced.
 
-- the documented table is exactly patcher.errors.ExitCode (codes and names);
+- the documented table is exactly patcher.base.errors.ExitCode (codes and names);
 - every typed error in the package maps to a documented code;
 - every command (walked from the CLI itself, so a new command must be added here) is run in
   the situations that apply to it, and each exits with the code its situation means: --help 0,
@@ -21,8 +21,8 @@ import pytest
 from conftest import REF1, REPO_ROOT, TAG1, artifact_toml, git, lock_text, make_wheel
 
 import patcher
-from patcher.cli import cli
-from patcher.errors import DsadaptError, ExitCode
+from patcher.base.errors import DsadaptError, ExitCode
+from patcher.cli.main import cli
 
 GUIDE = REPO_ROOT / "docs" / "user-guide.md"
 
@@ -186,7 +186,7 @@ def test_command_situation_exit_code(project, clean_stack, path, situation, setu
                                                                          ("abort",)):
         args = [f"vllm@{TAG1}"]  # without a pin these never read the lock: a broken lock must not block `abort`
     # the gate's reference (minutes of HF transformers) is not what these situations are about
-    with mock.patch("patcher.check.run_reference", lambda *a, **k: None):
+    with mock.patch("patcher.gate.check.run_reference", lambda *a, **k: None):
         r = project.run(*path, *map(str, args), env=env)
     assert r.rc == code, (situation, r)
     assert "Traceback" not in r.err

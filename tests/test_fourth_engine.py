@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, files_snapshot, git
 
-from patcher.wheel import format_record, record_hash
+from patcher.formats.wheel import format_record, record_hash
 
 pytestmark = pytest.mark.slow  # about a minute: two gate runs of a plain-PyTorch engine and the HF reference
 
@@ -106,7 +106,7 @@ def toy(tmp_path_factory):
                 "PYTHONPATH": os.pathsep.join([str(FIXTURE), str(REPO_ROOT)])})
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "patcher.cli", *args], cwd=root, env=env,
+        return subprocess.run([sys.executable, "-m", "patcher.cli.main", *args], cwd=root, env=env,
                               capture_output=True, text=True, timeout=900)
 
     return {"root": root, "work": tmp / "work", "run": run, "before": files_snapshot(root),

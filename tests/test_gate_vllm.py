@@ -83,7 +83,7 @@ class Gate:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSADAPT_")}
         env.update(self.env, PYTHONPATH=str(REPO_ROOT))
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "patcher.cli", *args], cwd=self.root, env=env,
+        p = subprocess.run([sys.executable, "-m", "patcher.cli.main", *args], cwd=self.root, env=env,
                            capture_output=True, text=True, timeout=timeout)
         return Run(args, p.returncode, p.stdout, p.stderr, round(time.monotonic() - t0, 1))
 
@@ -339,7 +339,7 @@ def test_check_vllm_float16_low_precision_rule(gate):
 def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, tmp_path):
     """The divergence the stack fixes, localized: a deepseek-style V3 config without scoring_func
     makes the pristine vLLM route with softmax; bisect names the first MoE layer's expert selection."""
-    from patcher.tinymodel import make_model
+    from patcher.checkpoints.tiny import make_model
 
     model = tmp_path / "v3-no-scoring-func"
     make_model(model, variant="v3", config_style="deepseek", seed=0)

@@ -180,7 +180,7 @@ def test_recorded_provenance_matches_the_files():
 
 def test_recorded_reports_through_the_gate():
     """Where the gate's comparison is present: the fix passes float16, the bug fails."""
-    eq = pytest.importorskip("patcher.equivalence")
+    eq = pytest.importorskip("patcher.rules.logits")
     ref = eq.LogitReport.from_json(_load("hf_v2_float32.json"))
     verdict = {n: eq.compare(ref, eq.LogitReport.from_json(_load(n))).passed for n in ENGINE_FIXTURES}
     assert verdict == {"lmdeploy_patched_v2_float16.json": True, "lmdeploy_unpatched_v2_float16.json": False}

@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO_ROOT
 from shared_envs import pinned_wheel, shared_config
 
-from patcher.envlocks import lock_path, locked_hashes
+from patcher.build.envlocks import lock_path, locked_hashes
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 PIN = "vllm@v0.32.0"
@@ -45,7 +45,7 @@ def test_vllm_cuda_bundle_installs_offline_up_to_the_gpu(tmp_path):
                 "DSADAPT_CACHE": str(shared_config().cache), "DSADAPT_ARTIFACTS": str(cuda_wheel.parent),
                 "PYTHONPATH": str(REPO_ROOT)})
     out = tmp_path / "bundle"
-    r = subprocess.run([sys.executable, "-m", "patcher.cli", "bundle", PIN, "--variant", "cuda", "--python", "3.11",
+    r = subprocess.run([sys.executable, "-m", "patcher.cli.main", "bundle", PIN, "--variant", "cuda", "--python", "3.11",
                         "--no-unpatched", "--have", str(probe), "--out", str(out), "--json"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]

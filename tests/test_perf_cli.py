@@ -41,7 +41,7 @@ class Proj:
                     "DSADAPT_MIRRORS": "", "DSADAPT_LOCK_TIMEOUT": "5"}
 
     def run(self, *args: str) -> tuple[int, str, str]:
-        from patcher.cli import main
+        from patcher.cli.main import main
 
         out, err = io.StringIO(), io.StringIO()
         with mock.patch.dict(os.environ, self.env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -76,7 +76,7 @@ def model_dir(tmp_path) -> Path:
 def fake_engine(monkeypatch):
     """vLLM's perf recipe and environments replaced by the fake engine; returns the speeds dict."""
     from patcher.engines.base import EngineEnv
-    from patcher.hosts import RunHost
+    from patcher.gate.hosts import RunHost
 
     speeds = {"A": FAST, "B": FAST}
     asked = []
@@ -210,7 +210,7 @@ def _perf_doc(verdict: str, date: str, mode: str = "patched-vs-unpatched", devic
 
 
 def test_report_shows_the_last_perf_verdict_apart_from_check(tmp_path):
-    from patcher.report import check_words, perf_verdict_of, read_verdicts, verdict_of
+    from patcher.gate.summary import check_words, perf_verdict_of, read_verdicts, verdict_of
 
     root = tmp_path / "reports" / "vllm" / "v0.32.0"
     root.mkdir(parents=True)
@@ -238,8 +238,8 @@ def test_report_command_has_a_last_perf_column(proj):
 
 def test_matrix_cells_carry_the_speed_gate_where_a_recipe_exists(monkeypatch):
     from patcher.engines import engine
-    from patcher.lock import load_lock
-    from patcher.matrix import pin_cells
+    from patcher.formats.lock import load_lock
+    from patcher.upstream.matrix import pin_cells
 
     ADAPTERS = {n: engine(n) for n in ("vllm", "lmdeploy")}
 
@@ -289,8 +289,8 @@ def test_perf_needs_a_pin_or_a_report(proj):
 def test_benchmarks_section_comes_from_the_committed_perf_reports(tmp_path):
     """docs/benchmarks.md's engine-speed section is generated from reports/ (perfdoc), and the
     check wall-time table never mistakes a perf report for a check report."""
-    from patcher.bench import read_check_timings
-    from patcher.perfdoc import perf_markdown, read_perf_reports
+    from patcher.bench.builds import read_check_timings
+    from patcher.bench.speed_doc import perf_markdown, read_perf_reports
 
     root = tmp_path / "reports" / "vllm" / "v0.32.0"
     root.mkdir(parents=True)

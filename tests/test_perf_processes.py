@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-from patcher import perf as P
-from patcher.perfrun import PerfRunError, ServerFailed, measure
-from patcher.procs import group_members, start_guarded
+from patcher.base.procs import group_members, start_guarded
+from patcher.gate.perf import PerfRunError, ServerFailed, measure
+from patcher.rules import speed as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_fake  # noqa: E402

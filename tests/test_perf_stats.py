@@ -1,4 +1,4 @@
-"""The speed gate's statistics (patcher/perf.py): pure functions, no engine."""
+"""The speed gate's statistics (patcher/rules/speed.py): pure functions, no engine."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from patcher import perf as P
-from patcher.errors import UsageError
+from patcher.base.errors import UsageError
+from patcher.rules import speed as P
 
 
 def req(mix="m", inp=16, out=8, ttft=0.1, lat=0.8, ok=True) -> P.RequestRecord:

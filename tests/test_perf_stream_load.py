@@ -20,7 +20,7 @@ from conftest import REPO_ROOT
 
 from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe, gpu_blocks
 from patcher.engines.perf_recipe import LoadJob, ServeSettings
-from patcher.perf import Mix, Workload
+from patcher.rules.speed import Mix, Workload
 from patcher.runners import kit_pythonpath
 
 STREAM_LOAD = REPO_ROOT / "patcher" / "runners" / "stream_load.py"

@@ -90,7 +90,7 @@ class Proj:
 
     def cli(self, *args: str, timeout: float = 2400) -> Run:
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "patcher.cli", *args], cwd=self.root, env=self.full_env(),
+        p = subprocess.run([sys.executable, "-m", "patcher.cli.main", *args], cwd=self.root, env=self.full_env(),
                            capture_output=True, text=True, timeout=timeout)
         return Run(p.returncode, p.stdout, p.stderr, round(time.monotonic() - t0, 1), None)
 
@@ -237,7 +237,7 @@ def test_a_planted_kv_cache_copy_per_step_fails_the_speed_gate(proj):
 
 
 def test_ctrl_c_while_servers_load_leaves_no_engine_running(proj):
-    p = subprocess.Popen([sys.executable, "-m", "patcher.cli", "perf", PIN, *WORKLOAD], cwd=proj.root,
+    p = subprocess.Popen([sys.executable, "-m", "patcher.cli.main", "perf", PIN, *WORKLOAD], cwd=proj.root,
                          env=proj.full_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = []
     end = time.monotonic() + 600

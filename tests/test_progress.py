@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import time
 
-from patcher.commands.common import Progress
+from patcher.cli.commands.common import Progress
 
 
 class Tty(io.StringIO):

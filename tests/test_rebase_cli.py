@@ -7,9 +7,9 @@ import json
 import pytest
 import rebase_fixture as fx
 
-from patcher import tags as tags_mod
-from patcher.cli import main
-from patcher.lock import EngineDecl, load_lock, write_lock
+from patcher.cli.main import main
+from patcher.formats.lock import EngineDecl, load_lock, write_lock
+from patcher.upstream import tags as tags_mod
 
 
 @pytest.fixture

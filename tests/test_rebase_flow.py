@@ -8,12 +8,12 @@ import json
 import pytest
 import rebase_fixture as fx
 
-from patcher import workspace
-from patcher.errors import ConflictStop, WorkspaceError
-from patcher.lock import load_lock
-from patcher.pinref import PinRef
-from patcher.rebase import FROM_BASE, FROM_HEAD, rebase_stack
-from patcher.stack import lint_stack, load_stack
+from patcher.base.errors import ConflictStop, WorkspaceError
+from patcher.formats.lock import load_lock
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import lint_stack, load_stack
+from patcher.stack import workspace
+from patcher.stack.rebase import FROM_BASE, FROM_HEAD, rebase_stack
 
 OLD = PinRef(fx.ENGINE, "v1.0.0")
 NEW = PinRef(fx.ENGINE, "v1.1.0")
@@ -97,7 +97,7 @@ def test_patch_id_finds_a_verbatim_backport_when_history_is_there(env):
     cfg = fx.config(proj, root, sources="mirror", mirror=up)  # mirrors are fetched with full history
     # NEW pinned beforehand (as from a machine with network): `dsadapt pin` would leave the
     # engine cache shallow at NEW, and patch-id has no history to search then.
-    from patcher.lock import LockEntry, write_lock
+    from patcher.formats.lock import LockEntry, write_lock
 
     lock = load_lock(cfg.lock_path)
     write_lock(lock.with_pin(LockEntry(fx.ENGINE, NEW.tag, "1.1.0", commit=fx.git(up, "rev-parse", "v1.1.0^{commit}"),
@@ -130,8 +130,8 @@ def test_abort_restores_everything(env):
 def test_abort_keeps_a_pin_the_user_made(env):
     root, up, proj = env
     cfg = fx.config(proj, root)
-    from patcher.lock import write_lock
-    from patcher.pin import resolve_pin
+    from patcher.formats.lock import write_lock
+    from patcher.upstream.pin import resolve_pin
 
     lock = load_lock(cfg.lock_path)
     entry, _ = resolve_pin(cfg, lock, NEW)
@@ -181,7 +181,7 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
     (holding the blobs named on the patches' index lines) is fetched into NEW's checkout."""
     up = fx.make_upstream(tmp_path)
     proj, wheels = fx.make_pypi_project(tmp_path, up)
-    from patcher.config import load_config
+    from patcher.base.config import load_config
 
     cfg = load_config(proj, env={"DSADAPT_WORKDIR": str(tmp_path / "work"), "DSADAPT_SOURCES": "pypi",
                                  "DSADAPT_ARTIFACTS": str(wheels)})

@@ -9,12 +9,12 @@ import rebase_fixture as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patcher.gitutil import Git
-from patcher.lock import load_lock
-from patcher.pinref import PinRef
-from patcher.rebase import rebase_stack
-from patcher.stack import write_stack
-from patcher.workspace import export_commits
+from patcher.base.gitutil import Git
+from patcher.formats.lock import load_lock
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import write_stack
+from patcher.stack.rebase import rebase_stack
+from patcher.stack.workspace import export_commits
 
 FILES = sorted(fx.BASE_FILES)
 edit = st.tuples(st.sampled_from(FILES), st.integers(0, 20),

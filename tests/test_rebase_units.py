@@ -8,15 +8,15 @@ from pathlib import Path
 from packaging.version import Version
 
 from patcher.engines import adapter
-from patcher.lock import Artifact, LockEntry
-from patcher.matrix import Cell, github_matrix, new_tag_cells, pin_cells
-from patcher.patchfile import parse_patch
-from patcher.pinref import PinRef
-from patcher.rebase import applied_detail, changed_lines, drop_when_hit, hunks_key
-from patcher.rebase_report import PatchReport, RebaseReport, format_markdown, split_range_diff
-from patcher.report import check_words, drop_candidates, read_verdicts, verdict_of
-from patcher.stack import Stack, StackEntry
-from patcher.tags import TagsResult, UpstreamTag, newer_tags
+from patcher.formats.lock import Artifact, LockEntry
+from patcher.formats.patchfile import parse_patch
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import Stack, StackEntry
+from patcher.gate.summary import check_words, drop_candidates, read_verdicts, verdict_of
+from patcher.stack.rebase import applied_detail, changed_lines, drop_when_hit, hunks_key
+from patcher.stack.rebase.report import PatchReport, RebaseReport, format_markdown, split_range_diff
+from patcher.upstream.matrix import Cell, github_matrix, new_tag_cells, pin_cells
+from patcher.upstream.tags import TagsResult, UpstreamTag, newer_tags
 
 SHA = "a" * 64
 
@@ -181,11 +181,11 @@ def test_drop_candidates_need_a_newer_pin_satisfying_the_spec():
 
 def test_blocker_here_uses_the_adapters_run_blocker(monkeypatch):
     import patcher.engines.base as base
-    from patcher.lock import Lock
+    from patcher.formats.lock import Lock
 
     monkeypatch.setattr(base, "has_cuda", lambda: False)
     cell = Cell("n", "vllm", "v9.0.0", "vllm@v9.0.0", "new", "cuda", "cuda", ["self-hosted", "gpu"], "3.11", [])
-    from patcher.matrix import blocker_here
+    from patcher.upstream.matrix import blocker_here
 
     assert blocker_here(cell, Lock(engines={}, pins={})) == "needs a CUDA GPU (none on this machine)"
     monkeypatch.setattr(base, "has_cuda", lambda: True)

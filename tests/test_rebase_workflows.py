@@ -11,7 +11,7 @@ import click
 import pytest
 import yaml
 
-from patcher.cli import cli
+from patcher.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -81,11 +81,11 @@ def test_every_dsadapt_subcommand_and_option_in_the_workflows_exists():
                 if sub not in cli.commands:
                     assert sub in OPTIONAL, f"{wf.name}: `dsadapt {sub}` is not a dsadapt command"
                     try:
-                        importlib.import_module(f"patcher.commands.{sub}")
+                        importlib.import_module(f"patcher.cli.commands.{sub}")
                     except ModuleNotFoundError:
                         missing_optional.add(sub)
                         continue
-                    pytest.fail(f"{wf.name}: patcher.commands.{sub} exists but does not register `{sub}`")
+                    pytest.fail(f"{wf.name}: patcher.cli.commands.{sub} exists but does not register `{sub}`")
                 opts = _command_options(cli.commands[sub]) | {"--help", "-h"}
                 for tok in argv[1:]:
                     if tok.startswith("-"):

@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 PARENT = """
 import sys
 from pathlib import Path
-from patcher import cli
+from patcher.cli import main as cli
 from patcher.runners import RunnerSpec, run_runner
 
 cli._terminate_like_interrupt()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from patcher import tinymodel as tm
-from patcher.errors import DsadaptError, UsageError
+from patcher.base.errors import DsadaptError, UsageError
+from patcher.checkpoints import tiny as tm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -197,7 +197,7 @@ def test_styles_share_weights_and_hf_outputs(made):
 
 @pytest.mark.parametrize("variant", tm.VARIANTS)
 def test_outputs_are_peaked(made, variant):
-    """Measured (seed 0, 4 x 128 corpus tokens): see the module docstring of patcher.tinymodel."""
+    """Measured (seed 0, 4 x 128 corpus tokens): see the module docstring of patcher.checkpoints.tiny."""
     logprobs = torch.cat(hf_logprobs(made[(variant, "deepseek")].path, variant, corpus_prompts()))
     probs = logprobs.exp()
     entropy = -(probs * logprobs).sum(-1).mean().item()
@@ -230,7 +230,7 @@ def test_init_spec_scales():
 def test_model_make_command(tmp_path):
     from click.testing import CliRunner
 
-    from patcher.commands.model import model
+    from patcher.cli.commands.model import model
 
     result = CliRunner().invoke(model, ["make", "--variant", "v2-lite", "--config-style", "transformers",
                                         "--seed", "3", "--out", str(tmp_path / "m"), "--json"])

@@ -38,14 +38,14 @@ def venv() -> Path:
 
 
 def _tiny_model(tmp_path) -> Path:
-    """DSADAPT_TRITON_TEST_MODEL, else a fresh V3 from patcher.tinymodel."""
+    """DSADAPT_TRITON_TEST_MODEL, else a fresh V3 from patcher.checkpoints.tiny."""
     explicit = os.environ.get("DSADAPT_TRITON_TEST_MODEL")
     if explicit:
         return Path(explicit)
     try:
-        from patcher.tinymodel import make_model
+        from patcher.checkpoints.tiny import make_model
     except ImportError:
-        pytest.skip("no tiny model: patcher.tinymodel is absent and DSADAPT_TRITON_TEST_MODEL is unset")
+        pytest.skip("no tiny model: patcher.checkpoints.tiny is absent and DSADAPT_TRITON_TEST_MODEL is unset")
     return make_model(tmp_path / "tiny-v3", "v3", "deepseek").path
 
 

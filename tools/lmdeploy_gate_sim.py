@@ -24,8 +24,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from patcher.prompts import build_prompt_set  # noqa: E402
-from patcher.tinymodel import make_model  # noqa: E402
+from patcher.checkpoints.tiny import make_model  # noqa: E402
+from patcher.rules.prompts import build_prompt_set  # noqa: E402
 
 MODEL_DIR = Path(tempfile.mkdtemp(prefix="dsadapt-gate-sim-")) / "v2"
 
@@ -41,7 +41,7 @@ def build_model():
 
 
 def prompt_ids() -> list[list[int]]:
-    """The gate's prompt set (patcher/prompts.py) as token ids."""
+    """The gate's prompt set (patcher/rules/prompts.py) as token ids."""
     return [list(p.token_ids) for p in build_prompt_set(MODEL_DIR, 16)]
 
 

@@ -43,7 +43,7 @@ def _load(path: str) -> dict:
 
 
 def summarize(paths: list[str], bugs: list[str]) -> int:
-    from patcher.bisect import LOW_PRECISION_POINT_RULES, STRICT_RULE
+    from patcher.rules.modules import LOW_PRECISION_POINT_RULES, STRICT_RULE
 
     by_dtype: dict[str, list[dict]] = defaultdict(list)
     for p in paths:
@@ -105,8 +105,8 @@ def hf_bugs(model_dir: Path, dtypes: list[str]) -> int:
     sys.path.insert(0, str(ROOT / "patcher" / "runners"))  # the runner imports its capture helper
     from equivalence_helpers import load_hf_reference  # the runner script, imported in-process
 
-    from patcher.bisect import REFERENCE_TABLE, compare_captures
-    from patcher.prompts import build_prompt_set
+    from patcher.rules.modules import REFERENCE_TABLE, compare_captures
+    from patcher.rules.prompts import build_prompt_set
 
     hfr = load_hf_reference()
     config = json.loads((model_dir / "config.json").read_text())

@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher.engines import engine as engine_of  # noqa: E402
-from patcher.equivalence import compare  # noqa: E402
-from patcher.prompts import build_prompt_set  # noqa: E402
+from patcher.rules.logits import compare  # noqa: E402
+from patcher.rules.prompts import build_prompt_set  # noqa: E402
 from patcher.runners import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
 
 HF_VARIANTS = {

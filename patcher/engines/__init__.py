@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import MachineError, UsageError
+from patcher.base.errors import MachineError, UsageError
 
 if TYPE_CHECKING:
-    from .base import Engine
+    from patcher.engines.base import Engine
 
 GROUP = "dsadapt.engines"
 DIST = "dsadapt"
@@ -96,7 +96,7 @@ def engine(name: str) -> Engine:
 
 
 def _load(e: EngineEntry) -> Engine:
-    from .base import Engine
+    from patcher.engines.base import Engine
 
     module, _, attr = e.value.partition(":")
     try:
@@ -120,7 +120,7 @@ def _load(e: EngineEntry) -> Engine:
 
 
 def _protocol_members() -> list[str]:
-    from .base import Engine
+    from patcher.engines.base import Engine
 
     return sorted(m for m in dir(Engine) if not m.startswith("_")) + \
         sorted(getattr(Engine, "__annotations__", {}))

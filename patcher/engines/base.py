@@ -30,16 +30,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from ..config import Config
-from ..errors import EngineUnavailable, UsageError
-from ..lock import Artifact, Lock, LockEntry
-from ..pinref import PinRef
-from ..runners import RunnerSpec
-from ..sourcetree import TreeRules
-from ..stack import Stack
+from patcher.base.config import Config
+from patcher.base.errors import EngineUnavailable, UsageError
+from patcher.formats.lock import Artifact, Lock, LockEntry
+from patcher.formats.pinref import PinRef
+from patcher.formats.sourcetree import TreeRules
+from patcher.formats.stackfiles import Stack
+from patcher.runners import RunnerSpec
 
 if TYPE_CHECKING:
-    from .perf_recipe import PerfRecipe
+    from patcher.engines.perf_recipe import PerfRecipe
 
 Progress = Callable[[str], None]
 
@@ -261,7 +261,7 @@ class Engine(Protocol):
     full_build_doc: tuple[str, str] | None  # (what upstream documents for a compiling build, source URL)
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
     # -- bisect (issue 14): the engine's capture table (its name mapping to HF transformers, per
-    #    compared point: patcher.bisect.CaptureTable; None: the engine cannot be bisected), and
+    #    compared point: patcher.rules.modules.CaptureTable; None: the engine cannot be bisected), and
     #    module_map, the same as HF point -> engine module name
     bisect_table: Any
     module_map: Mapping[str, str]

@@ -4,7 +4,7 @@ A recipe is the engine-specific part of the speed gate, nothing more: the server
 line, the load generator's command line and job format, and how to read the load
 generator's result into per-request records. Everything else (ports, process groups, the
 A/B schedule, memory sampling, statistics, the verdict, the report) is
-`patcher.perfrun`/`patcher.perf` and the same for every engine.
+`patcher.gate.perf`/`patcher.rules.speed` and the same for every engine.
 
 The load generator is long-lived: `driver_command` starts it once per session with its
 stdin a pipe; for each run dsadapt writes one JSON line, ``job(...)`` plus ``"done": PATH``,
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..perf import RequestRecord, RequestSpec
+from patcher.rules.speed import RequestRecord, RequestSpec
 
 SERVED_NAME = "dsadapt-perf"
 
@@ -101,12 +101,12 @@ STREAM_LOAD = Path(__file__).resolve().parent.parent / "runners" / "stream_load.
 
 
 def prompt_token_ids(model_dir: Path, requests: Sequence[RequestSpec]) -> list[list[int]]:
-    """Exact-length prompts as token ids: the gate's prompt texts (patcher/prompts.py), tokenized
+    """Exact-length prompts as token ids: the gate's prompt texts (patcher/rules/prompts.py), tokenized
     with the model's tokenizer.json and repeated/cut to each request's length, a different text
     per request so no two requests share a prefix."""
     from tokenizers import Tokenizer
 
-    from ..prompts import PROMPT_TEXTS, fit_tokens
+    from patcher.rules.prompts import PROMPT_TEXTS, fit_tokens
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     texts = [text for _id, text, _len, _batch in PROMPT_TEXTS]

@@ -7,7 +7,7 @@ A runner is one script (stdlib + its engine + the runner protocol ``dsadapt_runn
         --top-k K --max-tokens N --out report.json [--fingerprint SHA]
 
 that writes a ``dsadapt.logit-report/1`` document (`dsadapt_runner.py` says what it holds;
-`patcher.equivalence` reads it). The HF reference's runner lives here (`REFERENCE_RUNNER`);
+`patcher.rules.logits` reads it). The HF reference's runner lives here (`REFERENCE_RUNNER`);
 each engine's runner lives in its engine's package and is declared once, by its adapter
 (`Engine.runner`). `run_runner` executes a `RunnerSpec` with a given interpreter, puts the
 protocol module on its PYTHONPATH, captures its log next to the report, and turns every
@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.equivalence import LogitReport, ReportError
-from patcher.errors import DsadaptError, EngineRunFailed, EngineUnavailable
-from patcher.procs import signal_group, stop_group
-from patcher.prompts import Prompt, prompts_from_json, write_prompts_json
+from patcher.base.errors import DsadaptError, EngineRunFailed, EngineUnavailable
+from patcher.base.procs import signal_group, stop_group
+from patcher.rules.logits import LogitReport, ReportError
+from patcher.rules.prompts import Prompt, prompts_from_json, write_prompts_json
 
 HERE = Path(__file__).resolve().parent
 #: The directory of the runner protocol module (dsadapt_runner.py): first on every runner's PYTHONPATH.
@@ -85,7 +85,7 @@ class RunnerSpec:
 
 
 #: The reference side of the gate: HF transformers on CPU (not an engine; it runs in the
-#: reference environment, patcher.check.reference_python).
+#: reference environment, patcher.gate.check.reference_python).
 REFERENCE_RUNNER = RunnerSpec("hf_reference", HERE / "hf_reference.py",
                               dtypes=("float32", "float64", "bfloat16", "float16"))
 

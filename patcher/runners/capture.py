@@ -3,7 +3,7 @@
 Standalone: stdlib + torch only (a runner imports it from its own directory; it never
 imports `patcher`). The orchestrator passes a *capture spec* (JSON, written from the
 engine's table in ``patcher/engines/<engine>_bisect.py`` or the reference's table in
-``patcher/bisect.py``) that names, for each comparison point, where it lives in the model:
+``patcher/rules/modules.py``) that names, for each comparison point, where it lives in the model:
 
     {"schema": "dsadapt.capture-spec/1",
      "layers": "model.layers",                      # ModuleList of decoder layers

@@ -8,7 +8,7 @@ a runner script is run as
     PYTHON SCRIPT --model DIR --prompts prompts.json --dtype DTYPE \\
         --top-k K --max-tokens N --out report.json [--fingerprint SHA] [runner options]
 
-and writes one ``dsadapt.logit-report/1`` document (read by `patcher.equivalence.LogitReport`):
+and writes one ``dsadapt.logit-report/1`` document (read by `patcher.rules.logits.LogitReport`):
 
     {"schema", "runner", "engine", "engine_version", "versions", "engine_path", "dtype",
      "top_k", "max_tokens", "model": {"path", "fingerprint", ...}, "settings", "timings",

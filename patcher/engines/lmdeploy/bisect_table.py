@@ -34,7 +34,7 @@ The adapter (`LmdeployEngine.bisect_table`) serves this table.
 
 from __future__ import annotations
 
-from ...bisect import CaptureTable, Site
+from patcher.rules.modules import CaptureTable, Site
 
 L = "model.layers.{i}"
 

@@ -24,12 +24,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from ...errors import EngineUnavailable
-from ...fsutil import sha256_file
-from ...lock import Lock, LockEntry
-from ...runners import RunnerSpec
-from ...stack import Stack
-from ..base import (
+from patcher.base.errors import EngineUnavailable
+from patcher.base.fsutil import sha256_file
+from patcher.engines.base import (
     BuildKind,
     BuildResult,
     BuildServices,
@@ -42,6 +39,9 @@ from ..base import (
     Tree,
     VariantSpec,
 )
+from patcher.formats.lock import Lock, LockEntry
+from patcher.formats.stackfiles import Stack
+from patcher.runners import RunnerSpec
 
 HERE = Path(__file__).resolve().parent
 
@@ -110,7 +110,7 @@ class TritonEngine(EngineBase):
 
     def build(self, entry: LockEntry, spec: VariantSpec, stack: Stack, out_dir: Path,
               svc: BuildServices) -> BuildResult:
-        from .server import config_pbtxt, vllm_model
+        from patcher.engines.triton.server import config_pbtxt, vllm_model
 
         t0 = time.monotonic()
         tree = svc.checkout(entry.ref)
@@ -145,7 +145,7 @@ class TritonEngine(EngineBase):
     # -- environment: the served engine's own, with the server added
 
     def env_plan(self, entry: LockEntry, spec: VariantSpec, lock: Lock) -> EnvPlan:
-        from .. import engine
+        from patcher.engines import engine
 
         if not entry.serves:
             raise EngineUnavailable(f"{entry} serves no pinned engine ({entry.note or 'see upstream.lock'})",
@@ -168,7 +168,7 @@ class TritonEngine(EngineBase):
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> Iterator[Served]:
         """The applied backend (or the pristine one, `run.unpatched`) served by tritonserver with
         the served pin's engine (pristine with `run.unpatched_engine`), on 127.0.0.1."""
-        from .server import prepare, serve, vllm_model
+        from patcher.engines.triton.server import prepare, serve, vllm_model
 
         entry = run.entry
         root = svc.cfg.workdir / "serve" / f"{entry.engine}-{entry.tag}"
@@ -205,13 +205,13 @@ class TritonEngine(EngineBase):
 
     @property
     def bisect_table(self):
-        from .. import engine
+        from patcher.engines import engine
 
         return engine("vllm").bisect_table
 
     @contextmanager
     def bisect_session(self, run: GateRun, svc: RunServices) -> Iterator[GateSession]:
-        from .. import engine
+        from patcher.engines import engine
 
         plan = self.env_plan(run.entry, run.variant, svc.lock)
         env = svc.environment(plan, unpatched=run.unpatched_engine)

@@ -20,7 +20,7 @@ Install into the engine venv: ``pip install nvidia-pytriton==0.7.0 'numpy<2'``.
 
 `serve()` is the one entry point with side effects that matter: a context manager
 that starts the server, waits until it and its models are ready, yields a
-`RunningServer`, and on exit stops the whole process group (`patcher.procs.stop_group`:
+`RunningServer`, and on exit stops the whole process group (`patcher.base.procs.stop_group`:
 SIGTERM, then SIGKILL after a grace period).
 
 Errors are the project's: `EngineUnavailable` (no usable server in the environment, exit 6),
@@ -44,9 +44,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import EngineUnavailable, MachineError, UsageError
-from ...procs import free_port, http_ok, stop_group
-from ...runners import RunnerFailed, RunnerTimeout
+from patcher.base.errors import EngineUnavailable, MachineError, UsageError
+from patcher.base.procs import free_port, http_ok, stop_group
+from patcher.runners import RunnerFailed, RunnerTimeout
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 INSTALL_COMMAND = f"pip install {PYTRITON_REQUIREMENT} 'numpy<2'"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...lock import LockEntry
-from ...runners import RunnerSpec
-from ..base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
-from .bisect_table import TABLE
-from .perf import VllmPerfRecipe, recipe
+from patcher.engines.base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
+from patcher.engines.vllm.bisect_table import TABLE
+from patcher.engines.vllm.perf import VllmPerfRecipe, recipe
+from patcher.formats.lock import LockEntry
+from patcher.runners import RunnerSpec
 
 HERE = Path(__file__).resolve().parent
 

@@ -32,7 +32,7 @@ The adapter (`VllmEngine.bisect_table`) serves this table; Triton serves vLLM an
 
 from __future__ import annotations
 
-from ...bisect import CaptureTable, Site
+from patcher.rules.modules import CaptureTable, Site
 
 RSF = ("routed_scaling_factor", 1.0)
 L = "model.layers.{i}"

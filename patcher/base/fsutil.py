@@ -1,0 +1,130 @@
+"""Small file-system helpers with no policy in them.
+
+Every write dsadapt makes to a file a user or a later run relies on is *durable*: the bytes go
+to a temporary file next to the target, which is fsynced, renamed over the target, and the
+directory is fsynced; readers see the old or the new file, never a mix, even after a kill or a
+power cut. Temporary names carry the writer's pid (``.NAME.tmp-PID-XXXX``) so a later run can
+tell a leftover of a dead process from the work of a live one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from patcher.base import faults
+
+
+def tmp_prefix(name: str) -> str:
+    """Prefix of the temporary files dsadapt writes next to `name` (see leftovers.py)."""
+    return f".{name}.tmp-{os.getpid()}-"
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Durably replace `path` with `text` (UTF-8)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(path.name), dir=path.parent)
+    try:
+        try:  # the file keeps its mode (mkstemp makes 0600); a new one gets the umask's default
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        faults.point("write", path.name)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    faults.point("written", path.name)
+    fsync_dir(path.parent)
+
+
+def remove_file(path: Path) -> bool:
+    """Durably remove a file; True if it existed."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return False
+    faults.point("unlink", path.name)
+    path.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove a directory tree (first renamed aside, so a half-removed tree never looks whole)."""
+    path = Path(path)
+    if not path.exists():
+        return False
+    faults.point("unlink", path.name)
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        aside = path.with_name(f".{path.name}.tmp-{os.getpid()}-rm")
+        try:
+            os.replace(path, aside)
+        except OSError:
+            aside = path
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a blob with these bytes (sha1 of 'blob <len>\\0' + data)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()

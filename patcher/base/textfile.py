@@ -1,0 +1,34 @@
+"""Reading the project's text inputs (upstream.lock, dsadapt.toml, series, patches) exactly.
+
+Bytes are read as they are (no universal-newline translation: a CRLF file stays CRLF, so the
+format checks can see it) and decoded as strict UTF-8; a bad byte is an input error that
+names the file, the line and the byte offset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from patcher.base.errors import DsadaptError, UsageError
+
+
+def decode_utf8(data: bytes, where: str, error: type[DsadaptError] = UsageError, hint: str | None = None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        bad = data[e.start:e.start + 1].hex()
+        raise error(f"{where}:{line}: not UTF-8 text (byte 0x{bad} at offset {e.start})",
+                    hint=hint or "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def read_text(path: Path, error: type[DsadaptError] = UsageError, hint: str | None = None,
+              where: str | None = None) -> str:
+    """The file's text, byte-exact (CRLF kept), strictly UTF-8. Missing files raise FileNotFoundError;
+    a directory where a file should be raises `error`."""
+    try:
+        data = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise error(f"{where or path}: is a directory, not a file", hint=f"remove or rename the directory {path}") \
+            from None
+    return decode_utf8(data, where or str(path), error, hint)

@@ -1,0 +1,130 @@
+"""apply / continue / skip / abort: put a stack onto its pinned checkout, git-am style."""
+
+from __future__ import annotations
+
+import click
+
+from patcher.cli.commands.common import (
+    Context,
+    emit_json,
+    json_option,
+    pass_ctx,
+    pinref_arg,
+    plural,
+    progress_printer,
+    ref_of,
+    say,
+    to_ref,
+)
+
+
+def _line(o) -> str:
+    commit = (o.commit or "")[:12]
+    return f"  {o.index:>3}  {o.outcome:<8} {o.name}  {commit}"
+
+
+def _report(res, as_json: bool, verb: str) -> None:
+    if as_json:
+        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()})
+        return
+    for n in res.notes:
+        say(f"  note: {n}")
+    if res.noop:
+        say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
+        return
+    src = res.source or {}
+    say(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
+        f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
+    say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
+    if res.backup_ref:
+        say(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")
+    for b in res.backups:
+        say(f"  uncommitted work kept as {b} (git -C {res.checkout} stash apply {b})")
+
+
+def _op_ref(ctx: Context, pin):
+    """The pin of continue/skip/abort: it must be pinned, unless its checkout holds an op (an op can
+    outlive its pin: a rebase killed before pinning NEW, an abort killed after unpinning it)."""
+    ref = to_ref(pin)
+    if ref is not None and str(ref) not in ctx.lock.pins:
+        from patcher.stack.workspace import has_op
+
+        if not has_op(ctx.cfg, ref):
+            ctx.lock.pin(ref)  # the usual "not pinned" error
+    return ref
+
+
+def _on_patch(as_json: bool):
+    return None if as_json else (lambda o: say(_line(o)))
+
+
+@click.command("apply")
+@pinref_arg()
+@click.option("--force", is_flag=True, help="Apply over uncommitted changes or unexported commits (kept in backup refs).")
+@json_option
+@pass_ctx
+def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
+    """Materialize + verify the pinned checkout, then apply the stack as commits."""
+    from patcher.formats.stackfiles import load_stack
+    from patcher.stack import workspace
+
+    ref = ref_of(pin)
+    ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
+    load_stack(ctx.cfg.patches_root, ref)
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.apply_stack(ctx.cfg, ctx.lock, ref, force=force,
+                                    progress=progress_printer(not as_json), on_patch=_on_patch(as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("continue")
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
+@json_option
+@pass_ctx
+def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run)."""
+    from patcher.stack import workspace
+
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
+                                       progress=progress_printer(not as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("skip")
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
+@json_option
+@pass_ctx
+def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Drop the patch that stopped the apply and go on with the rest."""
+    from patcher.stack import workspace
+
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
+    with workspace.workdir_lock(ctx.cfg):
+        res = workspace.skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
+                                   progress=progress_printer(not as_json))
+    _report(res, as_json, "applied")
+
+
+@click.command("abort")
+@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
+@json_option
+@pass_ctx
+def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
+    """Undo the whole apply (or rebase, or refresh): branches, HEAD, work tree and patches/ as they were."""
+    from patcher.stack import workspace
+
+    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
+    with workspace.workdir_lock(ctx.cfg):
+        co = workspace.abort_apply(ctx.cfg, ref, progress=progress_printer(not as_json))
+    notes = getattr(co, "notes", [])
+    if as_json:
+        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})
+    else:
+        say(f"{co.ref}: aborted; {co.path} is back where it was")
+        for n in notes:
+            say(f"  note: {n}")
+
+
+COMMANDS = [apply_cmd, continue_cmd, skip_cmd, abort_cmd]

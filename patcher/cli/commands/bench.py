@@ -1,0 +1,68 @@
+"""bench: build cost per pin next to the alternative, and check's wall-time split; writes docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table
+
+
+@click.command("bench")
+@click.option("--repeat", type=click.IntRange(1, 20), default=3, show_default=True,
+              help="Warm rebuilds per pin/variant (the table shows their median).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Markdown file to write (default: docs/benchmarks.md in the project).")
+@click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
+@click.option("--only", type=click.Choice(["builds", "stack-ops"]), default=None,
+              help="Measure only builds, or only stack operations (the other section of the file is kept).")
+@click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
+              help="Stack sizes for the stack-operations table.")
+@click.option("--stack-pin", default="vllm@v0.32.0", show_default=True, metavar="ENGINE@TAG",
+              help="The pin whose tree the stack operations run on.")
+@click.option("--rebase-to", default="v0.33.0", show_default=True, metavar="TAG",
+              help="The tag the warm rebase of the stack pin's real stack goes to ('' to skip it).")
+@json_option
+@pass_ctx
+def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool, only: str | None, sizes: str,
+              stack_pin: str, rebase_to: str, as_json: bool) -> None:
+    """Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md."""
+    from patcher.base.errors import UsageError
+    from patcher.base.workdir import workdir_lock
+    from patcher.bench.builds import BUILD_COLUMNS, CHECK_COLUMNS, build_table, check_table, format_markdown, run_bench
+
+    try:
+        ns = tuple(sorted({int(x) for x in sizes.split(",") if x.strip()}))
+    except ValueError:
+        raise UsageError(f"--sizes {sizes!r} is not a comma list of numbers", hint="e.g. --sizes 1,10,100") from None
+    if not ns or min(ns) < 1 or max(ns) > 5000:
+        raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
+    stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
+                                                "rebase_to": rebase_to or None}
+    with workdir_lock(ctx.cfg):
+        report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(not as_json),
+                           builds_too=only != "stack-ops", stack_ops=stack_ops)
+    path = out or ctx.cfg.project / "docs" / "benchmarks.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
+        (" --no-alternative" if no_alternative else "") + (f" --only {only}" if only else "") + \
+        (f" --sizes {sizes}" if sizes != "1,10,100,500,1000" else "")
+    old = path.read_text(encoding="utf-8") if path.is_file() else None
+    path.write_text(format_markdown(report, command, old, ctx.cfg.published_reports) + "\n")
+    if as_json:
+        emit_json({**report.to_json(), "written": str(path)})
+        return
+    m = report.machine
+    if report.builds is not None:
+        table(f"builds ({m['cores']} cores, {m['cpu']}; {report.date})", BUILD_COLUMNS, build_table(report))
+    if report.stack_ops is not None:
+        from patcher.bench.stack_ops import STACK_COLUMNS, stack_table
+
+        table(f"stack operations ({report.stack_facts.get('pin')})", STACK_COLUMNS, stack_table(report.stack_ops))
+    if report.checks:
+        table("check wall time", CHECK_COLUMNS, check_table(report))
+    say(f"wrote {path}")
+
+
+COMMANDS = [bench_cmd]

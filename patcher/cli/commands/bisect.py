@@ -1,0 +1,114 @@
+"""bisect: name the layer and module where an engine leaves the HF reference."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from patcher.base.errors import CheckFailed, DsadaptError, EngineUnavailable
+from patcher.cli.commands.check import _check_model
+from patcher.cli.commands.common import (
+    Context,
+    PinRefParam,
+    emit_json,
+    json_option,
+    pass_ctx,
+    progress_printer,
+    say,
+    table,
+    to_ref,
+)
+from patcher.engines import engine
+from patcher.gate.check import CheckResult, check_dtypes, preflight, run_check
+from patcher.stack.workspace import workdir_lock
+
+
+def _num(x, spec=".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(res: CheckResult, report: dict | None) -> None:
+    b = res.bisect or {}
+    if report:
+        rows = []
+        for p in report["points"]:
+            where = "-" if p["layer"] is None else str(p["layer"])
+            err = (f"{p['value']:.1%} agree" if p["metric"] == "agreement" and p.get("value") is not None
+                   else _num(p.get("error")))
+            limit = (f">= {1 - p['limit']:.1%}" if p["metric"] == "agreement" and p.get("limit") is not None
+                     else _num(p.get("limit")))
+            status = {"above": "ABOVE", "ok": "ok", "not compared": "-"}.get(p["status"], p["status"])
+            if report.get("first") and p["layer"] == report["first"]["layer"] and p["point"] == report["first"]["point"]:
+                status = "FIRST"
+            rows.append([where, p["label"], err, limit, _num(p.get("noise")), str(p.get("rows") or "-"), status])
+        table(f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers, per module — "
+              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
+              f"{b.get('rule')} rule", ["layer", "point", "error", "limit", "ref noise", "rows", "status"], rows)
+    for line in b.get("explanation") or b.get("reasons") or []:
+        say(f"  {line}")
+    say(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
+    if b.get("report_path"):
+        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+    say(f"check report: {res.report_path}")
+
+
+@click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
+@click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
+@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
+              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="The engine's dtype (default: float32 where the engine has it, else its first).")
+@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
+@click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
+@click.option("--unpatched-engine", is_flag=True, help="Triton: the unpatched served engine.")
+@json_option
+@pass_ctx
+def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, as_json) -> None:
+    """Compare every decoder layer's modules with HF transformers on the gate's prompts and name the first
+    (layer, module) that diverges. One engine start, one reference run. Exit 0 when every point is within
+    its limit, 1 when one is not (the report says where)."""
+    ref = to_ref(pin)
+    assert ref is not None  # PIN is a required argument
+    _check_model(model)
+    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+    if getattr(engine(ref.engine), "bisect_table", None) is None:
+        raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
+                                hint="see docs/equivalence.md (Bisect) for the engines that can")
+    dtype = dtype or check_dtypes(ctx.lock, ref, variant)[0]
+    progress = progress_printer(not as_json)
+    on_line = progress.note if progress is not None else None
+    with workdir_lock(ctx.cfg):
+        res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
+                        unpatched=unpatched, progress=progress, stream=not as_json, command=command,
+                        unpatched_engine=unpatched_engine, bisect="always", on_line=on_line)
+    b = res.bisect
+    if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
+        if as_json:
+            emit_json({"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, "passed": False,
+                       "first": None, "reasons": res.reasons, "check": res.to_json()})
+        raise CheckFailed(f"{ref}: nothing to bisect — {'; '.join(res.reasons[:1])}",
+                          hint=f"check report: {res.report_path}")
+    report = None
+    if b.get("report_path") and Path(b["report_path"]).is_file():
+        report = json.loads(Path(b["report_path"]).read_text())
+    if as_json:
+        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b})
+    else:
+        render(res, report)
+    if b.get("passed") is False:
+        if b.get("first"):
+            f = b["first"]
+            where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
+            raise CheckFailed(f"{ref} leaves the reference at {where} ({f['module']}) in {dtype}",
+                              hint=f"bisect report: {b.get('report_path')}")
+        raise DsadaptError(f"{ref}: {'; '.join(b.get('reasons') or ['bisect failed'])}",
+                           hint=f"check report: {res.report_path}")
+
+
+COMMANDS = [bisect_cmd]

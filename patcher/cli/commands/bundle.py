@@ -1,0 +1,77 @@
+"""bundle: everything an offline host needs to run `dsadapt check PIN` (patcher/offline/pack.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from patcher.cli.commands.common import (
+    Context,
+    emit_json,
+    json_option,
+    pass_ctx,
+    pinref_arg,
+    progress_printer,
+    ref_of,
+    say,
+)
+from patcher.engines import engine
+from patcher.offline.pack import make_bundle, parse_size
+from patcher.stack.workspace import workdir_lock
+
+
+@click.command("bundle", short_help="One folder (or .tar) with everything an offline machine needs to run `dsadapt check PIN` there.")
+@pinref_arg()
+@click.option("--variant", default=None, help="Build variant (lmdeploy: pytorch drops TurboMind; vllm: cpu|cuda).")
+@click.option("--python", "python", default=None, metavar="X.Y",
+              help="The target's Python (default: the pin's, else this one).")
+@click.option("--platform", default=None, metavar="TAG",
+              help="The target's platform tag (default manylinux_2_28_x86_64: glibc >= 2.28, x86-64).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where the bundle goes (default dist/bundle-ENGINE-TAG-VARIANT-pyX.Y).")
+@click.option("--tar", is_flag=True, help="Write one .tar file (OUT.tar) instead of a folder.")
+@click.option("--have", multiple=True, metavar="NAME[==VER]|FILE.json",
+              help="What the target already has, not carried: a distribution, or a probe file "
+                   "(`python3 -m pip list --format=json` run there). Repeatable.")
+@click.option("--exclude", multiple=True, metavar="NAME",
+              help="A dependency not to carry (nor what only it needs): the target needs it not. Repeatable.")
+@click.option("--no-unpatched", is_flag=True,
+              help="Leave the unpatched build out (smaller; `check --unpatched` and `perf` then cannot run there).")
+@click.option("--max-size", default=None, metavar="SIZE", help="Refuse a bundle larger than this (e.g. 58MiB).")
+@json_option
+@pass_ctx
+def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, platform: str | None,
+               out: Path | None, tar: bool, have: tuple[str, ...], exclude: tuple[str, ...], no_unpatched: bool,
+               max_size: str | None, as_json: bool) -> None:
+    """Write one folder (or .tar) with everything a machine without network needs to run
+    `dsadapt check PIN` there: dsadapt as a wheel, the patched and the unpatched engine builds,
+    the dependencies the target lacks, each environment's hash lock, the pin's stack. On the
+    target: `python3 bootstrap.py [--system-site-packages]`, then `dsadapt check` (README.txt)."""
+    ref = ref_of(pin)
+    ctx.lock.pin(ref)
+    if variant is not None:
+        engine(ref.engine).variant(variant)
+    limit = parse_size(max_size)
+    with workdir_lock(ctx.cfg):
+        res = make_bundle(ctx.cfg, ctx.lock, ref, variant=variant, python=python, platform=platform, out=out,
+                          tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
+                          progress=progress_printer(not as_json))
+    if as_json:
+        emit_json(res.to_json())
+        return
+    click.echo(res.path)
+    say(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
+        f"{res.files} files, {res.seconds:.0f} s")
+    for side, b in res.builds.items():
+        say(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
+    for name, part in res.parts.items():
+        say(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
+        if part["left_out"]:
+            say(f"  {'':9} left out: {', '.join(part['left_out'])}")
+    say("on the target, in the bundle's folder:")
+    for c in res.commands:
+        say(f"  {c}")
+
+
+COMMANDS = [bundle_cmd]

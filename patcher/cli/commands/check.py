@@ -1,0 +1,261 @@
+"""check: the logit-equivalence gate, from the command line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
+from patcher.base.textfile import read_text
+from patcher.cli.commands.common import (
+    Context,
+    PinRefParam,
+    emit_json,
+    json_option,
+    pass_ctx,
+    progress_printer,
+    publish_option,
+    say,
+    table,
+    to_ref,
+)
+from patcher.engines import engine
+from patcher.formats.stackfiles import load_stack
+from patcher.gate.check import CheckResult, bisect_command, check_dtypes, check_or_raise, preflight, run_check
+from patcher.stack.workspace import workdir_lock
+
+BUILTIN_MODELS = ("v3", "v2-lite", "v2")
+
+
+def command_line(click_ctx: click.Context) -> str:
+    """The check command as the user gave it (their flags only, in a canonical order)."""
+    parts = ["dsadapt", "check"]
+    for param in click_ctx.command.params:
+        name = param.name
+        if name in ("as_json",) or name is None:
+            continue
+        source = click_ctx.get_parameter_source(name)
+        if source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        value = click_ctx.params.get(name)
+        if isinstance(param, click.Argument):
+            parts.append(shlex.quote(str(value)))
+        elif getattr(param, "is_flag", False):
+            if value:
+                parts.append(param.opts[0])
+        elif value is not None:
+            parts += [param.opts[0], shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def _check_model(model: str) -> None:
+    """--model is a built-in name or a directory with a readable config.json (checked before anything runs)."""
+    if model in BUILTIN_MODELS:
+        return
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+                         "directory with config.json",
+                         hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
+    try:
+        data = json.loads(read_text(config, UsageError))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{show(config, 120)}:{e.lineno}: not valid JSON ({e.msg})",
+                         hint="fix the model's config.json") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{show(config, 120)}: not a JSON object", hint="fix the model's config.json")
+
+
+def _fmt(x, spec=".2g"):
+    return "-" if x is None else format(x, spec)
+
+
+def _row_verdict(c: dict, r: dict) -> str:
+    if c.get("rule") != "low-precision":
+        return "pass" if r.get("passed") else "FAIL"
+    # the low-precision rule is pooled over all prompts: a row only fails by itself on token ids
+    if r.get("failures"):
+        return "FAIL"
+    return "pooled: pass" if c.get("passed") else "pooled: FAIL"
+
+
+def render(res: CheckResult) -> None:
+    c = res.comparison
+    rows = []
+    for r in c["rows"]:
+        rows.append([r["id"], str(r.get("positions", "")), _fmt(r.get("max_abs")), _fmt(r.get("mean_abs")),
+                     _fmt(r.get("top1_agreement"), ".3f"),
+                     {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match")),
+                     "-" if r.get("first_divergence") is None else str(r["first_divergence"]),
+                     _row_verdict(c, r)])
+    title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers — "
+             f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
+             f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
+    if not rows:
+        say(f"{res.pin}: the engine produced no logits")
+    else:
+        table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
+                      "verdict"], rows)
+    if res.bisect:
+        render_bisect_summary(res.bisect)
+    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    for line in res.explanation if not res.passed else []:
+        say(f"  explain: {line}")
+    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+    if not res.passed and not (res.bisect and res.bisect.get("report_path")):
+        say(f"localize it: {bisect_command(res)}")
+
+
+def render_bisect_summary(b: dict) -> None:
+    """The per-module comparison in a check's output: where it leaves the reference, or that it does not."""
+    if b.get("first"):
+        f = b["first"]
+        where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
+        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}); "
+            f"{len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
+    elif b.get("passed"):
+        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
+    else:
+        for r in b.get("reasons") or []:
+            say(f"per-module: {r}")
+    if b.get("report_path"):
+        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+
+
+@click.command("check")
+@click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
+@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
+              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
+                   "bfloat16, float16 — one verdict each and one overall).")
+@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
+@click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
+@click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
+@click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
+@click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
+@click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the float32 HF reference runs (auto: the GPU for a CUDA engine on a GPU machine, else the CPU).")
+@click.option("--bisect", "bisect", is_flag=True,
+              help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
+                   "engine run and name the first that diverges. Low-precision checks always do.")
+@publish_option
+@json_option
+@pass_ctx
+def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
+              reference_device, bisect, as_json) -> None:
+    """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
+    if bool(pin) == all_pins:
+        raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
+    _check_model(model)
+    command = command_line(click.get_current_context())
+    progress = progress_printer(not as_json)
+    on_line = progress.note if progress is not None else None
+    mode = "on-fail" if bisect else None
+    if not all_pins:
+        ref = to_ref(pin)
+        assert ref is not None
+        from patcher.cli.commands.build import default_variant
+
+        variant = default_variant(ctx, ref, variant)
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        from patcher.gate.check import reference_device as where_reference
+
+        where_reference(reference_device, spec)
+        dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant)
+        done: list[CheckResult] = []
+        with workdir_lock(ctx.cfg):
+            for dt in dtypes:
+                res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dt,
+                                variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
+                                command=command, unpatched_engine=unpatched_engine, on_line=on_line,
+                                reference_on=reference_device, bisect=mode)
+                done.append(res)
+                if not as_json:
+                    render(res)
+                    if explain and res.passed:
+                        say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+        if as_json:
+            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done))
+        elif len(done) > 1:
+            say(f"overall: {'PASS' if all(r.passed for r in done) else 'FAIL'} ("
+                + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")")
+        failed_runs = [r for r in done if not r.passed]
+        if failed_runs and len(done) > 1:
+            first = failed_runs[0]
+            try:
+                check_or_raise(first)
+            except CheckFailed as e:
+                raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed_runs)}: "
+                                  f"{first.dtype}: {'; '.join(first.reasons[:2])}", hint=e.hint) from None
+        for r in failed_runs:
+            check_or_raise(r)
+        return
+    results: list[dict[str, object]] = []
+    rows: list[list[str]] = []
+    failed = False
+    with workdir_lock(ctx.cfg):
+        for entry in ctx.lock.sorted_pins():
+            eng = engine(entry.engine)
+            spec = eng.variant_for(entry, None)
+            blocker = eng.run_blocker(entry, spec)
+            if blocker is None and dtype is not None and dtype not in eng.gate_dtypes(spec):
+                blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
+            if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
+                blocker = "no stack"
+            if blocker:
+                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": blocker})
+                rows.append([str(entry.ref), "not run", blocker])
+                continue
+            try:
+                runs = [run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dt,
+                                  progress=progress, stream=not as_json, command=command, on_line=on_line,
+                                  reference_on=reference_device, bisect=mode)
+                        for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref))]
+                ok = all(r.passed for r in runs)
+                bad = [r for r in runs if not r.passed]
+                results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
+                                "dtypes": {r.dtype: r.verdict for r in runs},
+                                "report": runs[0].report_path if len(runs) == 1 else [r.report_path for r in runs],
+                                "reasons": [f"{r.dtype}: {x}" if len(runs) > 1 else x for r in bad for x in r.reasons]})
+                rows.append([str(entry.ref) + ("" if len(runs) == 1 else " (" + ", ".join(
+                    f"{r.dtype} {r.verdict}" for r in runs) + ")"), "pass" if ok else "fail",
+                    runs[0].report_path if ok and len(runs) == 1 else
+                    ("; ".join(f"{r.dtype}: {'; '.join(r.reasons[:1])}" for r in bad) if bad else "every dtype passed")])
+                failed |= not ok
+            except DsadaptError as e:
+                if e.exit_code == ExitCode.CANNOT_RUN:  # not runnable here (no GPU, no source): never a pass
+                    results.append({"pin": str(entry.ref), "verdict": "not run", "reason": e.message})
+                    rows.append([str(entry.ref), "not run", e.message])
+                    continue
+                results.append({"pin": str(entry.ref), "verdict": "error", "reason": e.message,
+                                "exit_code": int(e.exit_code)})
+                rows.append([str(entry.ref), "error", e.message])
+                failed = True
+    ran = [r for r in results if r["verdict"] in ("pass", "fail")]
+    if as_json:
+        emit_json({"results": results, "ok": bool(ran) and not failed})
+    else:
+        table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'})",
+              ["pin", "verdict", "detail"], rows)
+        say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
+            f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
+    if failed:
+        sys.exit(ExitCode.FAILED)
+    if not ran:
+        sys.exit(ExitCode.CANNOT_RUN)
+
+
+def overall_json(pin: str, results: list[CheckResult]) -> dict:
+    """`check PIN --json` over several dtypes: one verdict per dtype and one overall."""
+    return {"schema": "dsadapt.check-dtypes/1", "pin": pin,
+            "verdict": "pass" if all(r.passed for r in results) else "fail",
+            "dtypes": {r.dtype: r.verdict for r in results}, "results": [r.to_json() for r in results]}
+
+
+COMMANDS = [check_cmd]

@@ -1,0 +1,316 @@
+"""What every command shares: the project context, output helpers, --json, progress.
+
+Output rules: stdout carries the result (a table, a path, or exactly one JSON document with
+--json); everything for people (progress, notes, errors) goes to stderr as plain text. Text is
+never interpreted as markup: `[mirrors]` and `dsadapt[models]` print as written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+
+from patcher.base.config import Config, load_config
+from patcher.base.errors import escape_line, plural  # noqa: F401 - plural is for the commands
+from patcher.formats.lock import Lock, load_lock
+from patcher.formats.pinref import PinRef, parse_pinref
+
+
+@dataclass
+class Context:
+    project: Path | None
+    _cfg: Config | None = None
+    _lock: Lock | None = None
+    json: bool = False
+    report_dir: Path | None = None
+    publish: bool = False
+
+    @property
+    def cfg(self) -> Config:
+        if self._cfg is None:
+            cfg = load_config(self.project, report_dir=self.report_dir)
+            self._cfg = replace(cfg, reports=cfg.published_reports) if self.publish else cfg
+        return self._cfg
+
+    @property
+    def lock(self) -> Lock:
+        if self._lock is None:
+            self._lock = load_lock(self.cfg.lock_path)
+        return self._lock
+
+    def reload_lock(self) -> Lock:
+        self._lock = None
+        return self.lock
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+def _json_default(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    """A command's --json, or the global `dsadapt --json CMD`."""
+    obj = ctx.find_object(Context)
+    return bool(value or (obj is not None and obj.json))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, callback=_json_default,
+                           help="Machine-readable output: exactly one JSON document on stdout (errors too).")
+
+
+class PinRefParam(click.ParamType):
+    """ENGINE@TAG, parsed (and, for `pinned`, looked up in upstream.lock) while the arguments are
+    parsed: a bad pin fails before the command does anything, even before the work-dir lock."""
+
+    name = "ENGINE@TAG"
+
+    def __init__(self, pinned: bool = True):
+        self.pinned = pinned
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> PinRef:
+        if isinstance(value, PinRef):
+            return value
+        ref = parse_pinref(str(value))
+        if self.pinned and ctx is not None and not ctx.resilient_parsing:
+            obj = ctx.find_object(Context)
+            if obj is not None:
+                obj.lock.pin(ref)
+        return ref
+
+
+def _publish(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    obj = ctx.find_object(Context)
+    if value and obj is not None:
+        obj.publish = True
+        if obj._cfg is not None:
+            obj._cfg = replace(obj._cfg, reports=obj._cfg.published_reports)
+    return value
+
+
+publish_option = click.option(
+    "--publish", is_flag=True, expose_value=False, callback=_publish,
+    help="Write the report into the project's committed reports/ (default: the work dir's reports/, "
+         "so runs never change committed files).")
+
+
+def pinref_arg(required: bool = True, pinned: bool = True):
+    """The ENGINE@TAG argument; optional ones show as [ENGINE@TAG] in the usage line."""
+    return click.argument("pin", metavar="ENGINE@TAG" if required else "[ENGINE@TAG]", required=required,
+                          type=PinRefParam(pinned))
+
+
+def to_ref(text: str | PinRef | None) -> PinRef | None:
+    """An optional pin argument (None when not given)."""
+    if text is None or text == "":
+        return None
+    return text if isinstance(text, PinRef) else parse_pinref(text)
+
+
+def ref_of(text: str | PinRef) -> PinRef:
+    """A required pin argument (already parsed by PinRefParam)."""
+    return text if isinstance(text, PinRef) else parse_pinref(text)
+
+
+# ---------------------------------------------------------------- output
+
+_emitted_json = False
+
+
+def emit_json(data) -> None:
+    """The command's one JSON document on stdout."""
+    global _emitted_json
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    _emitted_json = True
+
+
+def json_emitted() -> bool:
+    return _emitted_json
+
+
+def reset_output() -> None:
+    global _emitted_json
+    _emitted_json = False
+
+
+def say(msg: str) -> None:
+    """Human progress/status lines go to stderr so stdout stays clean for --json and pipes."""
+    _live_clear()
+    msg = "\n".join(escape_line(line) for line in msg.split("\n"))  # data never drives the terminal
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A table on stdout: rich's box drawing on a terminal, plain aligned columns in pipes and logs
+    (without importing rich, which would be most of a short command's start-up time)."""
+    if not sys.stdout.isatty():
+        _live_clear()
+        click.echo(plain_table(title, columns, rows))
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title) if title else None, show_lines=False)
+    for c in columns:
+        t.add_column(escape(c), overflow="fold")
+    for r in rows:  # cells are data (paths, error texts with [brackets]), never markup
+        t.add_row(*[escape(str(x)) for x in r])
+    # Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True, emoji=False,
+                      width=None if sys.stdout.isatty() else 160)
+    console.print(t)
+
+
+def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[escape_line(str(c)) for c in columns]] + [[escape_line(str(x)) for x in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    out = [escape_line(title)] if title else []
+    out += [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def isatty() -> bool:
+    return sys.stderr.isatty()
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """Progress on stderr: the current phase, its elapsed time, and what it waits on.
+
+    Calling it (`progress("installing torch")`) starts a phase; `note(line)` says what the phase
+    is waiting on (pip's last line, the engine's last log line). On a TTY one live line shows
+    the phase with a running clock; otherwise (CI logs) plain lines: the phase when it starts, a
+    line every `heartbeat` seconds while it lasts, and its time when it ends after `slow` seconds.
+    """
+
+    def __init__(self, stream: TextIO | None = None, *, live: bool | None = None, heartbeat: float = 15.0,
+                 slow: float = 2.0):
+        self._stream = stream
+        self.live = self.stream.isatty() if live is None else live
+        self.heartbeat, self.slow = heartbeat, slow
+        self.phase: str | None = None
+        self.detail = ""
+        self.t0 = self.started = time.monotonic()
+        self._last_beat = self.t0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._line_shown = False
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream or sys.stderr
+
+    def __call__(self, msg: str) -> None:
+        self.start(msg)
+
+    def start(self, msg: str) -> None:
+        with self._lock:
+            self._end_phase()
+            self.phase, self.detail = escape_line(msg), ""
+            self.t0 = self._last_beat = time.monotonic()
+            self._write(f"… {self.phase}\n")
+        self._ensure_thread()
+
+    def note(self, line: str) -> None:
+        """What the current phase is waiting on (shown live, or in the next heartbeat line)."""
+        line = escape_line(line.strip())
+        if line:
+            self.detail = line[:160]
+
+    def close(self) -> None:
+        """Stop the clock without a closing line: the command's result says how it ended."""
+        self._stop.set()
+        with self._lock:
+            if self._line_shown:
+                self._write("\r\x1b[K")
+                self._line_shown = False
+            self.phase = None
+        _ACTIVE.discard(self)
+
+    def clear_line(self) -> None:
+        with self._lock:
+            if self._line_shown:
+                self._write("\r\x1b[K")
+                self._line_shown = False
+
+    # -------------------------------------------------------------- internals
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed or broken stderr never fails the command
+            pass
+
+    def _end_phase(self) -> None:
+        if self.phase is None:
+            return
+        took = time.monotonic() - self.t0
+        if self._line_shown:
+            self._write("\r\x1b[K")
+            self._line_shown = False
+        if took >= self.slow:
+            self._write(f"  {self.phase}: {took:.0f} s\n")
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            _ACTIVE.add(self)
+            self._thread = threading.Thread(target=self._tick, name="dsadapt-progress", daemon=True)
+            self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.25 if self.live else 1.0):
+            with self._lock:
+                if self.phase is None:
+                    continue
+                now = time.monotonic()
+                took = now - self.t0
+                if took < self.slow:
+                    continue
+                waiting = f" — {self.detail}" if self.detail else ""
+                if self.live:
+                    text = f"… {self.phase} ({took:.0f} s){waiting}"
+                    self._write("\r\x1b[K" + text[:_width() - 1])
+                    self._line_shown = True
+                elif now - self._last_beat >= self.heartbeat:
+                    self._last_beat = now
+                    self._write(f"  … still {self.phase} ({took:.0f} s){waiting}\n")
+
+
+_ACTIVE: set[Progress] = set()
+
+
+def _width() -> int:
+    import shutil
+
+    return max(shutil.get_terminal_size((100, 20)).columns, 40)
+
+
+def _live_clear() -> None:
+    for p in list(_ACTIVE):
+        p.clear_line()
+
+
+def close_progress() -> None:
+    """End every live progress line (the CLI edge calls this before printing a result or error)."""
+    for p in list(_ACTIVE):
+        p.close()
+
+
+def progress_printer(enabled: bool = True) -> Progress | None:
+    return Progress() if enabled else None

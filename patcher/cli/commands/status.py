@@ -1,0 +1,120 @@
+"""list / status / gc: what is pinned, where each checkout stands, and what killed runs left behind."""
+
+from __future__ import annotations
+
+import click
+
+from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, plural, say, table
+
+
+def checkout_status(cfg, lock, entry, running=None):
+    """One pin's status (workspace.checkout_status, imported when a status is asked for)."""
+    from patcher.stack.workspace import checkout_status as status_of
+
+    return status_of(cfg, lock, entry, running)
+
+
+def _stack_info(ctx: Context, entry):
+    from patcher.base.errors import DsadaptError
+    from patcher.formats.stackfiles import load_stack
+
+    try:
+        st = load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False)
+    except DsadaptError as e:
+        return None, f"broken: {e.message}"
+    return st, None
+
+
+@click.command("list")
+@json_option
+@pass_ctx
+def list_cmd(ctx: Context, as_json: bool) -> None:
+    """Engines, pins, patch counts, build kind, and whether each pin can run here."""
+    from collections import Counter
+
+    from patcher.engines import engine
+
+    rows, data = [], []
+    for name in sorted(ctx.lock.engines):
+        ad = engine(name)
+        for entry in ctx.lock.pins_of(name):
+            st, err = _stack_info(ctx, entry)
+            kind = ad.build_kind(st) if st is not None else None
+            statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
+            # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
+            variants = ad.pinned_variants(entry)
+            blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
+            runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
+            d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
+                 "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
+                 "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
+                 "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
+                 "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
+                 "run_blockers": {v: b for v, b in blockers.items() if b}, "serves": entry.serves, "error": err}
+            data.append(d)
+            rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
+                         kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
+    if as_json:
+        emit_json({"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
+                   "pins": data})
+    else:
+        table("dsadapt pins", ["pin", "patches", "build", "variants", "runs here"], rows)
+
+
+@click.command("status")
+@json_option
+@pass_ctx
+def status_cmd(ctx: Context, as_json: bool) -> None:
+    """Where each checkout stands (not fetched, clean base, stack applied, stack outdated, dirty, diverged;
+    stopped on a conflict, interrupted, running) and the command that moves it on."""
+    from patcher.base import leftovers
+    from patcher.stack.workspace import status_all
+
+    sts = status_all(ctx.cfg, ctx.lock, checkout_status)
+    left = leftovers.find(ctx.cfg)
+    if as_json:
+        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]})
+        return
+    rows = []
+    for s in sts:
+        src = f"{s.source['kind']}" if s.source else "-"
+        detail = s.detail + (f" ({plural(len(s.backups), 'backup ref')})" if s.backups else "")
+        rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail])
+    table("checkouts", ["pin", "state", "source", "detail"], rows)
+    if left:
+        say(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
+            f"{' …' if len(left) > 3 else ''}; `dsadapt gc` removes them")
+
+
+@click.command("gc")
+@click.option("--dry-run", "-n", is_flag=True, help="Only list what would be removed.")
+@json_option
+@pass_ctx
+def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
+    """Remove what killed runs left behind: half-made checkouts, partial downloads, temporary
+    files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups."""
+    from patcher.base import leftovers
+    from patcher.base.workdir import workdir_lock
+
+    ctx.lock  # noqa: B018 - a broken project (malformed lock) is refused before anything is removed
+    with workdir_lock(ctx.cfg):
+        found = leftovers.find(ctx.cfg, sizes=True)
+        failed = [] if dry_run else leftovers.remove(found)
+    freed = sum(lo.bytes or 0 for lo in found if lo not in failed)
+    if as_json:
+        emit_json({"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
+                   "failed": [lo.path for lo in failed], "bytes": freed})
+        return
+    if not found:
+        say("nothing to remove")
+        return
+    verb = "would remove" if dry_run else "removed"
+    for lo in found:
+        if lo not in failed:
+            say(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
+    for lo in failed:
+        say(f"  could not remove {lo.path}")
+    say(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
+
+
+COMMANDS = [list_cmd, status_cmd, gc_cmd]

@@ -1,0 +1,222 @@
+"""A patch stack: `patches/<engine>/<tag>/series` plus one normalized patch per line."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from patcher.base.errors import PatchFormatError, StackError, show
+from patcher.base.fsutil import atomic_write_text
+from patcher.base.textfile import read_text
+from patcher.formats.patchfile import Patch, format_patch, lint_patch, parse_patch, patch_filename
+from patcher.formats.pinref import PinRef
+
+SERIES_HEADER = "# Patch order for this stack; one file per line. Written by dsadapt; comments survive.\n"
+
+
+@dataclass(frozen=True)
+class StackEntry:
+    name: str
+    patch: Patch
+    text: str
+
+
+@dataclass(frozen=True)
+class Stack:
+    ref: PinRef
+    dir: Path
+    entries: tuple[StackEntry, ...]
+    exists: bool = True
+
+    @property
+    def patches(self) -> tuple[Patch, ...]:
+        return tuple(e.patch for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def hash(self) -> str:
+        return stack_hash(self.entries)
+
+    @property
+    def short_hash(self) -> str:
+        return self.hash[:10]
+
+    def touched_paths(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p for e in self.entries for p in e.patch.touched_paths))
+
+
+def stack_hash(entries) -> str:
+    """sha256 over the ordered (name, bytes) of every patch: names the exact stack."""
+    h = hashlib.sha256(b"dsadapt-stack-v1\0")
+    for e in entries:
+        h.update(e.name.encode() + b"\0" + e.text.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+def stack_dir(patches_root: Path, ref: PinRef) -> Path:
+    return patches_root / ref.engine / ref.tag
+
+
+def series_name_error(name: str) -> str | None:
+    """Why a series line is not a plain patch file name of the stack's own directory."""
+    if "/" in name or "\\" in name or name.startswith(".") or any(c.isspace() or ord(c) < 0x20 or c == "\x7f"
+                                                                   for c in name):
+        return "is not a plain patch file name"
+    if len(name) > 200:
+        return "is longer than 200 characters"
+    return None
+
+
+def parse_series(text: str, where: str = "series") -> list[str]:
+    names: list[str] = []
+    for n, raw in enumerate(text.split("\n"), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        why = series_name_error(line)
+        if why:
+            raise StackError(f"{where}:{n}: {show(line, 60)!r} {why}",
+                             hint="series lines name files in the same directory, e.g. 0001-fix.patch")
+        if line in names:
+            raise StackError(f"{where}:{n}: {line} is listed twice", hint="remove the duplicate line")
+        names.append(line)
+    return names
+
+
+def _regular_file(path: Path, what: str) -> None:
+    if path.is_symlink():
+        raise StackError(f"{path}: the {what} is a symbolic link",
+                         hint="a stack holds regular files only; replace the link with the file it points to")
+
+
+def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
+    d = stack_dir(patches_root, ref)
+    series = d / "series"
+    if not series.exists():
+        if must_exist:
+            raise StackError(f"no stack for {ref}: {series} does not exist",
+                             hint="create it (an empty series file is a valid stack) or check the tag")
+        return Stack(ref, d, (), exists=False)
+    _regular_file(series, "series file")
+    names = parse_series(read_text(series, StackError, where=str(series)), where=str(series))
+    entries = []
+    for name in names:
+        f = d / name
+        _regular_file(f, "patch file")
+        if not f.is_file():
+            raise StackError(f"{series}: names {name}, which does not exist",
+                             hint=f"restore {f} or remove its line from series")
+        # bytes as they are: a CRLF patch stays CRLF, and the format check refuses it
+        text = read_text(f, PatchFormatError, where=str(f),
+                         hint="a patch is UTF-8 text; regenerate it with `dsadapt refresh` or `git format-patch`")
+        entries.append(StackEntry(name, parse_patch(text, where=str(f)), text))
+    return Stack(ref, d, tuple(entries))
+
+
+def lint_stack(stack: Stack) -> list[str]:
+    """Problems in the stack's files themselves (not whether it applies)."""
+    problems = []
+    listed = {e.name for e in stack.entries}
+    if stack.dir.is_dir():
+        for f in sorted(stack.dir.glob("*.patch")):
+            if f.name not in listed:
+                problems.append(f"{f}: not listed in series")
+    for i, e in enumerate(stack.entries, 1):
+        where = str(stack.dir / e.name)
+        problems += lint_patch(e.patch, e.text, where)
+        expected = patch_filename(i, e.patch.subject)
+        if e.name != expected:
+            problems.append(f"{where}: file name should be {expected} (position {i}, from its subject)")
+    return problems
+
+
+def format_series(names: list[str], old_text: str | None = None) -> str:
+    """Series text keeping the leading comment block of the old file."""
+    head = SERIES_HEADER
+    if old_text:
+        lead = []
+        for line in old_text.split("\n"):
+            if line.startswith("#") or not line.strip():
+                lead.append(line)
+            else:
+                break
+        while lead and not lead[-1].strip():
+            lead.pop()
+        if lead:
+            head = "\n".join(lead) + "\n"
+    return head + "".join(n + "\n" for n in names)
+
+
+def write_stack(d: Path, patches: list[Patch]) -> list[str]:
+    """Write patches in normalized form with stable names and rewrite series.
+
+    Files of the old series that are no longer part of the stack are removed.
+    Returns the new file names. Unchanged content is not rewritten (zero-byte change).
+    """
+    d.mkdir(parents=True, exist_ok=True)
+    series = d / "series"
+    old_text = series.read_text(encoding="utf-8") if series.exists() else None
+    old_names = parse_series(old_text) if old_text else []
+    names = []
+    for i, p in enumerate(patches, 1):
+        name = patch_filename(i, p.subject)
+        text = format_patch(p)
+        f = d / name
+        if not f.exists() or f.read_text(encoding="utf-8") != text:
+            atomic_write_text(f, text)
+        names.append(name)
+    for old in old_names:
+        if old not in names:
+            (d / old).unlink(missing_ok=True)
+    new_series = format_series(names, old_text)
+    if new_series != old_text:
+        atomic_write_text(series, new_series)
+    return names
+
+
+def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list[str]]:
+    """What the base tree must hold for the stack to apply byte-exactly.
+
+    Returns ({path: (blob id or None for 'absent', index of first patch touching it)}, problems),
+    where problems are inconsistencies inside the stack (a patch whose pre-image is not what
+    the previous patch of the same file produced).
+    """
+    from patcher.formats.patchfile import ZERO_ID
+
+    current: dict[str, str | None] = {}
+    base: dict[str, tuple[str | None, int]] = {}
+    problems: list[str] = []
+    for i, p in enumerate(patches, 1):
+        for f in p.files:
+            if f.old_path is not None:
+                old = f.old_blob if f.old_blob != ZERO_ID else None
+                if f.old_path in current:
+                    if old is not None and current[f.old_path] != old:
+                        problems.append(f"patch {i} ({p.subject}): {f.old_path} pre-image {old[:12]} is not what "
+                                        f"an earlier patch left ({(current[f.old_path] or 'absent')[:12]})")
+                elif old is not None:
+                    base[f.old_path] = (old, i)
+            elif f.new_path is not None and f.new_path not in current:
+                base.setdefault(f.new_path, (None, i))
+            if f.old_path and f.old_path != f.new_path:
+                current[f.old_path] = None
+            if f.new_path is not None:
+                current[f.new_path] = f.new_blob if f.new_blob != ZERO_ID else None
+    return base, problems
+
+
+def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],
+                        stack: Stack) -> list[str]:
+    """Human-readable mismatches between expected base blobs and the tree's actual blobs."""
+    out = []
+    for path, (want, idx) in sorted(expected.items(), key=lambda kv: (kv[1][1], kv[0])):
+        got = actual.get(path)
+        if want != got:
+            name = stack.entries[idx - 1].name if idx - 1 < len(stack.entries) else f"patch {idx}"
+            w = want[:12] if want else "absent"
+            g = got[:12] if got else "absent"
+            out.append(f"{name}: {path} is {g} in the tree, the patch expects {w}")
+    return out

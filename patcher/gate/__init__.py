@@ -1,0 +1,7 @@
+"""gate: running engines against the reference and writing verdicts.
+
+`dsadapt check` (check: reference cache, the engine's gate session, the report), `dsadapt bisect`'s
+captures (bisect), `dsadapt perf` (perf: both builds side by side), what an engine is lent at run
+time (hosts) and the per-pin summary of every verdict (summary, `dsadapt report`). The judgements
+themselves live in `patcher.rules`. May import build and below; never offline.
+"""

@@ -1,0 +1,40 @@
+"""What the orchestration lends an engine at run time (`engines.base.RunServices`).
+
+`RunHost` gives an engine its pin's checkout and environments; `check` (the gate session),
+`serve` and, later, `perf` hand one to the engine they run. With `locked`, each service
+takes the work-dir lock for its own duration only (a server that runs until Ctrl-C must
+not hold the work dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from patcher.base.config import Config
+from patcher.build.venvs import install_plan
+from patcher.engines.base import EngineEnv, EnvPlan, Progress, Tree
+from patcher.formats.lock import Lock
+from patcher.formats.pinref import PinRef
+from patcher.stack.trees import checkout_tree
+from patcher.stack.workspace import workdir_lock
+
+
+class RunHost:
+    def __init__(self, cfg: Config, lock: Lock, progress: Progress | None = None, stream: bool = True,
+                 locked: bool = False):
+        self.cfg, self.lock, self.progress, self.stream, self.locked = cfg, lock, progress, stream, locked
+
+    def _guard(self):
+        return workdir_lock(self.cfg) if self.locked else contextlib.nullcontext()
+
+    def checkout(self, ref: PinRef, *, patched: bool = True) -> Tree:
+        with self._guard():
+            return checkout_tree(self.cfg, self.lock, ref, patched=patched, progress=self.progress)
+
+    def environment(self, plan: EnvPlan, *, unpatched: bool = False) -> EngineEnv:
+        with self._guard():
+            res = install_plan(self.cfg, self.lock, plan, unpatched=unpatched, progress=self.progress,
+                               stream=self.stream)
+        return EngineEnv(Path(res.python), Path(res.venv), Path(res.artifact).name, res.sha256, res.reused,
+                         tuple(res.removed), dict(res.details))

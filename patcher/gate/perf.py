@@ -1,0 +1,611 @@
+"""dsadapt perf: run the patched and the unpatched build of one pin side by side and compare speed.
+
+`run_perf` resolves the pin, the model and both environments (the same ones `dsadapt check`
+and `dsadapt check --unpatched` use, lent by `hosts.RunHost`), then `measure` does the
+engine-independent part with the engine's recipe (`Engine.perf_recipe`,
+patcher/engines/<engine>/perf.py):
+
+1. both servers start at once on 127.0.0.1 (free ports), each under the guard of
+   `patcher.base.procs` in its own process group, pinned to the same CPU set; the run waits until both serve;
+2. one load generator (the recipe's tool, from the baseline's environment, so both sides
+   get the identical client) starts and stays up;
+3. warm-up rounds, then measured rounds in the `perf.schedule` order (sides alternate);
+   a sampler thread records each server group's resident memory (and GPU memory);
+4. whatever happens (error, Ctrl-C, SIGTERM, time limit) the servers and the load generator
+   are stopped, and if this process is killed outright their guards stop them.
+
+Then `perf.build_points` / `perf.decide` give the verdict, and the report (JSON + PNG) is
+written where `dsadapt check` writes its reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from patcher.base.config import Config
+from patcher.base.errors import EngineUnavailable, MachineError, UsageError
+from patcher.base.machine import device_description
+from patcher.base.procs import (
+    Guarded,
+    free_port,
+    gpu_memory,
+    group_members,
+    group_rss,
+    http_ok,
+    log_tail,
+    repin,
+    start_guarded,
+)
+from patcher.engines import engine
+from patcher.engines.base import VariantSpec
+from patcher.engines.perf_recipe import LoadJob, PerfRecipe, ServeSettings
+from patcher.formats.lock import Lock, LockEntry
+from patcher.formats.pinref import PinRef
+from patcher.rules import speed as P
+
+#: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
+SERVER_START_S = 900.0
+SAMPLE_S = 0.5
+GPU_SAMPLE_S = 2.0
+
+
+class PerfRunError(MachineError):
+    """The measurement could not be completed (load generator failure, time limit): no verdict (exit 7)."""
+
+
+class BaselineUnavailable(EngineUnavailable):
+    """The baseline (unpatched) engine cannot serve the model: nothing to compare with."""
+
+
+class ServerFailed(MachineError):
+    """A server exited before (or while) it served: for the build under test that is a verdict,
+    for the baseline `BaselineUnavailable`, otherwise the machine's failure (exit 7)."""
+
+    def __init__(self, side: str, message: str, log_path: Path, hint: str | None = None):
+        super().__init__(message, hint)
+        self.side = side
+        self.log_path = log_path
+
+
+@dataclass
+class PerfResult:
+    pin: str
+    engine: str
+    variant: str
+    model: str
+    config_style: str | None
+    dtype: str
+    mode: str                       # patched-vs-unpatched | aa
+    sides: list[str]
+    verdict: str
+    reasons: list[str]
+    threshold: float
+    workload: dict
+    points: list[dict]
+    band: dict
+    report_path: str
+    plot_path: str | None
+    provenance: dict
+    timings: dict
+    runs: list[dict] = field(repr=False, default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass
+class Server:
+    side: str
+    proc: Guarded
+    url: str
+    ready_url: str
+
+
+class MemorySampler:
+    """Peak resident memory (and GPU memory) of each side's server group, sampled in a thread."""
+
+    def __init__(self, groups: dict[str, int]):
+        self.groups = groups
+        self.peak: dict[str, int] = {s: 0 for s in groups}
+        self.window: dict[str, int] = {s: 0 for s in groups}
+        self.gpu_peak: dict[str, int | None] = {s: None for s in groups}
+        self.gpu_window: dict[str, int | None] = {s: None for s in groups}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._last_gpu = 0.0
+
+    def start(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def reset_window(self) -> None:
+        with self._lock:
+            self.window = {s: 0 for s in self.groups}
+            self.gpu_window = {s: None for s in self.groups}
+
+    def sample(self) -> None:
+
+        rss = {s: group_rss(g) for s, g in self.groups.items()}
+        gpu: dict[str, int | None] = {}
+        if time.monotonic() - self._last_gpu >= GPU_SAMPLE_S:
+            self._last_gpu = time.monotonic()
+            for s, g in self.groups.items():
+                try:
+                    gpu[s] = gpu_memory(group_members(g))
+                except (OSError, ValueError, TimeoutError):
+                    gpu[s] = None
+        with self._lock:
+            for s, v in rss.items():
+                self.peak[s] = max(self.peak[s], v)
+                self.window[s] = max(self.window[s], v)
+            for s, g_bytes in gpu.items():
+                if g_bytes is not None:
+                    self.gpu_peak[s] = max(self.gpu_peak[s] or 0, g_bytes)
+                    self.gpu_window[s] = max(self.gpu_window[s] or 0, g_bytes)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            with contextlib.suppress(Exception):  # sampling must never break a run
+                self.sample()
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the run like Ctrl-C does (servers stopped in `finally`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a server or load generator: ours without engine tuning variables, the
+    recipe's `extra`, and the runner protocol (dsadapt_runner) on PYTHONPATH."""
+    from patcher.runners import kit_pythonpath
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_", "KMP_", "GOMP_"))}
+    env.update(extra)
+    env["PYTHONPATH"] = kit_pythonpath(env)
+    return env
+
+
+def start_server(side: str, recipe: PerfRecipe, python: Path, settings: ServeSettings, work: Path,
+                 cpus: Sequence[int], deadline_s: float, avoid: Sequence[int] = ()) -> Server:
+    port = free_port(avoid=avoid)
+    cmd = recipe.server_command(python, port, settings)
+    proc = start_guarded(f"{side} server", cmd.argv, log_path=work / f"server-{side}.log", env=_env(cmd.env),
+                         cwd=work, deadline_s=deadline_s, cpus=cpus, grace_s=10)
+    url = f"http://127.0.0.1:{port}"
+    return Server(side, proc, url, url + cmd.ready_path)
+
+
+def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> None:
+    """Until every server answers its ready URL; ServerFailed (with the log's root cause) when one exits."""
+    from patcher.runners import root_cause
+
+    t0 = time.monotonic()
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.proc.alive():
+                text = Path(s.proc.log_path).read_text(errors="replace").splitlines()
+                cause = root_cause(text) or next((ln for ln in reversed(text) if ln.strip()), "no output")
+                raise ServerFailed(s.side, f"the {s.side} server exited before it served the model: {cause[:300]}",
+                                   s.proc.log_path, hint=f"log: {s.proc.log_path}\n{log_tail(s.proc.log_path, 15)}")
+            if http_ok(s.ready_url):
+                pending.remove(s)
+                if progress:
+                    progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s")
+        if pending and time.monotonic() - t0 > timeout_s:
+            names = ", ".join(s.side for s in pending)
+            raise PerfRunError(f"the {names} server did not serve within {timeout_s:.0f} s",
+                               hint=f"logs: {', '.join(str(s.proc.log_path) for s in pending)}")
+        if pending:
+            time.sleep(0.5)
+
+
+class LoadDriver:
+    """The recipe's long-lived load generator; one job at a time."""
+
+    def __init__(self, recipe: PerfRecipe, python: Path, work: Path, cpus: Sequence[int], deadline_s: float):
+        cmd = recipe.driver_command(python)
+        self.work = work
+        self.proc = start_guarded("load generator", cmd.argv, log_path=work / "load.log", env=_env(cmd.env),
+                                  cwd=work, deadline_s=deadline_s, cpus=cpus, grace_s=5, stdin_pipe=True)
+        self.n = 0
+
+    def run(self, job_doc: dict, timeout_s: float) -> None:
+        self.n += 1
+        done = self.work / "jobs" / f"{self.n:04d}.done.json"
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.unlink(missing_ok=True)
+        line = json.dumps({**job_doc, "done": str(done)}) + "\n"
+        try:
+            assert self.proc.proc.stdin is not None
+            self.proc.proc.stdin.write(line.encode())
+            self.proc.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
+        end = time.monotonic() + timeout_s
+        while not done.exists():
+            if not self.proc.alive():
+                raise self._died()
+            if time.monotonic() > end:
+                raise PerfRunError(f"the load generator's run {self.n} took more than {timeout_s:.0f} s",
+                                   hint=f"log: {self.proc.log_path} (raise --time-limit or shrink the workload)")
+            time.sleep(0.05)
+        result = json.loads(done.read_text())
+        if not result.get("ok"):
+            raise PerfRunError(f"the load generator failed: {result.get('error')}",
+                               hint=f"log: {self.proc.log_path}\n{log_tail(self.proc.log_path, 15)}")
+
+    def _died(self) -> PerfRunError:
+        return PerfRunError("the load generator exited", hint=f"log: {self.proc.log_path}\n"
+                            f"{log_tail(self.proc.log_path, 15)}")
+
+    def stop(self) -> None:
+        try:
+            if self.proc.proc.stdin:
+                self.proc.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.stop(grace_s=5)
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Measurement:
+    runs: list[P.RunRecord]
+    peak_rss: dict[str, int]
+    peak_gpu: dict[str, int | None]
+    timings: dict
+
+
+def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, workload: P.Workload, work: Path,
+            *, sides: tuple[str, str] = (P.PATCHED, P.UNPATCHED), cpus: Sequence[int] = (),
+            time_limit_s: float = 3600.0, server_start_s: float = SERVER_START_S,
+            progress: Callable[[str], None] | None = None,
+            on_servers: Callable[[dict[str, Server]], None] | None = None) -> Measurement:
+    """Serve both sides, warm up, run the schedule; always stop every process it started.
+
+    `pythons` maps each side to the interpreter of its environment; the load generator runs
+    with the second side's (the baseline's). The servers start on every core; once they serve,
+    each of their threads moves to `cpus` except the compute threads the engine bound to
+    `settings.compute_cpus` itself; the load generator runs on `cpus`. Raises ServerFailed (a side did not serve),
+    PerfRunError (load generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
+    t_start = time.monotonic()
+    deadline = t_start + time_limit_s
+    guard_deadline = time_limit_s + 60  # the guards' own backstop, past our own limit
+    work.mkdir(parents=True, exist_ok=True)
+    requests = workload.requests()
+    workload_path = recipe.write_workload(requests, settings, work)
+    runs: list[P.RunRecord] = []
+    timings: dict = {}
+    with ExitStack() as stack, _sigterm_as_interrupt():
+        servers: dict[str, Server] = {}
+        all_cpus = tuple(sorted(set(cpus) | set(settings.compute_cpus)))
+        for side in sides:  # start on every core (start-up is imports and loading), pinned once serving
+            srv = start_server(side, recipe, pythons[side], settings, work, all_cpus, guard_deadline,
+                               avoid=[int(s.url.rsplit(":", 1)[1]) for s in servers.values()])
+            stack.callback(srv.proc.stop)
+            servers[side] = srv
+            if progress:
+                progress(f"{side} server starting (pid group {srv.proc.pgid}, {srv.url}); log: {srv.proc.log_path}")
+        if on_servers:
+            on_servers(servers)
+        sampler = MemorySampler({s: srv.proc.pgid for s, srv in servers.items()}).start()
+        stack.callback(sampler.stop)
+        wait_ready(list(servers.values()), min(server_start_s, max(1.0, deadline - time.monotonic())), progress)
+        timings["servers_ready_s"] = round(time.monotonic() - t_start, 2)
+        if cpus and set(cpus) != set(all_cpus):
+            for srv in servers.values():
+                repin(srv.proc.pgid, cpus, keep=settings.compute_cpus)
+        driver = LoadDriver(recipe, pythons[sides[1]], work, cpus, guard_deadline)
+        stack.callback(driver.stop)
+        plan = P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
+        t_runs = time.monotonic()
+        for order, (rnd, conc, side) in enumerate(plan):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PerfRunError(f"the run passed its time limit of {time_limit_s:.0f} s "
+                                   f"after {order} of {len(plan)} runs",
+                                   hint="raise --time-limit, or lower --rounds/--requests/--concurrency")
+            tag = f"{side}-{'w' if rnd < 0 else 'r'}{abs(rnd)}-c{conc}"
+            job = LoadJob(side, rnd, conc, servers[side].url, workload_path, len(requests),
+                          work / "results" / f"{order:03d}-{tag}.json", settings)
+            job.out_path.parent.mkdir(parents=True, exist_ok=True)
+            job.out_path.unlink(missing_ok=True)
+            for s, srv in servers.items():
+                if not srv.proc.alive():
+                    raise ServerFailed(s, f"the {s} server died during the run",
+                                       srv.proc.log_path, hint=f"log: {srv.proc.log_path}")
+            sampler.reset_window()
+            driver.run(recipe.job(job), remaining)
+            sampler.sample()
+            parsed = recipe.parse(job, requests)
+            rec = P.RunRecord(side, rnd, conc, parsed.duration_s, parsed.requests, order, parsed.tool,
+                              sampler.window.get(side) or None, sampler.gpu_window.get(side))
+            if rnd >= 0:
+                runs.append(rec)
+            if progress:
+                m = P.run_metrics(rec)
+                label = f"warm-up {rnd + workload.warmup_rounds + 1}/{workload.warmup_rounds}" if rnd < 0 \
+                    else f"round {rnd + 1}/{workload.rounds}"
+                progress(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
+                         f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
+                         + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
+        timings["runs_s"] = round(time.monotonic() - t_runs, 2)
+        sampler.sample()
+        peak_rss, peak_gpu = dict(sampler.peak), dict(sampler.gpu_peak)
+    timings["measure_s"] = round(time.monotonic() - t_start, 2)
+    return Measurement(runs, peak_rss, peak_gpu, timings)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+# ---------------------------------------------------------------- the command's core
+
+
+def default_cpus() -> tuple[int, ...]:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return ()
+
+
+def split_cpus(cpus: Sequence[int], device: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(compute, service) cores. On CPU builds the engine's compute threads get all cores but
+    the last, and every other process -- each server's API and scheduler processes, the load
+    generator -- gets the last one (vLLM's own CPU auto-binding reserves one core the same
+    way), so the load generator's own CPU cost never lands on a compute core. Both servers
+    get the same sets. GPU builds: no compute binding, every process on all cores."""
+    cpus = tuple(cpus)
+    if device != "cpu" or len(cpus) < 2:
+        return (cpus if device == "cpu" else ()), cpus
+    return cpus[:-1], cpus[-1:]
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        out: list[int] = []
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out += range(int(a), int(b) + 1)
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise UsageError(f"--cpus {text!r} is not a CPU list", hint="e.g. --cpus 0,1 or --cpus 0-3") from None
+    allowed = set(default_cpus())
+    bad = [c for c in out if allowed and c not in allowed]
+    if not out or bad:
+        raise UsageError(f"--cpus {text!r}: {'no CPUs' if not out else f'CPU {bad[0]} is not available here'}",
+                         hint=f"this process may use CPUs {','.join(map(str, sorted(allowed)))}")
+    return tuple(sorted(set(out)))
+
+
+def check_threshold(threshold: float) -> None:
+    if not 0 < threshold <= 1:
+        raise UsageError(f"--threshold {threshold:g} must be in (0, 1]", hint="0.95 means: fail beyond 5 % slower")
+
+
+def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = None,
+              command: str | None = None) -> tuple[LockEntry, VariantSpec, PerfRecipe]:
+    """What `perf` can tell before it touches anything: the pin, the variant, whether it can run
+    here (exit 6), whether the engine has a speed-gate recipe for it (exit 6) and whether that
+    serves `dtype` (exit 2; checked after the machine, as `check` does)."""
+    from patcher.gate.check import runnable
+
+    entry, spec = runnable(lock, ref, variant, command or f"dsadapt perf {ref}")
+    recipe = engine(ref.engine).perf_recipe(entry, spec)
+    if recipe is None:
+        raise EngineUnavailable(f"{ref}: dsadapt perf has no recipe for {ref.engine} {entry.version} ({spec.name})",
+                                hint="docs/speed.md lists the engines the speed gate can serve and load")
+    if dtype is not None and dtype not in recipe.dtypes:
+        raise UsageError(f"--dtype {dtype}: {ref.engine} ({spec.name}) serves {', '.join(recipe.dtypes)}",
+                         hint=f"use --dtype {recipe.dtypes[0]}")
+    return entry, spec, recipe
+
+
+def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
+             dtype: str | None = None, variant: str | None = None, concurrency: Sequence[int] | None = None,
+             input_lens: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
+             rounds: int = P.DEFAULT_ROUNDS, requests: int | None = None, warmup_rounds: int = 1,
+             max_model_len: int = 256, threshold: float = P.DEFAULT_THRESHOLD, aa: bool = False,
+             cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
+             progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
+             on_servers: Callable[[dict[str, Server]], None] | None = None) -> PerfResult:
+    from patcher.formats.stackfiles import load_stack
+    from patcher.gate.check import model_fingerprint, report_paths, resolve_model
+    from patcher.gate.hosts import RunHost
+    from patcher.rules.prompts import rope_original_max
+
+    t_start = time.monotonic()
+    check_threshold(threshold)
+    entry, spec, recipe = preflight(lock, ref, variant, dtype)
+    eng = engine(ref.engine)
+    dtype = dtype or recipe.dtypes[0]
+    stack = load_stack(cfg.patches_root, ref)
+    model_dir, label, style = resolve_model(cfg, model, config_style or "deepseek", progress)
+    config = json.loads((model_dir / "config.json").read_text())
+    original = rope_original_max(config)
+    workload = P.build_workload(original_context=original, max_model_len=max_model_len, input_lens=input_lens,
+                                output_lens=output_lens, concurrency=concurrency, rounds=rounds, requests=requests,
+                                warmup_rounds=warmup_rounds)
+    cpus = tuple(cpus) if cpus else default_cpus()
+    compute, service = split_cpus(cpus, spec.device)
+    settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
+                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute)
+    out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf")
+    work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
+    sides = (P.PATCHED, P.PATCHED + "-2") if aa else (P.PATCHED, P.UNPATCHED)
+    t0 = time.monotonic()
+    host = RunHost(cfg, lock, progress, stream)
+    plan = eng.env_plan(entry, spec, lock)
+    env_a = host.environment(plan)
+    env_b = env_a if aa else host.environment(plan, unpatched=True)
+    py_a, inst_a, py_b, inst_b = env_a.python, env_a.provenance(), env_b.python, env_b.provenance()
+    install_s = round(time.monotonic() - t0, 2)
+    load_before = _loadavg()
+    if progress:
+        progress(f"{ref} ({spec.name}) {'A/A: the patched build against itself' if aa else 'patched vs unpatched'}, "
+                 f"model {label} ({style} config), {dtype}, concurrency {','.join(map(str, workload.concurrency))}, "
+                 f"{workload.rounds} rounds of {len(workload.requests())} requests; load average {load_before}")
+    base_prov = {
+        "date": _now(), "device": device_description(), "command": command or f"dsadapt perf {ref}",
+        "stack_hash": stack.hash, "patches": [e.name for e in stack.entries], "mode": "aa" if aa else "patched-vs-unpatched",
+        "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir),
+        "model_dir": str(model_dir), "original_max_position_embeddings": original, "tool": recipe.tool,
+        "cpus": list(cpus), "compute_cpus": list(compute), "service_cpus": list(service),
+        "load_average_before": load_before,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+        "dsadapt": _dsadapt_version(),
+    }
+    common = dict(pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
+                  mode="aa" if aa else "patched-vs-unpatched", sides=list(sides), threshold=threshold,
+                  workload=workload.to_json(), report_path=str(out))
+    try:
+        m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=service,
+                    time_limit_s=time_limit_s, progress=progress, on_servers=on_servers)
+    except ServerFailed as e:
+        if e.side == sides[0] and not aa:
+            # The build under test does not serve the model at all: a verdict, as `check` says for load failures.
+            result = PerfResult(**common, verdict="fail", reasons=[e.message], points=[], band={},  # type: ignore[arg-type]
+                                plot_path=None, provenance={**base_prov, "load_average_after": _loadavg(),
+                                                            "server_log": str(e.log_path)},
+                                timings={"install_s": install_s, "total_s": round(time.monotonic() - t_start, 2)})
+            _write(out, result)
+            return result
+        if e.side == sides[1]:
+            raise BaselineUnavailable(f"the unpatched {ref} cannot serve model {label} ({style} config): "
+                                      f"{e.message.split(': ', 1)[-1]}",
+                                      hint="compare on a model both builds load (for vLLM 0.32: --config-style "
+                                           f"deepseek); server log: {e.log_path}") from e
+        raise
+    points = P.build_points(m.runs, workload.concurrency, sides)
+    verdict, reasons = P.decide(points, threshold, sides)
+    prov = {**base_prov, "load_average_after": _loadavg(), "peak_rss": m.peak_rss, "peak_gpu": m.peak_gpu,
+            "logs": {"work": str(work)}}
+    timings = {"install_s": install_s, **m.timings, "total_s": round(time.monotonic() - t_start, 2)}
+    result = PerfResult(**common, verdict=verdict, reasons=reasons, points=[p.to_json() for p in points],  # type: ignore[arg-type]
+                        band=P.band(points, threshold), plot_path=None, provenance=prov, timings=timings,
+                        runs=[r.to_json() for r in m.runs])
+    try:
+        from patcher.rules.plots import plot_perf
+
+        result.plot_path = str(plot_perf(result.to_json(), out.with_suffix(".png")))
+    except ImportError:  # matplotlib is optional
+        result.plot_path = None
+    _write(out, result)
+    return result
+
+
+def rescore(path: Path, threshold: float | None = None, pin: str | None = None) -> PerfResult:
+    """Recompute a saved perf report's ratios, verdict and band from its recorded runs with the
+    current rule (and `threshold`, default the report's own), and rewrite it and its plot."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a readable perf report ({e})", hint="pass a reports/.../perf-*.json") from None
+    if not isinstance(doc, dict) or doc.get("schema") != P.SCHEMA or not isinstance(doc.get("runs"), list):
+        raise UsageError(f"{path}: not a {P.SCHEMA} report with recorded runs", hint="pass a reports/.../perf-*.json")
+    if pin is not None and pin != doc.get("pin"):
+        raise UsageError(f"{path} is a report of {doc.get('pin')}, not {pin}", hint=f"name {doc.get('pin')} or no pin")
+    threshold = float(doc["threshold"] if threshold is None else threshold)
+    check_threshold(threshold)
+    sides = tuple(doc["sides"])
+    runs = [P.RunRecord(r["side"], r["round"], r["concurrency"], r["duration_s"],
+                        [P.RequestRecord(**q) for q in r["requests"]], r.get("order", 0), r.get("tool") or {},
+                        r.get("peak_rss"), r.get("peak_gpu")) for r in doc["runs"]]
+    conc = tuple(doc["workload"]["concurrency"])
+    points = P.build_points(runs, conc, sides) if runs else []
+    verdict, reasons = P.decide(points, threshold, sides) if runs else (doc["verdict"], doc["reasons"])
+    prov = {**doc["provenance"], "rescored": {"date": _now(), "dsadapt": _dsadapt_version(), "threshold": threshold}}
+    fields = {k: doc[k] for k in ("pin", "engine", "variant", "model", "config_style", "dtype", "mode", "sides",
+                                  "workload", "report_path", "timings")}
+    result = PerfResult(**fields, verdict=verdict, reasons=reasons, threshold=threshold,
+                        points=[p.to_json() for p in points], band=P.band(points, threshold) if points else {},
+                        plot_path=None, provenance=prov, runs=doc["runs"])
+    out = Path(path)
+    result.report_path = str(out)
+    if points:
+        try:
+            from patcher.rules.plots import plot_perf
+
+            result.plot_path = str(plot_perf(result.to_json(), out.with_suffix(".png")))
+        except ImportError:
+            result.plot_path = None
+    _write(out, result)
+    return result
+
+
+def _write(out: Path, result: PerfResult) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if result.plot_path is None:
+        out.with_suffix(".png").unlink(missing_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"schema": P.SCHEMA, **result.to_json()}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out)
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _dsadapt_version() -> str:
+    from patcher import __version__
+
+    return __version__
+
+
+def perf_or_raise(result: PerfResult) -> None:
+    from patcher.base.errors import CheckFailed
+
+    if not result.passed:
+        raise CheckFailed(f"{result.pin} failed the speed gate: {'; '.join(result.reasons[:2])}",
+                          hint=f"report: {result.report_path}")
+

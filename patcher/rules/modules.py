@@ -1,0 +1,739 @@
+"""`dsadapt bisect`: where, layer by layer and module by module, an engine leaves the reference.
+
+Pure logic (no processes, no files but the captures it is handed): the comparison points,
+the capture tables' types, the reference's own table, the comparison rule with its
+calibrated thresholds, the first divergence, and the explanation. The orchestration
+(running the engine and the reference with their capture specs) is `patcher.gate.bisect`;
+each engine's table lives in its package (``patcher/engines/<engine>_bisect.py``).
+
+Method (docs/equivalence.md, "Bisect"): the gate's prompts go through the engine as token
+ids, each prompt alone (prefill, then a few decode steps); forward hooks registered at run
+time record every comparison point of every decoder layer with the (prompt, position) of
+each row. The HF reference then runs the very same token sequences, teacher-forced, in
+float32 (and, for a low-precision engine, in the engine's dtype as a noise yardstick) with
+its own hooks. Each point is compared over the rows both sides have:
+
+- tensors: relative L2 error ``||engine - reference|| / ||reference||`` pooled over rows;
+- expert selection: the fraction of rows whose expert *set* equals the reference's;
+- expert weights: relative L2 error over the rows whose sets agree, aligned by expert id.
+
+The first point above its threshold in forward order is where the engine leaves the
+reference; later points above threshold are reported as downstream of it (propagation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from patcher.base.errors import DsadaptError
+from patcher.rules.logits import _json_safe
+
+SCHEMA = "dsadapt.bisect-report/1"
+SPEC_SCHEMA = "dsadapt.capture-spec/1"
+STRICT_DTYPES = ("float32", "float64")
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+#: Decode steps captured after each prompt's prefill (the engine's own greedy tokens).
+CAPTURE_DECODE_STEPS = 2
+
+
+class BisectError(DsadaptError):
+    """The captures cannot be compared (missing, malformed, or from different inputs)."""
+
+
+# ----------------------------------------------------------------------------- points
+
+
+@dataclass(frozen=True)
+class PointDef:
+    """A comparison point: its canonical name, short label (heat map column), family,
+    what it is in HF transformers' DeepSeek model, and the hint shown when it is the first
+    to diverge."""
+
+    name: str
+    label: str
+    family: str
+    hf: str
+    hint: str
+    per_layer: bool = True
+
+
+POINTS: tuple[PointDef, ...] = (
+    PointDef("embed", "embed", "embedding", "model.embed_tokens",
+             "the token embedding: embed_tokens weight loading, vocabulary or padding", per_layer=False),
+    PointDef("input_norm", "in_norm", "norm", "model.layers.{i}.input_layernorm",
+             "the input RMSNorm: eps (rms_norm_eps), weight, or the fused add-norm's residual input"),
+    PointDef("attn.q_a_norm", "q_a_norm", "attention", "model.layers.{i}.self_attn.q_a_layernorm",
+             "MLA's q latent: q_a_proj and q_a_layernorm (its eps: DeepSeek uses rms_norm_eps)"),
+    PointDef("attn.kv_a_norm", "kv_a_norm", "attention", "model.layers.{i}.self_attn.kv_a_layernorm",
+             "MLA's compressed kv: kv_a_proj_with_mqa, the kv_lora_rank/rope split, kv_a_layernorm "
+             "(its eps: DeepSeek uses rms_norm_eps)"),
+    PointDef("attn.q_rope", "q_rope", "attention", "model.layers.{i}.self_attn (q after RoPE)",
+             "RoPE on q: layout (interleaved pairs vs halves), YaRN frequencies (factor, "
+             "original_max_position_embeddings, beta_fast/beta_slow), cos/sin mscale (mscale vs "
+             "mscale_all_dim), or the q projection"),
+    PointDef("attn.k_rope", "k_rope", "attention", "model.layers.{i}.self_attn (k after RoPE)",
+             "RoPE on the shared k: layout (interleaved pairs vs halves), YaRN frequencies, cos/sin "
+             "mscale, or the rope slice of kv_a_proj_with_mqa"),
+    PointDef("attn.kv_b", "kv_b", "attention", "model.layers.{i}.self_attn.kv_b_proj",
+             "kv_b_proj: the latent-to-(k_nope, v) expansion (weights, head layout)"),
+    PointDef("attn.core", "attn_core", "attention", "model.layers.{i}.self_attn.o_proj (input)",
+             "the attention core: softmax scale (YaRN mscale_all_dim -> mscale²), causal mask, the "
+             "k_nope/v split of kv_b_proj, the MLA prefill/decode kernel"),
+    PointDef("attn.out", "attn_out", "attention", "model.layers.{i}.self_attn",
+             "o_proj (the attention output projection)"),
+    PointDef("post_norm", "post_norm", "norm", "model.layers.{i}.post_attention_layernorm",
+             "the post-attention RMSNorm: eps, weight, or the residual add before it"),
+    PointDef("router.logits", "router_logits", "moe", "model.layers.{i}.mlp.gate (logits)",
+             "the router gate: weight loading, or its dtype (HF computes it in float32)"),
+    PointDef("router.experts", "experts_sel", "moe", "model.layers.{i}.mlp.gate (selected experts)",
+             "expert selection: scoring_func (sigmoid vs softmax), topk_method and group limiting "
+             "(n_group/topk_group, how dropped groups are masked), e_score_correction_bias"),
+    PointDef("router.weights", "experts_w", "moe", "model.layers.{i}.mlp.gate (expert weights)",
+             "expert weights: norm_topk_prob (renormalization), routed_scaling_factor, the scoring "
+             "function"),
+    PointDef("routed", "routed", "moe", "model.layers.{i}.mlp.experts",
+             "the routed experts: expert MLP weights (gate/up/down), activation, how weights are applied"),
+    PointDef("shared", "shared", "moe", "model.layers.{i}.mlp.shared_experts",
+             "the shared experts: their weights (gate/up/down mapping), intermediate size, input"),
+    PointDef("mlp", "mlp", "mlp", "model.layers.{i}.mlp",
+             "the MLP block (dense layers) / the MoE combine (routed + shared, routed_scaling_factor)"),
+    PointDef("out", "layer_out", "residual", "model.layers.{i} (output: residual stream)",
+             "the residual adds of the decoder layer (vLLM/LMDeploy fuse them into the norms)"),
+    PointDef("final_norm", "final_norm", "norm", "model.norm",
+             "the final RMSNorm", per_layer=False),
+    PointDef("logits", "logits", "lm_head", "lm_head",
+             "lm_head / logits processing (scale, soft cap, vocabulary padding)", per_layer=False),
+)
+POINT = {p.name: p for p in POINTS}
+LAYER_POINTS = tuple(p.name for p in POINTS if p.per_layer)
+
+
+def point_def(name: str) -> PointDef:
+    try:
+        return POINT[name]
+    except KeyError:
+        raise BisectError(f"unknown comparison point {name!r}") from None
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where one point is captured on one side (see patcher/runners/capture.py).
+
+    `scale` multiplies the captured value by a config key's value (e.g. vLLM carries expert
+    weights without routed_scaling_factor and applies it at the combine): ``(key, power)``.
+    `scale_dtypes` limits it to those dtypes; `moe_layers` limits a layer point to MoE
+    (True) or dense (False) layers. `rope` is the layout of rotary vectors this side
+    produces: "interleaved" (DeepSeek's checkpoint layout; canonical) or "halves" (even
+    then odd dimensions, what HF's interleave path and LMDeploy emit)."""
+
+    point: str
+    path: str = ""
+    take: int | str = 0
+    token_axis: int = 0
+    method: str | None = None
+    function: str | None = None
+    rows: str = "all"
+    layered: bool = False
+    scale: tuple[str, float] | None = None
+    scale_dtypes: tuple[str, ...] = ()
+    moe_layers: bool | None = None
+    rope: str = "interleaved"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CaptureTable:
+    """One side's name mapping: HF's (the reference) or an engine's."""
+
+    name: str
+    layers: str
+    sites: tuple[Site, ...]
+    rows: dict | None = None  # engines: {"path": "", "ids": kwarg, "positions": kwarg}
+    notes: tuple[str, ...] = ()
+
+    def module_map(self) -> dict[str, str]:
+        """HF transformers' name of each point -> where this side captures it (for docs and reports)."""
+        out: dict[str, str] = {}
+        for s in self.sites:
+            where = f"{s.path}.{s.method}()" if s.method else (s.path or s.function or "")
+            out.setdefault(POINT[s.point].hf, where)
+        return out
+
+    def spec(self, config: dict, dtype: str) -> dict:
+        """The capture spec (JSON) for this model config and dtype."""
+        n_layers = int(config.get("num_hidden_layers", 0))
+        moe = moe_layers(config)
+        rope_dim = int(config.get("qk_rope_head_dim") or 0)
+        points = []
+        for s in self.sites:
+            point_def(s.point)
+            entry: dict[str, Any] = {"point": s.point, "take": s.take, "token_axis": s.token_axis,
+                                     "rows": s.rows}
+            for key in ("path", "method", "function"):
+                if getattr(s, key):
+                    entry[key] = getattr(s, key)
+            entry.setdefault("path", s.path)
+            if s.layered:
+                entry["layered"] = True
+            transforms = []
+            if s.rope == "halves" and rope_dim:
+                transforms.append({"op": "interleave", "dim": rope_dim})
+            if s.scale and (not s.scale_dtypes or dtype in s.scale_dtypes):
+                key, power = s.scale
+                value = float(config.get(key) or 1.0) ** power
+                if value != 1.0:
+                    transforms.append({"op": "scale", "by": value})
+            if transforms:
+                entry["transforms"] = transforms
+            if s.moe_layers is not None:
+                entry["layers_only"] = [i for i in range(n_layers) if (i in moe) == s.moe_layers]
+            points.append(entry)
+        spec: dict[str, Any] = {"schema": SPEC_SCHEMA, "table": self.name, "layers": self.layers, "points": points}
+        if self.rows:
+            spec["rows"] = dict(self.rows)
+        return spec
+
+
+def moe_layers(config: dict) -> set[int]:
+    """Decoder layers with a MoE block, as DeepSeek's config says (first_k_dense_replace,
+    moe_layer_freq)."""
+    n = int(config.get("num_hidden_layers", 0))
+    if not config.get("n_routed_experts"):
+        return set()
+    first = int(config.get("first_k_dense_replace", 0) or 0)
+    freq = int(config.get("moe_layer_freq", 1) or 1)
+    return {i for i in range(n) if i >= first and i % freq == 0}
+
+
+_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+
+#: HF transformers' DeepSeek-V2/V3 (the reference). Hidden states are [batch=1, tokens, ...];
+#: q/k after RoPE are [1, heads, tokens, dim]; the router and routed experts see [tokens, ...].
+REFERENCE_TABLE = CaptureTable(
+    name="transformers",
+    layers="model.layers",
+    sites=(
+        Site("embed", "model.embed_tokens", token_axis=1),
+        Site("input_norm", "model.layers.{i}.input_layernorm", token_axis=1),
+        Site("attn.q_a_norm", "model.layers.{i}.self_attn.q_a_layernorm", token_axis=1),
+        Site("attn.kv_a_norm", "model.layers.{i}.self_attn.kv_a_layernorm", token_axis=1),
+        # V3 with rope_interleave (the DeepSeek layout): the helper de-interleaves as it rotates
+        Site("attn.q_rope", function=f"{_V3}:apply_rotary_pos_emb_interleave", take=0, token_axis=2,
+             layered=True, rope="halves"),
+        Site("attn.k_rope", function=f"{_V3}:apply_rotary_pos_emb_interleave", take=1, token_axis=2,
+             layered=True, rope="halves"),
+        Site("attn.q_rope", function=f"{_V3}:apply_rotary_pos_emb", take=0, token_axis=2, layered=True),
+        Site("attn.k_rope", function=f"{_V3}:apply_rotary_pos_emb", take=1, token_axis=2, layered=True),
+        # V2: complex rotation of interleaved pairs, layout kept
+        Site("attn.q_rope", function=f"{_V2}:apply_rotary_emb", take=0, token_axis=2, layered=True),
+        Site("attn.k_rope", function=f"{_V2}:apply_rotary_emb", take=1, token_axis=2, layered=True),
+        Site("attn.kv_b", "model.layers.{i}.self_attn.kv_b_proj", token_axis=2),
+        Site("attn.core", "model.layers.{i}.self_attn.o_proj", take="input0", token_axis=1),
+        Site("attn.out", "model.layers.{i}.self_attn", take=0, token_axis=1),
+        Site("post_norm", "model.layers.{i}.post_attention_layernorm", token_axis=1),
+        Site("router.logits", "model.layers.{i}.mlp.gate", take=0),
+        Site("router.weights", "model.layers.{i}.mlp.gate", take=1),
+        Site("router.experts", "model.layers.{i}.mlp.gate", take=2),
+        Site("routed", "model.layers.{i}.mlp.experts"),
+        Site("shared", "model.layers.{i}.mlp.shared_experts", token_axis=1),
+        Site("mlp", "model.layers.{i}.mlp", token_axis=1),
+        Site("out", "model.layers.{i}", take=0, token_axis=1),
+        Site("final_norm", "model.norm", token_axis=1),
+        Site("logits", "lm_head", token_axis=1),
+    ),
+)
+
+
+# ----------------------------------------------------------------------------- thresholds
+
+
+@dataclass(frozen=True)
+class StrictRule:
+    """float32 engines: a point fails when its relative L2 error exceeds `tolerance`
+    (per point where it differs); expert sets must agree on every row."""
+
+    tolerance: float
+    per_point: dict[str, float] = field(default_factory=dict)
+    min_agreement: float = 1.0
+
+    def limit(self, point: str) -> float:
+        return self.per_point.get(point, self.tolerance)
+
+
+@dataclass(frozen=True)
+class LowPrecisionPointRule:
+    """bfloat16/float16 engines: a point fails when its error exceeds
+    ``max(factor x the reference's own error in that dtype at that point, floor)``; expert
+    selection fails when its agreement is below the reference's own minus `agreement_margin`."""
+
+    factor: float
+    floor: float
+    per_point_factor: dict[str, float] = field(default_factory=dict)
+    agreement_margin: float = 0.05
+    per_point_floor: dict[str, float] = field(default_factory=dict)
+
+    def limit(self, point: str, noise: float | None) -> float:
+        f = self.per_point_factor.get(point, self.factor)
+        return max(f * (noise or 0.0), self.per_point_floor.get(point, self.floor))
+
+
+# Calibration: docs/equivalence.md ("Bisect: measured noise and thresholds").
+STRICT_RULE = StrictRule(tolerance=1e-4)
+# Expert weights: HF's router upcasts to float32, so the reference's own low-precision run rounds
+# them once at the end and its "noise" there is tiny (bf16 0.00076); an engine that computes
+# scores and weights in the activation dtype is correct and lands well above it (LMDeploy 0.18 on
+# the H200, every other point of the layer matching: bf16 0.00375 at the first MoE layer, 0.0052
+# at the last; fp16 0.00048 / 0.0015). Their floor in either low precision is 2^-6 (1.6 %, four
+# bf16 roundings): 3x above the largest of those, 38x below the smallest expert-weight bug
+# recorded (routed_scaling_factor ignored: 0.60).
+_EXPERT_WEIGHTS_FLOOR = 2.0 ** -6
+LOW_PRECISION_POINT_RULES = {
+    "bfloat16": LowPrecisionPointRule(factor=2.5, floor=1e-3, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
+    "float16": LowPrecisionPointRule(factor=2.5, floor=2e-4, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
+}
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class PointResult:
+    layer: int | None
+    point: str
+    label: str
+    family: str
+    module: str  # HF module (the reference's name)
+    engine_module: str | None
+    metric: str  # "rel_l2" | "agreement"
+    error: float | None  # rel L2, or 1 - agreement
+    limit: float | None
+    noise: float | None = None  # the reference's own low-precision error (low-precision rule)
+    rows: int = 0
+    value: float | None = None  # agreement for expert selection
+    prefill_error: float | None = None
+    decode_error: float | None = None
+    worst: dict | None = None  # {"prompt", "position", "phase", "error"}
+    status: str = "ok"  # ok | above | not compared
+    note: str = ""
+
+    @property
+    def above(self) -> bool:
+        return self.status == "above"
+
+    @property
+    def where(self) -> str:
+        return f"layer {self.layer} {self.label}" if self.layer is not None else self.label
+
+
+@dataclass
+class BisectResult:
+    engine: str
+    dtype: str
+    rule: str  # strict | low-precision
+    points: list[PointResult]
+    first: PointResult | None
+    layers: int
+    passed: bool
+    reasons: list[str]
+    explanation: list[str]
+    thresholds: dict
+    rows: dict = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return _json_safe({"schema": SCHEMA, **d})
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def _index(doc: dict) -> dict[tuple[int | None, str], dict]:
+    return {(p["layer"], p["point"]): p for p in doc["points"]}
+
+
+def _keys(doc: dict, entry: dict, prompts: list[str]):
+    """Row keys (global prompt index, position) of a capture entry, as one int tensor."""
+    import torch
+
+    remap = torch.tensor([prompts.index(p) if p in prompts else -1 for p in doc["prompts"]], dtype=torch.long)
+    return remap[entry["prompt"]] * 1_000_000 + entry["pos"]
+
+
+def _align(eng_doc: dict, eng: dict, ref_doc: dict, ref: dict, prompts: list[str]):
+    """(engine rows, reference rows, engine keys, engine phases) over the rows both have."""
+    import torch
+
+    ek, rk = _keys(eng_doc, eng, prompts), _keys(ref_doc, ref, prompts)
+    order = torch.argsort(rk)
+    rk_sorted = rk[order]
+    pos = torch.searchsorted(rk_sorted, ek)
+    pos = pos.clamp(max=max(len(rk_sorted) - 1, 0))
+    hit = (rk_sorted[pos] == ek) if len(rk_sorted) else torch.zeros_like(ek, dtype=torch.bool)
+    ri = order[pos[hit]]
+    return eng["value"][hit], ref["value"][ri], ek[hit], eng["phase"][hit]
+
+
+def rel_l2(e, r) -> float:
+    import torch
+
+    num = torch.linalg.vector_norm(e.double() - r.double())
+    den = torch.linalg.vector_norm(r.double())
+    if float(den) == 0.0:
+        return 0.0 if float(num) == 0.0 else math.inf
+    return float(num / den)
+
+
+def _dense_weights(ids, weights, n_experts: int):
+    import torch
+
+    out = torch.zeros(ids.shape[0], n_experts, dtype=torch.float64)
+    out.scatter_(1, ids.long(), weights.double())
+    return out
+
+
+def _sets_equal(a, b):
+    import torch
+
+    return (torch.sort(a.long(), dim=1).values == torch.sort(b.long(), dim=1).values).all(dim=1)
+
+
+@dataclass
+class _Measure:
+    error: float | None
+    rows: int
+    value: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+    worst: dict | None = None
+    note: str = ""
+
+
+def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
+    """Relative L2 error pooled over rows, over prefill and decode rows apart, and the worst row."""
+    import torch
+
+    if e.shape[1] != r.shape[1]:
+        return _Measure(None, 0, note=f"shapes differ: engine {tuple(e.shape[1:])}, reference {tuple(r.shape[1:])}")
+    rr = r.double()
+    num2 = (e.double() - rr).square().sum(-1)  # per row, squared
+    den2 = rr.square().sum(-1)
+
+    def pooled(mask) -> float | None:
+        if not bool(mask.any()):
+            return None
+        n, d = float(num2[mask].sum()), float(den2[mask].sum())
+        return (0.0 if n == 0.0 else math.inf) if d == 0.0 else math.sqrt(n / d)
+
+    every = torch.ones_like(phase, dtype=torch.bool)
+    worst = None
+    if len(keys):
+        row = num2.sqrt() / den2.sqrt().clamp(min=max(float(den2.sqrt().mean()) * 1e-3, 1e-30))
+        k = int(row.argmax())
+        key = int(keys[k])
+        worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
+                 "phase": "decode" if int(phase[k]) else "prefill", "error": float(row[k])}
+    return _Measure(pooled(every), int(e.shape[0]), prefill=pooled(phase == 0), decode=pooled(phase == 1),
+                    worst=worst)
+
+
+def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts) -> tuple[_Measure, _Measure]:
+
+    if ids_e.shape[1] != ids_r.shape[1]:
+        note = f"top-k differs: engine {ids_e.shape[1]}, reference {ids_r.shape[1]}"
+        return _Measure(1.0, int(ids_e.shape[0]), value=0.0, note=note), _Measure(None, 0, note=note)
+    same = _sets_equal(ids_e, ids_r)
+    agreement = float(same.double().mean()) if len(same) else math.nan
+    worst = None
+    if not bool(same.all()):
+        k = int((~same).nonzero()[0])
+        key = int(keys[k])
+        worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
+                 "phase": "decode" if int(phase[k]) else "prefill",
+                 "engine": sorted(int(x) for x in ids_e[k]), "reference": sorted(int(x) for x in ids_r[k])}
+    sel = _Measure(1.0 - agreement, int(same.shape[0]), value=agreement, worst=worst,
+                   note=f"{int((~same).sum())} of {int(same.shape[0])} rows route to another expert set")
+    if w_e is None or w_r is None or not bool(same.any()):
+        return sel, _Measure(None, 0, note="no rows with the same expert set" if w_e is not None else "")
+    de = _dense_weights(ids_e[same], w_e[same], n_experts)
+    dr = _dense_weights(ids_r[same], w_r[same], n_experts)
+    return sel, _measure_tensor(de, dr, keys[same], phase[same], prompts)
+
+
+def _pair(eng_doc, ref_doc, key, prompts, rows_of=None):
+    """Aligned (engine, reference) rows of one point, restricted to `rows_of` keys if given."""
+    e, r = _index(eng_doc).get(key), _index(ref_doc).get(key)
+    if e is None or r is None:
+        return None
+    return _align(eng_doc, e, ref_doc, r, prompts)
+
+
+def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *, engine_name: str = "engine",
+                     reference_lp: dict | None = None, engine_table: CaptureTable | None = None) -> BisectResult:
+    """Compare an engine capture with the float32 reference capture (and, for a
+    low-precision engine, the reference's own capture in that dtype as the noise yardstick).
+    See the module docstring for the rule."""
+    for name, doc in (("engine", engine), ("reference", reference)):
+        if not isinstance(doc, dict) or doc.get("schema") != "dsadapt.capture/1":
+            raise BisectError(f"the {name} capture is not a dsadapt.capture/1 document")
+    strict = dtype in STRICT_DTYPES
+    if not strict and reference_lp is None:
+        raise BisectError(f"a {dtype} engine needs the reference's own {dtype} capture as its noise yardstick")
+    prompts = list(reference["prompts"])
+    for pid in engine["prompts"]:
+        if pid in reference["sequences"] and engine["sequences"][pid][: len(reference["sequences"][pid])] != \
+                reference["sequences"][pid][: len(engine["sequences"][pid])]:
+            raise BisectError(f"prompt {pid!r}: the engine and the reference ran different token sequences")
+    n_layers = int(config.get("num_hidden_layers", 0))
+    moe = moe_layers(config)
+    n_experts = int(config.get("n_routed_experts") or 0)
+    lp_rule = LOW_PRECISION_POINT_RULES.get(dtype, LOW_PRECISION_POINT_RULES["bfloat16"])
+    eng_sites = {s.point: s for s in (engine_table.sites if engine_table else ())}
+    ref_idx = _index(reference)
+    results: list[PointResult] = []
+
+    def engine_module(point: str, layer: int | None) -> str | None:
+        s = eng_sites.get(point)
+        if s is None:
+            return None
+        where = s.path.replace("{i}", str(layer)) if layer is not None else s.path
+        return f"{where}.{s.method}()" if s.method else where or s.function
+
+    def add(layer, pdef: PointDef, m: _Measure | None, noise: _Measure | None, metric="rel_l2"):
+        label, family = pdef.label, pdef.family
+        if pdef.name == "mlp" and layer in moe:
+            label, family = "moe", "moe"
+        res = PointResult(layer, pdef.name, label, family, pdef.hf.replace("{i}", str(layer)),
+                          engine_module(pdef.name, layer), metric, None, None)
+        if m is None or m.error is None or m.rows == 0:
+            res.status = "not compared"
+            res.note = (m.note if m else "") or "the engine's capture has no rows for this point"
+            results.append(res)
+            return
+        res.error, res.rows, res.value = m.error, m.rows, m.value
+        res.prefill_error, res.decode_error, res.worst, res.note = m.prefill, m.decode, m.worst, m.note
+        if metric == "agreement":
+            ref_agree = 1.0 if strict else (noise.value if noise and noise.value is not None else 1.0)
+            margin = 0.0 if strict else lp_rule.agreement_margin
+            floor_agree = STRICT_RULE.min_agreement if strict else max(0.0, ref_agree - margin)
+            res.noise = None if strict else 1.0 - ref_agree
+            res.limit = 1.0 - floor_agree
+            res.status = "above" if (m.value if m.value is not None else 0.0) < floor_agree - 1e-12 else "ok"
+        else:
+            if strict:
+                res.limit = STRICT_RULE.limit(pdef.name)
+            else:
+                res.noise = noise.error if noise else None
+                res.limit = lp_rule.limit(pdef.name, res.noise)
+            res.status = "above" if not (res.error <= res.limit) else "ok"
+        results.append(res)
+
+    flipped: dict[int, Any] = {}  # MoE layer -> keys of rows routed to another expert set (either side)
+
+    def tensor_point(layer, pdef):
+        import torch
+
+        key = (layer, pdef.name)
+        if key not in ref_idx:
+            return  # the reference model has no such module (e.g. q_a_layernorm without q LoRA)
+        got = _pair(engine, reference, key, prompts)
+        if got is None:
+            add(layer, pdef, None, None)
+            return
+        e, r, keys, phase = got
+        note = ""
+        # A row sent to other experts differs by design from there on (expert selection is judged
+        # by its own point): compare the arithmetic on the rows both sides routed alike so far.
+        upto = layer + 1 if layer is not None and pdef.name in ("routed", "mlp", "out") else layer
+        skip = [k for lay, k in flipped.items() if upto is None or lay < upto]
+        skip = torch.cat(skip) if skip else None
+        if skip is not None and len(skip):
+            keep = ~torch.isin(keys, skip)
+            if int(keep.sum()):
+                e, r, keys, phase = e[keep], r[keep], keys[keep], phase[keep]
+                if int((~keep).sum()):
+                    note = f"{int((~keep).sum())} row(s) routed to another expert set upstream (here or in the " \
+                           f"reference's own {dtype} run) left out"
+        m = _measure_tensor(e, r, keys, phase, prompts)
+        m.note = m.note or note
+        noise = None
+        if reference_lp is not None:
+            lp = _pair(engine, reference_lp, key, prompts)  # reference LP rows at the engine's keys
+            if lp is not None and lp[1].shape[1:] == r.shape[1:]:
+                lp_keys = lp[2]
+                sel = torch.isin(lp_keys, keys)
+                ref_rows = _pair(engine, reference, key, prompts)
+                ref_sel = torch.isin(ref_rows[2], keys)
+                if int(sel.sum()) == int(ref_sel.sum()) and int(sel.sum()):
+                    noise = _Measure(rel_l2(lp[1][sel], ref_rows[1][ref_sel]), int(sel.sum()))
+        add(layer, pdef, m, noise)
+
+    def router_points(layer):
+        import torch
+
+        ids_key, w_key = (layer, "router.experts"), (layer, "router.weights")
+        if ids_key not in ref_idx:
+            return
+        ids = _pair(engine, reference, ids_key, prompts)
+        if ids is None:
+            add(layer, POINT["router.experts"], None, None, "agreement")
+            add(layer, POINT["router.weights"], None, None)
+            return
+        ie, ir, keys, phase = ids
+        w = _pair(engine, reference, w_key, prompts)
+        we = wr = None
+        if w is not None and w[0].shape[0] == ie.shape[0]:
+            we, wr = w[0], w[1]
+        sel, wts = _measure_router(ie, ir, we, wr, keys, phase, prompts, n_experts)
+        flips = keys[~_sets_equal(ie, ir)] if ie.shape[1] == ir.shape[1] else keys
+        noise_sel = noise_w = None
+        if reference_lp is not None:
+            lp_ids = _pair(engine, reference_lp, ids_key, prompts)
+            lp_w = _pair(engine, reference_lp, w_key, prompts)
+            if lp_ids is not None and lp_w is not None and lp_ids[1].shape == ir.shape:
+                # the reference's own dtype run against its float32 run, on the engine's rows
+                noise_sel, noise_w = _measure_router(lp_ids[1], ir, lp_w[1], wr, keys, phase, prompts, n_experts)
+                flips = torch.cat([flips, keys[~_sets_equal(lp_ids[1], ir)]])
+        flipped[layer] = flips
+        add(layer, POINT["router.experts"], sel, noise_sel, "agreement")
+        if w is None:
+            add(layer, POINT["router.weights"], None, None)
+        else:
+            add(layer, POINT["router.weights"], wts, noise_w)
+
+    tensor_point(None, POINT["embed"])
+    for layer in range(n_layers):
+        for name in LAYER_POINTS:
+            if name == "router.experts":
+                router_points(layer)
+            elif name == "router.weights":
+                continue
+            else:
+                tensor_point(layer, POINT[name])
+    tensor_point(None, POINT["final_norm"])
+    tensor_point(None, POINT["logits"])
+
+    above = [p for p in results if p.above]
+    first = above[0] if above else None
+    reasons = []
+    if first:
+        reasons.append(f"first divergence: {first.where} ({first.module}): {describe(first)}")
+        if len(above) > 1:
+            reasons.append(f"{len(above) - 1} later point(s) above their limits (downstream of it)")
+    compared = [p for p in results if p.status != "not compared"]
+    if not compared:
+        reasons.append("no point could be compared (the capture tables do not fit this model)")
+    thresholds = asdict(STRICT_RULE) if strict else asdict(lp_rule)
+    res = BisectResult(engine=engine_name, dtype=dtype, rule="strict" if strict else "low-precision",
+                       points=results, first=first, layers=n_layers, passed=not reasons, reasons=reasons,
+                       explanation=[], thresholds=thresholds,
+                       rows={"engine_calls": engine.get("calls"), "prompts": len(engine["prompts"])},
+                       missing=sorted(set(engine.get("missing", []))))
+    res.explanation = explain_bisect(res, config)
+    return res
+
+
+def describe(p: PointResult) -> str:
+    if p.metric == "agreement":
+        s = f"expert sets agree on {p.value:.1%} of {p.rows} rows"
+        if p.noise is not None and p.limit is not None:
+            s += f" (the reference's own {1 - p.noise:.1%}; limit {1 - p.limit:.1%})"
+        elif p.limit is not None:
+            s += f" (must be {1 - p.limit:.0%})"
+        return s
+    s = f"relative error {p.error:.3g} > {p.limit:.3g}" if p.above else f"relative error {p.error:.3g}"
+    if p.noise is not None:
+        s += f" (reference's own {p.noise:.3g})"
+    return s
+
+
+def explain_bisect(res: BisectResult, config: dict) -> list[str]:
+    """Where the engine leaves the reference and what that module family points to."""
+    p = res.first
+    if p is None:
+        compared = sum(q.status != "not compared" for q in res.points)
+        return [f"every compared point is within its {res.rule} limit ({compared} points over "
+                f"{res.layers} layers)"]
+    pdef = POINT[p.point]
+    lines = [f"first divergence at {p.where} — {p.module}: {describe(p)}"]
+    if p.worst:
+        w = p.worst
+        lines.append(f"worst row: prompt {w['prompt']} position {w['position']} ({w['phase']})"
+                     + (f", relative error {w['error']:.3g}" if "error" in w else "")
+                     + (f", engine experts {w['engine']} vs reference {w['reference']}" if "engine" in w else ""))
+    upstream = [q for q in res.points if q.layer == p.layer and q is not p and q.status == "ok"
+                and res.points.index(q) < res.points.index(p)]
+    if upstream and p.layer is not None:
+        lines.append("its inputs in this layer match (" + ", ".join(q.label for q in upstream) + "): the "
+                     f"difference starts in {p.label}")
+    hint = pdef.hint
+    if p.point == "mlp" and p.family == "moe":
+        hint = "the MoE combine: routed and shared experts each match, their sum does not " \
+               "(routed_scaling_factor applied to the wrong term, or a term dropped)"
+    lines.append(f"look at: {hint}")
+    if p.point in ("attn.q_rope", "attn.k_rope") and p.worst is not None:
+        orig = _original_max(config)
+        if orig:
+            lines.append(f"(YaRN: original_max_position_embeddings={orig}; the worst row is at position "
+                         f"{p.worst['position']})")
+    if p.prefill_error is not None and p.decode_error is not None and p.limit is not None:
+        if p.prefill_error <= p.limit < p.decode_error:
+            lines.append("prefill rows match, decode rows do not: the decode path (KV-cache read, "
+                         "absorbed MLA weights, the decode kernel)")
+        elif p.decode_error <= p.limit < p.prefill_error:
+            lines.append("decode rows match, prefill rows do not: the prefill path (prefill attention "
+                         "kernel, the kv_b_proj expansion used only in prefill)")
+    down = [q for q in res.points if q.above and q is not p]
+    if down:
+        lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
+                     f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
+    not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
+    if not_cmp:
+        lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
+    return lines
+
+
+def _original_max(config: dict) -> int | None:
+    for key in ("rope_scaling", "rope_parameters"):
+        rs = config.get(key)
+        if isinstance(rs, dict) and rs.get("original_max_position_embeddings"):
+            return int(rs["original_max_position_embeddings"])
+    return None
+
+
+# ----------------------------------------------------------------------------- report helpers
+
+
+#: Exact agreement is drawn at this error (log scale).
+HEATMAP_FLOOR = 1e-9
+
+
+def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[float | None]], list[list[str]]]:
+    """(row labels, column labels, log10 errors, statuses) for the heat map: one row per
+    decoder layer plus one for the model-level points, one column per point label."""
+    cols: list[str] = []
+    for p in POINTS:
+        if p.per_layer:
+            cols.append(p.label)
+            if p.name == "mlp":
+                cols.append("moe")
+    cols += [p.label for p in POINTS if not p.per_layer]
+    rows = [f"layer {i}" for i in range(res.layers)] + ["model"]
+    values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
+    status: list[list[str]] = [[""] * len(cols) for _ in rows]
+    for q in res.points:
+        if q.error is None or q.label not in cols:
+            continue
+        r = len(rows) - 1 if q.layer is None else q.layer
+        c = cols.index(q.label)
+        values[r][c] = math.log10(max(q.error, HEATMAP_FLOOR))
+        status[r][c] = "first" if q is res.first else q.status
+    keep = [c for c in range(len(cols)) if any(values[r][c] is not None for r in range(len(rows)))]
+    return (rows, [cols[c] for c in keep], [[row[c] for c in keep] for row in values],
+            [[row[c] for c in keep] for row in status])

@@ -1,0 +1,165 @@
+"""Per-position |Δ logprob| plot of a `Comparison` (PNG, matplotlib Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from patcher.rules.logits import Comparison
+
+#: Floor for the log axis: exact zeros are drawn here.
+FLOOR = 1e-9
+
+
+def plot_deltas(comparison: Comparison, out: Path, title: str | None = None,
+                original_max: int | None = None) -> Path:
+    """One line per prompt of max |Δ logprob| against query position, log y-axis,
+    with the tolerance (strict rule) and YaRN's original_max_position_embeddings
+    (if given) drawn as reference lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for row in comparison.rows:
+        pts = [(q, max(d, FLOOR)) for q, d in enumerate(row.deltas) if d is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker=".", markersize=3, linewidth=1,
+                    label=f"{row.id}{'' if row.passed else ' (fail)'}")
+    if comparison.tolerance is not None:
+        ax.axhline(comparison.tolerance, color="red", linestyle="--", linewidth=1,
+                   label=f"tolerance {comparison.tolerance:g}")
+    if original_max is not None:
+        ax.axvline(original_max, color="grey", linestyle=":", linewidth=1,
+                   label=f"original_max_position_embeddings {original_max}")
+    ax.set_yscale("log")
+    ax.set_xlabel("query position")
+    ax.set_ylabel("max |Δ logprob| over top-k")
+    eng, ref = comparison.engine, comparison.reference
+    ax.set_title(title or f"{eng['engine']} {eng['engine_version']} ({eng['dtype']}) vs "
+                          f"{ref['engine']} {ref['engine_version']} ({ref['dtype']}): "
+                          f"{'PASS' if comparison.passed else 'FAIL'}")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_perf(report: dict, out: Path) -> Path:
+    """The speed gate's picture: output tokens/s and latency against concurrency for both
+    sides (every round a dot, the mean a line), and each gated ratio with its confidence
+    interval against the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from patcher.rules.speed import GATED, METRIC
+
+    sides = report["sides"]
+    points = report["points"]
+    conc = [p["concurrency"] for p in points]
+    colors = {sides[0]: "tab:red", sides[1]: "tab:blue"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    ax = axes[0]
+    for side in sides:
+        ax.plot(conc, [p["sides"][side]["output_throughput"] for p in points], marker="o", color=colors[side],
+                label=side)
+        for p in points:
+            ys = [r["output_throughput"] for r in p["per_round"][side] if r.get("output_throughput")]
+            ax.scatter([p["concurrency"]] * len(ys), ys, s=10, color=colors[side], alpha=0.5)
+    _conc_axis(ax, conc)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput (dots: rounds)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for side in sides:
+        for key, style in (("ttft_mean", "-"), ("tpot_mean", "--"), ("e2el_p50", ":"), ("e2el_p99", "-.")):
+            ys = [p["sides"][side][key] for p in points]
+            ax.plot(conc, ys, linestyle=style, marker=".", color=colors[side], label=f"{side} {METRIC[key].label}")
+    _conc_axis(ax, conc)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title("latency")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[2]
+    width = 0.08
+    for i, key in enumerate(GATED):
+        xs, ys, lo, hi = [], [], [], []
+        for p in points:
+            r = p["ratios"][key]
+            if r["estimate"] is None:
+                continue
+            xs.append(p["concurrency"] * (1 + (i - 1) * width))
+            ys.append(r["estimate"])
+            lo.append(r["estimate"] - r["lo"])
+            hi.append(r["hi"] - r["estimate"])
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=METRIC[key].label)
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.axhline(report["threshold"], color="red", linestyle="--", linewidth=1, label=f"threshold {report['threshold']:g}")
+    _conc_axis(ax, conc)
+    ax.set_ylabel(f"{sides[0]} / {sides[1]} (< 1: {sides[0]} slower)")
+    ax.set_title("ratios, 95% bootstrap CI")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"dsadapt perf {report['pin']} ({report['variant']}) {report['model']} {report.get('config_style') or ''} "
+                 f"{report['dtype']}: {report['verdict'].upper()}", fontsize=11)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _conc_axis(ax, conc) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc)
+    ax.set_xticklabels([str(c) for c in conc])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency")
+
+
+def plot_bisect(result, out: Path, title: str | None = None) -> Path:
+    """Heat map of a `BisectResult`: decoder layers (rows, plus one for model-level points) x
+    comparison points (columns), colour = log10 of the point's error (relative L2; 1 -
+    agreement for expert selection). Points above their limit are marked with a cross, the
+    first divergence with a red box; blank cells were not compared."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from patcher.rules.modules import heatmap_grid
+
+    rows, cols, values, status = heatmap_grid(result)
+    grid = np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(cols) + 2), max(3.0, 0.5 * len(rows) + 1.8)))
+    finite = grid[np.isfinite(grid)]
+    vmin = float(finite.min()) if finite.size else -8.0
+    vmax = float(finite.max()) if finite.size else 0.0
+    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=min(vmin, vmax - 1e-6), vmax=vmax)
+    for r in range(len(rows)):
+        for c in range(len(cols)):
+            s = status[r][c]
+            if s in ("above", "first"):
+                ax.text(c, r, "x", ha="center", va="center", color="white", fontsize=9, fontweight="bold")
+            if s == "first":
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels(cols, rotation=55, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows, fontsize=8)
+    fig.colorbar(im, ax=ax, label="log10 relative error")
+    first = result.first
+    sub = (f"first divergence: {first.where}" if first else "no point above its limit") + f" ({result.rule} rule)"
+    ax.set_title((title or f"{result.engine} vs HF transformers, {result.dtype}") + "\n" + sub, fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,1068 @@
+"""The one place a stack's checkout changes: a crash-consistent transaction over `git am -3`.
+
+Modelled on StGit's StackTransaction and on git's own sequencer: before any step that could
+lose something, the transaction durably records (in ``.git/dsadapt/state.json``: temporary
+file, fsync, rename, fsync of the directory) what it is about to do, and saves what the step
+could destroy -- uncommitted and untracked work as a stash-shaped commit under
+``refs/dsadapt/backup/<n>``, the branch head, the patches/ files it replaces. Every step is
+idempotent. When a run dies at any point, the next `continue`, `skip`, `abort` (or a rerun)
+reads the record and what git shows (HEAD, the ``rebase-apply`` directory, the commits since
+the run started) and either finishes or rolls back: the same decision whatever instant the
+process died at.
+
+What differs between kinds of operation (apply, rebase, refresh) plugs in as an `OpKind`
+registered by name; the transaction itself knows nothing about rebase.
+
+Phases of an op (each one recorded before its step runs)::
+
+    save      backups being made; the work tree is untouched        (abort: drop the backups)
+    reset     work tree being reset to the base (its work is saved)
+    replay    one `git am -3` is applying the remaining patches
+    stopped   am stopped on a real conflict: the user resolves       (continue | skip | abort)
+    continue  `git am --continue` is committing the user's resolution
+    skip      `git am --skip` is dropping the stopped patch
+    finish    the kind writes its results (state, patches/, report)
+    abort     going back to the recorded starting point
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from patcher.base.errors import ConflictStop, WorkspaceError
+from patcher.base.fsutil import atomic_write_text, git_blob_id, remove_tree
+from patcher.base.gitutil import (
+    FIXED_DATE,
+    Git,
+    WorkSnapshot,
+    clear_stale_locks,
+    snapshot_commit,
+    work_fingerprint,
+    work_snapshot,
+)
+
+SCHEMA = 2
+BASE_REF = "refs/dsadapt/base"
+STACK_REF = "refs/dsadapt/stack"          # the stack files (series + patches) last applied or exported
+BACKUP_PREFIX = "refs/dsadapt/backup/"
+OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
+MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+FIXED_MAIL_DATE = "Tue, 14 Nov 2023 22:13:20 -0000"  # RFC 2822 form of gitutil.FIXED_DATE (email.utils.formatdate)
+
+Progress = Callable[[str], None]
+
+
+def branch_name(tag: str) -> str:
+    return f"dsadapt/{tag}"
+
+
+# ---------------------------------------------------------------- the record (plain data)
+
+
+@dataclass
+class PatchMeta:
+    name: str
+    subject: str
+
+
+@dataclass
+class PatchOutcome:
+    index: int
+    name: str
+    subject: str
+    outcome: str  # clean | merged | changed | skipped | upstream (rebase only)
+    commit: str | None = None
+
+
+@dataclass
+class Orig:
+    """Where the checkout was before the op: what `abort` returns to."""
+
+    branch: str | None         # the branch HEAD was on (None: detached)
+    head: str | None           # HEAD's commit
+    branch_head: str | None    # refs/heads/dsadapt/<tag> (None: the branch did not exist)
+    stack_ref: str | None      # refs/dsadapt/stack
+    dirty: bool                # uncommitted or untracked work (saved in saves["work"])
+    print: str | None = None   # its work_fingerprint: `abort` checks the work is back exactly
+
+
+@dataclass
+class AmRun:
+    """One `git am` sequence: the patches it was given, in order, and where it started."""
+
+    start: str                  # HEAD when it started
+    indices: list[int]          # 1-based stack positions, in am's order
+    mbox: str                   # file in the op dir
+    head_at_stop: str | None = None
+    stop_print: str | None = None    # work_fingerprint when it stopped: any other state is the user's doing
+    resolution: str | None = None    # commit the user made by hand for the stopped patch
+
+
+@dataclass
+class Op:
+    kind: str
+    ref: str
+    stack_hash: str
+    patches: list[PatchMeta]
+    orig: Orig
+    phase: str = "save"
+    saves: dict[str, str] = field(default_factory=dict)   # what -> backup ref (planned names)
+    outcomes: dict[int, PatchOutcome] = field(default_factory=dict)
+    am: AmRun | None = None
+    stopped: int | None = None
+    abort_from: str | None = None
+    abort_saved: bool = False
+    restored: bool = False
+    snapshot: str | None = None      # commit holding the stack's files as this op read them
+    started: float = 0.0
+    extra: dict = field(default_factory=dict)   # the kind's own data
+    schema: int = SCHEMA
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["outcomes"] = [asdict(o) for _, o in sorted(self.outcomes.items())]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Op:
+        d = dict(d)
+        d["patches"] = [PatchMeta(**p) for p in d.get("patches", [])]
+        d["orig"] = Orig(**d["orig"])
+        d["outcomes"] = {o["index"]: PatchOutcome(**o) for o in d.get("outcomes", [])}
+        d["am"] = AmRun(**d["am"]) if d.get("am") else None
+        return cls(**d)
+
+    @property
+    def total(self) -> int:
+        return len(self.patches)
+
+    def meta(self, index: int) -> PatchMeta:
+        return self.patches[index - 1]
+
+    def done_count(self) -> int:
+        return len(self.outcomes)
+
+
+@dataclass
+class Applied:
+    stack_hash: str
+    head: str | None
+    needs_refresh: list[str] = field(default_factory=list)
+    snapshot: str | None = None      # commit of the stack files this head corresponds to
+    snapshot_tree: str | None = None
+
+
+@dataclass
+class State:
+    ref: str
+    source: dict | None
+    base: str | None
+    applied: Applied | None = None
+    op: Op | None = None
+    legacy_op: dict | None = None    # an op recorded by dsadapt < schema 2 (only `abort` finishes it)
+    schema: int = SCHEMA
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "ref": self.ref, "source": self.source, "base": self.base,
+                "applied": asdict(self.applied) if self.applied else None,
+                "op": self.op.to_json() if self.op else None,
+                **({"legacy_op": self.legacy_op} if self.legacy_op else {})}
+
+    @classmethod
+    def from_json(cls, d: dict) -> State:
+        schema = d.get("schema", 1)
+        if not isinstance(schema, int) or schema > SCHEMA:
+            raise ValueError(f"state schema {schema} is newer than this dsadapt ({SCHEMA})")
+        applied = d.get("applied")
+        if schema < 2:
+            ap = Applied(applied["stack_hash"], applied.get("head"), list(applied.get("needs_refresh") or [])) \
+                if applied else None
+            return cls(d["ref"], d.get("source"), d.get("base"), ap, None, d.get("op") or None)
+        return cls(d["ref"], d.get("source"), d.get("base"), Applied(**applied) if applied else None,
+                   Op.from_json(d["op"]) if d.get("op") else None, d.get("legacy_op"))
+
+
+# ---------------------------------------------------------------- a checkout
+
+
+class Checkout:
+    """One checkout directory (a normal git repository) and its dsadapt state."""
+
+    def __init__(self, cfg, ref):
+        self.cfg = cfg
+        self.ref = ref
+        self.path = cfg.checkout_dir(ref.engine, ref.tag)
+        self.git = Git(self.path)
+
+    @property
+    def exists(self) -> bool:
+        return (self.path / ".git").is_dir() and self.state_path.is_file()
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / ".git" / "dsadapt" / "state.json"
+
+    @property
+    def op_dir(self) -> Path:
+        return self.path / ".git" / "dsadapt" / "op"
+
+    @property
+    def am_dir(self) -> Path:
+        return self.path / ".git" / "rebase-apply"
+
+    @property
+    def branch(self) -> str:
+        return branch_name(self.ref.tag)
+
+    @property
+    def branch_ref(self) -> str:
+        return f"refs/heads/{self.branch}"
+
+    def load(self) -> State:
+        try:
+            return State.from_json(json.loads(self.state_path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise WorkspaceError(f"{self.path} has no dsadapt state", hint=f"run `dsadapt apply {self.ref}`") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise WorkspaceError(f"{self.path}: unreadable dsadapt state ({e.__class__.__name__}: {e})",
+                                 hint=f"move the directory away and run `dsadapt apply {self.ref}` again") from None
+
+    def load_state(self) -> dict:
+        """The state as JSON (what `.git/dsadapt/state.json` holds)."""
+        return self.load().to_json()
+
+    def save(self, state: State) -> None:
+        atomic_write_text(self.state_path, json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n")
+
+    def am_in_progress(self) -> bool:
+        return self.am_dir.exists()
+
+    def base(self) -> str:
+        """refs/dsadapt/base (it never moves once the checkout exists: read once)."""
+        b = getattr(self, "_base", None) or self.git.rev(BASE_REF)
+        if not b:
+            raise WorkspaceError(f"{self.path}: {BASE_REF} is missing", hint="the checkout is damaged; move it away and re-apply")
+        self._base = b
+        return b
+
+    def backups(self) -> list[str]:
+        return [r for r, _ in self.git.refs(BACKUP_PREFIX)]
+
+    def next_backup_names(self, n: int) -> list[str]:
+        taken = {r.removeprefix(BACKUP_PREFIX) for r in self.backups()}
+        out: list[str] = []
+        i = 1
+        while len(out) < n:
+            if str(i) not in taken:
+                out.append(f"{BACKUP_PREFIX}{i}")
+            i += 1
+        return out
+
+
+# ---------------------------------------------------------------- op kinds (registration)
+
+
+class OpKind(Protocol):
+    """What differs between kinds of stack operation. Methods run inside a Transaction."""
+
+    name: str
+    verb: str   # "apply" / "rebase": in messages ("undo the whole rebase")
+
+    def prepare(self, tx: Transaction) -> None:
+        """Idempotent steps before the checkout is touched (rebase: pin NEW, comparison refs)."""
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        """Patches decided without running them: {index: (outcome, detail)}."""
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        """A patch stopped `git am`: a reason to drop it instead of stopping (rebase: already upstream)."""
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        """(outcome, detail) of a patch am applied (commit) or found empty (None)."""
+
+    def finish(self, tx: Transaction) -> StackResult:
+        """Write the op's results and close it (tx.close)."""
+
+    def undo(self, tx: Transaction) -> None:
+        """Idempotently undo what prepare/finish did outside the checkout's branch and work tree."""
+
+
+KINDS: dict[str, OpKind] = {}
+
+
+def register(kind: OpKind) -> OpKind:
+    KINDS[kind.name] = kind
+    return kind
+
+
+def kind_of(name: str) -> OpKind:
+    if name not in KINDS:  # kinds living in other modules register themselves on import (entry points)
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="dsadapt.ops"):
+            if ep.name == name:
+                ep.load()
+    if name not in KINDS:
+        raise WorkspaceError(f"unknown operation kind {name!r} in the checkout's state",
+                             hint="it was started by another dsadapt version; `dsadapt abort` undoes it")
+    return KINDS[name]
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class StackResult:
+    ref: str
+    checkout: str
+    source: dict | None
+    base: str
+    head: str | None
+    stack_hash: str
+    outcomes: list[PatchOutcome] = field(default_factory=list)
+    noop: bool = False
+    backup_ref: str | None = None
+    backups: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def with_fixed_date(text: str) -> str:
+    """The patch with a fixed Date header: `git am` takes the author date from the mail and
+    ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
+    first, sep, rest = text.partition("\n")
+    if first.startswith("From ") and not first.startswith("From:"):
+        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
+    return f"Date: {FIXED_MAIL_DATE}\n{text}"
+
+
+def mbox(texts: list[str]) -> str:
+    return "".join(MBOX_FROM + with_fixed_date(t) + ("" if t.endswith("\n") else "\n") for t in texts)
+
+
+def split_mbox(text: str) -> list[str]:
+    parts = text.split(MBOX_FROM)
+    return [p.split("\n", 1)[1] if p.startswith("Date: ") else p for p in parts[1:]]
+
+
+_BRACKET = re.compile(r"^\s*(\[[^\]]*\]|re:)\s*", re.IGNORECASE)
+
+
+def norm_subject(s: str) -> str:
+    """A subject as `git am` turns it into a commit subject (mailinfo strips [..] and Re: prefixes)."""
+    s = " ".join(s.split())
+    while True:
+        m = _BRACKET.match(s)
+        if not m or not m.group(0):
+            return s.strip().lower()
+        s = s[m.end():]
+
+
+SNAPSHOT_IDENT = f"dsadapt <dsadapt@localhost> {FIXED_DATE}"
+
+
+def files_commit(g: Git, files: dict[str, bytes]) -> str:
+    names = sorted(files, key=lambda x: x.encode("utf-8"))
+    body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(g.write_object("blob", files[n]))
+                    for n in names)
+    tree = g.write_object("tree", body)
+    msg = f"tree {tree}\nauthor {SNAPSHOT_IDENT}\ncommitter {SNAPSHOT_IDENT}\n\ndsadapt: stack files\n"
+    return g.write_object("commit", msg.encode("utf-8"))
+
+
+def flat_tree_id(files: dict[str, bytes]) -> str:
+    """The id git gives a tree of plain files (mode 100644) with these names and bytes."""
+    import hashlib
+
+    body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(git_blob_id(files[n]))
+                    for n in sorted(files, key=lambda x: x.encode("utf-8")))
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _am_blocks(stdout: str) -> list[str]:
+    """`git am` output split per patch it looked at ("Applying: ..." starts each)."""
+    blocks, cur = [], None
+    for line in stdout.splitlines():
+        if line.startswith("Applying: "):
+            if cur is not None:
+                blocks.append(cur)
+            cur = line + "\n"
+        elif cur is not None:
+            cur += line + "\n"
+    if cur is not None:
+        blocks.append(cur)
+    return blocks
+
+
+# ---------------------------------------------------------------- the transaction
+
+
+class Transaction:
+    """An op on one checkout: begin, run, stop, continue, skip, abort, recover."""
+
+    def __init__(self, co: Checkout, state: State, on_patch: Callable[[PatchOutcome], None] | None = None,
+                 progress: Progress | None = None):
+        self.co = co
+        self.git = co.git
+        self.state = state
+        self.on_patch = on_patch
+        self.progress = progress
+        self.notes: list[str] = []
+        self._reported: set[int] = set()
+        self._fresh = False  # begun in this process: nothing to recover, no existence checks needed
+        self.cache: dict = {}  # what a kind computes once per run (rebase: the exported commits)
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, co: Checkout, on_patch=None, progress=None) -> Transaction:
+        """Load the checkout's state after making sure no git process still works in it and
+        removing the lock files a killed git left behind."""
+        tx = cls(co, co.load(), on_patch, progress)
+        tx.clear_stale_locks()
+        return tx
+
+    @property
+    def op(self) -> Op:
+        assert self.state.op is not None
+        return self.state.op
+
+    @property
+    def kind(self) -> OpKind:
+        return kind_of(self.op.kind)
+
+    def clear_stale_locks(self) -> list[str]:
+        """Remove git lock files whose holder is gone; wait for (then refuse) a live git process."""
+        try:
+            gone = clear_stale_locks(self.co.path, busy_check=self.co.am_in_progress())
+        except WorkspaceError as e:
+            raise WorkspaceError(f"{self.co.ref}: {e.message}", hint=e.hint) from None
+        removed = [str(lf.relative_to(self.co.path)) for lf in gone]
+        if removed:
+            self.notes.append(f"removed stale {', '.join(removed)} (its git process is gone)")
+            if self.progress:
+                self.progress(self.notes[-1])
+        return removed
+
+    def write(self) -> None:
+        self.co.save(self.state)
+
+    def set_phase(self, phase: str) -> None:
+        self.op.phase = phase
+        self.write()
+
+    # ------------------------------------------------------------ begin
+
+    def begin(self, op: Op, texts: list[str], stack_files: dict[str, bytes] | None = None) -> None:
+        """Record the op (nothing in the checkout has changed yet)."""
+        if self.state.op is not None:
+            raise WorkspaceError(f"{self.co.ref}: an operation is already in progress",
+                                 hint=f"finish it with `dsadapt continue {self.co.ref}` or `dsadapt abort {self.co.ref}`")
+        op.started = time.time()
+        remove_tree(self.co.op_dir)
+        self.co.op_dir.mkdir(parents=True, exist_ok=True)
+        if texts:
+            atomic_write_text(self.co.op_dir / "all.mbox", mbox(texts))
+        if stack_files is not None:
+            op.snapshot = self.files_commit(stack_files)
+            op.extra["snapshot_tree"] = flat_tree_id(stack_files)
+        self.state.op = op
+        self.write()
+        self._fresh = True
+
+    def files_commit(self, files: dict[str, bytes]) -> str:
+        """A parentless commit whose flat tree holds `files`, written as loose objects without
+        starting git; fixed identity, date and message, so the same files give the same commit."""
+        return files_commit(self.git, files)
+
+    def read_files(self, commit: str | None) -> dict[str, bytes]:
+        """The flat files of a `files_commit`."""
+        if not commit:
+            return {}
+        names = [l.split("\t", 1)[1] for l in self.git.run("ls-tree", commit).out.splitlines() if "\t" in l]
+        got = self.git.cat_blobs([f"{commit}:{n}" for n in names])
+        return {n: got[f"{commit}:{n}"] or b"" for n in names}
+
+    def texts(self) -> list[str]:
+        return split_mbox((self.co.op_dir / "all.mbox").read_text(encoding="utf-8"))
+
+    # ------------------------------------------------------------ running an op to its end or a stop
+
+    def run(self) -> StackResult:
+        """Drive the op from whatever phase it is in (also after a kill) to its end, or raise ConflictStop."""
+        op = self.op
+        if op.phase == "abort":
+            raise WorkspaceError(f"{self.co.ref}: an abort was interrupted",
+                                 hint=f"run `dsadapt abort {self.co.ref}` to finish it")
+        if op.phase == "save":
+            self._prepare_and_save()
+        if op.phase == "reset":
+            self._reset()
+        if op.phase == "stopped":
+            at = self._settle()
+            self.report_new()
+            if at is not None and at == op.stopped and self.co.am_in_progress():
+                raise self._conflict(at)
+            op.phase = "replay"  # the stop went away behind our back: carry on from what git shows
+        if op.phase in ("replay", "continue", "skip"):
+            self._replay()
+        return self.kind.finish(self)  # recorded outcomes + git say it is done; finish is idempotent
+
+    def _prepare_and_save(self) -> None:
+        op = self.op
+        self.kind.prepare(self)
+        g = self.git
+        existing = set() if self._fresh else {r for r, _ in g.refs("refs/dsadapt/")}
+        work = op.saves.get("work")
+        if work and work not in existing:
+            snap = work_snapshot(g)
+            g.update_ref(work, snapshot_commit(g, snap, f"dsadapt: uncommitted work before {op.kind} {op.ref}"),
+                         why=f"uncommitted work before {op.kind}")
+        branch = op.saves.get("branch")
+        if branch and branch not in existing and op.orig.branch_head:
+            g.update_ref(branch, op.orig.branch_head, why=f"{self.co.branch} before {op.kind}")
+        self.set_phase("reset")
+
+    def _reset(self) -> None:
+        """Put the branch and the work tree on the base (what it holds is saved, see _prepare_and_save)."""
+        op, g = self.op, self.git
+        base = self.co.base()
+        if self.co.am_in_progress():
+            remove_tree(self.co.am_dir)
+        if op.orig.dirty or (not self._fresh and g.is_dirty()):
+            g.run("reset", "-q", "--hard")
+            g.run("clean", "-fdq")
+        g.run("checkout", "-q", "-f", "-B", self.co.branch, base)
+        self._new_am(base)
+
+    def _new_am(self, start: str) -> None:
+        """Record a new am sequence over the patches without an outcome (phase replay)."""
+        op = self.op
+        for i, (outcome, detail) in sorted(self.kind.pre_outcomes(self).items()):
+            if i not in op.outcomes:
+                self._decide(i, outcome, None, detail)
+        indices = [i for i in range(1, op.total + 1) if i not in op.outcomes]
+        name = "all.mbox"
+        if len(indices) != op.total:
+            texts = self.texts()
+            name = f"am-{indices[0] if indices else 0}-{len(indices)}.mbox"
+            atomic_write_text(self.co.op_dir / name, mbox([texts[i - 1] for i in indices]))
+        op.am = AmRun(start=start, indices=indices, mbox=name)
+        op.stopped = None
+        op.phase = "replay"
+        self.write()
+
+    # ------------------------------------------------------------ am and what it left
+
+    def _run_am(self, *args: str) -> tuple[int, str]:
+        r = self.git.run("am", *args, check=False, fixed_dates=True)
+        return r.rc, r.out + r.err
+
+    def _am_pos(self) -> int | None:
+        if not self.co.am_in_progress():
+            return None
+        cur, last = _read_int(self.co.am_dir / "next"), _read_int(self.co.am_dir / "last")
+        return cur if (cur is not None and last is not None) else None
+
+    def _observe(self, ran: bool = False) -> tuple[dict[int, str], int, list, list]:
+        """What git shows of the current am sequence: ({index: commit} made since it started, am's
+        position (1-based) or None, commits nobody accounts for, commits the user made at a stop)."""
+        op = self.op
+        am = op.am
+        assert am is not None
+        head = self.git.head_commit()
+        commits = self.git.commits(f"{am.start}..HEAD") if head and head != am.start else []
+        at_stop: list = []
+        if op.phase in ("stopped", "abort") and op.stopped and not am.resolution and am.head_at_stop \
+                and head != am.head_at_stop:
+            ids = [c[0] for c in commits]
+            cut = ids.index(am.head_at_stop) + 1 if am.head_at_stop in ids else (0 if am.head_at_stop == am.start else None)
+            if cut is not None:
+                commits, at_stop = commits[:cut], commits[cut:]
+        cur = self._am_pos()
+        if cur is not None:
+            processed = cur - 1
+        elif (ran and not self.co.am_in_progress()) or commits:
+            processed = len(am.indices)  # am ran to its end (its state is gone, or going)
+        else:
+            processed = 0  # nothing ran, or all were empty: running them again gives the same
+        applied: dict[int, str] = {}
+        ids = [c[0] for c in commits]
+        ci = 0
+        for pos, idx in enumerate(am.indices, 1):
+            o = op.outcomes.get(idx)
+            if o is not None:
+                if o.commit and o.commit in ids[ci:]:
+                    ci = ids.index(o.commit, ci) + 1
+                continue
+            if idx == op.stopped and am.resolution and am.resolution in ids[ci:]:
+                ci = ids.index(am.resolution, ci) + 1
+                applied[idx] = am.resolution
+                continue
+            if ci < len(commits) and norm_subject(commits[ci][1]) == norm_subject(op.meta(idx).subject):
+                applied[idx] = commits[ci][0]
+                ci += 1
+                continue
+            if pos <= processed:
+                continue  # am went past it without a commit: empty
+            break
+        return applied, processed, commits[ci:], at_stop
+
+    def _settle(self, blocks: list[str] | None = None, first_pos: int = 1) -> int | None:
+        """Turn what the current am sequence did into outcomes. Returns the stack index of the first
+        patch still without one (am stands on it, or nothing runs it), or None when all have one."""
+        op = self.op
+        am = op.am
+        assert am is not None
+        applied, done_upto, foreign, _ = self._observe(blocks is not None)
+        if foreign:
+            ref = self._keep_foreign(foreign)
+            raise WorkspaceError(
+                f"{self.co.ref}: {len(foreign)} commit(s) on {self.co.branch} are not from the stack "
+                f"(made during the {self.kind.verb}); kept as {ref}",
+                hint=f"`dsadapt abort {self.co.ref}` goes back to where the {self.kind.verb} started "
+                     f"(those commits stay in {ref})")
+        flags: dict[int, str] = {}
+        if blocks is not None:
+            for k, b in enumerate(blocks):
+                if 1 <= first_pos + k <= len(am.indices):
+                    flags[am.indices[first_pos + k - 1]] = b
+        for pos, idx in enumerate(am.indices, 1):
+            if idx in op.outcomes:
+                continue
+            if idx in applied:
+                merged = ("Falling back to patching base and 3-way merge" in flags[idx]) if idx in flags else None
+                self._label(idx, applied[idx], merged)
+            elif pos <= done_upto:
+                self._label(idx, None, None)
+            else:
+                break
+        pending = [i for i in am.indices if i not in op.outcomes]
+        if not pending:
+            if self.co.am_in_progress():
+                remove_tree(self.co.am_dir)  # am was killed after its last patch, before cleaning up
+            return None
+        return pending[0]
+
+    def _label(self, idx: int, commit: str | None, merged: bool | None) -> None:
+        op = self.op
+        detail: str | None
+        if idx == op.stopped:
+            outcome, detail = ("changed", "conflict resolved by the user (dsadapt continue)") if commit else \
+                ("skipped", "conflict; dropped by the user (dsadapt skip)")
+        else:
+            outcome, detail = self.kind.label(self, idx, commit, merged)
+        self._decide(idx, outcome, commit, detail)
+
+    def _decide(self, idx: int, outcome: str, commit: str | None, detail: str | None = None) -> None:
+        m = self.op.meta(idx)
+        self.op.outcomes[idx] = PatchOutcome(idx, m.name, m.subject, outcome, commit)
+        if detail is not None:
+            self.op.extra.setdefault("details", {})[str(idx)] = detail
+
+    def report_new(self, all_of_them: bool = False) -> None:
+        """Tell on_patch about new outcomes, in stack order (a later patch decided early waits)."""
+        for idx in range(1, self.op.total + 1):
+            o = self.op.outcomes.get(idx)
+            if o is None:
+                if all_of_them:
+                    continue
+                return
+            if idx not in self._reported:
+                self._reported.add(idx)
+                if self.on_patch:
+                    self.on_patch(o)
+
+    def _keep_foreign(self, foreign) -> str:
+        op = self.op
+        ref = op.saves.get("foreign")
+        if not ref:
+            ref = self.co.next_backup_names(1)[0]
+            op.saves["foreign"] = ref
+            self.write()
+        self.git.update_ref(ref, self.git.head_commit() or foreign[-1][0], why="commits made during an op")
+        return ref
+
+    def _junk_paths(self, idx: int) -> set[str]:
+        from patcher.formats.patchfile import parse_patch
+
+        try:
+            return set(parse_patch(self.texts()[idx - 1]).touched_paths)
+        except Exception:  # an unparsable patch cannot have written anything we could tell apart
+            return set()
+
+    @staticmethod
+    def _within(dirty: list[str], paths: set[str]) -> bool:
+        return all(d.rstrip("/") in paths or any(p.startswith(d) for p in paths if d.endswith("/")) for d in dirty)
+
+    def _clear_killed_am(self, *indices: int) -> None:
+        """am died while applying one of these patches: its half-applied change is junk; anything
+        else in the work tree is the user's and is saved first."""
+        g = self.git
+        dirty = g.dirty_files()
+        junk: set[str] = set()
+        for idx in indices:
+            junk |= self._junk_paths(idx)
+        if dirty and not self._within(dirty, junk):
+            self._save_work("work tree of an interrupted run")
+        if dirty:
+            g.run("reset", "-q", "--hard")
+            if junk:
+                g.run("clean", "-fdq", "--", *sorted(junk))
+        remove_tree(self.co.am_dir)
+
+    def _save_work(self, why: str, snap: WorkSnapshot | None = None) -> str:
+        """Save the work tree as a backup ref (stash-shaped); returns the ref."""
+        g = self.git
+        snap = snap or work_snapshot(g)
+        ref = self.co.next_backup_names(1)[0]
+        g.update_ref(ref, snapshot_commit(g, snap, f"dsadapt: {why} ({self.op.kind} {self.op.ref})"), why=why)
+        kept = [r for r in (self.op.saves.get("kept") or "").split(",") if r]
+        self.op.saves["kept"] = ",".join([*kept, ref])
+        self.write()
+        self.notes.append(f"kept the work tree's changes ({why}) as {ref} "
+                          f"(`git -C {self.co.path} stash apply {ref}` brings them back)")
+        return ref
+
+    def _replay(self) -> None:
+        """Run or resume the am sequence until every patch has an outcome or a real stop."""
+        op = self.op
+        while True:
+            am = op.am
+            assert am is not None
+            if op.phase in ("continue", "skip"):
+                pos = self._am_pos()
+                if (pos is not None and am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
+                        and self.git.head_commit() == (am.resolution or am.head_at_stop)):
+                    # the interrupted `continue` / `skip` had not got past the stopped patch: do it again
+                    if op.phase == "continue" and not am.resolution:
+                        rc, out = self._run_am("--continue")
+                        done = self._after_am(rc, out, pos) is None
+                    else:
+                        rc, out = self._run_am("--skip")
+                        done = self._after_am(rc, out, pos + 1) is None
+                    if done:
+                        return
+                    continue
+                op.phase = "replay"
+            at = self._settle()
+            self.report_new()
+            if at is None:
+                op.stopped = None
+                op.phase = "replay"
+                self.write()
+                return
+            if self.co.am_in_progress():  # am died (or was left behind) before `at` got an outcome
+                pos = self._am_pos()
+                stands = am.indices[pos - 1] if pos is not None and 1 <= pos <= len(am.indices) else at
+                self._clear_killed_am(at, stands)
+            head = self.git.head_commit()
+            assert head
+            fresh = head == am.start and not any(i in op.outcomes for i in am.indices)
+            if not fresh:
+                self._new_am(head)
+                am = op.am
+                assert am is not None
+            elif op.phase != "replay" or op.stopped:
+                op.stopped = None
+                self.set_phase("replay")
+            rc, out = self._run_am("-3", "--no-signoff", str(self.co.op_dir / am.mbox))
+            if self._after_am(rc, out, 1) is None:
+                return
+
+    def _after_am(self, rc: int, out: str, first_pos: int) -> int | None:
+        """An am invocation of ours returned: record outcomes; on a stop, ask the kind, then stop."""
+        op = self.op
+        at = self._settle(_am_blocks(out), first_pos)
+        self.report_new()
+        while at is not None and self.co.am_in_progress() and self._am_pos() is not None:
+            am = op.am
+            assert am is not None
+            pos = self._am_pos()
+            assert pos is not None
+            if am.indices[pos - 1] != at:
+                return at  # am's count lags behind the commits: the caller starts afresh
+            detail = self.kind.on_stop(self, at)
+            if detail is None:  # a real conflict: the user resolves it
+                op.stopped = at
+                am.head_at_stop = self.git.head_commit()
+                am.resolution = None
+                am.stop_print = work_fingerprint(self.git)
+                op.phase = "stopped"
+                self.write()
+                raise self._conflict(at)
+            self._decide(at, "upstream", None, detail)
+            op.phase = "replay"
+            self.write()
+            self.report_new()
+            rc, out = self._run_am("--skip")
+            at = self._settle(_am_blocks(out), pos + 1)
+            self.report_new()
+        if at is not None and not self.co.am_in_progress() and rc != 0 and not out.count("Applying: "):
+            msg = [l for l in out.splitlines() if l.strip()]
+            op.phase = "replay"
+            self.write()
+            raise WorkspaceError(f"{self.co.ref}: git am did not run: {msg[-1] if msg else rc}",
+                                 hint=f"fix what git says, then `dsadapt continue {self.co.ref}` "
+                                      f"(or `dsadapt abort {self.co.ref}`)")
+        if at is None:
+            op.stopped = None
+            op.phase = "replay"
+            self.write()
+        return at
+
+    def _conflict(self, idx: int) -> ConflictStop:
+        op, ref = self.op, self.co.ref
+        files = self._conflicted_files()
+        verb = self.kind.verb
+        head = f"{op.extra.get('stop_prefix', '')}patch {idx}/{op.total} {op.meta(idx).name} does not apply"
+        return ConflictStop(
+            f"{ref}: {head}; conflicts in: {', '.join(files) or '(see git status)'}",
+            hint=f"resolve in {self.co.path}, `git add` the files, then `dsadapt continue {ref}`; "
+                 f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole {verb}")
+
+    def _conflicted_files(self) -> list[str]:
+        out = self.git.run("diff", "--name-only", "--diff-filter=U", check=False).out
+        files = [l for l in out.splitlines() if l]
+        if not files and self.op.stopped:
+            files = sorted(self._junk_paths(self.op.stopped))
+        return files
+
+    # ------------------------------------------------------------ user commands at a stop
+
+    def _at_stop(self) -> bool:
+        """True while am still stands on the stopped patch (nothing committed it yet)."""
+        op = self.op
+        if op.phase != "stopped" or op.am is None or not op.stopped:
+            return False
+        pos = self._am_pos()
+        return pos is not None and op.am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
+
+    def user_continue(self) -> StackResult:
+        op = self.op
+        if self._at_stop():
+            am = op.am
+            assert am is not None
+            pos = self._am_pos()
+            assert pos is not None
+            head = self.git.head_commit()
+            if head != am.head_at_stop:
+                # the user committed the resolution by hand: that commit is the patch's new form
+                self._save_beyond_stop()
+                am.resolution = head
+                op.phase = "skip"
+                self.write()
+                rc, out = self._run_am("--skip")
+                self._after_am(rc, out, pos + 1)
+                return self.run()
+            unresolved = self.git.run("diff", "--name-only", "--diff-filter=U", check=False).out.split()
+            if unresolved:
+                raise ConflictStop(f"{self.co.ref}: still unresolved: {', '.join(unresolved)}",
+                                   hint=f"edit them, `git add` them in {self.co.path}, then `dsadapt continue {self.co.ref}`")
+            self.set_phase("continue")
+            rc, out = self._run_am("--continue")
+            if rc != 0 and self._am_pos() == pos and self.git.head_commit() == am.head_at_stop:
+                self.set_phase("stopped")
+                msg = [l for l in out.strip().splitlines() if l.strip() and not l.startswith("hint:")]
+                raise ConflictStop(f"{self.co.ref}: git am --continue: {msg[0] if msg else rc}",
+                                   hint=f"`git add` the resolved files in {self.co.path}, or `dsadapt skip {self.co.ref}` "
+                                        "if the patch is now empty")
+            self._after_am(rc, out, pos)
+        return self.run()
+
+    def _save_beyond_stop(self) -> None:
+        """Before anything resets the work tree at a stop: keep what the user changed since it."""
+        am = self.op.am
+        if am is None or not self.git.is_dirty():
+            return
+        if am.stop_print is not None and work_fingerprint(self.git) == am.stop_print \
+                and self.git.head_commit() == am.head_at_stop:
+            return  # exactly what am left: its own conflict, nothing of the user's
+        self._save_work("your changes while the patch was stopped")
+
+    def user_skip(self) -> StackResult:
+        op = self.op
+        if self._at_stop():
+            am = op.am
+            assert am is not None
+            pos = self._am_pos()
+            assert pos is not None
+            self._save_beyond_stop()
+            self.set_phase("skip")
+            rc, out = self._run_am("--skip")
+            self._after_am(rc, out, pos + 1)
+            return self.run()
+        if op.phase == "skip":
+            return self.run()
+        raise WorkspaceError(f"{self.co.ref}: not stopped on a patch", hint=f"run `dsadapt continue {self.co.ref}`")
+
+    # ------------------------------------------------------------ closing
+
+    def close(self, applied: Applied | None, keep_stack: bool = True) -> None:
+        """End the op: record `applied`, drop the op (one durable write), then clean up."""
+        op = self.op
+        if applied is not None:
+            self.state.applied = applied
+        self.state.op = None
+        self.write()
+        self._cleanup(op)
+
+    def _cleanup(self, op: Op) -> None:
+        if op.schema < SCHEMA or op.extra.get("op_refs"):
+            for r, _ in self.git.refs(OP_PREFIX):
+                self.git.delete_ref(r)
+        if self.co.am_in_progress() and op.kind != "refresh":
+            remove_tree(self.co.am_dir)
+        remove_tree(self.co.op_dir)
+
+    def result(self, head: str | None, stack_hash: str, backup: str | None = None) -> StackResult:
+        op = self.op
+        self.report_new(all_of_them=True)
+        kept = [r for r in (op.saves.get("kept") or "").split(",") if r]
+        return StackResult(str(self.co.ref), str(self.co.path), self.state.source, self.co.base(), head, stack_hash,
+                           [op.outcomes[i] for i in sorted(op.outcomes)], backup_ref=backup or op.saves.get("branch"),
+                           backups=[r for r in (op.saves.get("work"), *kept) if r], notes=self.notes)
+
+    # ------------------------------------------------------------ abort
+
+    def abort(self) -> list[str]:
+        """Back to the recorded starting point: branch, HEAD, work tree (including uncommitted and
+        untracked work). Returns notes (backup refs kept for work made during the op)."""
+        op, g = self.op, self.git
+        if op.phase != "abort":
+            op.abort_from = op.phase
+            op.phase = "abort"
+            self.write()
+        touched = getattr(self.kind, "touches_checkout", True) and op.abort_from != "save"
+        if not op.abort_saved:
+            if touched:
+                self._save_for_abort()
+            op.abort_saved = True
+            self.write()
+        if touched and not op.restored:
+            if self.co.am_in_progress():
+                remove_tree(self.co.am_dir)
+            self._restore_branch_and_tree()
+            if op.orig.dirty and op.saves.get("work"):
+                work = op.saves["work"]
+                r = g.run("stash", "apply", "--index", work, check=False)
+                if not r.ok:
+                    r = g.run("stash", "apply", work, check=False)
+                if not r.ok or (op.orig.print is not None and work_fingerprint(g) != op.orig.print):
+                    self.notes.append(f"your uncommitted work could not be restored exactly; it is kept in {work} "
+                                      f"(`git -C {self.co.path} stash apply {work}`)")
+                    op.saves["keep_work"] = "1"
+            op.restored = True
+            self.write()
+        self.kind.undo(self)
+        # backups that are now redundant: everything they hold is back in place
+        if op.saves.get("work") and not op.saves.get("keep_work") and touched or op.saves.get("work") and not touched:
+            g.delete_ref(op.saves["work"])
+        branch = op.saves.get("branch")
+        if branch and g.rev(self.co.branch_ref) == g.rev(branch):
+            g.delete_ref(branch)
+        if op.orig.stack_ref:
+            if g.rev(STACK_REF) != op.orig.stack_ref:
+                g.update_ref(STACK_REF, op.orig.stack_ref)
+        elif g.rev(STACK_REF):
+            g.delete_ref(STACK_REF)
+        kept = [r for r in (op.saves.get("kept") or "").split(",") + [op.saves.get("foreign") or ""] if r]
+        for r in kept:
+            self.notes.append(f"work made during the {self.kind.verb} is kept in {r}")
+        self.close(None)
+        return self.notes
+
+    def _save_for_abort(self) -> None:
+        """Keep what the user made during the op before the work tree goes back."""
+        op, g = self.op, self.git
+        if op.am is not None and g.rev("HEAD"):
+            _, _, foreign, at_stop = self._observe()
+            if foreign or at_stop:
+                self._keep_foreign(foreign or at_stop)
+        dirty = g.dirty_files()
+        if not dirty:
+            return
+        src = op.abort_from
+        if src == "reset":
+            return  # a half-done reset of ours; the user's work is in saves["work"]
+        if src in ("stopped", "continue", "skip") and op.am is not None and g.rev("HEAD") == op.am.head_at_stop:
+            self._save_beyond_stop()
+            return
+        pos = self._am_pos()
+        if op.am is not None and pos is not None and 1 <= pos <= len(op.am.indices) \
+                and self._within(dirty, self._junk_paths(op.am.indices[pos - 1])):
+            return  # what a killed am left of the patch it was applying
+        self._save_work("changes found in the work tree when aborting")
+
+    def _restore_branch_and_tree(self) -> None:
+        op, g, co = self.op, self.git, self.co
+        if op.orig.branch_head:
+            g.update_ref(co.branch_ref, op.orig.branch_head)
+        if op.orig.branch:
+            g.run("checkout", "-q", "-f", op.orig.branch)
+        elif op.orig.head:
+            g.run("checkout", "-q", "-f", "--detach", op.orig.head)
+        if not op.orig.branch_head and op.orig.branch != co.branch and g.rev(co.branch_ref):
+            g.run("branch", "-q", "-D", co.branch, check=False)
+        g.run("clean", "-fdq")
+
+
+# ---------------------------------------------------------------- status of an op (read-only)
+
+
+def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, str | None]:
+    """(state, detail, next command) of a checkout holding an op, without changing anything."""
+    ref = co.ref
+    done = len(op.outcomes)
+    verb = "rebase" if op.kind == "rebase" else op.kind
+    if running:
+        return "running", f"a dsadapt {verb} is running now ({done}/{op.total} patches done)", None
+    if op.phase == "abort":
+        return "interrupted", f"an abort of the {verb} was interrupted; run `dsadapt abort {ref}` to finish it", \
+            f"dsadapt abort {ref}"
+    if op.kind == "refresh":
+        return "interrupted", (f"a refresh was interrupted while writing patches/; run `dsadapt refresh {ref}` "
+                               f"to finish it or `dsadapt abort {ref}` to put patches/ back"), f"dsadapt refresh {ref}"
+    name = op.meta(op.stopped).name if op.stopped and op.stopped <= op.total else None
+    if op.phase == "stopped" and name:
+        return "stopped", (f"{done}/{op.total} patches done; stopped on a conflict in {name}: resolve, `git add`, "
+                           f"then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / `dsadapt abort {ref}`)"), \
+            f"dsadapt continue {ref}"
+    where = "between patches"
+    if op.phase in ("continue", "skip") and name:
+        where = f"during `dsadapt {op.phase}` of {name}"
+    elif co.am_in_progress() and op.am is not None:
+        cur = _read_int(co.am_dir / "next")
+        if cur is not None and 1 <= cur <= len(op.am.indices):
+            where = f"while applying {op.meta(op.am.indices[cur - 1]).name}"
+    elif op.phase in ("save", "reset"):
+        where = "before the first patch"
+    elif op.phase == "finish":
+        where = "while writing its results"
+    legacy = " (recorded by an older dsadapt)" if op.schema < SCHEMA else ""
+    return "interrupted", (f"{verb}{legacy} interrupted {where} ({done}/{op.total} patches done); "
+                           f"run `dsadapt continue {ref}` to finish it or `dsadapt abort {ref}` to undo it"), \
+        f"dsadapt continue {ref}"
+
+
+__all__ = ["Applied", "AmRun", "BACKUP_PREFIX", "BASE_REF", "Checkout", "KINDS", "Op", "OpKind", "Orig",
+           "PatchMeta", "PatchOutcome", "STACK_REF", "StackResult", "State", "Transaction", "branch_name",
+           "describe_op", "kind_of", "register"]

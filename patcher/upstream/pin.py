@@ -1,0 +1,103 @@
+"""pin: add or update a pin in upstream.lock from what the upstream publishes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from patcher.base.config import Config
+from patcher.base.errors import SourceError, VerificationError
+from patcher.engines import adapter
+from patcher.formats.lock import Artifact, Lock, LockEntry
+from patcher.formats.pinref import PinRef
+from patcher.upstream.sources import Unreachable, engine_cache, git_remote_tags, pypi_files
+
+
+def select_pypi_artifacts(engine: str, dist_files: dict[str, list[dict]], version: str) -> list[Artifact]:
+    """The artifacts worth pinning for a version: per dist, one x86_64 wheel (abi3 or cp311) else the sdist."""
+    from packaging.utils import parse_wheel_filename
+
+    ad = adapter(engine)
+    arts: list[Artifact] = []
+    for dist, files in dist_files.items():
+        variant = next((v.name for v in ad.variants if v.dist == dist), dist)
+        best = None
+        for f in files:
+            name = f["filename"]
+            if not name.endswith(".whl"):
+                continue
+            try:
+                _n, ver, _b, tags = parse_wheel_filename(name)
+            except Exception:
+                continue
+            if str(ver) != version:
+                continue
+            tagset = {str(t) for t in tags}
+            if not any("x86_64" in t for t in tagset):
+                continue
+            score = 2 if any(t.startswith(("cp311-", "cp38-abi3")) or "abi3" in t for t in tagset) else 1
+            if best is None or score > best[0]:
+                best = (score, f)
+        if best:
+            f = best[1]
+            arts.append(Artifact(dist, variant, f["filename"], f["hashes"]["sha256"], size=f.get("size")))
+    if arts:
+        arts[0] = replace(arts[0], source=True)
+    return arts
+
+
+def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, progress=None) -> tuple[LockEntry, list[str]]:
+    """Build the LockEntry for ref from reachable upstream sources; returns (entry, notes)."""
+    decl = lock.engine(ref.engine)
+    ad = adapter(ref.engine)
+    old = lock.pins.get(str(ref))
+    version = old.version if old else ad.tag_to_version(ref.tag)
+    notes: list[str] = []
+    commit = old.commit if old else None
+    tree = old.tree if old else None
+    try:
+        if progress:
+            progress(f"resolving {ref.tag} at {decl.git}")
+        tags = git_remote_tags(decl.git, cfg.git_timeout)
+        if ref.tag not in tags:
+            raise SourceError(f"{decl.git} has no tag {ref.tag}", hint="check the tag name (`dsadapt tags ENGINE`)")
+        got = tags[ref.tag]
+        if commit and got != commit and not update:
+            raise VerificationError(f"{ref}: tag moved: upstream says {got[:12]}, lock pins {commit[:12]}",
+                                    hint="investigate; pass --update to accept the new commit")
+        cache = engine_cache(cfg, ref.engine)
+        cache.run("fetch", "-q", "--depth", "1", "--no-tags", decl.git, f"+refs/tags/{ref.tag}:refs/dsadapt/fetched/{ref.tag}",
+                  timeout=cfg.git_timeout)
+        fetched = cache.rev(f"refs/dsadapt/fetched/{ref.tag}")
+        if fetched is None:
+            raise SourceError(f"{decl.git}: {ref.tag} did not arrive in the cache", hint="retry; the cache may be damaged")
+        commit, tree = fetched, cache.tree_of(fetched)
+        notes.append(f"git: {ref.tag} -> commit {commit[:12]}, tree {tree[:12]}")
+    except Unreachable as e:
+        notes.append(f"git: {e.message}; commit/tree {'kept from the lock' if commit else 'unknown'}")
+    except Exception as e:  # ls-remote timeouts and the like
+        if isinstance(e, (SourceError, VerificationError)):
+            raise
+        notes.append(f"git: unreachable ({e.__class__.__name__}); commit/tree {'kept' if commit else 'unknown'}")
+    arts = list(old.artifacts) if old else []
+    if decl.pypi:
+        try:
+            dist_files = {d: pypi_files(d) for d in decl.pypi}
+            fresh = select_pypi_artifacts(ref.engine, dist_files, version)
+            known = {a.file: a for a in arts}
+            for a in fresh:
+                if a.file in known and known[a.file].sha256 != a.sha256:
+                    raise VerificationError(f"{ref}: PyPI now serves {a.file} with sha256 {a.sha256[:16]}…, "
+                                            f"lock pins {known[a.file].sha256[:16]}…",
+                                            hint="a re-uploaded artifact: investigate before trusting it")
+            if not arts:
+                arts = fresh
+            notes.append(f"pypi: {len(fresh)} artifact(s) for {version}: " + ", ".join(a.file for a in fresh))
+        except Unreachable as e:
+            notes.append(f"pypi: {e.message}")
+    if not commit and not arts:
+        raise SourceError(f"{ref}: nothing reachable describes this tag (no git, no PyPI release {version})",
+                          hint="check the tag, or pin where the upstream is reachable")
+    entry = LockEntry(engine=ref.engine, tag=ref.tag, version=version, commit=commit, tree=tree,
+                      artifacts=tuple(arts), serves=old.serves if old else None,
+                      python=old.python if old else None, note=old.note if old else None)
+    return entry, notes

