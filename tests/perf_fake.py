@@ -6,7 +6,7 @@
 
 The server is a stdlib HTTP server that, like a real engine, leaves a helper process running
 in its process group; ``GET /gen?n=N`` answers after ``--ttft-s`` and then streams N lines,
-one per ``--token-s``. The driver speaks the recipe protocol of patcher/engines/perf_recipe.py
+one per ``--token-s``. The driver speaks the recipe protocol of patcher/engines/serving.py
 (one JSON job per stdin line, a done file per job) and writes per-request records.
 The recipe tells the sides apart by the "python" path `measure` hands it (a key into SPEEDS).
 """
@@ -129,7 +129,7 @@ class FakeRecipe:
         self.stall = stall
 
     def server_command(self, python, port, settings):
-        from patcher.engines.perf_recipe import ServerCommand
+        from patcher.engines.serving import ServerCommand
 
         speed = self.speeds[str(python)]
         argv = [sys.executable, str(HERE), "server", "--port", str(port)]
@@ -137,7 +137,7 @@ class FakeRecipe:
         return ServerCommand(argv, {}, ready_path="/health")
 
     def driver_command(self, python):
-        from patcher.engines.perf_recipe import ProcessCommand
+        from patcher.engines.serving import ProcessCommand
 
         return ProcessCommand([sys.executable, str(HERE), "driver"], {})
 
@@ -152,7 +152,7 @@ class FakeRecipe:
                 "out": str(job.out_path), "stall": self.stall}
 
     def parse(self, job, requests):
-        from patcher.engines.perf_recipe import ParsedRun
+        from patcher.engines.serving import ParsedRun
         from patcher.rules.speed import RequestRecord
 
         d = json.loads(Path(job.out_path).read_text())
@@ -160,7 +160,7 @@ class FakeRecipe:
 
 
 def settings(tmp: Path, max_num_seqs: int = 4):
-    from patcher.engines.perf_recipe import ServeSettings
+    from patcher.engines.serving import ServeSettings
 
     return ServeSettings(model_dir=tmp, dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs, device="cpu")
 

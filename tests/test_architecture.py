@@ -129,7 +129,7 @@ def test_runner_scripts_never_import_patcher_and_the_protocol_is_stdlib_only():
 def test_speed_gate_scripts_never_import_patcher_and_the_guard_is_stdlib_only():
     """perf's engine-side scripts run in the engine's environment (the runner protocol only), and
     the guard is patcher/base/procs.py run as a script (`python -I`): stdlib only."""
-    from patcher.engines.perf_recipe import STREAM_LOAD
+    from patcher.engines.serving import STREAM_LOAD
     from patcher.engines.vllm.perf import SCRIPT
 
     for script in (SCRIPT, STREAM_LOAD):
@@ -240,3 +240,49 @@ def test_a_broken_plugin_is_the_machines_problem_not_bad_input(tmp_path, monkeyp
     with pytest.raises(EngineLoadError) as e:
         engine("badengine2")
     assert e.value.exit_code == ExitCode.ENVIRONMENT and "half installed" in e.value.message
+
+
+# ---------------------------------------------------------------- the layout
+
+
+def _layers() -> list[str]:
+    import tomllib
+
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in doc["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
+    return [name.strip() for layer in contract["layers"] for name in layer.split("|")]
+
+
+def test_every_module_lives_in_a_layer_of_the_layers_contract():
+    """Nothing is left outside the contract: patcher/ holds only its __init__ and layer packages,
+    and each layer package says in its docstring what lives there."""
+    layers = {name.removeprefix("patcher.") for name in _layers()}
+    loose = sorted(p.name for p in PATCHER.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules outside every layer: {loose}"
+    packages = {p.name for p in PATCHER.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == layers, (packages - layers, layers - packages)
+    for name in layers:
+        doc = ast.get_docstring(ast.parse((PATCHER / name / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and len(doc.split()) >= 20, f"patcher/{name}/__init__.py: say what lives there and what it may import"
+
+
+def _module_stems(root: Path) -> list[tuple[str, Path]]:
+    """Module names that must say their job on their own: everything but one engine's files (each
+    engine package mirrors the contract: adapter, runner, perf...) and the command modules (named
+    for the commands they hold)."""
+    skip = [PATCHER / "cli" / "commands", *(p for p in (PATCHER / "engines").iterdir() if p.is_dir())]
+    return sorted((p.stem, p) for p in root.rglob("*.py")
+                  if p.stem != "__init__" and not any(d in p.parents for d in skip))
+
+
+def test_no_two_modules_are_named_alike_but_for_a_suffix():
+    """`perf`/`perfrun`, `bisect`/`bisect_run`, `pin`/`pinref`: names that differ by a suffix hide
+    which does what."""
+    stems = _module_stems(PATCHER)
+    clashes = [f"{pa.relative_to(ROOT)} / {pb.relative_to(ROOT)}" for a, pa in stems for b, pb in stems
+               if a != b and b.startswith(a)]
+    assert clashes == [], clashes
+    dupes = {}
+    for stem, path in stems:
+        dupes.setdefault(stem, []).append(str(path.relative_to(ROOT)))
+    assert {k: v for k, v in dupes.items() if len(v) > 1} == {}

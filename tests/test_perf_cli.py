@@ -290,7 +290,7 @@ def test_benchmarks_section_comes_from_the_committed_perf_reports(tmp_path):
     """docs/benchmarks.md's engine-speed section is generated from reports/ (perfdoc), and the
     check wall-time table never mistakes a perf report for a check report."""
     from patcher.bench.builds import read_check_timings
-    from patcher.bench.speed_doc import perf_markdown, read_perf_reports
+    from patcher.bench.gate_reports import perf_markdown, read_perf_reports
 
     root = tmp_path / "reports" / "vllm" / "v0.32.0"
     root.mkdir(parents=True)

@@ -55,7 +55,7 @@ def _measure(tmp_path, groups, speeds, recipe_cls=perf_fake.FakeRecipe, **kw):
 
 class DeadDriver(perf_fake.FakeRecipe):
     def driver_command(self, python):
-        from patcher.engines.perf_recipe import ProcessCommand
+        from patcher.engines.serving import ProcessCommand
 
         return ProcessCommand([sys.executable, "-c", "import sys; sys.exit(7)"], {})
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe, gpu_blocks
-from patcher.engines.perf_recipe import LoadJob, ServeSettings
+from patcher.engines.serving import LoadJob, ServeSettings
 from patcher.rules.speed import Mix, Workload
 from patcher.runners import kit_pythonpath
 

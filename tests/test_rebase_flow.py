@@ -131,7 +131,7 @@ def test_abort_keeps_a_pin_the_user_made(env):
     root, up, proj = env
     cfg = fx.config(proj, root)
     from patcher.formats.lock import write_lock
-    from patcher.upstream.pin import resolve_pin
+    from patcher.upstream.resolve import resolve_pin
 
     lock = load_lock(cfg.lock_path)
     entry, _ = resolve_pin(cfg, lock, NEW)

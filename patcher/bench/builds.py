@@ -346,7 +346,7 @@ def _sections(text: str) -> dict[str, str]:
 def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: str | None = None,
                     reports_root: Path | None = None) -> str:
     """docs/benchmarks.md. A section this run did not measure is kept from `old` (the file as it was);
-    with `reports_root`, the speed gate's section from its reports (patcher.bench.speed_doc)."""
+    with `reports_root`, the speed gate's section from its reports (patcher.bench.gate_reports)."""
     m = report.machine
     kept = _sections(old or "")
     out = [
@@ -375,7 +375,7 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: st
     else:
         out += ["No check report with timings under `reports/` yet (run `dsadapt check`).", ""]
     if reports_root is not None:
-        from patcher.bench.speed_doc import perf_markdown, read_perf_reports
+        from patcher.bench.gate_reports import perf_markdown, read_perf_reports
 
         out.append(perf_markdown(read_perf_reports(reports_root)))
     return "\n".join(out)

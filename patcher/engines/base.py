@@ -39,7 +39,7 @@ from patcher.formats.stackfiles import Stack
 from patcher.runners import RunnerSpec
 
 if TYPE_CHECKING:
-    from patcher.engines.perf_recipe import PerfRecipe
+    from patcher.engines.serving import PerfRecipe
 
 Progress = Callable[[str], None]
 
@@ -445,7 +445,7 @@ class EngineBase:
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> PerfRecipe | None:
         """How `dsadapt perf` serves this pin/variant and loads it with the engine's own tool
-        (patcher/engines/perf_recipe.py), or None: the speed gate cannot measure it."""
+        (patcher/engines/serving.py), or None: the speed gate cannot measure it."""
         return None
 
 

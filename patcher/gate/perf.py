@@ -48,7 +48,7 @@ from patcher.base.procs import (
 )
 from patcher.engines import engine
 from patcher.engines.base import VariantSpec
-from patcher.engines.perf_recipe import LoadJob, PerfRecipe, ServeSettings
+from patcher.engines.serving import LoadJob, PerfRecipe, ServeSettings
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.rules import speed as P

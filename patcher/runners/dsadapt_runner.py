@@ -144,7 +144,7 @@ def run(main: Callable[[], int], hard_exit: bool = False) -> None:
 
 # ---------------------------------------------------------------- load drivers (`dsadapt perf`)
 #
-# A load driver is a long-lived script of the speed gate (patcher/engines/perf_recipe.py): jobs
+# A load driver is a long-lived script of the speed gate (patcher/engines/serving.py): jobs
 # arrive on stdin, one JSON object per line with a "done" path; after each job the driver writes
 # {"ok": bool, "error": str, "seconds": float} to that path, whole or not at all. It leaves at the
 # end of its input, and by itself when the process that started it is gone.

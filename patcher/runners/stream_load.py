@@ -6,7 +6,7 @@ never imports patcher).
 
 LMDeploy's serving benchmark (benchmark/profile_restful_api.py) lives in its repository, not in
 its wheel, and Triton's perf_analyzer is a separate C++ binary; this is the thin client that
-stands in for them. It speaks the recipe protocol of patcher/engines/perf_recipe.py: one JSON job
+stands in for them. It speaks the recipe protocol of patcher/engines/serving.py: one JSON job
 per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done"}``, where
 ``workload`` is a JSON file ``[{"mix", "input_len", "output_len", "input_ids"?, "text"?}, ...]``.
 Requests are offered all at once and run ``concurrency`` at a time (a thread each, as the

@@ -16,7 +16,7 @@ from patcher.cli.commands.common import (
 )
 from patcher.formats.lock import write_lock
 from patcher.stack.workspace import workdir_lock
-from patcher.upstream.pin import resolve_pin
+from patcher.upstream.resolve import resolve_pin
 
 
 @click.command("pin")

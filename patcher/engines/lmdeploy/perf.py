@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.engines.perf_recipe import LoadJob, ServerCommand, ServeSettings, StreamLoadRecipe
+from patcher.engines.serving import LoadJob, ServerCommand, ServeSettings, StreamLoadRecipe
 
 #: tokens per KV block (LMDeploy's default --cache-block-seq-len)
 BLOCK = 64

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.engines.perf_recipe import LoadJob, ParsedRun, ProcessCommand, ServerCommand, ServeSettings
+from patcher.engines.serving import LoadJob, ParsedRun, ProcessCommand, ServerCommand, ServeSettings
 from patcher.rules.speed import RequestRecord, RequestSpec
 
 SCRIPT = Path(__file__).resolve().parent / "serve_bench.py"

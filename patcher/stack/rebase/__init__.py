@@ -66,7 +66,7 @@ from patcher.stack.workspace import (
     stack_files,
     sync_stack_dir,
 )
-from patcher.upstream.pin import resolve_pin
+from patcher.upstream.resolve import resolve_pin
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
 FROM_HEAD = "refs/dsadapt/rebase-from/head"
