@@ -307,5 +307,6 @@ def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
     monkeypatch.setattr(check_mod, "resolve_model", fake_resolve)
     for asked in (None, "transformers"):
         with pytest.raises(KeyboardInterrupt):
-            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"), PinRef("vllm", "v0.32.0"), config_style=asked)
+            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
+                                check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
     assert seen == ["deepseek", "transformers"]

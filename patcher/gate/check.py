@@ -25,10 +25,10 @@ from patcher.base.config import Config
 from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description, gpu_info
 from patcher.engines import engine
-from patcher.engines.base import GateRun, VariantSpec
+from patcher.engines.base import Engine, GateRun, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack
+from patcher.formats.stackfiles import Stack, load_stack
 from patcher.gate import bisect as bisect_run
 from patcher.gate.hosts import RunHost
 from patcher.rules.logits import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, LogitReport, compare, explain
@@ -231,64 +231,148 @@ def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None) -> tuple[s
     return tuple(d for d in ("float32", "bfloat16", "float16") if d in served) or tuple(served[:1])
 
 
-def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
-              dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
-              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-              on_line=None, unpatched_engine: bool = False, reference_on: str = "auto",
-              bisect: str | None = None) -> CheckResult:
-    """The gate for one pin and dtype. `bisect` ("on-fail" or "always", see `patcher.gate.bisect`)
-    adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
+@dataclass(frozen=True)
+class CheckRequest:
+    """One gate run as the user asked for it, carried unchanged from the command line to the engine
+    (`gate_run` makes the engine's part of it, `engines.base.GateRun`)."""
+
+    pin: PinRef
+    model: str = "v3"                 # a built-in model name or a model directory
+    config_style: str | None = None   # the built-in model's config.json style (None: the engine's)
+    dtype: str = "float32"
+    variant: str | None = None
+    unpatched: bool = False           # the pristine upstream release instead of the stack
+    unpatched_engine: bool = False    # served engines: the served engine pristine, the stack applied
+    reference_on: str = "auto"        # where the float32 reference runs (`reference_device`)
+    bisect: str | None = None         # None, "on-fail" or "always" (`patcher.gate.bisect.wanted`)
+    explain: bool = True
+    command: str | None = None        # the command line, for provenance
+
+    def with_dtype(self, dtype: str) -> CheckRequest:
+        return replace(self, dtype=dtype)
+
+    def default_command(self, style: str | None) -> str:
+        return (f"dsadapt check {self.pin} --model {self.model}" + (f" --config-style {style}" if style else "")
+                + f" --dtype {self.dtype}" + (" --unpatched" if self.unpatched else ""))
+
+
+@dataclass
+class _Run:
+    """What one check has resolved before the engine runs (shared by the verdict, the bisect and
+    the failure report)."""
+
+    req: CheckRequest
+    cfg: Config
+    entry: LockEntry
+    spec: VariantSpec
+    eng: Engine
+    stack: Stack
+    model_dir: Path
+    label: str
+    style: str | None
+    fingerprint: str
+    config: dict
+    out: Path
+    work: Path
+    gate: GateRun
+    host: RunHost
+    progress: Callable[[str], None] | None
+    on_line: Callable[[str], None] | None
+    t_start: float
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        return f"{self.req.pin} {self.label} {self.style or ''} {self.req.dtype}" + \
+            (" (unpatched)" if self.req.unpatched else "")
+
+    def provenance(self, installed: dict) -> dict:
+        """What every check report records about where and how it ran."""
+        return {
+            "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": device_description(),
+            "command": self.req.command or self.req.default_command(self.style),
+            "stack_hash": None if self.req.unpatched else self.stack.hash,
+            "unpatched_engine": self.req.unpatched_engine,
+            "patches": [] if self.req.unpatched else [e.name for e in self.stack.entries],
+            "installed": installed,
+            "gpu": gpu_info(),
+            "model_fingerprint": self.fingerprint, "model_dir": str(self.model_dir),
+            "dsadapt": _dsadapt_version(),
+        }
+
+    def result(self, verdict: str, reasons: list[str], explanation: list[str], provenance: dict,
+               comparison: dict, bisected: dict | None = None) -> CheckResult:
+        self.timings["total_s"] = round(time.monotonic() - self.t_start, 2)
+        return CheckResult(
+            pin=str(self.req.pin), engine=self.req.pin.engine, variant=self.spec.name, model=self.label,
+            config_style=self.style, dtype=self.req.dtype, unpatched=self.req.unpatched, verdict=verdict,
+            reasons=reasons, explanation=explanation, report_path=str(self.out), plot_path=None,
+            provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected)
+
+
+def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line) -> _Run:
     t_start = time.monotonic()
-    entry, spec = preflight(lock, ref, variant, command, dtype)
-    ref_device = reference_device(reference_on, spec)
-    eng = engine(ref.engine)
-    stack = load_stack(cfg.patches_root, ref)
-    model_dir, label, style = resolve_model(cfg, model, config_style, progress, default_style=eng.model_config_style)
-    fingerprint = model_fingerprint(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    prompts = build_prompt_set(model_dir, MAX_TOKENS)
-    out = report_paths(cfg, ref, label, style, dtype, unpatched, unpatched_engine)
+    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype)
+    eng = engine(req.pin.engine)
+    stack = load_stack(cfg.patches_root, req.pin)
+    model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
+                                            default_style=eng.model_config_style)
+    out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
-    prompts_path = write_prompts_json(prompts, work / "prompts.json")
+    gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine)
+    return _Run(req=req, cfg=cfg, entry=entry, spec=spec, eng=eng, stack=stack, model_dir=model_dir, label=label,
+                style=style, fingerprint=model_fingerprint(model_dir),
+                config=json.loads((model_dir / "config.json").read_text()), out=out, work=work, gate=gate,
+                host=RunHost(cfg, lock, progress, stream), progress=progress, on_line=on_line, t_start=t_start)
+
+
+def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[[str], None] | None = None,
+              stream: bool = True, on_line: Callable[[str], None] | None = None) -> CheckResult:
+    """The gate for one pin and dtype. `req.bisect` ("on-fail" or "always", see `patcher.gate.bisect`)
+    adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
+    r = _prepare(cfg, lock, req, progress, stream, on_line)
+    ref_device = reference_device(req.reference_on, r.spec)
+    dtype = req.dtype
+    prompts = build_prompt_set(r.model_dir, MAX_TOKENS)
+    prompts_path = write_prompts_json(prompts, r.work / "prompts.json")
     prompts_doc = json.loads(prompts_path.read_text())
-    timings: dict = {}
+    timings = r.timings
     t0 = time.monotonic()
-    reference = run_reference(cfg, model_dir, fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
+    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
-    run = GateRun(entry, spec, dtype, model_dir, unpatched=unpatched, unpatched_engine=unpatched_engine)
-    host = RunHost(cfg, lock, progress, stream)
-    bisect_mode = bisect_run.wanted(dtype, bisect)
-    table = bisect_run.table_for(eng) if bisect_mode else None
+    bisect_mode = bisect_run.wanted(dtype, req.bisect)
+    table = bisect_run.table_for(r.eng) if bisect_mode else None
     # capture in the gate's own engine run (one engine start) unless the engine says where else
-    inline_capture = table is not None and eng.bisect_session(run, host) is None
+    inline_capture = table is not None and r.eng.bisect_session(r.gate, r.host) is None
     try:
-        with eng.gate_session(run, host) as session:
+        with r.eng.gate_session(r.gate, r.host) as session:
             installed = session.installed
             timings["install_s"] = round(time.monotonic() - t0, 2)
             runner = session.runner
             if inline_capture and table is not None:
-                runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
+                runner = replace(runner, extra_args=runner.extra_args + bisect_run.capture_args(r.work, table,
+                                                                                                r.config, dtype))
             if progress:
-                progress(f"engine: {ref} ({spec.name}{', unpatched' if unpatched else ''}) {dtype} via "
+                progress(f"engine: {req.pin} ({r.spec.name}{', unpatched' if req.unpatched else ''}) {dtype} via "
                          f"{runner.name} runner" + (" (with bisect capture)" if inline_capture else ""))
             t0 = time.monotonic()
-            report = run_runner(runner, session.python, model_dir, prompts_path, dtype, ENGINE_TOP_K,
-                                MAX_TOKENS, work / "engine.json", env=session.env, fingerprint=fingerprint,
+            report = run_runner(runner, session.python, r.model_dir, prompts_path, dtype, ENGINE_TOP_K,
+                                MAX_TOKENS, r.work / "engine.json", env=session.env, fingerprint=r.fingerprint,
                                 on_line=on_line)
             timings["engine_s"] = round(time.monotonic() - t0, 2)
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
-        return _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out,
-                              e, installed, fingerprint, model_dir, command, model, timings, t_start)
+        return _engine_failed(r, e, installed)
     venv = installed.get("venv")
     engine_path = report.engine_path or ""
     if venv and engine_path.startswith("/") and \
             not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
-        raise DsadaptError(f"{ref}: the engine imported {engine_path}, not the package in {venv}",
+        raise DsadaptError(f"{req.pin}: the engine imported {engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
     for k, v in report.timings.items():
         timings[f"engine_{k}"] = v
@@ -298,130 +382,110 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     bisected = None
     if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
         t0 = time.monotonic()
-        bisected = _bisect(cfg, host, run, eng, table, model_dir, label, style, fingerprint, config, dtype, work,
-                           out, ref, inline_capture, progress, on_line, engine_path=report.engine_path)
+        bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
-    explanation = explain(comparison, config, bisected) if want_explain else []
+    explanation = explain(comparison, r.config, bisected) if req.explain else []
     reasons = list(comparison.reasons)
     if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected["passed"] is False:
         # low precision: a module beyond its calibrated noise fails the check (docs/equivalence.md)
-        reasons += [f"per-module comparison ({dtype}): {r}" for r in bisected["reasons"][:1]]
-    verdict = "pass" if not reasons else "fail"
+        reasons += [f"per-module comparison ({dtype}): {x}" for x in bisected["reasons"][:1]]
     provenance = {
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": device_description(),
-        "command": command or f"dsadapt check {ref} --model {model}" + (f" --config-style {style}" if style else "")
-                   + f" --dtype {dtype}" + (" --unpatched" if unpatched else ""),
-        "stack_hash": None if unpatched else stack.hash,
-        "unpatched_engine": unpatched_engine,
-        "patches": [] if unpatched else [e.name for e in stack.entries],
-        "installed": installed,
+        **r.provenance(installed),
         "engine_version": report.engine_version, "engine_versions": report.versions,
         "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
-        "gpu": gpu_info(),
         "reference_versions": reference.versions,
         # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
         "reference_device": (reference.settings or {}).get("device", "cpu"),
         "reference_settings": {k: v for k, v in (reference.settings or {}).items()
                                if k in ("device", "gpu", "cuda", "tf32", "threads", "attn", "experts")},
-        "model_fingerprint": fingerprint, "model_dir": str(model_dir),
-        "dsadapt": _dsadapt_version(),
     }
-    timings["total_s"] = round(time.monotonic() - t_start, 2)
-    result = CheckResult(
-        pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-        unpatched=unpatched, verdict=verdict, reasons=reasons, explanation=explanation,
-        report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
-        comparison=comparison.to_json(), bisect=bisected)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison.to_json(),
+                      bisected)
+    r.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from patcher.rules.plots import plot_deltas
-
-        png = out.with_suffix(".png")
         from patcher.rules.prompts import rope_original_max
 
-        plot_deltas(comparison, png, title=f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if unpatched else ''}",
-                    original_max=rope_original_max(config))
+        png = r.out.with_suffix(".png")
+        plot_deltas(comparison, png, title=r.title, original_max=rope_original_max(r.config))
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None
-    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    _write_report(r.out, result)
     return result
 
 
-def _bisect(cfg, host, run, eng, table, model_dir, label, style, fingerprint, config, dtype, work, out, ref,
-            inline_capture, progress, on_line, engine_path=None) -> dict:
+def _write_report(out: Path, result: CheckResult) -> None:
+    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+
+
+def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None) -> dict:
     """The per-module comparison of this check: the engine's capture (taken in the gate's own
     engine run, or where the engine's `bisect_session` says), the reference's, the report next
     to the check report. Returns `bisect_run.summary` (the failure in `reasons` when it cannot run)."""
     from patcher.rules.modules import BisectError
+
+    dtype, progress, on_line = r.req.dtype, r.progress, r.on_line
 
     def failed(why: str, passed: bool | None = False) -> dict:
         return {"passed": passed, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
                 "reasons": [why], "explanation": [], "report_path": None, "plot_path": None}
 
     if table is None:  # nothing to compare with: the gate's verdict stands alone
-        return failed(f"{eng.name} has no capture table: it cannot be bisected", passed=None)
+        return failed(f"{r.eng.name} has no capture table: it cannot be bisected", passed=None)
     try:
         import torch  # noqa: F401  (the comparison runs here, on the captures' tensors)
     except ImportError:
         return failed("bisect could not run: torch is not installed in dsadapt's environment "
                       "(pip install 'dsadapt[models]')")
-    capture = work / bisect_run.ENGINE_CAPTURE
+    capture = r.work / bisect_run.ENGINE_CAPTURE
     try:
         if not inline_capture:
-            with eng.bisect_session(run, host) as session:
-                runner = replace(session.runner,
-                                 extra_args=session.runner.extra_args + bisect_run.capture_args(work, table, config, dtype))
+            elsewhere = r.eng.bisect_session(r.gate, r.host)
+            assert elsewhere is not None  # inline_capture is False only when the engine names a session
+            with elsewhere as session:
+                runner = replace(session.runner, extra_args=session.runner.extra_args
+                                 + bisect_run.capture_args(r.work, table, r.config, dtype))
                 if progress:
-                    progress(f"bisect: {ref} {dtype} via {runner.name} runner with capture")
-                run_runner(runner, session.python, model_dir, work / "prompts.json", dtype, ENGINE_TOP_K, MAX_TOKENS,
-                           work / "bisect-engine.json", env=session.env, fingerprint=fingerprint, on_line=on_line)
+                    progress(f"bisect: {r.req.pin} {dtype} via {runner.name} runner with capture")
+                run_runner(runner, session.python, r.model_dir, r.work / "prompts.json", dtype, ENGINE_TOP_K,
+                           MAX_TOKENS, r.work / "bisect-engine.json", env=session.env, fingerprint=r.fingerprint,
+                           on_line=on_line)
         if not capture.is_file():
-            report = work / ("engine.json" if inline_capture else "bisect-engine.json")
+            report = r.work / ("engine.json" if inline_capture else "bisect-engine.json")
             why = (json.loads(report.read_text()).get("settings") or {}).get("capture_error") if report.is_file() else None
             raise BisectError(f"the engine run wrote no capture{': ' + why if why else ''}",
                               hint=f"see the runner's log next to {report}")
         engine_doc = bisect_run.load_capture(capture)
-        ref_docs = bisect_run.reference_capture(cfg, model_dir, fingerprint, engine_doc, dtype, work,
-                                                lambda: reference_python(cfg, progress), progress, on_line)
-        result = bisect_run.compare(engine_doc, ref_docs, config, dtype, ref.engine, table)
+        ref_docs = bisect_run.reference_capture(r.cfg, r.model_dir, r.fingerprint, engine_doc, dtype, r.work,
+                                                lambda: reference_python(r.cfg, progress), progress, on_line)
+        result = bisect_run.compare(engine_doc, ref_docs, r.config, dtype, r.req.pin.engine, table)
     except (BisectError, EngineRunFailed) as e:
         return failed(f"bisect could not run: {e.message}")
-    meta = {"pin": str(ref), "model": label, "config_style": style, "unpatched": run.unpatched,
-            "engine_path": engine_path, "model_fingerprint": fingerprint,
+    meta = {"pin": str(r.req.pin), "model": r.label, "config_style": r.style, "unpatched": r.req.unpatched,
+            "engine_path": engine_path, "model_fingerprint": r.fingerprint,
             "reference_versions": ref_docs["float32"].get("meta", {}),
             "engine_capture": {k: engine_doc.get(k) for k in ("calls", "stray_calls", "missing", "dropped", "meta")}}
-    title = f"{ref} {label} {style or ''} {dtype}{' (unpatched)' if run.unpatched else ''}: per-module error vs HF"
-    return bisect_run.write_report(result, out, meta, title)
+    return bisect_run.write_report(result, r.out, meta, f"{r.title}: per-module error vs HF")
 
 
-def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_engine, stack, out, err, installed,
-                   fingerprint, model_dir, command, model, timings, t_start) -> CheckResult:
-    timings["total_s"] = round(time.monotonic() - t_start, 2)
+def _engine_failed(r: _Run, err: EngineRunFailed, installed: dict) -> CheckResult:
+    log = str(getattr(err, "log_path", None) or "") or None
     provenance = {
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": device_description(),
-        "command": command or f"dsadapt check {ref} --model {model}",
-        "stack_hash": None if unpatched else stack.hash, "unpatched_engine": unpatched_engine,
-        "patches": [] if unpatched else [e.name for e in stack.entries], "installed": installed,
-        "gpu": gpu_info(),
-        "model_fingerprint": fingerprint, "model_dir": str(model_dir), "dsadapt": _dsadapt_version(),
-        "engine_log": str(getattr(err, "log_path", None) or "") or None,
-        "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(getattr(err, "log_path", None)),
+        **r.provenance(installed),
+        "engine_log": log,
+        "engine_log_tail": getattr(err, "log_tail", None) or _tail_of(log),
         # the tail often holds only wrapper tracebacks; the first real error line of the whole log:
-        "engine_root_cause": _root_cause(str(getattr(err, "log_path", None) or "") or None),
+        "engine_root_cause": _root_cause(log),
     }
-    result = CheckResult(
-        pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-        unpatched=unpatched, verdict="fail", reasons=[_failure_reason(err, provenance["engine_log"])],
-        explanation=["the engine did not produce logits: see the log tail in the report (a load failure "
-                     "usually means a config key or weight the engine does not understand)"],
-        report_path=str(out), plot_path=None, provenance=provenance, timings=timings,
-        comparison={"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".png").unlink(missing_ok=True)
-    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    result = r.result(
+        "fail", [_failure_reason(err, log)],
+        ["the engine did not produce logits: see the log tail in the report (a load failure "
+         "usually means a config key or weight the engine does not understand)"],
+        provenance, {"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
+    r.out.parent.mkdir(parents=True, exist_ok=True)
+    r.out.with_suffix(".png").unlink(missing_ok=True)
+    _write_report(r.out, result)
     return result
 
 

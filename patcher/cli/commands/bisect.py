@@ -23,7 +23,7 @@ from patcher.cli.commands.common import (
     to_ref,
 )
 from patcher.engines import engine
-from patcher.gate.check import CheckResult, check_dtypes, preflight, run_check
+from patcher.gate.check import CheckRequest, CheckResult, check_dtypes, preflight, run_check
 from patcher.stack.workspace import workdir_lock
 
 
@@ -84,9 +84,9 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     progress = progress_printer(not as_json)
     on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
-        res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
-                        unpatched=unpatched, progress=progress, stream=not as_json, command=command,
-                        unpatched_engine=unpatched_engine, bisect="always", on_line=on_line)
+        req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
+                           unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command)
+        res = run_check(ctx.cfg, ctx.lock, req, progress=progress, stream=not as_json, on_line=on_line)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
         if as_json:

@@ -25,7 +25,15 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines import engine
 from patcher.formats.stackfiles import load_stack
-from patcher.gate.check import CheckResult, bisect_command, check_dtypes, check_or_raise, preflight, run_check
+from patcher.gate.check import (
+    CheckRequest,
+    CheckResult,
+    bisect_command,
+    check_dtypes,
+    check_or_raise,
+    preflight,
+    run_check,
+)
 from patcher.stack.workspace import workdir_lock
 
 BUILTIN_MODELS = ("v3", "v2-lite", "v2")
@@ -169,12 +177,13 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         where_reference(reference_device, spec)
         dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant)
         done: list[CheckResult] = []
+        req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
+                           unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
+                           command=command)
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
-                res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dt,
-                                variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
-                                command=command, unpatched_engine=unpatched_engine, on_line=on_line,
-                                reference_on=reference_device, bisect=mode)
+                res = run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
+                                on_line=on_line)
                 done.append(res)
                 if not as_json:
                     render(res)
@@ -213,9 +222,10 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 rows.append([str(entry.ref), "not run", blocker])
                 continue
             try:
-                runs = [run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dt,
-                                  progress=progress, stream=not as_json, command=command, on_line=on_line,
-                                  reference_on=reference_device, bisect=mode)
+                req = CheckRequest(entry.ref, model=model, config_style=config_style, reference_on=reference_device,
+                                   bisect=mode, command=command)
+                runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
+                                  on_line=on_line)
                         for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref))]
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
