@@ -88,6 +88,55 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 0.0, settle_s: float = 1
 # ---------------------------------------------------------------- servers: ports and readiness
 
 
+@dataclass
+class LoggedRun:
+    """How a `run_logged` child ended: its status (124 when it ran past its timeout and was killed)
+    and the wall time it took."""
+
+    returncode: int
+    timed_out: bool
+    wall_s: float
+
+
+def run_logged(argv: Sequence[str], log: IO[str], timeout: float, *, env: Mapping[str, str] | None = None,
+               on_line=None) -> LoggedRun:
+    """Run argv in its own session with stdout+stderr written line by line to `log` (after a
+    ``$ argv`` line) and handed to `on_line`; past `timeout` seconds its whole process group is
+    killed. When it is done its process group is ended too: helpers it spawned (multiprocessing
+    resource trackers, engine workers) may live on holding the output pipe."""
+    import threading
+
+    log.write("$ " + " ".join(argv) + "\n")
+    log.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            errors="replace", start_new_session=True)
+    timed_out = threading.Event()
+
+    def expire() -> None:
+        timed_out.set()
+        signal_group(proc.pid, signal.SIGKILL)
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if on_line:
+                on_line(line.rstrip("\n"))
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        stop_group(proc)
+        reader.join(timeout=30)
+    return LoggedRun(124 if timed_out.is_set() else rc, timed_out.is_set(), time.monotonic() - t0)
+
+
 def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:
     """A port nothing listens on now (the kernel's pick), not one of `avoid`."""
     import socket

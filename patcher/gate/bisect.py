@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,41 +130,11 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
 
 
 def _run_logged(argv: list[str], log: Path, timeout: float, on_line=None) -> int:
-    """Run argv in its own session, output to `log` (and `on_line`); on timeout (status 124) or
-    when it is done, its whole process group is ended (patcher.base.procs)."""
-    import threading
-
-    from patcher.base.procs import signal_group, stop_group
+    """Run argv with its output in `log` (and `on_line`); status 124 when it timed out."""
+    from patcher.base.procs import run_logged
 
     with open(log, "w") as f:
-        f.write("$ " + " ".join(argv) + "\n")
-        f.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=True)
-        timed_out = threading.Event()
-
-        def expire():
-            timed_out.set()
-            signal_group(proc.pid, signal.SIGKILL)
-
-        def read():
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                f.write(line)
-                if on_line:
-                    on_line(line.rstrip("\n"))
-
-        timer = threading.Timer(timeout, expire)
-        timer.start()
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait()
-        finally:
-            timer.cancel()
-            stop_group(proc)
-            reader.join(timeout=30)
-    return 124 if timed_out.is_set() else rc
+        return run_logged(argv, f, timeout, on_line=on_line).returncode
 
 
 def compare(engine_doc: dict, reference_docs: dict[str, dict], config: dict, dtype: str, engine_name: str,

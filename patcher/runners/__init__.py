@@ -19,17 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.base.errors import DsadaptError, EngineRunFailed, EngineUnavailable
-from patcher.base.procs import signal_group, stop_group
+from patcher.base.procs import run_logged
 from patcher.rules.logits import LogitReport, ReportError
 from patcher.rules.prompts import Prompt, prompts_from_json, write_prompts_json
 
@@ -148,43 +144,19 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
     child_env["PYTHONPATH"] = kit_pythonpath(child_env)
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
     errors: list[str] = []
-    t0 = time.monotonic()
+
+    def each_line(line: str) -> None:
+        tail.append(line)
+        if _ERROR_LINE.search(line):
+            errors.append(line)
+        if on_line:
+            on_line(line)
+
     with open(log_path, "w") as log:
-        log.write("$ " + " ".join(argv) + "\n")
-        log.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                                text=True, errors="replace", start_new_session=True)
-        timed_out = threading.Event()
-
-        def expire():
-            timed_out.set()
-            signal_group(proc.pid, signal.SIGKILL)
-
-        def read():
-            for line in proc.stdout:
-                log.write(line)
-                tail.append(line.rstrip("\n"))
-                if _ERROR_LINE.search(line):
-                    errors.append(line.rstrip("\n"))
-                if on_line:
-                    on_line(line.rstrip("\n"))
-
-        timer = threading.Timer(timeout, expire)
-        timer.start()
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait()
-        finally:
-            timer.cancel()
-            # The runner is done, but helpers it spawned (vLLM's multiprocessing resource
-            # tracker, engine workers) may live on holding the output pipe: end its whole
-            # process group so the pipe closes and nothing is left behind.
-            stop_group(proc)
-            reader.join(timeout=30)
-    wall = time.monotonic() - t0
+        ran = run_logged(argv, log, timeout, env=child_env, on_line=each_line)
+    rc, wall = ran.returncode, ran.wall_s
     tail_text = "\n".join(tail)
-    if timed_out.is_set():
+    if ran.timed_out:
         raise RunnerTimeout(f"runner {spec.name} ran past {timeout:.0f}s and was killed",
                             hint=f"log: {log_path}\n{tail_text}", log_tail=tail_text, log_path=log_path)
     if rc != 0:
