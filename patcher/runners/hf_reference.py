@@ -35,7 +35,7 @@ import time
 
 import dsadapt_runner as kit
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPES = ("float32", "float64", "bfloat16", "float16", "fp8")
 
 
 def parse_args(argv=None):
@@ -63,19 +63,205 @@ def parse_args(argv=None):
     return args
 
 
-def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None, device="cpu"):
+def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config_overrides=None, device="cpu",
+               fp8_bug=None):
     """Load the model (on CPU unless `device`) in eval mode. `config_overrides` (a dict) edits
-    the config before the weights load (tests use it to plant known bugs)."""
+    the config before the weights load (tests use it to plant known bugs).
+
+    A block-FP8 checkpoint (``quantization_config: {quant_method: fp8, weight_block_size}``) is
+    loaded in float32 with every FP8 weight dequantized in place, ``weight x weight_scale_inv``
+    per block (`dequantize_in_place`): the checkpoint's exact meaning, on any device, holding the
+    model once. `dtype` "fp8" is that model in bfloat16 with the engine's FP8 arithmetic emulated
+    (activations quantized to e4m3 per token and 128 channels at every FP8 GEMM): the yardstick
+    of an FP8 engine's own rounding. `fp8_bug` ("transposed", "inverse") plants a block-scale bug
+    in the dequantization (tests and tools/measure_bisect_noise.py only)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    block = fp8_block(config)
+    if block is not None:
+        # dequantized here, not by transformers: its FineGrainedFP8 integration needs a GPU (or
+        # accelerate) and derives the block from rows // grid rows, which DeepSeek-V3's 576-row
+        # kv_a_proj_with_mqa (5 row blocks, the last partial) does not divide
+        del config.quantization_config
+    elif dtype == "fp8":
+        raise ValueError("--dtype fp8 needs a block-FP8 checkpoint (quantization_config quant_method fp8)")
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
+    load_dtype = torch.float32 if block is not None or dtype == "fp8" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation=attn,
-        experts_implementation=experts)
-    return model.eval().to(device)
+        model_dir, config=config, dtype=load_dtype, attn_implementation=attn, experts_implementation=experts)
+    model = model.eval().to(device)
+    if block is not None:
+        placed = dequantize_in_place(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
+        model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
+        if dtype == "fp8":
+            model = model.to(torch.bfloat16)
+            emulate_fp8_activations(model, placed)
+        elif dtype != "float32":
+            model = model.to(getattr(torch, dtype))
+    return model
+
+
+# ----------------------------------------------------------------------------- block FP8
+
+
+def _blockfp8():
+    """patcher/checkpoints/blockfp8.py (standalone: torch only), loaded by its path: this runner
+    never imports dsadapt, but it always runs from dsadapt's own files."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "checkpoints" / "blockfp8.py"
+    spec = importlib.util.spec_from_file_location("dsadapt_blockfp8", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fp8_block(config):
+    """(rows, cols) of the config's block-FP8 quantization, or None."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        raise ValueError(f"quantization_config.quant_method {q.get('quant_method')!r}: the reference dequantizes "
+                         "block-FP8 checkpoints only")
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(f"quantization_config.weight_block_size {block!r}: block-FP8 needs [rows, cols]")
+    return int(block[0]), int(block[1])
+
+
+def _headers(model_dir):
+    """{tensor name: (file, dtype)} from the safetensors headers (stdlib only)."""
+    import os
+    import struct
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for name in files:
+        with open(os.path.join(model_dir, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            for key, entry in json.loads(f.read(n)).items():
+                if key != "__metadata__":
+                    out[key] = (name, entry["dtype"])
+    return out
+
+
+_EXPERT = None
+
+
+def _target(params, name):
+    """The float32 view (2-D) the checkpoint tensor `name` was loaded into: the parameter of the
+    same name, or its expert's rows of transformers' fused ``experts.gate_up_proj`` /
+    ``experts.down_proj`` (expert e: gate rows, then up rows)."""
+    import re
+
+    global _EXPERT
+    _EXPERT = _EXPERT or re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    if name in params:
+        return params[name].data
+    m = _EXPERT.match(name)
+    if not m:
+        return None
+    prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+    if which == "down":
+        p = params.get(f"{prefix}.down_proj")
+        return None if p is None else p.data[e]
+    p = params.get(f"{prefix}.gate_up_proj")
+    if p is None:
+        return None
+    fused = p.data[e]
+    half = fused.shape[0] // 2
+    return fused[:half] if which == "gate" else fused[half:]
+
+
+def dequantize_in_place(model, model_dir, block, n_layers, bug=None):
+    """Multiply every FP8 weight of the main model (loaded into float32 as its raw e4m3 values)
+    by its ``weight_scale_inv`` block grid, in place. Returns the names dequantized."""
+    import os
+    import re
+
+    import torch
+    from safetensors import safe_open
+
+    fp8 = _blockfp8()
+    params = dict(model.named_parameters())
+    layer_re = re.compile(r"^model\.layers\.(\d+)\.")
+    headers = _headers(model_dir)
+    by_file = {}
+    for name, (fname, dtype) in headers.items():
+        m = layer_re.match(name)
+        if dtype.startswith("F8_") and not (m and int(m.group(1)) >= n_layers):
+            by_file.setdefault(fname, []).append(name)
+    placed = []
+    for fname, names in sorted(by_file.items()):
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+            for name in sorted(names):
+                target = _target(params, name)
+                if target is None:
+                    raise RuntimeError(f"FP8 tensor {name} has no place in the loaded model")
+                scale_name = name + "_scale_inv"
+                if headers.get(scale_name, (None,))[0] == fname:
+                    scale = f.get_tensor(scale_name)
+                else:
+                    with safe_open(os.path.join(model_dir, headers[scale_name][0]), framework="pt") as g:
+                        scale = g.get_tensor(scale_name)
+                if bug == "transposed":   # the grid read column-major: values land in the wrong blocks
+                    scale = scale.flatten().reshape(scale.shape[1], scale.shape[0]).t()
+                elif bug == "inverse":    # scale applied as scale: weight / weight_scale_inv
+                    scale = 1.0 / scale
+                with torch.no_grad():
+                    fp8.apply_scales_(target, scale.to(torch.float32), block)
+                placed.append(name)
+    return placed
+
+
+def emulate_fp8_activations(model, placed, group=128):
+    """What a block-FP8 engine does to the inputs of its FP8 GEMMs, in the (bfloat16) HF model:
+    quantized to e4m3 per token and `group` channels, then scaled back. On every linear whose
+    weight was FP8 (a forward pre-hook) and on the routed experts (both GEMMs of each expert)."""
+    import types
+
+    import torch
+
+    fp8 = _blockfp8()
+    linear = {n[: -len(".weight")] for n in placed if ".mlp.experts." not in n}
+    experts = {n.split(".mlp.experts.")[0] + ".mlp.experts" for n in placed if ".mlp.experts." in n}
+
+    def pre(module, args):
+        return (fp8.quantize_activations(args[0], group),) + tuple(args[1:])
+
+    def expert_forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        x = fp8.quantize_activations(hidden_states, group)
+        for e in hit:
+            e = int(e[0])
+            if e == self.num_experts:
+                continue
+            pos, tok = torch.where(mask[e])
+            gate, up = torch.nn.functional.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = fp8.quantize_activations(self.act_fn(gate) * up, group)
+            h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+    for name, module in model.named_modules():
+        if name in linear and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(pre)
+        elif name in experts:
+            module.forward = types.MethodType(expert_forward, module)
 
 
 position_entry = kit.position_from_row
@@ -240,7 +426,7 @@ def main(argv=None):
                   "python": platform.python_version()},
         engine_path=transformers.__file__, prompts=results,
         settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, **device,
-                  "greedy_flips": flips},
+                  "greedy_flips": flips, **({"fp8": model.dsadapt_fp8} if hasattr(model, "dsadapt_fp8") else {})},
         timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
     kit.say("hf_reference", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0

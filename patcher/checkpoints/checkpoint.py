@@ -1,0 +1,243 @@
+"""A checkpoint directory as released: opened, checked against its own config.json, described.
+
+`open_checkpoint(DIR)` accepts a model folder the way DeepSeek (and the Hub) release them:
+``config.json`` plus sharded ``model-*-of-*.safetensors`` with ``model.safetensors.index.json``
+(or one ``model.safetensors``, as the built-in tiny models), tokenizer files, remote code
+(``auto_map``) the gate never runs. It reads only the safetensors headers, never a tensor, and
+refuses, with one line saying what is wrong and what to do (exit 2): a folder that is not a
+checkpoint, an index that names a shard that is missing or a tensor its shard does not hold, a
+shard that is cut short, and a config.json the weights do not match (a missing tensor, a shape
+that is not what the config says: the model no engine could load).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from patcher.base.errors import UsageError, show
+from patcher.checkpoints.layout import (
+    Fp8Scheme,
+    LayoutError,
+    check_config,
+    expected_tensors,
+    fp8_scheme,
+    layer_of,
+    mtp_layers,
+)
+from patcher.checkpoints.safetensors_io import FP8_DTYPES, Header, SafetensorsError, TensorEntry, read_header
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+class CheckpointError(UsageError):
+    """The folder is not a checkpoint the gate can use (bad input: exit 2)."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict[str, Any]
+    sharded: bool                      # an index and shards (else one model.safetensors)
+    weight_map: dict[str, str]         # tensor name -> file name
+    shards: dict[str, Header]          # file name -> header, in the index's order of first use
+    fp8: Fp8Scheme | None
+    tokenizer: bool                    # tokenizer.json present
+    extra_tensors: list[str] = field(default_factory=list)   # held but not in the config's layout
+    mtp_present: int = 0               # MTP modules whose tensors are present
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.shards)
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    def entry(self, name: str) -> TensorEntry:
+        return self.shards[self.weight_map[name]].tensors[name]
+
+    def bytes_on_disk(self) -> int:
+        return sum(h.size for h in self.shards.values())
+
+    def float32_bytes(self, layers: int | None = None) -> int:
+        """What the float32 reference holds of this checkpoint's main model (MTP modules and
+        FP8 scales left out: scales fold into their weights)."""
+        top = self.layers if layers is None else layers
+        n = 0
+        for name in self.weight_map:
+            layer = layer_of(name)
+            if name.endswith("_scale_inv") or (layer is not None and layer >= top):
+                continue
+            n += 4 * math.prod(self.entry(name).shape)
+        return n
+
+    def summary(self) -> dict[str, Any]:
+        """What a report records about the checkpoint."""
+        dtypes: dict[str, int] = {}
+        for name in self.weight_map:
+            e = self.entry(name)
+            dtypes[e.dtype] = dtypes.get(e.dtype, 0) + e.numel
+        return {
+            "layout": "sharded" if self.sharded else "single file",
+            "files": len(self.shards), "bytes": self.bytes_on_disk(), "tensors": len(self.weight_map),
+            "values": sum(dtypes.values()), "dtypes": dict(sorted(dtypes.items())),
+            "layers": self.layers, "mtp_layers": self.mtp_present,
+            "quantization": None if self.fp8 is None else
+            {"quant_method": "fp8", "fmt": self.fp8.fmt, "weight_block_size": list(self.fp8.block),
+             "activation_scheme": self.fp8.activation_scheme},
+            "model_type": self.config.get("model_type"), "architectures": self.config.get("architectures"),
+            "remote_code": bool(self.config.get("auto_map")), "tokenizer": self.tokenizer,
+        }
+
+
+def _fail(path: Path, what: str, hint: str) -> CheckpointError:
+    return CheckpointError(f"{show(path, 100)}: {what}", hint=hint)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    from patcher.base.textfile import read_text
+
+    f = Path(path) / CONFIG_FILE
+    if not f.is_file():
+        raise _fail(path, "not a checkpoint: no config.json",
+                    "point --model at a model folder (config.json, *.safetensors, tokenizer), or use a built-in model")
+    try:
+        data = json.loads(read_text(f, CheckpointError))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{show(f, 120)}:{e.lineno}: not valid JSON ({e.msg})",
+                              hint="fix the model's config.json") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{show(f, 120)}: not a JSON object", hint="fix the model's config.json")
+    return data
+
+
+def _weight_map(path: Path) -> tuple[bool, dict[str, str]]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _fail(path, f"{INDEX_FILE} is not readable JSON ({e})",
+                        "restore the index the checkpoint was released with") from None
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in wm.items()):
+            raise _fail(path, f"{INDEX_FILE} has no weight_map of tensor names to shard files",
+                        "restore the index the checkpoint was released with")
+        for shard in dict.fromkeys(wm.values()):
+            if "/" in shard or "\\" in shard or shard in ("", ".", "..") or not shard.endswith(".safetensors"):
+                raise _fail(path, f"{INDEX_FILE} names {show(shard, 60)!r}, not a .safetensors file in the folder",
+                            "the index must name shard files next to it")
+        return True, dict(wm)
+    single = path / SINGLE_FILE
+    if single.is_file():
+        try:
+            header = read_header(single)
+        except SafetensorsError as e:
+            raise _fail(path, f"{e}", "the weights file is damaged: copy it again") from None
+        return False, {name: SINGLE_FILE for name in header.tensors}
+    stray = sorted(p.name for p in path.glob("*.safetensors"))
+    if stray:
+        raise _fail(path, f"{len(stray)} safetensors file(s) ({show(stray[0], 60)}, ...) but no {INDEX_FILE}",
+                    "a sharded checkpoint needs its index; copy model.safetensors.index.json from the release")
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise _fail(path, "not a safetensors checkpoint (pytorch *.bin weights)",
+                    "convert it to safetensors first; the gate reads safetensors only")
+    raise _fail(path, f"not a checkpoint: no {INDEX_FILE} and no {SINGLE_FILE}",
+                "point --model at a model folder holding config.json and its safetensors weights")
+
+
+def open_checkpoint(path: Path, check_layout: bool = True) -> Checkpoint:
+    """Open and check a checkpoint folder (headers only). `check_layout`: hold the tensors to what
+    config.json describes (every tensor present, every shape right)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{show(path, 100)}: no such folder",
+                              hint="point at a checkpoint folder (config.json, safetensors weights, tokenizer)")
+    config = read_config(path)
+    sharded, wm = _weight_map(path)
+    counts: dict[str, int] = {}
+    for shard in wm.values():
+        counts[shard] = counts.get(shard, 0) + 1
+    shards: dict[str, Header] = {}
+    for shard, n in counts.items():
+        f = path / shard
+        if not f.is_file():
+            raise _fail(path, f"shard {show(shard, 60)} is missing ({n} tensor(s) of the index live there)",
+                        "copy the missing shard from the release (every file the index names must be present)")
+        try:
+            shards[shard] = read_header(f)
+        except SafetensorsError as e:
+            raise _fail(path, f"{e}", f"shard {show(shard, 60)} is damaged: copy it again") from None
+    for name, shard in wm.items():
+        if name not in shards[shard].tensors:
+            raise _fail(path, f"{INDEX_FILE} names tensor {show(name, 80)} in {show(shard, 60)}, which does not "
+                              "hold it", "the index and the shards come from different releases: copy both again")
+    ckpt = Checkpoint(path, config, sharded, wm, shards, None, (path / "tokenizer.json").is_file())
+    try:
+        check_config(config)
+        ckpt.fp8 = fp8_scheme(config)
+    except LayoutError as e:
+        raise _fail(path, f"config.json: {e}", "the gate checks DeepSeek-V2/V3 checkpoints as released "
+                                               "(the engines load them from these keys)") from None
+    if check_layout:
+        _check_layout(ckpt)
+    return ckpt
+
+
+def _check_layout(ckpt: Checkpoint) -> None:
+    """Every tensor config.json describes is held with the shape it describes (MTP modules are
+    optional: engines serving the main model skip them), FP8 weights come with their scales, and
+    no layer beyond the config's is held."""
+    config = ckpt.config
+    n_layers, mtp = ckpt.layers, mtp_layers(config)
+    want = expected_tensors(config, mtp=mtp)
+    held = ckpt.weight_map
+    present_mtp = {layer_of(t.name) for t in want
+                   if t.layer is not None and t.layer >= n_layers and t.name in held}
+    ckpt.mtp_present = len(present_mtp)
+    hint = "config.json and the weights must describe the same model (copy both from one release)"
+    for t in want:
+        if t.layer is not None and t.layer >= n_layers and t.layer not in present_mtp:
+            continue
+        if t.name not in held:
+            raise _fail(ckpt.path, f"config.json describes tensor {t.name} {list(t.shape)}, which no file holds",
+                        hint)
+        e = ckpt.entry(t.name)
+        if e.shape != t.shape:
+            raise _fail(ckpt.path, f"tensor {t.name} is {list(e.shape)} in {ckpt.weight_map[t.name]}; config.json "
+                                   f"says {list(t.shape)}", hint)
+    for name in held:
+        e = ckpt.entry(name)
+        if e.dtype in FP8_DTYPES:
+            if ckpt.fp8 is None:
+                raise _fail(ckpt.path, f"tensor {name} is {e.dtype} but config.json has no quantization_config",
+                            "restore the quantization_config the checkpoint was released with")
+            scale = name + "_scale_inv"
+            if scale not in held:
+                raise _fail(ckpt.path, f"FP8 tensor {name} has no {scale.rsplit('.', 1)[-1]} (its block scales)",
+                            hint)
+            grid = ckpt.fp8.grid(e.shape) if len(e.shape) == 2 else None
+            if grid is not None and ckpt.entry(scale).shape != grid:
+                raise _fail(ckpt.path, f"{scale} is {list(ckpt.entry(scale).shape)}; a {list(e.shape)} weight in "
+                                       f"{ckpt.fp8.block[0]}x{ckpt.fp8.block[1]} blocks needs {list(grid)}", hint)
+        layer = layer_of(name)
+        if layer is not None and layer >= n_layers + mtp:
+            raise _fail(ckpt.path, f"the weights hold layer {layer} but config.json says {n_layers} layers"
+                                   + (f" and {mtp} MTP module(s)" if mtp else ""), hint)
+    names = {t.name for t in want}
+    ckpt.extra_tensors = sorted(n for n in held if n not in names)
+
+
+def require_layers(ckpt: Checkpoint, k: int) -> None:
+    if not 1 <= k <= ckpt.layers:
+        raise CheckpointError(f"--layers {k}: {show(ckpt.path, 80)} has {ckpt.layers} decoder layer(s)",
+                              hint=f"pass --layers between 1 and {ckpt.layers}")

@@ -1,0 +1,301 @@
+"""Checkpoints in the released layout without a download (`dsadapt model make --like`).
+
+`make_like(OUT, "deepseek-v3", layers=K)` writes DeepSeek-V3's released config.json with K decoder
+layers (and its MTP module, unless ``mtp=0``), and seeded random weights with the released
+checkpoint's tensor names, dtypes (bf16; block-FP8 e4m3 with float32 ``weight_scale_inv`` for V3's
+projections), shards of a few GB (``model-00001-of-00000N.safetensors``, DeepSeek's naming) and
+``model.safetensors.index.json``. A real checkpoint sliced to the same layers has the same files,
+names, shapes and dtypes; only the numbers differ.
+
+Weights: each tensor drawn from generators seeded by (seed, tensor name, chunk), scaled as the
+built-in tiny models are (`tiny.init_spec`: std 0.02, lm_head x10, attention projections x2,
+experts x2, router bias sigma 0.05, norms 1). FP8 weights get one more factor per 128 x 128 block,
+2^u with u uniform in [-1, 1]: trained weights' blocks differ in magnitude (that is why the
+scales exist), and i.i.d. Gaussian blocks would all get nearly the same scale, which would make
+a bug in block-scale handling (a transposed grid) invisible. The same arguments give
+byte-identical files, however many worker processes write them.
+
+Writing is streamed: each shard's header is written first, then every tensor at its offset in
+chunks of at most 32 M values, so memory stays near one chunk per worker. Files appear under
+OUT only when the whole checkpoint is written (a temporary folder is renamed at the end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from patcher.base.errors import MachineError, UsageError, show
+from patcher.checkpoints import tiny
+from patcher.checkpoints.checkpoint import CONFIG_FILE, INDEX_FILE
+from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
+from patcher.checkpoints.released import REPOS, released_config
+from patcher.checkpoints.safetensors_io import TensorEntry, encode_header, layout
+
+#: Shard size DeepSeek's releases use (DeepSeek-V3: 163 shards of about 4.3 GB).
+SHARD_BYTES = 4_300_000_000
+CHUNK_VALUES = 32 * 1024 * 1024
+BLOCK_SPREAD = 1.0  # log2 range of the per-block magnitude factor of FP8 weights
+INFO_FILE = "dsadapt.json"
+GENERATOR = "dsadapt-like/1"
+
+
+@dataclass
+class MadeModel:
+    path: Path
+    like: str | None
+    layers: int
+    mtp: int
+    seed: int
+    params: int
+    bytes: int
+    files: dict[str, str] = field(default_factory=dict)   # shard -> sha256
+    seconds: float = 0.0
+    workers: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "like": self.like, "layers": self.layers, "mtp_layers": self.mtp,
+                "seed": self.seed, "params": self.params, "bytes": self.bytes, "files": len(self.files),
+                "seconds": round(self.seconds, 1), "workers": self.workers}
+
+
+def seed_for(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def shard_name(i: int, n: int) -> str:
+    """DeepSeek's shard names: ``model-00001-of-000163.safetensors``."""
+    return f"model-{i:05d}-of-{n:06d}.safetensors"
+
+
+def plan_shards(specs: list[TensorSpec], shard_bytes: int = SHARD_BYTES) -> list[list[TensorSpec]]:
+    """Tensors in order, a new shard when the next would pass `shard_bytes`; a weight and its
+    ``weight_scale_inv`` always share a shard."""
+    from patcher.checkpoints.safetensors_io import DTYPE_SIZES
+
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    i = 0
+    while i < len(specs):
+        group = [specs[i]]
+        if i + 1 < len(specs) and specs[i + 1].name == specs[i].name + "_scale_inv":
+            group.append(specs[i + 1])
+        n = sum(math.prod(t.shape) * DTYPE_SIZES[t.dtype] for t in group)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(group)
+        size += n
+        i += len(group)
+    return shards
+
+
+def _source_name(t: TensorSpec, n_layers: int) -> str:
+    """MTP modules store the main embedding and head again: the same values, as released."""
+    if t.layer is not None and t.layer >= n_layers:
+        if t.name.endswith(".embed_tokens.weight"):
+            return "model.embed_tokens.weight"
+        if t.name.endswith(".shared_head.head.weight"):
+            return "lm_head.weight"
+    return t.name
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One tensor (or an FP8 weight and its scales) to write at known offsets of one file."""
+
+    path: str
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    seed: int
+    block: tuple[int, int] | None = None
+    scale_offset: int | None = None
+
+
+def _write(task: _Task) -> int:
+    """Fill one tensor's bytes (worker side). Returns the values written."""
+    import torch
+
+    kind, std = tiny.init_spec(task.source)
+    rows = task.shape[0]
+    cols = math.prod(task.shape[1:]) if len(task.shape) > 1 else 1
+    fd = os.open(task.path, os.O_WRONLY)
+    try:
+        if kind == "ones":
+            dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
+            os.pwrite(fd, torch.ones(task.shape, dtype=dt).view(torch.uint8).numpy().tobytes(), task.offset)
+            return rows * cols
+        if task.block is None:
+            dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
+            step = max(1, CHUNK_VALUES // cols)
+            item = torch.empty((), dtype=dt).element_size()
+            for c, r0 in enumerate(range(0, rows, step)):
+                n = min(step, rows - r0)
+                g = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#{c}"))
+                x = torch.randn(n * cols, generator=g).mul_(std).to(dt)
+                os.pwrite(fd, x.view(torch.uint8).numpy(), task.offset + r0 * cols * item)
+            return rows * cols
+        from patcher.checkpoints import blockfp8
+
+        b0, b1 = task.block
+        gr, gc = blockfp8.grid(task.shape, task.block)
+        gb = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#blocks"))
+        factor = torch.exp2((torch.rand(gr, gc, generator=gb) * 2 - 1) * BLOCK_SPREAD)
+        scales = torch.empty(gr, gc, dtype=torch.float32)
+        step = max(b0, (CHUNK_VALUES // cols) // b0 * b0)
+        for c, r0 in enumerate(range(0, rows, step)):
+            n = min(step, rows - r0)
+            g = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#{c}"))
+            w = torch.randn(n, cols, generator=g).mul_(std)
+            i0, i1 = r0 // b0, -(-(r0 + n) // b0)
+            w.mul_(blockfp8.scale_grid(factor[i0:i1], (n, cols), task.block))
+            q, s = blockfp8.quantize(w, task.block)
+            scales[i0:i1] = s
+            os.pwrite(fd, q.view(torch.uint8).numpy(), task.offset + r0 * cols)
+        assert task.scale_offset is not None
+        os.pwrite(fd, scales.numpy(), task.scale_offset)
+        return rows * cols
+    finally:
+        os.close(fd)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _hash(path: str) -> str:
+    from patcher.checkpoints.fingerprint import file_sha256
+
+    return file_sha256(Path(path))
+
+
+def default_workers() -> int:
+    return max(1, min(16, (os.cpu_count() or 1) - 1))
+
+
+def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int | None = None,
+                     shard_bytes: int = SHARD_BYTES, workers: int | None = None, like: str | None = None,
+                     chat_variant: str = "v3", cache: Path | None = None,
+                     progress: Callable[[str], None] | None = None) -> MadeModel:
+    """Write a checkpoint of `config` (its layout: `layout.expected_tensors`) into `out` (new)."""
+    t0 = time.monotonic()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {show(out, 100)} exists and is not an empty folder",
+                         hint="pick a new folder (a checkpoint is never written over another)")
+    specs = expected_tensors(config, mtp=mtp)
+    n_layers = int(config["num_hidden_layers"])
+    fp8 = fp8_scheme(config)
+    plan = plan_shards(specs, shard_bytes)
+    # the released layout is sharded with an index (even in one shard); a bare config makes one file
+    names = [shard_name(i + 1, len(plan)) for i in range(len(plan))] if (like or len(plan) > 1) \
+        else ["model.safetensors"]
+    spec_of = {t.name: t for t in specs}
+    headers = [layout((t.name, t.dtype, t.shape) for t in shard) for shard in plan]
+    metadata = {"format": "pt"}
+    encoded = [encode_header(h, metadata) for h in headers]
+    total = sum(len(e) + (h[-1].end if h else 0) for e, h in zip(encoded, headers))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if total + (1 << 28) > free:
+        raise MachineError(f"not enough disk for {show(out, 80)}: the checkpoint takes {total / 2**30:.1f} GiB, "
+                           f"{free / 2**30:.1f} GiB free", hint="free disk space, or make fewer --layers")
+    tmp = out.parent / f".{out.name}.making-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tasks: list[_Task] = []
+        for fname, entries, head in zip(names, headers, encoded):
+            path = tmp / fname
+            with path.open("wb") as f:
+                f.write(head)
+                f.truncate(len(head) + (entries[-1].end if entries else 0))
+            by_name: dict[str, TensorEntry] = {e.name: e for e in entries}
+            for e in entries:
+                if e.name.endswith("_scale_inv") and e.name[: -len("_scale_inv")] in by_name:
+                    continue
+                scale = by_name.get(e.name + "_scale_inv")
+                source = _source_name(spec_of[e.name], n_layers)
+                tasks.append(_Task(str(path), e.name, source, e.shape, e.dtype, len(head) + e.begin, seed,
+                                   fp8.block if (fp8 and scale is not None) else None,
+                                   len(head) + scale.begin if scale is not None else None))
+        workers = max(1, min(workers or default_workers(), len(tasks)))
+        if progress:
+            progress(f"writing {len(tasks)} tensors ({sum(math.prod(t.shape) for t in specs) / 1e9:.2f} B values, "
+                     f"{total / 2**30:.1f} GiB) into {len(names)} file(s) with {workers} worker(s)")
+        tasks.sort(key=lambda t: -math.prod(t.shape))  # largest first: the pool finishes together
+        if workers == 1:
+            for t in tasks:
+                _write(t)
+            digests = [_hash(str(tmp / n)) for n in names]
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_init_worker) as pool:
+                last = time.monotonic()
+                for done, _ in enumerate(pool.map(_write, tasks, chunksize=1), 1):
+                    if progress and time.monotonic() - last > 15:
+                        progress(f"  {done}/{len(tasks)} tensors written ({time.monotonic() - t0:.0f}s)")
+                        last = time.monotonic()
+                digests = list(pool.map(_hash, [str(tmp / n) for n in names]))
+        sizes = {n: (tmp / n).stat().st_size for n in names}
+        if names != ["model.safetensors"]:
+            weight_map = {e.name: fname for fname, entries in zip(names, headers) for e in entries}
+            index = {"metadata": {"total_size": sum(h[-1].end for h in headers if h)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"_from_model_config": True, "bos_token_id": config.get("bos_token_id"),
+             "do_sample": False, "eos_token_id": config.get("eos_token_id")}, indent=2) + "\n")
+        (tmp / "tokenizer.json").write_text(tiny.tokenizer_json(), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(tiny.tokenizer_config(chat_variant), indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+            encoding="utf-8")
+        params = sum(math.prod(t.shape) for t in specs if not t.name.endswith("_scale_inv"))
+        made = MadeModel(out, like, n_layers, mtp_layers(config) if mtp is None else mtp, seed, params, sum(sizes.values()), dict(zip(names, digests)), workers=workers)
+        info = {"generator": GENERATOR, "like": like, "released_as": REPOS.get(like or ""), "layers": n_layers,
+                "mtp_layers": made.mtp, "seed": seed, "params": params, "block_spread_log2": BLOCK_SPREAD if fp8 else None,
+                "files": made.files}
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if cache is not None:
+        from patcher.checkpoints.fingerprint import remember
+
+        for name, sha in made.files.items():
+            remember(cache, out / name, sha)
+    made.seconds = time.monotonic() - t0
+    return made
+
+
+def make_like(out: Path, like: str, layers: int, seed: int = 0, mtp: int | None = None,
+              shard_bytes: int = SHARD_BYTES, workers: int | None = None, cache: Path | None = None,
+              progress: Callable[[str], None] | None = None) -> MadeModel:
+    """The released checkpoint of `like` with `layers` decoder layers, random weights (module doc)."""
+    if seed < 0:
+        raise UsageError(f"--seed {seed}: must be >= 0", hint="pass a non-negative --seed")
+    config = released_config(like, layers, mtp)
+    return write_checkpoint(out, config, seed=seed, shard_bytes=shard_bytes, workers=workers, like=like,
+                            chat_variant="v3" if like == "deepseek-v3" else "v2-lite", cache=cache,
+                            progress=progress)
