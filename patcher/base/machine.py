@@ -63,3 +63,43 @@ def _smi_header() -> str:
         return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout[:2000]
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def available_memory(device: str = "cpu") -> tuple[int | None, str]:
+    """(bytes a new process can still allocate, where that number comes from) on the CPU (RAM:
+    MemAvailable, capped by the cgroup's memory.max) or on GPU 0 (nvidia-smi's free memory);
+    None when it cannot be told."""
+    if device == "cuda":
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                               capture_output=True, text=True, timeout=30)
+            return int(float(r.stdout.strip().splitlines()[0])) * (1 << 20), "GPU 0 free memory (nvidia-smi)"
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+            return None, "GPU memory unknown"
+    avail: int | None = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    where = "RAM available (/proc/meminfo MemAvailable)"
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max" and (avail is None or int(limit) - used < avail):
+            avail, where = int(limit) - used, "memory left under this cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return avail, where

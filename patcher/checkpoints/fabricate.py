@@ -35,8 +35,8 @@ from typing import Any
 
 from patcher.base.errors import MachineError, UsageError, show
 from patcher.checkpoints import tiny
-from patcher.checkpoints.checkpoint import CONFIG_FILE, INDEX_FILE
 from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
+from patcher.checkpoints.model_dir import CONFIG_FILE, INDEX_FILE
 from patcher.checkpoints.released import REPOS, released_config
 from patcher.checkpoints.safetensors_io import TensorEntry, encode_header, layout
 
@@ -124,6 +124,13 @@ class _Task:
     scale_offset: int | None = None
 
 
+def _raw(t: Any) -> Any:
+    """A tensor's bytes as a buffer os.pwrite takes (no copy)."""
+    import torch
+
+    return t.contiguous().view(torch.uint8).numpy()
+
+
 def _write(task: _Task) -> int:
     """Fill one tensor's bytes (worker side). Returns the values written."""
     import torch
@@ -135,7 +142,7 @@ def _write(task: _Task) -> int:
     try:
         if kind == "ones":
             dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
-            os.pwrite(fd, torch.ones(task.shape, dtype=dt).view(torch.uint8).numpy().tobytes(), task.offset)
+            os.pwrite(fd, _raw(torch.ones(task.shape, dtype=dt)), task.offset)
             return rows * cols
         if task.block is None:
             dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
@@ -145,7 +152,7 @@ def _write(task: _Task) -> int:
                 n = min(step, rows - r0)
                 g = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#{c}"))
                 x = torch.randn(n * cols, generator=g).mul_(std).to(dt)
-                os.pwrite(fd, x.view(torch.uint8).numpy(), task.offset + r0 * cols * item)
+                os.pwrite(fd, _raw(x), task.offset + r0 * cols * item)
             return rows * cols
         from patcher.checkpoints import blockfp8
 
@@ -163,9 +170,9 @@ def _write(task: _Task) -> int:
             w.mul_(blockfp8.scale_grid(factor[i0:i1], (n, cols), task.block))
             q, s = blockfp8.quantize(w, task.block)
             scales[i0:i1] = s
-            os.pwrite(fd, q.view(torch.uint8).numpy(), task.offset + r0 * cols)
+            os.pwrite(fd, _raw(q), task.offset + r0 * cols)
         assert task.scale_offset is not None
-        os.pwrite(fd, scales.numpy(), task.scale_offset)
+        os.pwrite(fd, _raw(scales), task.scale_offset)
         return rows * cols
     finally:
         os.close(fd)

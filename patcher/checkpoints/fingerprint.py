@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.checkpoints.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
+from patcher.checkpoints.model_dir import CONFIG_FILE, INDEX_FILE, Checkpoint
 
 CACHE_FILE = "checkpoint-digests.json"
 CHUNK = 8 * 1024 * 1024

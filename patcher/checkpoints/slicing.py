@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import MachineError, UsageError, show
-from patcher.checkpoints.checkpoint import (
+from patcher.checkpoints.layout import layer_of
+from patcher.checkpoints.model_dir import (
     CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
@@ -35,7 +36,6 @@ from patcher.checkpoints.checkpoint import (
     open_checkpoint,
     require_layers,
 )
-from patcher.checkpoints.layout import layer_of
 from patcher.checkpoints.safetensors_io import COPY_CHUNK, TensorEntry, copy_tensor, encode_header
 
 INFO_FILE = "dsadapt.json"
@@ -64,7 +64,11 @@ class SliceResult:
 
 def kept(ckpt: Checkpoint, k: int) -> list[str]:
     """The tensors a K-layer slice keeps, in the source's file order (then offset)."""
-    names = [n for n in ckpt.weight_map if (layer_of(n) is None or layer_of(n) < k)]
+    def keep(name: str) -> bool:
+        layer = layer_of(name)
+        return layer is None or layer < k
+
+    names = [n for n in ckpt.weight_map if keep(n)]
     order = {f: i for i, f in enumerate(ckpt.shards)}
     return sorted(names, key=lambda n: (order[ckpt.weight_map[n]], ckpt.entry(n).begin))
 

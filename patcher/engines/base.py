@@ -290,6 +290,7 @@ class Engine(Protocol):
     # -- the gate
     def gate_dtypes(self, spec: VariantSpec) -> tuple[str, ...]: ...
     def run_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
+    def checkpoint_blocker(self, entry: LockEntry, spec: VariantSpec, config: Mapping[str, Any]) -> str | None: ...
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]: ...
     def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None: ...
 
@@ -415,6 +416,13 @@ class EngineBase:
                 return f"needs Python {entry.python} (this is {here})"
         if platform.machine() not in ("x86_64", "AMD64"):
             return f"wheels are x86_64 only (this is {platform.machine()})"
+        return None
+
+    def checkpoint_blocker(self, entry: LockEntry, spec: VariantSpec, config: Mapping[str, Any]) -> str | None:
+        """Why this pin/variant cannot run the checkpoint `config` (its config.json) on this machine,
+        or None. For what the engine knows it lacks here (an FP8 kernel that needs other hardware),
+        never for what the gate must find out: an engine that fails to load a model it should
+        load is a verdict (fail), not a blocker."""
         return None
 
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]:

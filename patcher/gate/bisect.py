@@ -80,11 +80,13 @@ def _runner_script() -> Path:
 
 def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc: dict, dtype: str, work: Path,
                       python: Callable[[], Path], progress: Callable[[str], None] | None = None,
-                      on_line: Callable[[str], None] | None = None) -> dict[str, dict]:
+                      on_line: Callable[[str], None] | None = None, device: str = "cpu") -> dict[str, dict]:
     """The HF reference, teacher-forced on exactly the engine's token sequences, captured in
-    float32 (and in `dtype` when the engine ran in low precision: its noise yardstick).
-    Cached by (model, sequences, dtypes, spec, runner, transformers version); `python` gives the
-    reference's interpreter (made on first use) when the cache misses."""
+    float32 (and in `dtype` when the engine ran in low precision: its noise yardstick; for fp8,
+    HF with the FP8 GEMMs' activation rounding emulated). Cached by (model, sequences, dtypes,
+    spec, runner, transformers version); `python` gives the reference's interpreter (made on
+    first use) when the cache misses; it runs on `device` if it fits there (exit 6 if not)."""
+    from patcher.checkpoints.model_dir import open_checkpoint, require_reference_memory
 
     config = json.loads((model_dir / "config.json").read_text())
     dtypes = ["float32"] + ([dtype] if dtype in LOW_PRECISION_DTYPES else [])
@@ -103,10 +105,11 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         docs = load_capture(cached)
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
+    require_reference_memory(open_checkpoint(model_dir, check_layout=False), device)
     py = python()
     if progress:
         progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
-                 f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks")
+                 f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks on {device.upper()}")
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "reference-capture-spec.json"
     spec_path.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
@@ -116,7 +119,8 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
     out.unlink(missing_ok=True)
     log = work / "reference-capture.log"
     argv = [str(py), str(script), "--model", str(model_dir), "--capture", str(out), "--capture-spec",
-            str(spec_path), "--capture-sequences", str(seq_path), "--capture-dtypes", ",".join(dtypes)]
+            str(spec_path), "--capture-sequences", str(seq_path), "--capture-dtypes", ",".join(dtypes)] \
+        + (["--device", device] if device != "cpu" else [])
     rc = _run_logged(argv, log, REFERENCE_TIMEOUT, on_line)
     if rc != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""

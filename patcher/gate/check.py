@@ -24,6 +24,8 @@ from pathlib import Path
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description, gpu_info
+from patcher.checkpoints.fingerprint import fingerprint as checkpoint_fingerprint
+from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, require_reference_memory
 from patcher.engines import engine
 from patcher.engines.base import Engine, GateRun, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
@@ -35,6 +37,8 @@ from patcher.rules.logits import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, L
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
 from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
+#: The gate's dtype for block-FP8 checkpoints: the engine's FP8 path (activations bfloat16).
+FP8 = "fp8"
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
 CONFIG_STYLES = ("transformers", "deepseek")
@@ -92,13 +96,42 @@ def resolve_model(cfg: Config, model: str, config_style: str | None, progress=No
     if not (d / "config.json").is_file():
         raise UsageError(f"--model {model}: neither a built-in model (v3, v2-lite, v2) nor a directory with config.json",
                          hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
+    open_checkpoint(d)  # a checkpoint as released, its tensors matching its config (exit 2 otherwise)
     return d.resolve(), d.name, config_style
 
 
-def model_fingerprint(d: Path) -> str:
-    from patcher.checkpoints.tiny import model_fingerprint as fp
+def model_fingerprint(d: Path, cache: Path | None = None, progress=None) -> str:
+    """sha256 of the checkpoint's files (`patcher.checkpoints.fingerprint`: a sharded checkpoint by
+    its config, index and shards, each file's digest cached by size and mtime under `cache`)."""
+    return checkpoint_fingerprint(open_checkpoint(d, check_layout=False), cache, progress).sha256
 
-    return fp(d)
+
+def model_preflight(entry: LockEntry, spec: VariantSpec, config: dict, dtype: str | None) -> None:
+    """What a checkpoint's config.json says before anything runs: a block-FP8 checkpoint is checked in
+    fp8 only (the engine's FP8 path against HF on the dequantized weights), fp8 needs one, and the
+    engine may know it cannot run this checkpoint here (exit 6)."""
+    from patcher.checkpoints.layout import LayoutError, fp8_scheme
+
+    eng = engine(entry.engine)
+    try:
+        fp8 = fp8_scheme(config) is not None
+    except LayoutError as e:
+        raise UsageError(f"--model: config.json: {e}", hint="the gate checks DeepSeek checkpoints as released") from None
+    if fp8 and dtype is not None and dtype != FP8:
+        raise UsageError(f"the model is a block-FP8 checkpoint: the gate checks it in {FP8} (the engine's FP8 path "
+                         f"against HF transformers on the dequantized weights), not {dtype}",
+                         hint=f"pass --dtype {FP8} or leave --dtype out")
+    if not fp8 and dtype == FP8:
+        raise UsageError(f"--dtype {FP8} is for block-FP8 checkpoints (quantization_config quant_method fp8); "
+                         "this model has none", hint="pass --dtype float32, bfloat16 or float16, or an FP8 checkpoint "
+                                                     "(`dsadapt model make --like deepseek-v3`)")
+    blocker = eng.checkpoint_blocker(entry, spec, config)
+    if fp8 and blocker is None and FP8 not in eng.gate_dtypes(spec):
+        blocker = f"its gate runner has no FP8 path (it serves {', '.join(eng.gate_dtypes(spec))})"
+    if blocker:
+        what = "this block-FP8 checkpoint" if fp8 else "this checkpoint"
+        raise EngineUnavailable(f"{entry.ref} ({spec.name}) cannot run {what} here: {blocker}",
+                                hint=f"run it on a machine that has what it needs ({eng.docs_page or 'the engine docs'})")
 
 
 # ---------------------------------------------------------------- environments
@@ -164,8 +197,9 @@ def reference_device(asked: str, spec: VariantSpec) -> str:
 
 
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
-                  progress=None, on_line=None, device: str = "cpu") -> LogitReport:
-    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device)."""
+                  progress=None, on_line=None, device: str = "cpu", checkpoint: Checkpoint | None = None) -> LogitReport:
+    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device).
+    Before it runs: whether it fits the memory of `device` (exit 6 with the numbers, never an OOM kill)."""
     spec = dataclasses.replace(REFERENCE_RUNNER, extra_args=("--device", device))
     key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
                       "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest(),
@@ -175,9 +209,11 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
         if progress:
             progress("reference: reusing cached HF transformers report")
         return LogitReport.load(cached)
+    require_reference_memory(checkpoint or open_checkpoint(model_dir, check_layout=False), device)
     py = reference_python(cfg, progress)
     if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}")
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}"
+                 + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
     return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
                       fingerprint=fingerprint, on_line=on_line)
 
@@ -207,12 +243,14 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tupl
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
-              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
+              dtype: str | None = None, config: dict | None = None) -> tuple[LockEntry, VariantSpec]:
     """What `check` can tell before it touches anything: the pin, the variant, whether it can run
     here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
     dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
     entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}")
     eng = engine(ref.engine)
+    if config is not None:
+        model_preflight(entry, spec, config, dtype)
     if dtype is not None:
         dtypes = eng.gate_dtypes(spec)
         if dtype not in dtypes:
@@ -222,13 +260,22 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
     return entry, spec
 
 
-def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None) -> tuple[str, ...]:
+def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None, config: dict | None = None) -> tuple[str, ...]:
     """Every dtype the engine's gate runner serves for this pin (float32 first where it has it,
-    then bfloat16, float16): what `check` runs without --dtype."""
+    then bfloat16, float16): what `check` runs without --dtype. A block-FP8 checkpoint (`config`)
+    runs in fp8 only."""
+    from patcher.checkpoints.layout import LayoutError, fp8_scheme
+
     entry = lock.pin(ref)
     eng = engine(entry.engine)
     served = eng.gate_dtypes(eng.variant_for(entry, variant))
-    return tuple(d for d in ("float32", "bfloat16", "float16") if d in served) or tuple(served[:1])
+    try:
+        if config is not None and fp8_scheme(config) is not None:
+            return (FP8,)
+    except LayoutError:
+        pass
+    plain = [d for d in served if d != FP8]
+    return tuple(d for d in ("float32", "bfloat16", "float16") if d in plain) or tuple(plain[:1])
 
 
 @dataclass(frozen=True)
@@ -272,6 +319,8 @@ class _Run:
     style: str | None
     fingerprint: str
     config: dict
+    checkpoint: Checkpoint
+    model_files: dict
     out: Path
     work: Path
     gate: GateRun
@@ -298,6 +347,7 @@ class _Run:
             "installed": installed,
             "gpu": gpu_info(),
             "model_fingerprint": self.fingerprint, "model_dir": str(self.model_dir),
+            "checkpoint": self.checkpoint.summary(), "model_files": self.model_files,
             "dsadapt": _dsadapt_version(),
         }
 
@@ -318,13 +368,16 @@ def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool,
     stack = load_stack(cfg.patches_root, req.pin)
     model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
                                             default_style=eng.model_config_style)
+    ckpt = open_checkpoint(model_dir)
+    model_preflight(entry, spec, ckpt.config, req.dtype)
+    fp = checkpoint_fingerprint(ckpt, cfg.cache, progress)
     out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
     gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine)
     return _Run(req=req, cfg=cfg, entry=entry, spec=spec, eng=eng, stack=stack, model_dir=model_dir, label=label,
-                style=style, fingerprint=model_fingerprint(model_dir),
-                config=json.loads((model_dir / "config.json").read_text()), out=out, work=work, gate=gate,
+                style=style, fingerprint=fp.sha256, config=ckpt.config, checkpoint=ckpt, model_files=fp.files,
+                out=out, work=work, gate=gate,
                 host=RunHost(cfg, lock, progress, stream), progress=progress, on_line=on_line, t_start=t_start)
 
 
@@ -340,7 +393,8 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     prompts_doc = json.loads(prompts_path.read_text())
     timings = r.timings
     t0 = time.monotonic()
-    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
+    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device,
+                              checkpoint=r.checkpoint)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
@@ -458,9 +512,10 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
                               hint=f"see the runner's log next to {report}")
         engine_doc = bisect_run.load_capture(capture)
         ref_docs = bisect_run.reference_capture(r.cfg, r.model_dir, r.fingerprint, engine_doc, dtype, r.work,
-                                                lambda: reference_python(r.cfg, progress), progress, on_line)
+                                                lambda: reference_python(r.cfg, progress), progress, on_line,
+                                                device=reference_device(r.req.reference_on, r.spec))
         result = bisect_run.compare(engine_doc, ref_docs, r.config, dtype, r.req.pin.engine, table)
-    except (BisectError, EngineRunFailed) as e:
+    except (BisectError, EngineRunFailed, EngineUnavailable) as e:
         return failed(f"bisect could not run: {e.message}")
     meta = {"pin": str(r.req.pin), "model": r.label, "config_style": r.style, "unpatched": r.req.unpatched,
             "engine_path": engine_path, "model_fingerprint": r.fingerprint,

@@ -33,7 +33,7 @@ from patcher.rules.logits import _json_safe
 SCHEMA = "dsadapt.bisect-report/1"
 SPEC_SCHEMA = "dsadapt.capture-spec/1"
 STRICT_DTYPES = ("float32", "float64")
-LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+LOW_PRECISION_DTYPES = ("bfloat16", "float16", "fp8")
 #: Decode steps captured after each prompt's prefill (the engine's own greedy tokens).
 CAPTURE_DECODE_STEPS = 2
 
@@ -296,6 +296,10 @@ _EXPERT_WEIGHTS_FLOOR = 2.0 ** -6
 LOW_PRECISION_POINT_RULES = {
     "bfloat16": LowPrecisionPointRule(factor=2.5, floor=1e-3, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
     "float16": LowPrecisionPointRule(factor=2.5, floor=2e-4, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
+    # fp8 (block-FP8 checkpoints): the yardstick is HF's own FP8 arithmetic (activations rounded to
+    # e4m3 per token and 128 channels at every FP8 GEMM, bfloat16 elsewhere); docs/equivalence.md, "FP8"
+    "fp8": LowPrecisionPointRule(factor=2.5, floor=4e-3, agreement_margin=0.10,
+                                 per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
 }
 
 

@@ -107,6 +107,23 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
 # ----------------------------------------------------------------------------- block FP8
 
 
+def float32_scale(model) -> float:
+    """|w| |h| of the LM head: the RMS norm of its rows times that of the final (RMS-normed) hidden
+    state, sqrt(hidden) x rms(final norm weight). Float32 rounding in the logits grows with it; the
+    gate's strict tolerance scales by it (patcher/rules/logits.py, STRICT_SCALE)."""
+    import math
+
+    import torch
+
+    head = model.get_output_embeddings().weight
+    norm = model.model.norm.weight
+    with torch.no_grad():
+        sq = sum(float(head[i:i + 8192].float().pow(2).sum()) for i in range(0, head.shape[0], 8192))
+        rms_row = math.sqrt(sq / head.shape[0])
+        rms_norm = float(norm.float().pow(2).mean().sqrt())
+    return rms_row * rms_norm * math.sqrt(head.shape[1])
+
+
 def _blockfp8():
     """patcher/checkpoints/blockfp8.py (standalone: torch only), loaded by its path: this runner
     never imports dsadapt, but it always runs from dsadapt's own files."""
@@ -281,6 +298,15 @@ def full_logprobs(model, ids):
         return _log_softmax(model(torch.tensor([ids], device=model.device)).logits[0]).cpu()
 
 
+def next_token(model, ids) -> int:
+    """The argmax after `ids`: a full causal forward over all of them (no KV cache), the LM head on
+    the last position only (the head is most of the cost at a 100k-token vocabulary)."""
+    import torch
+
+    with torch.no_grad():
+        return int(model(torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1].argmax())
+
+
 def exact_greedy(model, prompt, n):
     """Greedy continuation by full recomputation (no KV cache, EOS ignored): each token
     is the argmax of a full causal forward over everything before it. Returns the
@@ -289,7 +315,7 @@ def exact_greedy(model, prompt, n):
     consistency check guards against argmax flips between forward lengths."""
     seq = list(prompt)
     for _ in range(n):
-        seq.append(int(full_logprobs(model, seq)[-1].argmax()))
+        seq.append(next_token(model, seq))
     rows = full_logprobs(model, seq[:-1] if n else seq)
     flips = sum(int(rows[i - 1].argmax()) != seq[i] for i in range(len(prompt), len(seq)))
     return seq[len(prompt):], rows, flips
@@ -365,7 +391,7 @@ def capture_run(model, spec: dict, sequences: dict, meta: dict | None = None) ->
             for pid, ids in sequences.items():
                 rec.prompt = pid
                 rec.begin_call(ids, list(range(len(ids))))
-                model(torch.tensor([ids]))
+                model(torch.tensor([ids], device=model.device))
     finally:
         rec.remove()
     return rec.finish(sequences, meta=meta)
@@ -384,12 +410,14 @@ def capture_main(args) -> int:
     out, timings = {}, {}
     for dtype in [d for d in args.capture_dtypes.split(",") if d]:
         t0 = time.time()
-        model = load_model(args.model, dtype, args.attn, args.experts)
+        model = load_model(args.model, dtype, args.attn, args.experts, device=args.device)
         out[dtype] = capture_run(model, spec, sequences, meta={
             "engine": "transformers", "dtype": dtype, "transformers": transformers.__version__,
-            "torch": torch.__version__, "device": "cpu"})
+            "torch": torch.__version__, "device": args.device})
         timings[dtype] = round(time.time() - t0, 3)
         del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     torch.save(out, args.capture)
     kit.say("hf_reference", f"captured {len(sequences)} sequences in "
                             f"{', '.join(f'{d} {s:.1f}s' for d, s in timings.items())} -> {args.capture}")
@@ -403,15 +431,16 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        # true float32: no TF32 anywhere (matmul's default is off; cuDNN's is on)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     if args.capture:
         torch.manual_seed(0)
         return capture_main(args)
     torch.manual_seed(0)
     device = {"device": "cpu", "threads": torch.get_num_threads()}
     if args.device == "cuda":
-        # true float32: no TF32 anywhere (matmul's default is off; cuDNN's is on)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
         device = {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda),
                   "tf32": False}
     prompt_docs = kit.load_prompts(args.prompts)
@@ -426,7 +455,8 @@ def main(argv=None):
                   "python": platform.python_version()},
         engine_path=transformers.__file__, prompts=results,
         settings={"attn": args.attn, "experts": args.experts, "batch_mode": args.batch_mode, **device,
-                  "greedy_flips": flips, **({"fp8": model.dsadapt_fp8} if hasattr(model, "dsadapt_fp8") else {})},
+                  "greedy_flips": flips, "float32_scale": round(float32_scale(model), 3),
+                  **({"fp8": model.dsadapt_fp8} if hasattr(model, "dsadapt_fp8") else {})},
         timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3)}))
     kit.say("hf_reference", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0

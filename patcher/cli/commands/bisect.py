@@ -61,8 +61,9 @@ def render(res: CheckResult, report: dict | None) -> None:
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="The engine's dtype (default: float32 where the engine has it, else its first).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
+              help="The engine's dtype (default: float32 where the engine has it, else its first; fp8 for a "
+                   "block-FP8 checkpoint).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
 @click.option("--unpatched-engine", is_flag=True, help="Triton: the unpatched served engine.")
@@ -74,13 +75,13 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    _check_model(model)
+    model_config = _check_model(model)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+    preflight(ctx.lock, ref, variant, command, dtype, config=model_config)  # before anything is made
     if getattr(engine(ref.engine), "bisect_table", None) is None:
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")
-    dtype = dtype or check_dtypes(ctx.lock, ref, variant)[0]
+    dtype = dtype or check_dtypes(ctx.lock, ref, variant, config=model_config)[0]
     progress = progress_printer(not as_json)
     on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):

@@ -60,10 +60,13 @@ def command_line(click_ctx: click.Context) -> str:
     return " ".join(parts)
 
 
-def _check_model(model: str) -> None:
-    """--model is a built-in name or a directory with a readable config.json (checked before anything runs)."""
+def _check_model(model: str) -> dict | None:
+    """--model is a built-in name or a checkpoint folder whose config.json and weights agree (checked
+    before anything runs, from the safetensors headers alone); returns the folder's config."""
     if model in BUILTIN_MODELS:
-        return
+        from patcher.checkpoints.tiny import deepseek_config
+
+        return deepseek_config(model)  # the architecture; no built-in model is quantized
     config = Path(model) / "config.json"
     if not config.is_file():
         raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
@@ -76,6 +79,9 @@ def _check_model(model: str) -> None:
                          hint="fix the model's config.json") from None
     if not isinstance(data, dict):
         raise UsageError(f"{show(config, 120)}: not a JSON object", hint="fix the model's config.json")
+    from patcher.checkpoints.model_dir import open_checkpoint
+
+    return open_checkpoint(Path(model)).config
 
 
 def _fmt(x, spec=".2g"):
@@ -139,9 +145,9 @@ def render_bisect_summary(b: dict) -> None:
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
-                   "bfloat16, float16 — one verdict each and one overall).")
+                   "bfloat16, float16 — one verdict each and one overall; fp8, and only fp8, for a block-FP8 checkpoint).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
 @click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
@@ -160,7 +166,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
-    _check_model(model)
+    model_config = _check_model(model)
     command = command_line(click.get_current_context())
     progress = progress_printer(not as_json)
     on_line = progress.note if progress is not None else None
@@ -171,11 +177,12 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         from patcher.cli.commands.build import default_variant
 
         variant = default_variant(ctx, ref, variant)
-        _, spec = preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        # bad variant/dtype, cannot run here (this checkpoint here): before anything is made
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype, config=model_config)
         from patcher.gate.check import reference_device as where_reference
 
         where_reference(reference_device, spec)
-        dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant)
+        dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant, config=model_config)
         done: list[CheckResult] = []
         req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
                            unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
@@ -226,7 +233,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                                    bisect=mode, command=command)
                 runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
                                   on_line=on_line)
-                        for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref))]
+                        for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref, config=model_config))]
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
                 results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",

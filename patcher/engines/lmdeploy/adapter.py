@@ -43,8 +43,10 @@ class LmdeployEngine(WheelEngine):
     # saved by transformers 5 has none and LMDeploy 0.18 stops at load (AttributeError
     # moe_layer_freq, H200 2026-11-30), so its gate runs on the DeepSeek-style configs by default.
     model_config_style = "deepseek"
-    # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
-    runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+    # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode. fp8:
+    # a block-FP8 checkpoint through its blocked-FP8 linears (lmdeploy/pytorch/nn/linear/blocked_fp8.py,
+    # backends/cuda/blockedf8_modules.py), activations bfloat16
+    runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16", "fp8"))
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
     bisect_table = TABLE
     module_map = TABLE.module_map()

@@ -23,7 +23,8 @@ What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
 Batches: prompts without a batch are sent one at a time; the members of a named
 batch are sent together (concurrent requests the engine schedules as one batch).
 
-LMDeploy has no float32 mode: ``--dtype`` is bfloat16 or float16.
+LMDeploy has no float32 mode: ``--dtype`` is bfloat16 or float16, or fp8 for a block-FP8 checkpoint
+(LMDeploy reads its quantization_config and runs its blocked-FP8 linears; activations bfloat16).
 Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 """
 
@@ -35,7 +36,8 @@ import time
 
 import dsadapt_runner as kit
 
-DTYPES = ("bfloat16", "float16")
+#: fp8: a block-FP8 checkpoint (its quantization_config) through the blocked-FP8 linears, bfloat16 elsewhere
+DTYPES = ("bfloat16", "float16", "fp8")
 #: Context length the engine is started with (the gate's MAX_MODEL_LEN).
 SESSION_LEN = 256
 
@@ -100,7 +102,8 @@ submission_groups = kit.submission_groups
 def make_pipeline(model: str, dtype: str, session_len: int, cache_max_entry_count: float):
     from lmdeploy import PytorchEngineConfig, pipeline
 
-    config = PytorchEngineConfig(dtype=dtype, session_len=session_len, eager_mode=True,
+    config = PytorchEngineConfig(dtype="bfloat16" if dtype == "fp8" else dtype, session_len=session_len,
+                                 eager_mode=True,
                                  cache_max_entry_count=cache_max_entry_count,
                                  logprobs_mode="raw_logprobs")
     return pipeline(model, backend_config=config, log_level="ERROR"), config
@@ -238,6 +241,7 @@ def main(argv=None):
         args, runner="lmdeploy_runner", engine="lmdeploy", engine_version=lmdeploy.__version__, versions=versions,
         engine_path=lmdeploy.__file__, prompts=results,
         settings={"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
+                  **({"weights": "block-FP8 (quantization_config), activations bfloat16"} if args.dtype == "fp8" else {}),
                   "session_len": args.session_len, "eager_mode": True,
                   "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
                   "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",

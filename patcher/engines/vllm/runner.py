@@ -32,7 +32,7 @@ import dsadapt_runner as kit
 
 
 def parse_args(argv=None):
-    ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16"))
+    ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16", "fp8"))
     ap.add_argument("--max-model-len", type=int, default=256)
     kit.add_capture_args(ap)
     return ap.parse_args(argv)
@@ -108,7 +108,10 @@ def main(argv=None):
 
     prompt_docs = kit.load_prompts(args.prompts)
     t1 = time.time()
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+    # fp8: a block-FP8 checkpoint; vLLM reads its quantization_config and runs its FP8 linears
+    # with bfloat16 activations
+    llm = LLM(model=args.model, dtype="bfloat16" if args.dtype == "fp8" else args.dtype, enforce_eager=True,
+              max_model_len=args.max_model_len,
               seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20))
     t2 = time.time()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
@@ -132,6 +135,7 @@ def main(argv=None):
         versions={"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()},
         engine_path=vllm.__file__, prompts=[results[p["id"]] for p in prompt_docs],
         settings={"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
+                  **({"weights": "block-FP8 (quantization_config), activations bfloat16"} if args.dtype == "fp8" else {}),
                   "groups": [[p["id"] for p in g] for g in groups(prompt_docs)],
                   # capturing runs the engine core in this process (hooks must see its model): float32
                   # sums may then differ from a multiprocess run in the last bits (~1e-6)

@@ -209,6 +209,9 @@ def _check_layout(ckpt: Checkpoint) -> None:
         if t.layer is not None and t.layer >= n_layers and t.layer not in present_mtp:
             continue
         if t.name not in held:
+            if t.name.endswith("_scale_inv"):
+                raise _fail(ckpt.path, f"FP8 tensor {t.name[: -len('_scale_inv')]} has no weight_scale_inv "
+                                       f"(its {t.shape[0]}x{t.shape[1]} block scales): no file holds it", hint)
             raise _fail(ckpt.path, f"config.json describes tensor {t.name} {list(t.shape)}, which no file holds",
                         hint)
         e = ckpt.entry(t.name)
@@ -241,3 +244,38 @@ def require_layers(ckpt: Checkpoint, k: int) -> None:
     if not 1 <= k <= ckpt.layers:
         raise CheckpointError(f"--layers {k}: {show(ckpt.path, 80)} has {ckpt.layers} decoder layer(s)",
                               hint=f"pass --layers between 1 and {ckpt.layers}")
+
+
+#: What the reference needs on top of the model's float32 weights (activations of a 256-token
+#: forward, the logits, the allocator): 10 %, at least 1 GiB.
+REFERENCE_HEADROOM = (0.10, 1 << 30)
+
+
+def reference_memory(ckpt: Checkpoint) -> int:
+    """Bytes the HF float32 reference of `ckpt` needs: the main model once in float32 (the loader
+    fills each parameter in place; FP8 weights are dequantized in place) plus headroom."""
+    f32 = ckpt.float32_bytes()
+    return f32 + max(int(f32 * REFERENCE_HEADROOM[0]), REFERENCE_HEADROOM[1])
+
+
+def require_reference_memory(ckpt: Checkpoint, device: str) -> None:
+    """EngineUnavailable (exit 6) when the float32 reference cannot fit where it would run: said
+    before it starts, never an out-of-memory kill halfway."""
+    from patcher.base.errors import EngineUnavailable
+    from patcher.base.machine import available_memory
+
+    need = reference_memory(ckpt)
+    have, where = available_memory(device)
+    if have is None or need <= have:
+        return
+    slice_hint = ""
+    if ckpt.layers > 1:
+        k = min(ckpt.layers - 1, max(1, int(ckpt.config.get("first_k_dense_replace") or 0) + 1))
+        slice_hint = (f"slice it (`dsadapt model slice {show(ckpt.path, 60)} --layers {k} --out DIR`: the first "
+                      f"layers, embeddings and head) or ")
+    raise EngineUnavailable(
+        f"the float32 reference of {show(ckpt.path.name, 60)} needs {need / 2**30:.1f} GiB "
+        f"({ckpt.float32_bytes() / 2**30:.1f} GiB of float32 weights, {ckpt.layers} layer(s)); "
+        f"this machine has {have / 2**30:.1f} GiB ({where})",
+        hint=slice_hint + ("run it where the memory is (--reference-device cuda on a GPU host)" if device == "cpu"
+                           else "free GPU memory or use --reference-device cpu"))

@@ -1,0 +1,39 @@
+"""Small checkpoints in DeepSeek's released layouts, made by the product's own fabricator.
+
+`mini_config(like)` is the released config.json of `like` with every size shrunk (and vLLM's CPU
+MLA constraints kept: kv_lora_rank 512, qk_rope_head_dim 64) so that the layout code, the
+slicer and the FP8 path run in seconds; the row counts are chosen so that FP8 block grids have
+partial blocks (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows: 5 blocks of 128, the last partial).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from patcher.checkpoints.fabricate import MadeModel, write_checkpoint
+from patcher.checkpoints.released import released_config
+
+SHRINK = dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=4, intermediate_size=704,
+              moe_intermediate_size=160, n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1,
+              vocab_size=1600, max_position_embeddings=256)
+
+
+def mini_config(like: str = "deepseek-v3", layers: int = 2, mtp: int | None = None, **extra: Any) -> dict[str, Any]:
+    c = released_config(like, None, mtp)
+    c.update(SHRINK)
+    c["num_hidden_layers"] = layers
+    if c.get("q_lora_rank"):
+        c["q_lora_rank"] = 192
+    if c.get("n_group", 1) > 1:
+        c.update(n_group=4, topk_group=2)
+    c["rope_scaling"] = dict(c["rope_scaling"], factor=4, original_max_position_embeddings=64)
+    c.update(extra)
+    return dict(sorted(c.items()))
+
+
+def make_mini(out: Path, like: str = "deepseek-v3", layers: int = 2, mtp: int | None = None, seed: int = 0,
+              shard_bytes: int = 4_000_000, workers: int = 1, **extra: Any) -> MadeModel:
+    """A mini checkpoint in the released layout (sharded with an index), written by the product."""
+    return write_checkpoint(out, mini_config(like, layers, mtp, **extra), seed=seed, mtp=mtp, shard_bytes=shard_bytes,
+                            workers=workers, like=like, chat_variant="v3" if like == "deepseek-v3" else "v2-lite")
