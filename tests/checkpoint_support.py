@@ -8,6 +8,10 @@ partial blocks (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows: 5 blocks of 128, 
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +41,25 @@ def make_mini(out: Path, like: str = "deepseek-v3", layers: int = 2, mtp: int | 
     """A mini checkpoint in the released layout (sharded with an index), written by the product."""
     return write_checkpoint(out, mini_config(like, layers, mtp, **extra), seed=seed, mtp=mtp, shard_bytes=shard_bytes,
                             workers=workers, like=like, chat_variant="v3" if like == "deepseek-v3" else "v2-lite")
+
+
+@cache
+def _tiny(variant: str, style: str) -> Path:
+    from patcher.checkpoints.tiny import make_model
+
+    d = Path(tempfile.mkdtemp(prefix=f"dsadapt-tiny-{variant}-")) / "model"
+    make_model(d, variant=variant, config_style=style)
+    return d
+
+
+def tiny_model(dest: Path, variant: str = "v3", style: str = "deepseek") -> Path:
+    """A real built-in tiny checkpoint at `dest` (hard links to one made per test session): what a
+    test needs where `--model DIR` must be a checkpoint but nothing runs it."""
+    src = _tiny(variant, style)
+    dest.mkdir(parents=True)
+    for p in src.iterdir():
+        try:
+            os.link(p, dest / p.name)
+        except OSError:
+            shutil.copy2(p, dest / p.name)
+    return dest

@@ -70,13 +70,10 @@ def proj(tmp_path) -> Proj:
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    """Enough of a model folder for the prompt set and the fingerprint (no weights needed)."""
-    d = tmp_path / "mymodel"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 4096}))
-    (d / "model.safetensors").write_bytes(b"not real weights")
-    shutil.copy2(REPO_ROOT / "patcher" / "data" / "tokenizer.json", d / "tokenizer.json")
-    return d
+    """A checkpoint folder (the built-in tiny V3's files): `--model DIR` must be one."""
+    from checkpoint_support import tiny_model
+
+    return tiny_model(tmp_path / "mymodel")
 
 
 # ---------------------------------------------------------------- arguments

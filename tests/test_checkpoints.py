@@ -138,7 +138,7 @@ def test_block_fp8_round_trip_with_partial_blocks():
     q, s = blockfp8.quantize(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)
     back = blockfp8.dequantize(q, s)
-    assert float(((back - w).norm() / w.norm())) < 0.04      # e4m3: 3 mantissa bits
+    assert float((back - w).norm() / w.norm()) < 0.04      # e4m3: 3 mantissa bits
     inplace = q.to(torch.float32)
     blockfp8.apply_scales_(inplace, s)
     assert torch.equal(inplace, back)

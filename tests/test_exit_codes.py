@@ -77,12 +77,9 @@ def _with_triton(p) -> None:
 
 
 def _model(p) -> str:
-    d = p.tmp / "mymodel"
-    d.mkdir()
-    (d / "config.json").write_text('{"model_type": "deepseek_v3", "vocab_size": 4096}')
-    (d / "model.safetensors").write_bytes(b"x")
-    (d / "tokenizer.json").write_bytes((REPO_ROOT / "patcher" / "data" / "tokenizer.json").read_bytes())
-    return str(d)
+    from checkpoint_support import tiny_model
+
+    return str(tiny_model(p.tmp / "mymodel"))
 
 
 def _with_wheel(p) -> None:
@@ -150,10 +147,12 @@ SITUATIONS: dict[str, list[tuple]] = {
              ("no speed-gate recipe", _with_triton, [TRITON], {}, 6),
              ("no environment lock for the pin", None, [REF1, "--model", "MODEL"], {}, 6)],
     "bench": [("ok", None, ["--no-alternative", "--repeat", "1", "--out", "OUT"], {}, 0)],
-    "model make": [("unknown model variant", None, ["--variant", "v9", "--out", "OUT"], {}, 2)],
+    "model make": [("unknown model variant", None, ["--variant", "v9", "--out", "OUT"], {}, 2),
+                   ("--like without --layers", None, ["--like", "deepseek-v3", "--out", "OUT"], {}, 2)],
+    "model slice": [("not a checkpoint", None, ["/nonexistent/checkpoint", "--layers", "1", "--out", "OUT"], {}, 2)],
 }
 #: Commands that never read upstream.lock or the configuration.
-NO_PROJECT = {"model make"}
+NO_PROJECT = {"model make", "model slice"}
 
 
 def test_every_command_has_its_situations():

@@ -64,12 +64,9 @@ def proj(tmp_path) -> Proj:
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    d = tmp_path / "mymodel"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 4096, "rope_scaling": {
-        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}))
-    (d / "model.safetensors").write_bytes(b"not real weights")
-    return d
+    from checkpoint_support import tiny_model
+
+    return tiny_model(tmp_path / "mymodel")
 
 
 @pytest.fixture

@@ -14,6 +14,14 @@ Two measurements, printed as tables for the doc:
       reference with the reference's own low-precision run as the yardstick, exactly as an engine
       would be: the first point and its ratio per bug. Needs torch and transformers >= 5.15.
 
+  python tools/measure_bisect_noise.py fp8-bugs FP8_MODEL_DIR [FP8_MODEL_DIR ...]
+      The FP8 limits' CPU side, on block-FP8 checkpoints (`dsadapt model make --like deepseek-v3`,
+      or a slice): HF's own FP8 arithmetic (the yardstick: e4m3 activations per token x 128
+      channels at every FP8 GEMM, bfloat16 elsewhere) against HF float32 on the dequantized
+      weights, at the logits (top-1, top-5 overlap, mean |Δ|: the fp8 logit rule) and per module;
+      then block-scale bugs planted in the dequantization (the grid read column-major; the scale
+      applied as `scale`, weight / weight_scale_inv) run the same way, as an engine would be judged.
+
 The GPU calibration (LMDeploy, no float32 path) uses `summarize` on the reports that
 tools/device/lmdeploy_h200.sh brings back from the H200 (docs/equivalence.md).
 """
@@ -155,6 +163,61 @@ def hf_bugs(model_dir: Path, dtypes: list[str]) -> int:
     return 0
 
 
+def fp8_bugs(model_dirs: list[Path]) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "patcher" / "runners"))
+    from equivalence_helpers import load_hf_reference
+
+    from patcher.rules.logits import LogitReport, compare
+    from patcher.rules.modules import LOW_PRECISION_POINT_RULES, REFERENCE_TABLE, compare_captures
+    from patcher.rules.prompts import build_prompt_set, prompts_to_json
+
+    hfr = load_hf_reference()
+    rule = LOW_PRECISION_POINT_RULES["fp8"]
+    print("| model | run | logits: top-1 / top-5 overlap / mean abs | first point above its limit | error | yardstick | "
+          "ratio | largest ratio of any point |\n|---|---|---|---|---|---|---|---|")
+    for model_dir in model_dirs:
+        config = json.loads((model_dir / "config.json").read_text())
+        spec = REFERENCE_TABLE.spec(config, "float32")
+        prompts = build_prompt_set(model_dir, 4)
+        docs = prompts_to_json(prompts)["prompts"]
+        seqs = {p.id: list(p.token_ids) for p in prompts}
+
+        def logits(model, dtype, docs=docs):
+            results, _ = hfr.run(model, docs, 20, 4)
+            return LogitReport.from_json({"schema": "dsadapt.logit-report/1", "runner": "hf", "engine": "hf",
+                                          "engine_version": "x", "dtype": dtype, "top_k": 20, "max_tokens": 4,
+                                          "prompts": results})
+
+        ref_model = hfr.load_model(model_dir)
+        ref_logits, ref_cap = logits(ref_model, "float32"), hfr.capture_run(ref_model, spec, seqs)
+        del ref_model
+        yard = hfr.load_model(model_dir, dtype="fp8")
+        yard_cap = hfr.capture_run(yard, spec, seqs)
+        del yard
+        runs = {"HF fp8 arithmetic (the yardstick)": None, "grid read column-major (transposed)": "transposed",
+                "scale applied as scale (weight / weight_scale_inv)": "inverse"}
+        for name, bug in runs.items():
+            m = hfr.load_model(model_dir, dtype="fp8", fp8_bug=bug)
+            c = compare(ref_logits, logits(m, "fp8"), 5)
+            cap = yard_cap if bug is None else hfr.capture_run(m, spec, seqs)
+            del m
+            res = compare_captures(cap, ref_cap, config, "fp8", reference_lp=yard_cap)
+            ratios = [p.error / max(p.noise, 1e-30) for p in res.points
+                      if p.metric == "rel_l2" and p.error is not None and p.noise]
+            s_ = c.summary
+            head = f"| {model_dir.name} | {name} | {s_['top1']:.3f} / {s_['topk_overlap']:.3f} / {s_['mean_abs']:.4f} |"
+            f = res.first
+            if f is None:
+                print(head + f" none | | | | {max(ratios, default=0):.2f} |")
+            elif f.metric == "agreement":
+                print(head + f" {f.where} | {f.value:.3f} agree | {1 - (f.noise or 0):.3f} | | |")
+            else:
+                print(head + f" {f.where} | {f.error:.4g} | {f.noise:.4g} | {f.error / f.noise:.1f} (limit "
+                      f"{rule.factor}x, floor {rule.floor:g}) | {max(ratios, default=0):.1f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -164,9 +227,13 @@ def main(argv=None) -> int:
     h = sub.add_parser("hf-bugs")
     h.add_argument("model", type=Path)
     h.add_argument("--dtype", action="append", default=None)
+    f = sub.add_parser("fp8-bugs")
+    f.add_argument("models", type=Path, nargs="+")
     args = ap.parse_args(argv)
     if args.cmd == "summarize":
         return summarize(args.reports, args.bug)
+    if args.cmd == "fp8-bugs":
+        return fp8_bugs(args.models)
     return hf_bugs(args.model, args.dtype or ["bfloat16", "float16"])
 
 

@@ -14,9 +14,11 @@ LIKE = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 
 def _cache(ctx: Context) -> Path | None:
     """Where checkpoint digests are remembered: the project's cache (none outside a project)."""
+    from patcher.base.errors import DsadaptError
+
     try:
         cfg = ctx.cfg
-    except Exception:  # no project here: digests are simply computed when a check needs them
+    except DsadaptError:  # no usable configuration here: digests are computed when a check needs them
         return None
     return cfg.cache if cfg.lock_path.is_file() else None
 
