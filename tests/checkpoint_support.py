@@ -63,3 +63,16 @@ def tiny_model(dest: Path, variant: str = "v3", style: str = "deepseek") -> Path
         except OSError:
             shutil.copy2(p, dest / p.name)
     return dest
+
+
+@cache
+def _mini_template(like: str, layers: int) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"dsadapt-mini-{like}-")) / "model"
+    make_mini(d, like, layers=layers, mtp=0)
+    return d
+
+
+def mini_copy(dest: Path, like: str = "deepseek-v2-lite", layers: int = 2) -> Path:
+    """A private copy (its files may be damaged) of a mini checkpoint made once per test session."""
+    shutil.copytree(_mini_template(like, layers), dest)
+    return dest

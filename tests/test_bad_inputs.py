@@ -179,6 +179,33 @@ def _mirror_moved(p: Project) -> None:
     p.env.update({"DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": f"vllm={mirror}"})
 
 
+def _checkpoint(p: Project, damage: str) -> None:
+    """A mini checkpoint in DeepSeek-V2-Lite's released layout at {tmp}/ckpt, damaged one way."""
+    from checkpoint_support import mini_copy
+
+    d = mini_copy(p.tmp / "ckpt")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    if damage == "no weights":
+        index_path.unlink()
+        for f in set(index["weight_map"].values()):
+            (d / f).unlink()
+    elif damage == "missing shard":
+        (d / shard).unlink()
+    elif damage == "absent tensor":
+        index["weight_map"]["model.layers.0.mlp.gate_proj.weight.extra"] = shard
+        index_path.write_text(json.dumps(index))
+    elif damage == "llama":
+        config = json.loads((d / "config.json").read_text())
+        config["model_type"] = "llama"
+        (d / "config.json").write_text(json.dumps(config))
+    elif damage == "config":
+        config = json.loads((d / "config.json").read_text())
+        config["hidden_size"] = 256   # the weights say 320
+        (d / "config.json").write_text(json.dumps(config))
+
+
 def _hold_lock(p: Project) -> None:
     """Another process holds the work dir's run lock (as a concurrent dsadapt run would)."""
     p.workdir.mkdir(parents=True, exist_ok=True)
@@ -427,6 +454,24 @@ CASES: dict[str, Case] = {
                             _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EDQUOT, "Disk quota exceeded", "/w/x")), deep=True),
     "fs: file too large (EFBIG)": C(f"apply {REF1}", 7, "file too large",
                                     _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EFBIG, "File too large", "/w/x")), deep=True),
+    # ---- checkpoints (--model DIR, model slice): told from config.json and the safetensors headers
+    "model: a folder that is not a checkpoint": C(f"check {REF1} --model {{tmp}}/ckpt", 2, "not a checkpoint",
+                                                  lambda p: _checkpoint(p, "no weights")),
+    "model: a missing shard": C(f"check {REF1} --model {{tmp}}/ckpt", 2, "is missing",
+                                lambda p: _checkpoint(p, "missing shard")),
+    "model: an index naming a tensor no shard holds": C(f"bisect {REF1} --model {{tmp}}/ckpt", 2,
+                                                        "which does not hold it",
+                                                        lambda p: _checkpoint(p, "absent tensor")),
+    "model: a config the weights do not match": C(f"check {REF1} --model {{tmp}}/ckpt", 2, "config.json says",
+                                                  lambda p: _checkpoint(p, "config")),
+    "model: a config that is not DeepSeek's": C(f"check {REF1} --model {{tmp}}/ckpt", 2, "model_type 'llama'",
+                                                lambda p: _checkpoint(p, "llama")),
+    "model: slice --layers larger than the model": C("model slice {tmp}/ckpt --layers 3 --out {tmp}/slice", 2,
+                                                     "has 2 decoder layer(s)", lambda p: _checkpoint(p, "none")),
+    "model: slice of a damaged checkpoint": C("model slice {tmp}/ckpt --layers 1 --out {tmp}/slice", 2, "is missing",
+                                              lambda p: _checkpoint(p, "missing shard")),
+    "model: make --like into a folder that holds files": C(
+        "model make --like deepseek-v2-lite --layers 1 --out {tmp}/project", 2, "exists and is not an empty folder"),
     # ---- concurrent runs
     "concurrent: another run holds the work dir": C(f"apply {REF1}", 4, "another dsadapt run holds", _hold_lock),
 }

@@ -90,17 +90,40 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
     load_dtype = torch.float32 if block is not None or dtype == "fp8" else getattr(torch, dtype)
+    kwargs = {}
+    if device != "cpu":
+        try:  # straight onto the GPU (a DeepSeek-V3 slice is 60 GB in float32): needs accelerate
+            import accelerate  # noqa: F401
+
+            kwargs["device_map"] = device
+        except ImportError:
+            pass
+    if block is not None:  # the scales are "unexpected" to transformers: they are folded in below
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=load_dtype, attn_implementation=attn, experts_implementation=experts)
+        model_dir, config=config, dtype=load_dtype, attn_implementation=attn, experts_implementation=experts,
+        **kwargs)
     model = model.eval().to(device)
     if block is not None:
         placed = dequantize_in_place(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
         model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
+        model.dsadapt_fp8_placed = placed
         if dtype == "fp8":
-            model = model.to(torch.bfloat16)
-            emulate_fp8_activations(model, placed)
+            model = as_fp8_yardstick(model)
         elif dtype != "float32":
             model = model.to(getattr(torch, dtype))
+    return model
+
+
+def as_fp8_yardstick(model):
+    """The dequantized float32 model made the FP8 yardstick in place: bfloat16, with the FP8 GEMMs'
+    activation rounding emulated (`emulate_fp8_activations`)."""
+    import torch
+
+    model = model.to(torch.bfloat16)
+    emulate_fp8_activations(model, model.dsadapt_fp8_placed)
     return model
 
 
@@ -408,14 +431,18 @@ def capture_main(args) -> int:
     with open(args.capture_sequences, encoding="utf-8") as f:
         sequences = {str(k): [int(t) for t in v] for k, v in json.load(f).items()}
     out, timings = {}, {}
+    model = None
     for dtype in [d for d in args.capture_dtypes.split(",") if d]:
         t0 = time.time()
-        model = load_model(args.model, dtype, args.attn, args.experts, device=args.device)
+        if dtype == "fp8" and model is not None and getattr(model, "dsadapt_fp8_placed", None):
+            model = as_fp8_yardstick(model)  # the float32 model just captured, cast: one load, not two
+        else:
+            model = None
+            model = load_model(args.model, dtype, args.attn, args.experts, device=args.device)
         out[dtype] = capture_run(model, spec, sequences, meta={
             "engine": "transformers", "dtype": dtype, "transformers": transformers.__version__,
             "torch": torch.__version__, "device": args.device})
         timings[dtype] = round(time.time() - t0, 3)
-        del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
     torch.save(out, args.capture)
