@@ -23,6 +23,7 @@ reference of it is cached there too, so a second run costs the engine runs only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -79,9 +80,11 @@ def v2_lite(project) -> Path:
     """DeepSeek-V2-Lite's first two layers as released, made once per machine through the CLI."""
     from patcher.checkpoints.fabricate import GENERATOR
     from patcher.checkpoints.model_dir import open_checkpoint
+    from patcher.checkpoints.released import released_config
 
     root, env = project
-    model = CACHE / "models" / f"like-deepseek-v2-lite-2-seed0-{GENERATOR.replace('/', '-')}"
+    key = hashlib.sha256(json.dumps([GENERATOR, released_config("deepseek-v2-lite", 2)], sort_keys=True).encode())
+    model = CACHE / "models" / f"like-deepseek-v2-lite-2-seed0-{key.hexdigest()[:12]}"
     info = model / "dsadapt.json"
     if info.is_file():
         try:

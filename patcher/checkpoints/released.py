@@ -1,7 +1,8 @@
 """DeepSeek's released config.json files, as data (what `dsadapt model make --like` writes).
 
-Values are the released files' own (docs/models.md, "Real shapes", says where each was read and
-checked). Only ``num_hidden_layers`` (and ``num_nextn_predict_layers`` with ``--mtp``) change
+Values are the released files' own (docs/models.md, "Released checkpoints", says where each was
+read and checked; a bookkeeping key that could not be checked, V2's ``transformers_version``, is
+left out). Only ``num_hidden_layers`` (and ``num_nextn_predict_layers`` with ``--mtp``) change
 when a model is made with fewer layers.
 """
 
@@ -61,7 +62,6 @@ DEEPSEEK_V2_LITE: dict[str, Any] = {
     "topk_group": 1,
     "topk_method": "greedy",
     "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1",
     "use_cache": True,
     "v_head_dim": 128,
     "vocab_size": 102400,
@@ -85,7 +85,6 @@ DEEPSEEK_V2: dict[str, Any] = {
     "routed_scaling_factor": 16.0,
     "topk_group": 3,
     "topk_method": "group_limited_greedy",
-    "transformers_version": "4.39.3",
 }
 
 # deepseek-ai/DeepSeek-V3 (671 B + 14 B MTP, 61 layers + 1 MTP module, block-FP8 e4m3)

@@ -681,6 +681,14 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
         hint = "the MoE combine: routed and shared experts each match, their sum does not " \
                "(routed_scaling_factor applied to the wrong term, or a term dropped)"
     lines.append(f"look at: {hint}")
+    quant = config.get("quantization_config") or {}
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8" and p.family in ("attention", "mlp", "moe") \
+            and p.point not in ("router.logits", "router.experts", "router.weights"):
+        block = quant.get("weight_block_size")
+        lines.append(f"block-FP8 weights feed {p.label}: also the dequantization (weight x weight_scale_inv per "
+                     f"{block} block: the scale grid's orientation, the block size taken from "
+                     "quantization_config.weight_block_size, scale_inv applied as a divisor) and the activation "
+                     "quantization of the FP8 GEMM (per token x 128 channels)")
     if p.point in ("attn.q_rope", "attn.k_rope") and p.worst is not None:
         orig = _original_max(config)
         if orig:
