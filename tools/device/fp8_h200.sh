@@ -27,7 +27,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PIN=lmdeploy@v0.18.0
 PATCH=tools/gpu/lmdeploy-v0.18.0-fp8-block-scale.patch
-NAME=0002-Plant-a-bug-block-FP8-scales-misread.patch
+NAME=0002-Plant-a-bug-block-FP8-scales-misread-grid-transposed.patch
 MAKE_LAYERS=${MAKE_LAYERS:-6}; SLICE_LAYERS=${SLICE_LAYERS:-4}; WORKERS=${WORKERS:-12}
 LIMIT=${LIMIT:-420}; CHECK_S=${CHECK_S:-360}
 
@@ -77,7 +77,7 @@ device() {
     stamp "planted install rc=$?"
     for bug in transposed inverse; do
       if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then stamp "skipped (time) planted $bug"; continue; fi
-      check_one "planted-$bug" "$E" -u DSADAPT_VENVS DSADAPT_PLANTED_FP8_BUG=$bug
+      check_one "planted-$bug" "$E" DSADAPT_VENVS="$E/.dsadapt/venvs" DSADAPT_PLANTED_FP8_BUG=$bug
     done
     cp -r "$E/reports" "$EXTRA_DIR/fp8-planted-reports" 2>/dev/null
   fi
