@@ -491,7 +491,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
     base_prov = {
         "date": _now(), "device": device_description(), "command": command or f"dsadapt perf {ref}",
         "stack_hash": stack.hash, "patches": [e.name for e in stack.entries], "mode": "aa" if aa else "patched-vs-unpatched",
-        "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir),
+        "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir, cfg.cache),
         "model_dir": str(model_dir), "original_max_position_embeddings": original, "tool": recipe.tool,
         "cpus": list(cpus), "compute_cpus": list(compute), "service_cpus": list(service),
         "load_average_before": load_before,

@@ -7,15 +7,18 @@ from pathlib import Path
 import click
 
 from patcher.checkpoints import tiny as tinymodel
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, say
+from patcher.cli.commands.common import Context, emit_json, json_option, progress_printer, say
 
 LIKE = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 
 
-def _cache(ctx: Context) -> Path | None:
+def _cache() -> Path | None:
     """Where checkpoint digests are remembered: the project's cache (none outside a project)."""
     from patcher.base.errors import DsadaptError
 
+    ctx = click.get_current_context().find_object(Context)
+    if ctx is None:
+        return None
     try:
         cfg = ctx.cfg
     except DsadaptError:  # no usable configuration here: digests are computed when a check needs them
@@ -61,8 +64,7 @@ def model() -> None:
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Folder to write (a built-in model's files in it are overwritten; --like needs a new or empty folder).")
 @json_option
-@pass_ctx
-def make_cmd(ctx: Context, variant: str | None, like: str | None, layers: int | None, mtp: int | None,
+def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int | None,
              config_style: str, seed: int, shard_size: str, workers: int | None, out: Path, as_json: bool) -> None:
     """Write a checkpoint into OUT: a built-in tiny model (config.json, model.safetensors, tokenizer) or,
     with --like, a released DeepSeek layout at real shapes. Deterministic: the same arguments give the same bytes."""
@@ -92,7 +94,7 @@ def make_cmd(ctx: Context, variant: str | None, like: str | None, layers: int | 
 
     size = _size(shard_size)
     progress = progress_printer(not as_json)
-    made = make_like(out, like, layers, seed=seed, mtp=mtp, shard_bytes=size, workers=workers, cache=_cache(ctx),
+    made = make_like(out, like, layers, seed=seed, mtp=mtp, shard_bytes=size, workers=workers, cache=_cache(),
                      progress=progress)
     data = made.to_json()
     if as_json:
@@ -108,15 +110,14 @@ def make_cmd(ctx: Context, variant: str | None, like: str | None, layers: int | 
 @click.option("--layers", type=click.IntRange(min=1), required=True, help="Decoder layers to keep (the first K).")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), required=True, help="New folder for the slice.")
 @json_option
-@pass_ctx
-def slice_cmd(ctx: Context, src: Path, layers: int, out: Path, as_json: bool) -> None:
+def slice_cmd(src: Path, layers: int, out: Path, as_json: bool) -> None:
     """Write the first K decoder layers of the checkpoint SRC (embeddings, those layers, final norm, lm_head;
     MTP modules dropped; FP8 scales kept) into OUT, reading only the shards that hold them, one tensor at a
     time: memory stays at one 64 MiB chunk whatever the model's size."""
     from patcher.checkpoints.slicing import slice_checkpoint
 
     progress = progress_printer(not as_json)
-    res = slice_checkpoint(src, layers, out, cache=_cache(ctx), progress=progress)
+    res = slice_checkpoint(src, layers, out, cache=_cache(), progress=progress)
     data = res.to_json()
     if as_json:
         emit_json(data)
