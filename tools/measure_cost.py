@@ -58,6 +58,8 @@ def _rss(pid: int) -> int:
 def _group(cmd: str) -> str | None:
     if "hf_reference.py" in cmd:
         return "reference"
+    if cmd.startswith("VLLM::"):  # vLLM renames its processes (engine core, workers, and the runner's)
+        return "engine"
     if ("/engines/" in cmd and "runner.py" in cmd) or any(w in cmd for w in ("api_server", "vllm serve", "tritonserver")):
         return "engine"
     return None
@@ -74,6 +76,9 @@ def _gpu() -> dict[int, int]:
         return {}
 
 
+_SEEN: dict[int, str] = {}  # a process keeps the group it had when first seen (titles change)
+
+
 def sample(root: int) -> tuple[dict[str, int], dict[str, int]]:
     """RSS and GPU memory (bytes) per group over `root`'s process tree."""
     kids = _children()
@@ -83,7 +88,7 @@ def sample(root: int) -> tuple[dict[str, int], dict[str, int]]:
     stack = [(root, "other")]
     while stack:
         pid, inherited = stack.pop()
-        g = _group(_cmdline(pid)) or inherited
+        g = _SEEN.setdefault(pid, _group(_cmdline(pid)) or inherited)
         rss[g] += _rss(pid)
         gpu[g] += gpu_by_pid.get(pid, 0)
         stack.extend((c, g) for c in kids.get(pid, []))
