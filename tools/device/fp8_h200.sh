@@ -20,7 +20,7 @@
 # DSADAPT_PLANTED_FP8_BUG=transposed (must FAIL, first divergence in layer 0's attention), then
 # =inverse if time is left (LIMIT seconds after the start). Each step runs under tools/measure_cost.py
 # (wall time, peak RSS and GPU memory by reference / engine / other); results in $EXTRA_DIR
-# (fp8-*.json, fp8-*.log), the published reports under reports/ and $EXTRA_DIR/fp8-planted-reports.
+# (fp8-*.json, fp8-*.log), the published reports under reports/ and $EXTRA_DIR/fp8-planted-BUG-reports.
 # Knobs: MAKE_LAYERS (6), SLICE_LAYERS (4), WORKERS (12), FP8_WORK (where the checkpoints go:
 # $B/../fp8-work), LIMIT (420: no planted run starts later), CHECK_S (360: each check's timeout).
 set -uo pipefail
@@ -78,8 +78,8 @@ device() {
     for bug in transposed inverse; do
       if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then stamp "skipped (time) planted $bug"; continue; fi
       check_one "planted-$bug" "$E" DSADAPT_VENVS="$E/.dsadapt/venvs" DSADAPT_PLANTED_FP8_BUG=$bug
+      cp -r "$E/reports" "$EXTRA_DIR/fp8-planted-$bug-reports" 2>/dev/null  # the next run writes the same names
     done
-    cp -r "$E/reports" "$EXTRA_DIR/fp8-planted-reports" 2>/dev/null
   fi
   find "$B/.wfp8/runs" "${E:-/nonexistent}/.wfp8/runs" -name '*.log' -size -2M -exec cp --parents {} "$EXTRA_DIR" \; 2>/dev/null
   rm -rf "$SLICE"
