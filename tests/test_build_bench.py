@@ -84,6 +84,16 @@ def test_build_table_flags_a_non_reproducible_build():
     assert "| vllm@v2 | cuda | full | - | - | - | - | - | skipped: full build needs nvcc | - |" in md
 
 
+def test_sections_bench_does_not_write_are_kept():
+    """docs/benchmarks.md holds sections measured by other tools (the checkpoint costs): regenerating
+    the file keeps them as they were."""
+    report = BenchReport("2026-11-29 13:00 UTC", {"cores": 2, "cpu": "X", "memory_gib": 24, "python": "3.11",
+                                                  "os": "Linux"}, 1, [], [])
+    old = "# Benchmarks\n\nold\n\n## Check wall time\n\nold checks\n\n## Checkpoints\n\n| a | b |\n|---|---|\n"
+    md = format_markdown(report, old=old)
+    assert "## Checkpoints\n\n| a | b |\n|---|---|" in md and "old checks" not in md
+
+
 def test_bench_skips_a_full_build_it_cannot_run_and_says_why(project, monkeypatch):
     from test_build_overlay import COMPILED_EDITS, with_variants
 

@@ -378,6 +378,11 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: st
         from patcher.bench.gate_reports import perf_markdown, read_perf_reports
 
         out.append(perf_markdown(read_perf_reports(reports_root)))
+    # sections this command never writes (measured by hand or by other tools: "Checkpoints") stay
+    made = set(_sections("\n".join(out)))
+    for heading, text in kept.items():
+        if heading not in made:
+            out += ["", text.rstrip("\n")]
     return "\n".join(out)
 
 
