@@ -47,6 +47,8 @@ class LmdeployEngine(WheelEngine):
     # a block-FP8 checkpoint through its blocked-FP8 linears (lmdeploy/pytorch/nn/linear/blocked_fp8.py,
     # backends/cuda/blockedf8_modules.py), activations bfloat16
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16", "fp8"))
+    run_settings = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode",
+                    "cache_max_entry_count", "generation_requests", "weights")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
     bisect_table = TABLE
     module_map = TABLE.module_map()

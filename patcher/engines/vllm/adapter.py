@@ -33,6 +33,7 @@ class VllmEngine(WheelEngine):
     # fp8: a block-FP8 checkpoint run through vLLM's FP8 linear path (activations bfloat16)
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         dtypes=("float32", "bfloat16", "float16", "fp8"))
+    run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "weights")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
     bisect_table = TABLE
     module_map = TABLE.module_map()
