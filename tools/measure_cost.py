@@ -7,8 +7,8 @@ group of processes: ``reference`` (the HF reference runner, hf_reference.py, and
 ``engine`` (an engine's runner or server and its children: vLLM's engine core, LMDeploy's
 workers), ``other`` (dsadapt itself, fabrication workers, ...); on a machine with nvidia-smi
 also the GPU memory of each group's processes. Prints (and writes with --out) one JSON object:
-the command's exit status, wall seconds, and per group the peak RSS and GPU memory in MiB and
-the seconds the group was alive. The command's own output goes through unchanged. Used for the
+the command's exit status, wall seconds, and per group the peak RSS and GPU memory in MiB, the
+seconds the group was alive and its CPU seconds. The command's own output goes through unchanged. Used for the
 cost table of docs/benchmarks.md and by tools/device/fp8_h200.sh.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,18 @@ def _rss(pid: int) -> int:
     return 0
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _group(cmd: str) -> str | None:
     if "hf_reference.py" in cmd:
         return "reference"
@@ -77,6 +90,7 @@ def _gpu() -> dict[int, int]:
 
 
 _SEEN: dict[int, str] = {}  # a process keeps the group it had when first seen (titles change)
+CPU: dict[int, float] = {}   # the CPU seconds each process had used when last seen
 
 
 def sample(root: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -90,6 +104,7 @@ def sample(root: int) -> tuple[dict[str, int], dict[str, int]]:
         pid, inherited = stack.pop()
         g = _SEEN.setdefault(pid, _group(_cmdline(pid)) or inherited)
         rss[g] += _rss(pid)
+        CPU[pid] = max(CPU.get(pid, 0.0), _cpu(pid))
         gpu[g] += gpu_by_pid.get(pid, 0)
         stack.extend((c, g) for c in kids.get(pid, []))
     return rss, gpu
@@ -120,7 +135,10 @@ def main(argv=None) -> int:
     doc = {"command": cmd, "rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
            "peak_rss_mib": {g: round(v / 2**20) for g, v in peak_rss.items()},
            "peak_gpu_mib": {g: round(v / 2**20) for g, v in peak_gpu.items()} if shutil.which("nvidia-smi") else None,
-           "seconds_alive": {g: round(v, 1) for g, v in alive.items() if g != "other"}}
+           "seconds_alive": {g: round(v, 1) for g, v in alive.items() if g != "other"},
+           # CPU time of each group (user + system, as last sampled): wall time on a shared machine
+           # says more about the other load than about the work
+           "cpu_s": {g: round(sum(c for pid, c in CPU.items() if _SEEN.get(pid) == g), 1) for g in GROUPS}}
     text = json.dumps(doc, indent=1)
     print(text, file=sys.stderr)
     if args.out:
