@@ -246,16 +246,50 @@ def require_layers(ckpt: Checkpoint, k: int) -> None:
                               hint=f"pass --layers between 1 and {ckpt.layers}")
 
 
-#: What the reference needs on top of the model's float32 weights (activations of a 256-token
-#: forward, the logits, the allocator): 10 %, at least 1 GiB.
+#: What the reference needs on top of the model's float32 weights and its loader's transient copies
+#: (activations of a 256-token forward, the logits, the allocator): 10 %, at least 1 GiB.
 REFERENCE_HEADROOM = (0.10, 1 << 30)
 
 
+def loading_transient(ckpt: Checkpoint) -> int:
+    """Bytes the reference's loader holds besides the model while it loads. A block-FP8 checkpoint
+    is loaded one tensor at a time (its bytes plus a float32 copy: `hf_reference.load_fp8_checkpoint`);
+    any other goes through transformers' loader, which stacks a layer's routed experts into one
+    tensor, concatenates gate and up, and casts the result: about twice that layer's experts in
+    the checkpoint's dtype plus once in float32."""
+    from patcher.checkpoints.safetensors_io import DTYPE_SIZES
+
+    def in_main(name: str) -> bool:
+        layer = layer_of(name)
+        return layer is None or layer < ckpt.layers
+
+    main = [n for n in ckpt.weight_map if not n.endswith("_scale_inv") and in_main(n)]
+    largest = max((ckpt.entry(n).numel * (DTYPE_SIZES[ckpt.entry(n).dtype] + 4) for n in main), default=0)
+    if ckpt.fp8 is not None:
+        return largest
+    experts: dict[int | None, int] = {}
+    for n in main:
+        if ".mlp.experts." in n:
+            e = ckpt.entry(n)
+            experts[layer_of(n)] = experts.get(layer_of(n), 0) + e.numel * (2 * DTYPE_SIZES[e.dtype] + 4)
+    return max([largest, *experts.values()])
+
+
 def reference_memory(ckpt: Checkpoint) -> int:
-    """Bytes the HF float32 reference of `ckpt` needs: the main model once in float32 (the loader
-    fills each parameter in place; FP8 weights are dequantized in place) plus headroom."""
+    """Bytes the HF float32 reference of `ckpt` needs: the main model once in float32, what its
+    loader holds on top while loading (`loading_transient`), and headroom."""
     f32 = ckpt.float32_bytes()
-    return f32 + max(int(f32 * REFERENCE_HEADROOM[0]), REFERENCE_HEADROOM[1])
+    return f32 + loading_transient(ckpt) + max(int(f32 * REFERENCE_HEADROOM[0]), REFERENCE_HEADROOM[1])
+
+
+#: A runner's time limit (reference, engine, capture): 15 minutes, and 5 more per GiB of the
+#: model's float32 weights (a DeepSeek-V2-Lite-shaped 2-layer check's reference took over 15
+#: minutes on 2 busy cores; the tiny models keep 15).
+RUN_LIMIT_S = (900.0, 300.0)
+
+
+def run_time_limit(ckpt: Checkpoint) -> float:
+    return RUN_LIMIT_S[0] + RUN_LIMIT_S[1] * ckpt.float32_bytes() / 2**30
 
 
 def require_reference_memory(ckpt: Checkpoint, device: str) -> None:

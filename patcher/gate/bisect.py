@@ -86,7 +86,7 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
     HF with the FP8 GEMMs' activation rounding emulated). Cached by (model, sequences, dtypes,
     spec, runner, transformers version); `python` gives the reference's interpreter (made on
     first use) when the cache misses; it runs on `device` if it fits there (exit 6 if not)."""
-    from patcher.checkpoints.model_dir import open_checkpoint, require_reference_memory
+    from patcher.checkpoints.model_dir import open_checkpoint, require_reference_memory, run_time_limit
 
     config = json.loads((model_dir / "config.json").read_text())
     dtypes = ["float32"] + ([dtype] if dtype in LOW_PRECISION_DTYPES else [])
@@ -105,7 +105,8 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         docs = load_capture(cached)
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
-    require_reference_memory(open_checkpoint(model_dir, check_layout=False), device)
+    ckpt = open_checkpoint(model_dir, check_layout=False)
+    require_reference_memory(ckpt, device)
     py = python()
     if progress:
         progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
@@ -121,7 +122,7 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
     argv = [str(py), str(script), "--model", str(model_dir), "--capture", str(out), "--capture-spec",
             str(spec_path), "--capture-sequences", str(seq_path), "--capture-dtypes", ",".join(dtypes)] \
         + (["--device", device] if device != "cpu" else [])
-    rc = _run_logged(argv, log, REFERENCE_TIMEOUT, on_line)
+    rc = _run_logged(argv, log, max(REFERENCE_TIMEOUT, run_time_limit(ckpt)), on_line)
     if rc != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""
         raise BisectError(f"the HF reference capture failed (status {rc})", hint=f"log: {log}\n{tail}")

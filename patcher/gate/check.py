@@ -25,7 +25,7 @@ from patcher.base.config import Config
 from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint as checkpoint_fingerprint
-from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, require_reference_memory
+from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, require_reference_memory, run_time_limit
 from patcher.engines import engine
 from patcher.engines.base import Engine, GateRun, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
@@ -215,7 +215,8 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
         progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}"
                  + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
     return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
-                      fingerprint=fingerprint, on_line=on_line)
+                      fingerprint=fingerprint, on_line=on_line,
+                      timeout=run_time_limit(checkpoint) if checkpoint else 900.0)
 
 
 def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
@@ -431,7 +432,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
             t0 = time.monotonic()
             report = run_runner(runner, session.python, r.model_dir, prompts_path, dtype, ENGINE_TOP_K,
                                 MAX_TOKENS, r.work / "engine.json", env=session.env, fingerprint=r.fingerprint,
-                                on_line=on_line)
+                                on_line=on_line, timeout=run_time_limit(r.checkpoint))
             timings["engine_s"] = round(time.monotonic() - t0, 2)
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
@@ -520,7 +521,7 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
                     progress(f"bisect: {r.req.pin} {dtype} via {runner.name} runner with capture")
                 run_runner(runner, session.python, r.model_dir, r.work / "prompts.json", dtype, ENGINE_TOP_K,
                            MAX_TOKENS, r.work / "bisect-engine.json", env=session.env, fingerprint=r.fingerprint,
-                           on_line=on_line)
+                           on_line=on_line, timeout=run_time_limit(r.checkpoint))
         if not capture.is_file():
             report = r.work / ("engine.json" if inline_capture else "bisect-engine.json")
             why = (json.loads(report.read_text()).get("settings") or {}).get("capture_error") if report.is_file() else None

@@ -69,12 +69,15 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     the config before the weights load (tests use it to plant known bugs).
 
     A block-FP8 checkpoint (``quantization_config: {quant_method: fp8, weight_block_size}``) is
-    loaded in float32 with every FP8 weight dequantized in place, ``weight x weight_scale_inv``
-    per block (`dequantize_in_place`): the checkpoint's exact meaning, on any device, holding the
-    model once. `dtype` "fp8" is that model in bfloat16 with the engine's FP8 arithmetic emulated
-    (activations quantized to e4m3 per token and 128 channels at every FP8 GEMM): the yardstick
-    of an FP8 engine's own rounding. `fp8_bug` ("transposed", "inverse") plants a block-scale bug
-    in the dequantization (tests and tools/measure_bisect_noise.py only)."""
+    built by transformers' own model class in float32, uninitialized, on `device`, and filled one
+    checkpoint tensor at a time with every FP8 weight dequantized, ``weight x weight_scale_inv``
+    per block (`load_fp8_checkpoint`): the checkpoint's exact meaning, on any device, with the
+    model held once and nothing more than one tensor besides it (transformers' own loader stacks
+    a whole layer's experts, then casts the stack: a second copy of the largest layer). `dtype`
+    "fp8" is that model in bfloat16 with the engine's FP8 arithmetic emulated (activations
+    quantized to e4m3 per token and 128 channels at every FP8 GEMM): the yardstick of an FP8
+    engine's own rounding. `fp8_bug` ("transposed", "inverse") plants a block-scale bug in the
+    dequantization (tests and tools/measure_bisect_noise.py only)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,31 +92,24 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
         raise ValueError("--dtype fp8 needs a block-FP8 checkpoint (quantization_config quant_method fp8)")
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
-    load_dtype = torch.float32 if block is not None or dtype == "fp8" else getattr(torch, dtype)
-    kwargs = {}
-    if device != "cpu":
-        try:  # straight onto the GPU (a DeepSeek-V3 slice is 60 GB in float32): needs accelerate
-            import accelerate  # noqa: F401
+    if block is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=getattr(torch, dtype), attn_implementation=attn,
+            experts_implementation=experts)
+        return model.eval().to(device)
+    from transformers.initialization import no_init_weights
 
-            kwargs["device_map"] = device
-        except ImportError:
-            pass
-    if block is not None:  # the scales are "unexpected" to transformers: they are folded in below
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=load_dtype, attn_implementation=attn, experts_implementation=experts,
-        **kwargs)
-    model = model.eval().to(device)
-    if block is not None:
-        placed = dequantize_in_place(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
-        model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
-        model.dsadapt_fp8_placed = placed
-        if dtype == "fp8":
-            model = as_fp8_yardstick(model)
-        elif dtype != "float32":
-            model = model.to(getattr(torch, dtype))
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
+                                                 experts_implementation=experts)
+    model = model.eval()
+    placed = load_fp8_checkpoint(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
+    model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
+    model.dsadapt_fp8_placed = placed
+    if dtype == "fp8":
+        model = as_fp8_yardstick(model)
+    elif dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     return model
 
 
@@ -199,34 +195,35 @@ def _headers(model_dir):
 _EXPERT = None
 
 
-def _target(params, name):
-    """The float32 view (2-D) the checkpoint tensor `name` was loaded into: the parameter of the
-    same name, or its expert's rows of transformers' fused ``experts.gate_up_proj`` /
-    ``experts.down_proj`` (expert e: gate rows, then up rows)."""
+def _dest(state, name):
+    """Where checkpoint tensor `name` goes in the model's state: the entry of the same name, or its
+    expert's rows of transformers' fused ``experts.gate_up_proj`` (gate rows, then up rows) /
+    ``experts.down_proj``; returns (state key, 2-D or 1-D view, part) or None."""
     import re
 
     global _EXPERT
     _EXPERT = _EXPERT or re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-    if name in params:
-        return params[name].data
+    if name in state:
+        return name, state[name], None
     m = _EXPERT.match(name)
     if not m:
         return None
     prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
-    if which == "down":
-        p = params.get(f"{prefix}.down_proj")
-        return None if p is None else p.data[e]
-    p = params.get(f"{prefix}.gate_up_proj")
-    if p is None:
+    key = f"{prefix}.down_proj" if which == "down" else f"{prefix}.gate_up_proj"
+    if key not in state:
         return None
-    fused = p.data[e]
+    fused = state[key][e]
+    if which == "down":
+        return key, fused, (e, which)
     half = fused.shape[0] // 2
-    return fused[:half] if which == "gate" else fused[half:]
+    return key, (fused[:half] if which == "gate" else fused[half:]), (e, which)
 
 
-def dequantize_in_place(model, model_dir, block, n_layers, bug=None):
-    """Multiply every FP8 weight of the main model (loaded into float32 as its raw e4m3 values)
-    by its ``weight_scale_inv`` block grid, in place. Returns the names dequantized."""
+def load_fp8_checkpoint(model, model_dir, block, n_layers, bug=None):
+    """Fill `model` (float32, uninitialized) from a block-FP8 checkpoint, one tensor at a time: FP8
+    weights widened to float32 on the model's device and multiplied by their block scales in
+    place, the others cast; the MTP modules (layers >= `n_layers`) left out. Every parameter and
+    persistent buffer must be filled. Returns the names of the FP8 weights dequantized."""
     import os
     import re
 
@@ -234,34 +231,54 @@ def dequantize_in_place(model, model_dir, block, n_layers, bug=None):
     from safetensors import safe_open
 
     fp8 = _blockfp8()
-    params = dict(model.named_parameters())
+    state = model.state_dict()
     layer_re = re.compile(r"^model\.layers\.(\d+)\.")
     headers = _headers(model_dir)
     by_file = {}
-    for name, (fname, dtype) in headers.items():
+    for name, (fname, _) in headers.items():
         m = layer_re.match(name)
-        if dtype.startswith("F8_") and not (m and int(m.group(1)) >= n_layers):
+        if not name.endswith("_scale_inv") and not (m and int(m.group(1)) >= n_layers):
             by_file.setdefault(fname, []).append(name)
-    placed = []
-    for fname, names in sorted(by_file.items()):
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
-            for name in sorted(names):
-                target = _target(params, name)
-                if target is None:
-                    raise RuntimeError(f"FP8 tensor {name} has no place in the loaded model")
-                scale_name = name + "_scale_inv"
-                if headers.get(scale_name, (None,))[0] == fname:
-                    scale = f.get_tensor(scale_name)
-                else:
-                    with safe_open(os.path.join(model_dir, headers[scale_name][0]), framework="pt") as g:
-                        scale = g.get_tensor(scale_name)
-                if bug == "transposed":   # the grid read column-major: values land in the wrong blocks
-                    scale = scale.flatten().reshape(scale.shape[1], scale.shape[0]).t()
-                elif bug == "inverse":    # scale applied as scale: weight / weight_scale_inv
-                    scale = 1.0 / scale
-                with torch.no_grad():
-                    fp8.apply_scales_(target, scale.to(torch.float32), block)
-                placed.append(name)
+    filled, parts, placed = set(), {}, []
+    with torch.no_grad():
+        for fname, names in sorted(by_file.items()):
+            with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+                for name in sorted(names):
+                    dest = _dest(state, name)
+                    if dest is None:
+                        continue  # held by the checkpoint, not by this model (rotary tables, ...)
+                    key, view, part = dest
+                    t = f.get_tensor(name)
+                    if headers[name][1].startswith("F8_"):
+                        scale_file = headers[name + "_scale_inv"][0]
+                        if scale_file == fname:
+                            scale = f.get_tensor(name + "_scale_inv")
+                        else:
+                            with safe_open(os.path.join(model_dir, scale_file), framework="pt") as g:
+                                scale = g.get_tensor(name + "_scale_inv")
+                        if bug == "transposed":   # the grid read column-major: values land in the wrong blocks
+                            scale = scale.flatten().reshape(scale.shape[1], scale.shape[0]).t()
+                        elif bug == "inverse":    # scale applied as scale: weight / weight_scale_inv
+                            scale = 1.0 / scale
+                        t = t.to(view.device).to(torch.float32)
+                        fp8.apply_scales_(t, scale.to(torch.float32), block)
+                        placed.append(name)
+                    if tuple(t.shape) != tuple(view.shape):
+                        raise RuntimeError(f"{name} is {list(t.shape)} in the checkpoint, {list(view.shape)} in the model")
+                    view.copy_(t)
+                    del t
+                    if part is None:
+                        filled.add(key)
+                    else:
+                        parts.setdefault(key, set()).add(part)
+    for key, got in parts.items():
+        experts = state[key].shape[0]
+        want = experts * (1 if key.endswith("down_proj") else 2)
+        if len(got) == want:
+            filled.add(key)
+    missing = sorted(k for k in state if k not in filled)
+    if missing:
+        raise RuntimeError(f"the checkpoint does not fill {len(missing)} tensor(s) of the model: {missing[:3]}")
     return placed
 
 
