@@ -352,3 +352,25 @@ def test_the_reference_refuses_to_start_without_the_memory(mini_v3, monkeypatch)
 def test_mini_configs_describe_their_layers():
     c = mini_config("deepseek-v2-lite", layers=2)
     assert c["q_lora_rank"] is None and is_moe_layer(c, 1) and not is_moe_layer(c, 0)
+
+
+def test_an_interrupted_make_or_slice_leaves_nothing(tmp_path, mini_v3, monkeypatch):
+    from patcher.checkpoints import fabricate, safetensors_io, slicing
+
+    calls = {"n": 0}
+    real = fabricate._write
+
+    def stop_at_third(task):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(fabricate, "_write", stop_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        make_mini(tmp_path / "made", "deepseek-v3", layers=1)
+    monkeypatch.setattr(slicing, "copy_tensor", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        slice_checkpoint(mini_v3, 1, tmp_path / "sliced")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert safetensors_io.COPY_CHUNK == 64 * 1024 * 1024

@@ -253,14 +253,18 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_init_worker) as pool:
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_init_worker)
+            try:
                 last = time.monotonic()
                 for done, _ in enumerate(pool.map(_write, tasks, chunksize=1), 1):
                     if progress and time.monotonic() - last > 15:
                         progress(f"  {done}/{len(tasks)} tensors written ({time.monotonic() - t0:.0f}s)")
                         last = time.monotonic()
                 digests = list(pool.map(_hash, [str(tmp / n) for n in names]))
+            finally:
+                # interrupted: the tensors not started are dropped, the running ones end (one each)
+                pool.shutdown(wait=True, cancel_futures=True)
         sizes = {n: (tmp / n).stat().st_size for n in names}
         if names != ["model.safetensors"]:
             weight_map = {e.name: fname for fname, entries in zip(names, headers) for e in entries}
