@@ -2,7 +2,7 @@
 
     python tools/checkpoint_costs.py [--pin vllm@v0.32.0] [--dtype float32] [MODEL ...]
 
-MODEL is `tiny` (the built-in tiny V3, deepseek config) or LIKE:K (`deepseek-v2-lite:2`: made once
+MODEL is `tiny` (the built-in tiny V3, deepseek config), a checkpoint folder, or LIKE:K (`deepseek-v2-lite:2`: made once
 with `dsadapt model make --like LIKE --layers K` under the cache's models/ folder). For each, one
 `dsadapt check PIN --model M --dtype DTYPE --json` under tools/measure_cost.py, with a fresh cache
 for the reference (its report is cached otherwise; release wheels are still found through
@@ -33,6 +33,9 @@ def _model(spec: str, cache: Path) -> tuple[str, str]:
     """(--model argument, label) for `tiny` or LIKE:K, making LIKE:K under the cache if needed."""
     if spec == "tiny":
         return "v3", "tiny V3 (built-in)"
+    if Path(spec).is_dir():  # a checkpoint folder as it is
+        config = json.loads((Path(spec) / "config.json").read_text())
+        return spec, f"{Path(spec).name} ({config.get('model_type')}, {config.get('num_hidden_layers')} layer(s))"
     like, k = spec.split(":")
     out = cache / "models" / f"cost-{like}-{k}"
     if not (out / "dsadapt.json").is_file():
@@ -60,11 +63,11 @@ def main(argv=None) -> int:
     for spec in args.models:
         model, label = _model(spec, cfg.cache)
         d = Path(model) if spec != "tiny" else cfg.workdir / "models" / "v3-deepseek-seed0"
+        name = spec.replace(":", "-") if not Path(spec).is_dir() else Path(spec).name
         fresh = Path(tempfile.mkdtemp(prefix="dsadapt-cost-cache-"))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "DSADAPT_CACHE": str(fresh),
                "DSADAPT_ARTIFACTS": ":".join(filter(None, [str(cfg.cache / "artifacts"),
                                                           os.environ.get("DSADAPT_ARTIFACTS", "")]))}
-        name = spec.replace(":", "-")
         cost, report = args.out / f"{name}-cost.json", args.out / f"{name}-check.json"
         extra = ["--config-style", "deepseek"] if spec == "tiny" else []
         with open(report, "w") as out:
