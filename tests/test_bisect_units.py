@@ -493,9 +493,14 @@ def test_heatmap_grid_has_a_row_per_layer_and_marks_the_first_divergence():
     ref = synthetic()
     res = compare_captures(downstream(ref, 1, "attn.q_rope", lambda v: v + 1), ref, CONFIG, "float32")
     rows, cols, values, status = heatmap_grid(res)
-    assert rows == ["layer 0", "layer 1", "model"]
-    assert status[1][cols.index("q_rope")] == "first" and "moe" in cols
-    assert values[0][cols.index("q_rope")] == pytest.approx(-9.0)
+    assert rows == ["input", "layer 0", "layer 1", "output"]  # model order
+    assert status[2][cols.index("q_rope")] == "first" and "moe" in cols
+    # colour is error / limit on a log scale: exact agreement at the floor, the bug far above its limit
+    assert values[1][cols.index("q_rope")] == pytest.approx(-4.0)
+    assert values[2][cols.index("q_rope")] > 2.0
+    assert values[0][cols.index("embed")] is not None and values[3][cols.index("logits")] is not None
+    # expert selection is a fraction on its own scale
+    assert values[2][cols.index("experts_sel")] == pytest.approx(1.0)
 
 
 def test_plot_bisect_writes_a_png(tmp_path):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, git
+from planted_bugs import BISECT, BUGS, replace_once
 
 from patcher.engines.base import has_cuda
 
@@ -365,59 +366,6 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
 
 
-def _replace_once(path: Path, old: str, new: str, after: str | None = None) -> None:
-    """Replace the first `old` (after the first `after`, if given) in a checkout file."""
-    text = path.read_text()
-    start = text.index(after) if after else 0
-    i = text.index(old, start)
-    path.write_text(text[:i] + new + text[i + len(old):])
-
-
-BUGS = {
-    # (a) MoE output not scaled by routed_scaling_factor (V3 has 2.5)
-    "routed_scaling_factor": ("v3", TARGET,
-                              'self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)',
-                              "self.routed_scaling_factor = 1.0", "class DeepseekV2MoE", "routing"),
-    # (b) plain YaRN: cos/sin scaled by mscale alone, mscale_all_dim ignored (V3: 1.0 vs 0.8)
-    "yarn_mscale": ("v3", YARN, "/ yarn_get_mscale(self.scaling_factor, float(mscale_all_dim))", "/ 1.0",
-                    None, "attention"),
-    # (c) RoPE on halves (GPT-NeoX) where DeepSeek rotates interleaved pairs (GPT-J), in MLA
-    "neox_rope": ("v3", TARGET, "is_neox_style=False,", "is_neox_style=True,", "class DeepseekV2MLAAttention",
-                  "attention"),
-    # (d) top-k weights renormalised although V2-Lite's config says norm_topk_prob false
-    "renormalize_topk": ("v2-lite", TARGET, "renormalize=config.norm_topk_prob,", "renormalize=True,",
-                         "class DeepseekV2MoE", "routing"),
-    # Where (a)-(d) do not reach (for bisect):
-    # (e) a norm's eps: MLA's kv_a_layernorm with eps 1e-2 instead of rms_norm_eps
-    "kv_a_layernorm_eps": ("v3", TARGET, "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)",
-                           "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-2)",
-                           "class DeepseekV2MLAAttention", "routing"),
-    # (f) the kv path of MLA: the prefill's kv_b_proj expansion split into (v, k_nope) instead of
-    # (k_nope, v) — silent here because qk_nope_head_dim == v_head_dim
-    "mla_kv_split": ("v3", MLA, "k_nope, v = kv_nope.split(", "v, k_nope = kv_nope.split(", "    def forward_mha(",
-                     "routing"),
-    # (g) the shared experts: their checkpoint gate_proj/up_proj loaded crosswise (a weight-mapping bug)
-    "shared_experts_mapping": ("v3", TARGET, '            if "rotary_emb.inv_freq" in name:\n',
-                               '            name = name.replace("shared_experts.gate_proj", "shared_experts.@")'
-                               '.replace("shared_experts.up_proj", "shared_experts.gate_proj")'
-                               '.replace("shared_experts.@", "shared_experts.up_proj")\n'
-                               '            if "rotary_emb.inv_freq" in name:\n', "def load_weights(", "routing"),
-}
-
-#: Where `check --bisect` must say each bug acts: (layer, comparison points accepted as first).
-#: (a): vLLM applies routed_scaling_factor when it combines routed and shared experts, so the
-#: experts and their weights match and the MoE output does not.
-BISECT = {
-    "routed_scaling_factor": (1, {"mlp"}),
-    "yarn_mscale": (0, {"attn.q_rope", "attn.k_rope"}),
-    "neox_rope": (0, {"attn.q_rope", "attn.k_rope"}),
-    "renormalize_topk": (1, {"router.weights"}),
-    "kv_a_layernorm_eps": (0, {"attn.kv_a_norm"}),
-    "mla_kv_split": (0, {"attn.core"}),
-    "shared_experts_mapping": (1, {"shared"}),
-}
-
-
 @pytest.fixture(scope="module")
 def bug_base(gate) -> str:
     """The stack applied in the temporary project's checkout; returns the tip to branch bugs from."""
@@ -431,7 +379,7 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     model, rel, old, new, after, family = BUGS[bug]
     co = gate.checkout
     git(co, "reset", "-q", "--hard", bug_base)
-    _replace_once(co / rel, old, new, after)
+    replace_once(co / rel, old, new, after)
     numstat = git(co, "diff", "--numstat").split("\t")
     assert numstat[2:] == [rel] and int(numstat[0]) + int(numstat[1]) <= 2, numstat  # one line changed or added
     git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
