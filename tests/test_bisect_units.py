@@ -452,12 +452,16 @@ def noisy(ref, scale, seed):
 
 def test_low_precision_rule_measures_against_the_references_own_noise():
     ref = synthetic()
+    from patcher.rules.modules import low_precision_rule
+
     lp = noisy(ref, 0.01, seed=1)
-    assert compare_captures(noisy(ref, 0.015, seed=2), ref, CONFIG, "bfloat16", reference_lp=lp).passed
+    assert compare_captures(noisy(ref, 0.01, seed=2), ref, CONFIG, "bfloat16", reference_lp=lp).passed
     res = compare_captures(downstream(noisy(ref, 0.01, seed=2), 0, "attn.kv_a_norm",
                                       lambda v: v * 1.04), ref, CONFIG, "bfloat16", reference_lp=lp)
     assert not res.passed and (res.first.layer, res.first.point) == (0, "attn.kv_a_norm")
-    assert res.first.noise == pytest.approx(0.01, rel=0.3) and res.first.limit == pytest.approx(2.5 * res.first.noise)
+    factor = low_precision_rule("bfloat16").factor
+    assert res.first.noise == pytest.approx(0.01, rel=0.3) and res.first.limit == pytest.approx(factor * res.first.noise)
+    assert res.first.ratio > factor and res.first.phase in ("prefill", "decode")
 
 
 def test_low_precision_expert_agreement_is_judged_against_the_references_own_flips():
@@ -582,9 +586,9 @@ def test_expert_weights_may_carry_a_few_roundings_of_the_engine_dtype():
     from patcher.rules.modules import POINTS
 
     weights = next(p.name for p in POINTS if p.label == "experts_w")  # the rule's key is the point's name
-    assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 30
-    assert 2 * 0.0015 < fp16.limit(weights, 0.000106) < 0.60 / 30
+    assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 20
+    assert 2 * 0.0015 < fp16.limit(weights, 0.000106) < 0.60 / 20
     # every other point keeps its noise-scaled limit: the eps bug at kv_a_norm still fails
     kv_a_norm = next(p.name for p in POINTS if p.label == "kv_a_norm")
-    assert bf16.limit(kv_a_norm, 0.0037) == 2.5 * 0.0037 < 0.0128
-    assert bf16.limit("attn_core", 0.0) == 1e-3
+    assert bf16.limit(kv_a_norm, 0.0037) == bf16.factor * 0.0037 < 0.0128
+    assert bf16.limit("attn_core", 0.0) == bf16.factor * 1e-3  # the floor where the reference is exact

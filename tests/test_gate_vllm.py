@@ -36,7 +36,15 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, git
-from planted_bugs import BISECT, BUGS, replace_once
+from planted_bugs import (
+    BISECT,
+    BUGS,
+    LOW_PRECISION_BISECT,
+    LOW_PRECISION_BUG_DTYPES,
+    LOW_PRECISION_BUGS,
+    plant,
+    replace_once,
+)
 
 from patcher.engines.base import has_cuda
 
@@ -312,9 +320,12 @@ def test_check_vllm_bfloat16_low_precision_rule(gate):
     assert rep["dtype"] == "bfloat16" and c["tolerance"] is None
     th, s = c["thresholds"], c["summary"]
     assert s["positions"] == 254  # teacher-forced prompt positions only
-    assert s["top1"] >= th["min_top1"] and s["topk_overlap"] >= th["min_topk_overlap"]
-    assert s["mean_abs"] <= th["max_mean_abs"]
+    # judged against HF's own bfloat16 run of the same prompts: mean |Δ| ratio per block of positions
+    j = c["judgement"]
+    assert j["passed"] and j["prefill"]["rows"] == 254 and j["prefill"]["ratio"] < th["limit"]
+    assert s["top1"] >= s["noise_top1"] - th["top1_margin"] and c["noise"]["rows"]
     assert s["max_abs"] > TOL  # bfloat16 really ran: far from float32 agreement
+    assert rep["margins"]["logits"]["above"] is False and rep["margins"]["words"]
     assert_low_precision_modules_clean(rep)
 
 
@@ -324,9 +335,12 @@ def assert_low_precision_modules_clean(rep: dict) -> None:
     assert b and b["rule"] == "low-precision" and b["passed"] is True and b["above"] == [], b
     assert b["compared"] >= 50 and Path(b["report_path"]).is_file()
     doc = json.loads(Path(b["report_path"]).read_text())
-    ratios = [p["error"] / p["noise"] for p in doc["points"] if p.get("noise") and p["metric"] == "rel_l2"]
-    _log(f"{rep['dtype']} correct stack: engine/reference-noise ratio max {max(ratios):.3f}, "
-         f"min {min(ratios):.3f} over {len(ratios)} points")
+    ratios = {(p["layer"], p["point"], ph): j["ratio"] for p in doc["points"] if p["metric"] == "rel_l2"
+              for ph, j in (p.get("phases") or {}).items()}
+    assert {ph for _, _, ph in ratios} == {"prefill", "decode"}  # both phases judged, apart
+    _log(f"{rep['dtype']} {rep['model']} correct stack: engine/reference-noise ratio per phase max "
+         f"{max(ratios.values()):.3f} at {max(ratios, key=lambda k: ratios[k])}, min {min(ratios.values()):.3f} "
+         f"over {len(ratios)} judgements; margins: {rep['margins']['words']}")
     assert "engine_capture_s" in rep["timings"]
 
 
@@ -335,6 +349,18 @@ def test_check_vllm_float16_low_precision_rule(gate):
     against overflow); the bisect table undoes that scale, so a correct stack is clean per module."""
     rep = assert_pass(gate.check("v3", "transformers", "float16"), rule="low-precision")
     assert_low_precision_modules_clean(rep)
+
+
+def test_check_vllm_v2_float16_norm_eps(gate):
+    """The stack's patch 0002: vLLM's float16 overflow scaling divides the residual stream by
+    routed_scaling_factor (16 in V2) and so multiplied the norms' eps by 256 (layer 0 post norm
+    11x HF's own float16 error without it); with the patch every module is within noise."""
+    rep = assert_pass(gate.check("v2", "transformers", "float16"), rule="low-precision")
+    assert any("keep-RMSNorm-s-eps" in p for p in rep["provenance"]["patches"])
+    assert_low_precision_modules_clean(rep)
+    doc = json.loads(Path(rep["bisect"]["report_path"]).read_text())
+    post = next(p for p in doc["points"] if p["layer"] == 0 and p["point"] == "post_norm")
+    assert post["ratio"] < 2.0, post  # 11x before the fix
 
 
 def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, tmp_path):
@@ -429,6 +455,46 @@ def assert_bisected(rep: dict, bug: str) -> None:
     assert "engine_capture_s" in rep["timings"]  # captured in the gate's engine run: one engine start
     assert Path(b["report_path"]).is_file() and Path(b["plot_path"]).is_file()
     assert rep["explanation"][0].startswith("bisect: first divergence at")
+
+
+#: Planted bugs x low-precision dtype run by default (about 2 min each); DSADAPT_TEST_LP_BUGS=all runs
+#: every bug of tests/planted_bugs.py in every dtype it acts in (the calibration in docs/equivalence.md
+#: was measured on all of them with tools/calibrate_low_precision.py).
+LP_DEFAULT = [("decode_softmax_scale", "bfloat16"), ("decode_softmax_scale", "float16"),
+              ("kv_a_layernorm_eps", "bfloat16"), ("fp16_residual_scale_layer", "float16")]
+
+
+def _lp_cases():
+    if os.environ.get("DSADAPT_TEST_LP_BUGS") != "all":
+        return LP_DEFAULT
+    return [(b, d) for b in (*BUGS, *LOW_PRECISION_BUGS) for d in LOW_PRECISION_BUG_DTYPES.get(b, ("bfloat16", "float16"))]
+
+
+@pytest.mark.parametrize(("bug", "dtype"), _lp_cases())
+def test_planted_bug_fails_each_low_precision_dtype_in_its_phase(gate, bug_base, bug, dtype):
+    """Each planted bug fails in bfloat16 and in float16 on its own (not only overall), at its
+    module, in the phase it acts in (the decode-only softmax scale: decode rows only)."""
+    model = {**BUGS, **LOW_PRECISION_BUGS}[bug][0]
+    co = gate.checkout
+    git(co, "reset", "-q", "--hard", bug_base)
+    plant(co, bug)
+    git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
+    assert gate.cli("refresh", PIN).rc == 0
+    run = gate.check(model, "transformers", dtype, fresh=True)
+    assert run.rc == 1, run
+    rep = run.report
+    assert rep["verdict"] == "fail" and rep["dtype"] == dtype
+    b = rep["bisect"]
+    layer, points, phase = {**{k: (*v, None) for k, v in BISECT.items()}, **LOW_PRECISION_BISECT}[bug]
+    first = b["first"]
+    _log(f"low precision bug {bug} {dtype}: first {first['layer']} {first['point']} ({first.get('phase')}), "
+         f"ratio {first.get('ratio')}; margins: {rep['margins']['words']}")
+    assert (first["layer"], first["point"]) in {(layer, p) for p in points}, b["explanation"]
+    if phase:
+        failed = {k for k, ph in (first.get("phases") or {}).items() if ph.get("above")}
+        assert failed == {phase}, first.get("phases")
+        assert any(f"{phase} rows" in ln for ln in rep["explanation"])
+    assert rep["margins"]["modules"]["above"] is True
 
 
 # ---------------------------------------------------------------- 6./7. back to the stack: reruns, --all

@@ -157,6 +157,12 @@ def test_judge_without_enough_blocks_uses_the_point_estimate_and_the_floor():
     b.add(4e-6, 4e-6, 1.0, 4)  # error 2e-3, noise 2e-3: ratio 1
     j = judge(b, rule, "decode")
     assert j.se is None and j.ratio == pytest.approx(1.0) and not j.above
+    few = Blocks()
+    few.add(4e-6 * 1.8**2, 4e-6, 1.0, 4)  # 1.8x: over the limit, but not twice over on one block
+    assert not judge(few, rule, "decode").above
+    gross = Blocks()
+    gross.add(4e-6 * 30**2, 4e-6, 1.0, 4)  # a gross bug on a handful of rows still fails
+    assert judge(gross, rule, "decode").above
     exact = Blocks()
     exact.add(1e-8, 0.0, 1.0, 4)  # the reference is exact here: the floor is the yardstick
     j = judge(exact, rule, "prefill")

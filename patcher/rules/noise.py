@@ -84,7 +84,7 @@ class PhaseJudgement:
     noise: float
     ratio: float
     se: float | None          # jackknife standard error of log(ratio); None: too few blocks
-    lower: float              # ratio / exp(z * se): what the data say at least (ratio without se)
+    lower: float              # ratio / exp(z * se): what the data say at least (ratio / limit without se)
     limit: float
     z: float
     above: bool
@@ -163,7 +163,11 @@ def judge(blocks: Blocks, rule: NoiseRule, phase: str, judgements: int = 1) -> P
             logs.append(math.log(r_i) if r_i > 0 and math.isfinite(r_i) else math.log(ratio))
         mean = sum(logs) / k
         se = math.sqrt((k - 1) / k * sum((x - mean) ** 2 for x in logs))
-    lower = ratio / math.exp(z * se) if se is not None and ratio < math.inf else ratio
+    if se is not None and ratio < math.inf:
+        lower = ratio / math.exp(z * se)
+    else:  # too few blocks to estimate the spread: the ratio must clear the limit twice over (a
+        # factor `limit` of evidence), so that a handful of rows never fails a correct engine
+        lower = ratio / rule.limit if ratio < math.inf else ratio
     above = lower > rule.limit
     margin = (lower / rule.limit) if above else (rule.limit / ratio if ratio > 0 else math.inf)
     return PhaseJudgement(phase=phase, rows=sum(blocks.rows), blocks=k, error=error, noise=noise, ratio=ratio,
