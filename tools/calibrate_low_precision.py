@@ -123,74 +123,70 @@ def _pairs(dirs: list[Path]):
                 continue
             try:
                 doc = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
                 continue
-            if doc.get("schema") != "dsadapt.check-report/1":
+            if not isinstance(doc, dict) or doc.get("schema") != "dsadapt.check-report/1":
                 continue
             b = f.with_name(f.stem + "-bisect.json")
             bdoc = json.loads(b.read_text()) if b.is_file() else None
             yield f, doc, bdoc
 
 
-def _label(f: Path, doc: dict) -> str:
-    stem = f.stem
-    prov = doc.get("provenance") or {}
-    planted = [p for p in prov.get("patches") or [] if "Plant-a-bug" in p or "plant" in p.lower()]
-    if stem.startswith("bug-"):
-        return stem.split("-")[1] if "-" in stem else stem
-    return "bug " + planted[0] if planted else "control"
+def stack_label(f: Path, doc: dict) -> str:
+    """Which stack a report is of: a device run's planted stack (reports under stacks/NAME/), a
+    calibration run's planted bug (bug-NAME-...), or the pin's own ("main"; "unpatched")."""
+    parts = f.parts
+    if "stacks" in parts and parts.index("stacks") + 1 < len(parts):
+        return parts[parts.index("stacks") + 1]
+    if f.stem.startswith("bug-"):
+        return f.stem[4:].rsplit("-", 2)[0].rsplit("-", 1)[0] if f.stem.count("-") >= 3 else f.stem[4:]
+    return "unpatched" if doc.get("unpatched") else "main"
 
 
 def table(dirs: list[Path]) -> int:
+    from patcher.rules.modules import rescore_bisect
     from patcher.rules.verdicts import rescore
 
     worst: dict[tuple[str, str, str], tuple[float, str]] = {}
     controls: dict[str, list[str]] = defaultdict(list)
-    bug_rows = []
+    checks = []
     for f, doc, bdoc in _pairs(dirs):
-        dtype = doc.get("dtype")
-        if dtype not in ("bfloat16", "float16"):
-            continue
+        dtype = doc.get("dtype") or "?"
+        label = stack_label(f, doc)
         res = rescore(doc, bdoc)
-        is_bug = f.stem.startswith("bug-") or any("Plant" in p for p in (doc.get("provenance") or {}).get("patches", []))
-        who = f"{doc.get('pin')} {doc.get('model')} ({f.stem})"
-        if not is_bug:
-            controls[dtype].append(f"{res['verdict']}")
-            if res["verdict"] != "pass":
-                print(f"FALSE ALARM {who} {dtype}: {res['reasons'][:2]} {res.get('cannot_judge', '')}")
-            j = (res["margins"].get("logits") or {})
-            if j.get("value") is not None:
-                key = (dtype, "logits", "prefill")
-                if j["value"] > worst.get(key, (-1.0, ""))[0]:
-                    worst[key] = (j["value"], who)
-            if bdoc:
-                from patcher.rules.modules import rescore_bisect
-
-                if any(p.get("evidence") for p in bdoc["points"]):
-                    for p in rescore_bisect(bdoc).points:
-                        for ph, jj in p.phases.items():
-                            if "ratio" in jj:
-                                key = (dtype, p.point, ph)
-                                if jj["ratio"] > worst.get(key, (-1.0, ""))[0]:
-                                    worst[key] = (jj["ratio"], f"{who} {p.where}")
-        else:
-            m = res["margins"]
-            mods = m.get("modules") or {}
-            bug_rows.append((dtype, f.stem, res["verdict"], m.get("words"), mods.get("phase")))
+        verdict = res["verdict"] or f"{doc.get('verdict')} (stored; {', '.join(res.get('cannot_judge', []))})"
+        first = ((res["margins"].get("modules") or {}) if res["verdict"] != "pass" else {})
+        checks.append((label, doc.get("model"), dtype, verdict, res["margins"].get("words", ""), f.name))
+        if label != "main" or dtype not in ("bfloat16", "float16"):
+            continue
+        controls[dtype].append(str(res["verdict"]))
+        who = f"{doc.get('model')} ({f.parent.name}/{f.stem})"
+        if res["verdict"] != "pass":
+            print(f"FALSE ALARM {who} {dtype}: {res['reasons'][:2]} {res.get('cannot_judge', '')} {first}")
+        lm = res["margins"].get("logits") or {}
+        if lm.get("value") is not None and lm.get("phase") == "prefill":
+            key = (dtype, "logits (mean |Δ|)", "prefill")
+            if lm["value"] > worst.get(key, (-1.0, ""))[0]:
+                worst[key] = (lm["value"], who)
+        if bdoc and any(p.get("evidence") for p in bdoc["points"]):
+            for p in rescore_bisect(bdoc).points:
+                for ph, jj in p.phases.items():
+                    if "ratio" in jj and jj["ratio"] > worst.get((dtype, p.point, ph), (-1.0, ""))[0]:
+                        worst[(dtype, p.point, ph)] = (jj["ratio"], f"{who} {p.where}")
+    print("| stack | model | dtype | verdict | margins | report |\n|---|---|---|---|---|---|")
+    for row in sorted(checks, key=lambda r: (r[0] != "main", r[0], str(r[1]), r[2], r[5])):
+        print("| " + " | ".join(str(x) for x in row) + " |")
     for dtype in ("bfloat16", "float16"):
         rows = sorted(((k, v) for k, v in worst.items() if k[0] == dtype), key=lambda kv: -kv[1][0])
-        if not rows and not controls.get(dtype):
+        if not controls.get(dtype):
             continue
-        n = len(controls.get(dtype, []))
-        fails = sum(v != "pass" for v in controls.get(dtype, []))
-        print(f"\n{dtype}: {n} control check(s), {fails} false alarm(s); largest ratio per point and phase")
-        print("| point | phase | largest engine / reference's own | where |\n|---|---|---|---|")
+        n = len(controls[dtype])
+        fails = sum(v != "pass" for v in controls[dtype])
+        print(f"\n{dtype}: {n} check(s) of the correct stack, {fails} false alarm(s); largest ratio engine / "
+              "reference's own error per point and phase")
+        print("| point | phase | largest ratio | where |\n|---|---|---|---|")
         for (_, point, phase), (v, who) in rows[:15]:
             print(f"| {point} | {phase} | {v:.3f} | {who} |")
-    if bug_rows:
-        print("\n| dtype | planted bug (report) | verdict | failing phase | margin |\n|---|---|---|---|---|")
-        for dtype, stem, verdict, words, phase in sorted(bug_rows):
-            print(f"| {dtype} | {stem} | {verdict} | {phase} | {words} |")
     return 0
 
 

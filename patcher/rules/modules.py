@@ -741,11 +741,11 @@ def judge_points(points: list[PointResult], dtype: str, layers: int, engine_name
     strict = dtype in STRICT_DTYPES
     lp_rule = low_precision_rule(dtype)
     compared = [p for p in points if p.status != "not compared"]
-    judgements = sum(len(p.evidence) for p in compared if p.metric == "rel_l2") if not strict else 1
+    judgements = sum(len(p.evidence) for p in compared) if not strict else 1
     for p in compared:
         p.phases, p.ratio, p.phase, p.margin = {}, None, None, None
         if p.metric == "agreement":
-            _judge_agreement(p, strict, lp_rule)
+            _judge_agreement(p, strict, lp_rule, judgements)
         elif strict:
             p.limit = STRICT_RULE.limit(p.point)
             errs = {"pooled": p.error, "prefill": p.prefill_error, "decode": p.decode_error}
@@ -794,25 +794,30 @@ def _pooled_noise(evidence: dict[str, list]) -> float | None:
     return math.sqrt(n / s) if s > 0 else None
 
 
-def _judge_agreement(p: PointResult, strict: bool, lp_rule: LowPrecisionPointRule) -> None:
-    """Expert selection: in float32 every row agrees; in low precision each phase's agreement is at
-    least the reference's own in that phase minus the margin."""
+def _judge_agreement(p: PointResult, strict: bool, lp_rule: LowPrecisionPointRule, judgements: int) -> None:
+    """Expert selection: in float32 every row agrees; in low precision each phase's flips (rows
+    routed to another expert set than the float32 reference's) are judged against the reference's
+    own rate plus the margin (`noise.judge_agreement`: exact binomial tail, false alarm per check)."""
+    from patcher.rules.noise import judge_agreement
+
     margin = 0.0 if strict else lp_rule.agreement_margin
     gaps: dict[str, float] = {}
     for phase, (rows, agree_e, agree_lp) in p.evidence.items():
-        a_e, a_lp = agree_e / rows, (1.0 if strict else agree_lp / rows)
-        floor_agree = STRICT_RULE.min_agreement if strict else max(0.0, a_lp - margin)
-        bad = a_e < floor_agree - 1e-12
-        p.phases[phase] = {"phase": phase, "rows": rows, "agreement": a_e, "reference": a_lp,
-                           "limit": floor_agree, "above": bad}
-        gaps[phase] = a_e - floor_agree  # < 0: below its limit by that much
+        if strict:
+            j = {"rows": rows, "agreement": agree_e / rows, "reference": 1.0, "limit": STRICT_RULE.min_agreement,
+                 "flips": rows - agree_e, "above": agree_e / rows < STRICT_RULE.min_agreement - 1e-12}
+        else:
+            j = judge_agreement(rows, agree_e, agree_lp, margin, lp_rule.false_alarm, judgements)
+        p.phases[phase] = {"phase": phase, **j}
+        gaps[phase] = j["agreement"] - j["limit"]  # < 0: fewer rows agree than the limit
     total = sum(r for r, _, _ in p.evidence.values()) or 1
     ref_agree = 1.0 if strict else sum(lp for _, _, lp in p.evidence.values()) / total
     p.noise = None if strict else 1.0 - ref_agree
     p.limit = 1.0 - (STRICT_RULE.min_agreement if strict else max(0.0, ref_agree - margin))
     p.status = "above" if any(ph["above"] for ph in p.phases.values()) else "ok"
     if gaps:
-        p.phase = min(gaps, key=lambda k: gaps[k])
+        failed = [k for k, ph in p.phases.items() if ph["above"]]
+        p.phase = failed[0] if failed else min(gaps, key=lambda k: gaps[k])
         p.margin = abs(gaps[p.phase])
 
 
@@ -848,8 +853,9 @@ def describe(p: PointResult) -> str:
         s = f"expert sets agree on {p.value:.1%} of {p.rows} rows"
         ph = p.phases.get(p.phase or "") if p.phases else None
         if ph and p.noise is not None:
-            s += (f"; {ph['phase']} rows {ph['agreement']:.1%} (the reference's own {ph['reference']:.1%}, "
-                  f"limit {ph['limit']:.1%})")
+            s += (f"; {ph['phase']} rows {ph['agreement']:.1%}, {ph['flips']} of {ph['rows']} routed elsewhere "
+                  f"(the reference's own run {ph['reference_flips']}; at most {ph['limit']:.1%} agreement expected "
+                  f"less often than p={ph['p_value']:.2g})")
         elif p.noise is not None and p.limit is not None:
             s += f" (the reference's own {1 - p.noise:.1%}; limit {1 - p.limit:.1%})"
         elif p.limit is not None:

@@ -195,6 +195,39 @@ def worst(judgements: dict[str, PhaseJudgement]) -> PhaseJudgement | None:
     return min(judgements.values(), key=lambda j: j.margin)
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p) (exact; n is a few hundred rows at most)."""
+    if k <= 0:
+        return 1.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    total = 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    for i in range(k, n + 1):
+        total += math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p
+                          + (n - i) * log_q)
+    return min(1.0, total)
+
+
+def judge_agreement(rows: int, agree: int, reference_agree: int, margin: float, false_alarm: float,
+                    judgements: int = 1) -> dict:
+    """Expert selection in one phase: the engine's rows routed to another expert set than the
+    float32 reference's are judged against the reference's own low-precision rate plus `margin`:
+    the phase fails when that many flips (or more) would be less likely than false_alarm /
+    judgements at that rate (exact binomial tail), so a handful of near-tie flips on a hundred rows
+    never fails, a routing bug does."""
+    flips, ref_flips = rows - agree, rows - reference_agree
+    p0 = min(1.0, ref_flips / rows + margin) if rows else 1.0
+    tail = binomial_tail(flips, rows, p0)
+    alpha = false_alarm / max(1, judgements)
+    above = tail < alpha
+    return {"rows": rows, "agreement": agree / rows if rows else 1.0,
+            "reference": reference_agree / rows if rows else 1.0, "limit": 1.0 - p0, "flips": flips,
+            "reference_flips": ref_flips, "p_value": tail, "alpha": alpha, "above": above}
+
+
 def margin_words(margin: float | None, above: bool) -> str:
     """'2.10x below its limit' / '1.35x above its limit'."""
     if margin is None:
