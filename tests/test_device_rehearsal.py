@@ -143,7 +143,7 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
         assert r.returncode == 2 and not (tmp_path / "nope").exists(), (bad, r.stderr)
 
     out = tmp_path / "OUT"
-    chains = ("a main check --model v2-lite --config-style deepseek\n"
+    chains = ("first main check --model v2-lite --config-style deepseek\n"
               "a scale check --model v2-lite --config-style deepseek\n"
               "b main check --model v3 --config-style deepseek\n"
               "b main check --model v2-lite --config-style deepseek --unpatched\n")
@@ -160,7 +160,7 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
     summary = json.loads((out / "summary.json").read_text())
     got = {(row["chain"], row["stack"], row["command"]): [c["verdict"] for c in row["checks"]] for row in summary}
     assert got == {
-        ("a", "main", "check --model v2-lite --config-style deepseek"): ["pass"],
+        ("first", "main", "check --model v2-lite --config-style deepseek"): ["pass"],  # alone, before the fan-out
         ("a", "scale", "check --model v2-lite --config-style deepseek"): ["fail"],  # the planted bug
         ("b", "main", "check --model v3 --config-style deepseek"): ["pass"],
         ("b", "main", "check --model v2-lite --config-style deepseek --unpatched"): ["fail"],  # the release

@@ -543,6 +543,7 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
     host = parse_have(have)
     excluded = {str(canonicalize_name(x)): "excluded (--exclude)" for x in exclude}
     stack = load_stack(cfg.patches_root, ref)
+    _check_stacks(ref, stacks or {}, stack.hash)
     plan = eng.env_plan(entry, spec, lock)
     if plan.pin != ref or plan.suffix:
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
@@ -665,6 +666,18 @@ def parse_stacks(specs: Iterable[str]) -> dict[str, Path]:
     return out
 
 
+def _check_stacks(ref: PinRef, stacks: dict[str, Path], main_hash: str) -> None:
+    """Before anything is built: every extra stack parses as a stack of this pin and differs from
+    the pin's own (a typed error naming it otherwise)."""
+    for name, folder in stacks.items():
+        with tempfile.TemporaryDirectory() as t:
+            shutil.copytree(folder, Path(t) / ref.engine / ref.tag)
+            extra = load_stack(Path(t), ref)
+        if extra.hash == main_hash:
+            raise UsageError(f"--stack {name}: the same stack as the bundle's own",
+                             hint="an extra stack must differ from the pin's (a planted bug, a candidate fix)")
+
+
 def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, Path], main_hash: str, work: Path,
                   progress) -> dict[str, dict]:
     """Build each extra stack's overlay and lay out its project under stacks/NAME/."""
@@ -678,9 +691,6 @@ def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, 
         dest = proj / "patches" / ref.engine / ref.tag
         shutil.copytree(folder, dest)
         stack = load_stack(proj / "patches", ref)
-        if stack.hash == main_hash:
-            raise UsageError(f"--stack {name}: the same stack as the bundle's own",
-                             hint="an extra stack must differ from the pin's (a planted bug, a candidate fix)")
         if progress:
             progress(f"building the overlay of stack {name} ({len(stack)} patches, {stack.short_hash})")
         b = eng.build(entry, spec, stack, cfg.dist_dir / "stacks" / name, BuildHost(cfg, lock, progress))

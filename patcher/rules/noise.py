@@ -38,6 +38,11 @@ PHASES = ("prefill", "decode")
 BLOCK_POSITIONS = 4
 #: Fewer blocks than this: no jackknife, the point estimate alone is judged.
 MIN_BLOCKS = 6
+#: Measured: with the critical value at the nominal Bonferroni level, simulated correct engines
+#: whose true ratio sits exactly at the limit (120 judgements of 40 blocks a check) failed 1.5-1.6 %
+#: of 1,600 checks, 1.7x the nominal 1 % (the jackknife's t interval covers slightly less than it
+#: says); the critical value is therefore taken at half the nominal level (docs/equivalence.md).
+JACKKNIFE_UNDERCOVERAGE = 2.0
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ class NoiseRule:
     def z(self, judgements: int, blocks: int | None = None) -> float:
         """One-sided critical value for `judgements` tests that together false-alarm with
         `false_alarm` (Bonferroni); with `blocks`, Student's t with blocks - 1 degrees of freedom
-        (a jackknife over few blocks underestimates its spread)."""
-        alpha = self.false_alarm / max(1, judgements)
+        (a jackknife over few blocks underestimates its spread), at `JACKKNIFE_UNDERCOVERAGE`
+        times the nominal level."""
+        alpha = self.false_alarm / max(1, judgements) / (JACKKNIFE_UNDERCOVERAGE if blocks is not None else 1.0)
         z = NormalDist().inv_cdf(1.0 - alpha)
         return z if blocks is None else t_quantile(z, blocks - 1)
 
