@@ -988,13 +988,13 @@ def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[flo
     the input (embedding), one row per decoder layer, the output (final norm, logits); one column
     per point label. Tensor cells hold log10(error / limit) (`heatmap_value`), expert-selection
     cells their agreement fraction."""
-    cols: list[str] = []
+    cols: list[str] = [POINT["embed"].label]  # forward order: the embedding, a layer's points, the output's
     for p in POINTS:
         if p.per_layer:
             cols.append(p.label)
             if p.name == "mlp":
                 cols.append("moe")
-    cols += [p.label for p in POINTS if not p.per_layer]
+    cols += [p.label for p in POINTS if not p.per_layer and p.name != "embed"]
     rows = ["input"] + [f"layer {i}" for i in range(res.layers)] + ["output"]
     values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     status: list[list[str]] = [[""] * len(cols) for _ in rows]

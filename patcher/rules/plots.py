@@ -127,7 +127,7 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     order) x comparison points (columns). Tensor cells are coloured by error / limit on a fixed log
     scale with the limit at its middle (1e-2 .. 1e2: green far below, white at the limit, red
     above), so a pass 67x under its limit looks calm and every cell reads the same way; expert
-    selection is an agreement fraction on its own grey scale (0..1). Points above their limit carry
+    selection is an agreement fraction on its own blue scale (0.5..1, the value printed). Points above their limit carry
     a cross, the first divergence a red box; blank cells were not compared."""
     import matplotlib
 
@@ -146,13 +146,13 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     im = ax.imshow(np.ma.masked_invalid(tensors), aspect="auto", cmap="RdYlGn_r", vmin=-2.0, vmax=2.0)
     im2 = None
     if np.isfinite(fracs).any():
-        im2 = ax.imshow(np.ma.masked_invalid(fracs), aspect="auto", cmap="Greys_r", vmin=0.0, vmax=1.0)
+        im2 = ax.imshow(np.ma.masked_invalid(fracs), aspect="auto", cmap="Blues", vmin=0.5, vmax=1.0)
     for r in range(len(rows)):
         for c in range(len(cols)):
             s = status[r][c]
             if is_frac[c] and np.isfinite(grid[r, c]):
                 ax.text(c, r, f"{grid[r, c]:.2f}", ha="center", va="center", fontsize=6,
-                        color="black" if grid[r, c] > 0.5 else "white")
+                        color="white" if grid[r, c] > 0.8 else "black")
             if s in ("above", "first"):
                 ax.text(c, r, "x", ha="center", va="center", color="black", fontsize=9, fontweight="bold")
             if s == "first":
@@ -164,7 +164,7 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     bar = fig.colorbar(im, ax=ax, label="log10(error / limit): 0 is the limit", ticks=[-2, -1, 0, 1, 2])
     bar.ax.set_yticklabels(["1/100", "1/10", "limit", "10x", "100x"])
     if im2 is not None:
-        fig.colorbar(im2, ax=ax, label="expert selection: agreement", ticks=[0, 0.5, 1])
+        fig.colorbar(im2, ax=ax, label="expert selection: agreement", ticks=[0.5, 0.75, 0.9, 1])
     first = result.first
     sub = (f"first divergence: {first.where}" + (f" ({first.phase})" if first.phase else "") if first
            else "no point above its limit") + f" ({result.rule} rule)"
