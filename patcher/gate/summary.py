@@ -106,6 +106,8 @@ def margin_of(data: dict) -> str:
     worst = m.get(m.get("worst") or "") if m.get("worst") else None
     if not isinstance(worst, dict) or worst.get("margin") is None:
         return ""
+    if bool(worst.get("above")) != (data.get("verdict") == "fail"):
+        return ""  # an older report whose failing part stored no margin: unknown, not a pass's margin
     where = " at the logits" if m["worst"] == "logits" else f" at {worst.get('where')}" if worst.get("where") else ""
     return (f"over by {worst['margin']:.2f}x{where}" if worst.get("above") else f"margin {worst['margin']:.2f}x{where}")
 
