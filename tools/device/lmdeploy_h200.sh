@@ -10,7 +10,7 @@
 #
 # Knobs (environment):
 #   CHAINS  chains as text instead of a file (same format; ';' may separate lines)
-#   LIMIT   seconds after which no new command starts (default 380); each may take CMD_S (180), so
+#   LIMIT   seconds after which no new command starts (default 360); each may take CMD_S (200), so
 #           the call ends within LIMIT + CMD_S + packing (< 600 s, the device tool's limit)
 #   PIN, VARIANT   what runs (default lmdeploy@v0.18.0, pytorch)
 #   PYTHON  the host's Python, whose packages the environments lend (default python3)
@@ -28,7 +28,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 B=$(cd "${1:-.carry/gpu}" && pwd) || exit 9
 CHAINS_FILE=${2:-$HERE/calibration.chains}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-380}; CMD_S=${CMD_S:-180}
+LIMIT=${LIMIT:-360}; CMD_S=${CMD_S:-200}
 PIN=${PIN:-lmdeploy@v0.18.0}; VARIANT=${VARIANT:-pytorch}; PYTHON=${PYTHON:-python3}
 R=$B/results; EXTRA_DIR=$B/extra; mkdir -p "$R" "$EXTRA_DIR"
 if [ -n "${CHAINS:-}" ]; then printf '%s\n' "$CHAINS" | tr ';' '\n' > "$R/chains.txt"
