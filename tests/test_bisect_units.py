@@ -592,3 +592,21 @@ def test_expert_weights_may_carry_a_few_roundings_of_the_engine_dtype():
     kv_a_norm = next(p.name for p in POINTS if p.label == "kv_a_norm")
     assert bf16.limit(kv_a_norm, 0.0037) == bf16.factor * 0.0037 < 0.0128
     assert bf16.limit("attn_core", 0.0) == bf16.factor * 1e-3  # the floor where the reference is exact
+
+
+def test_a_reprefilled_prefix_is_judged_on_its_first_computation():
+    """An engine that continues a short request re-prefills prompt + tokens so far (LMDeploy's
+    continuation): those positions appear twice in its capture; the first computation is judged."""
+    import copy
+
+    ref = synthetic()
+    eng = copy.deepcopy(ref)
+    for p in eng["points"]:  # append a second, wrong computation of prompt a's positions 0..2
+        dup = torch.arange(3)
+        p["value"] = torch.cat([p["value"], p["value"][dup] * 5])
+        p["prompt"] = torch.cat([p["prompt"], p["prompt"][dup]])
+        p["pos"] = torch.cat([p["pos"], p["pos"][dup]])
+        p["phase"] = torch.cat([p["phase"], torch.zeros(3, dtype=torch.long)])
+    res = compare_captures(eng, ref, CONFIG, "float32")
+    assert res.passed, res.reasons
+    assert all(p.rows == len(ROWS) for p in res.points if p.status == "ok" and p.metric == "rel_l2")

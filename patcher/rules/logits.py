@@ -632,7 +632,8 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
         dtype = c.engine.get("dtype")
         # not float32: a bug may live in code that runs only in this dtype (vLLM's float16
         # overflow scaling), and a float32 run would pass
-        lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if ":" not in r)
+        ids = {f"{r.id}:" for r in c.rows}
+        lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if r.split(" ", 1)[0] not in ids)
                      + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
                        f"exceeds the reference's own {dtype} noise)")
         return lines
