@@ -474,9 +474,10 @@ def test_low_precision_expert_agreement_is_judged_against_the_references_own_fli
     other = torch.tensor([[0, 1]] * n)
     other[5] = torch.tensor([0, 4])
     assert compare_captures(synthetic(ids=other), ref, CONFIG, "float16", reference_lp=lp).passed
-    # the engine routes half the rows elsewhere: a routing bug
+    # the engine routes every row elsewhere: a routing bug (on ten rows a few flips more than the
+    # reference's are not evidence of one: the binomial tail judges the count)
     half = torch.tensor([[0, 1]] * n)
-    half[: n // 2] = torch.tensor([3, 4])
+    half[:] = torch.tensor([3, 4])
     res = compare_captures(synthetic(ids=half), ref, CONFIG, "float16", reference_lp=lp)
     assert res.first.point == "router.experts" and res.first.layer == 1
 

@@ -133,6 +133,13 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
     extra = manifest["stacks"]["scale"]
     assert extra["stack_hash"] != manifest["stack_hash"] and (bundle / extra["build"]["file"]).is_file()
     assert (bundle / "stacks" / "scale" / "patches" / "toy" / TAG / "series").is_file()
+    # the overlay carries the planted stack's files, not the pin's (each stack is built in its own checkout)
+    import zipfile
+
+    with zipfile.ZipFile(bundle / extra["build"]["file"]) as z:
+        assert "qk_head_dim ** -0.5 * 1.05" in z.read("toyds/model.py").decode()
+    with zipfile.ZipFile(bundle / manifest["builds"]["patched"]["file"]) as z:
+        assert "qk_head_dim ** -0.5 * 1.05" not in z.read("toyds/model.py").decode()
     # an extra stack costs its overlay wheel (and its patches), nothing more
     extra_bytes = sum(f.stat().st_size for f in (bundle / "stacks").rglob("*") if f.is_file())
     assert extra_bytes < 200_000, extra_bytes
@@ -145,7 +152,7 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
     out = tmp_path / "OUT"
     chains = ("first main check --model v2-lite --config-style deepseek\n"
               "a scale check --model v2-lite --config-style deepseek\n"
-              "b main check --model v3 --config-style deepseek\n"
+              "b main check --model v2-lite --config-style deepseek\n"
               "b main check --model v2-lite --config-style deepseek --unpatched\n")
     env = {**offline_env, "DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": "", "OUT": str(out), "CHAINS": chains,
            "PIN": PIN, "VARIANT": "cpu", "PYTHON": sys.executable, "LIMIT": "900", "CMD_S": "600"}
@@ -162,7 +169,7 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
     assert got == {
         ("first", "main", "check --model v2-lite --config-style deepseek"): ["pass"],  # alone, before the fan-out
         ("a", "scale", "check --model v2-lite --config-style deepseek"): ["fail"],  # the planted bug
-        ("b", "main", "check --model v3 --config-style deepseek"): ["pass"],
+        ("b", "main", "check --model v2-lite --config-style deepseek"): ["pass"],
         ("b", "main", "check --model v2-lite --config-style deepseek --unpatched"): ["fail"],  # the release
     }, (out / "summary.txt").read_text()
     text = (out / "summary.txt").read_text()

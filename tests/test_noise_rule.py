@@ -19,7 +19,7 @@ import torch
 from equivalence_helpers import report
 from test_equivalence_rule import pair, shifted
 
-from patcher.rules.logits import compare, judge_logits
+from patcher.rules.logits import compare, explain, judge_logits
 from patcher.rules.modules import compare_captures, low_precision_rule, rescore_bisect
 from patcher.rules.noise import Blocks, NoiseRule, judge, margin_words
 from patcher.rules.verdicts import check_margins, rescore
@@ -220,6 +220,7 @@ def test_logits_are_judged_against_the_references_own_low_precision_run():
     ref, eng, lp = _logit_case(0.01)  # twice the reference's own |Δ|
     c = compare(ref, eng, 5, noise=lp)
     assert not c.passed and any("prefill: mean |Δ logprob|" in r and "2.00x" in r for r in c.reasons), c.reasons
+    assert "prefill: mean |Δ logprob|" in explain(c, {})[-1]
     rows = json.loads(json.dumps(c.to_json()))["rows"]
     again = judge_logits(rows, c.noise["rows"], "bfloat16")
     assert again["passed"] is False and again["prefill"]["ratio"] == pytest.approx(2.0)

@@ -680,7 +680,11 @@ def _check_stacks(ref: PinRef, stacks: dict[str, Path], main_hash: str) -> None:
 
 def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, Path], main_hash: str, work: Path,
                   progress) -> dict[str, dict]:
-    """Build each extra stack's overlay and lay out its project under stacks/NAME/."""
+    """Build each extra stack's overlay and lay out its project under stacks/NAME/. Each is built
+    as its own project would build it: its stack applied in a checkout of its own (a scratch work
+    dir sharing this one's cache of release artifacts), never the pin's checkout."""
+    import dataclasses
+
     from patcher.build.builder import BuildHost
 
     out: dict[str, dict] = {}
@@ -690,14 +694,17 @@ def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, 
         proj = work / "stacks" / name
         dest = proj / "patches" / ref.engine / ref.tag
         shutil.copytree(folder, dest)
+        shutil.copy2(work / "upstream.lock", proj / "upstream.lock")
         stack = load_stack(proj / "patches", ref)
         if progress:
             progress(f"building the overlay of stack {name} ({len(stack)} patches, {stack.short_hash})")
-        b = eng.build(entry, spec, stack, cfg.dist_dir / "stacks" / name, BuildHost(cfg, lock, progress))
+        with tempfile.TemporaryDirectory(prefix=f"dsadapt-stack-{name}-") as scratch:
+            xcfg = dataclasses.replace(cfg, project=proj, workdir=Path(scratch), venvs=Path(scratch) / "venvs",
+                                       reports=Path(scratch) / "reports")
+            b = eng.build(entry, spec, stack, cfg.dist_dir / "stacks" / name, BuildHost(xcfg, lock, progress))
         src = Path(b.artifact)
         (proj / "engine").mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, proj / "engine" / src.name)
-        shutil.copy2(work / "upstream.lock", proj / "upstream.lock")
         out[name] = {"project": f"stacks/{name}", "stack_hash": stack.hash, "patches": [e.name for e in stack.entries],
                      "build": BuiltWheel(f"stacks/{name}/engine/{src.name}", b.sha256, b.version or "", b.kind,
                                          b.how).__dict__}
