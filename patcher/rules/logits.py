@@ -86,8 +86,8 @@ class LogitNoiseRule:
 #: the logits are the weaker evidence (their jackknife spread is 5-10x the modules'), the per-module
 #: points carry the sensitivity. Floors: a few units of roundoff in |Δ logprob|.
 LOW_PRECISION_LOGIT_RULES = {
-    "bfloat16": LogitNoiseRule(limit=1.5, floor=1e-3),
-    "float16": LogitNoiseRule(limit=1.5, floor=2e-4),
+    "bfloat16": LogitNoiseRule(limit=1.4, floor=1e-3),
+    "float16": LogitNoiseRule(limit=1.4, floor=2e-4),
 }
 
 

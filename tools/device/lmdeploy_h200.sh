@@ -10,8 +10,10 @@
 #
 # Knobs (environment):
 #   CHAINS  chains as text instead of a file (same format; ';' may separate lines)
-#   LIMIT   seconds after which no new command starts (default 360); each may take CMD_S (200), so
-#           the call ends within LIMIT + CMD_S + packing (< 600 s, the device tool's limit)
+#   DEADLINE  seconds from the start by which every command has ended (default 540: the device
+#           tool stops a call at 600 s and what this script packs after it must still come back);
+#           each command may take CMD_S (200) but never past the deadline, and none starts with
+#           less than MIN_S (60) left (it is reported as skipped)
 #   PIN, VARIANT   what runs (default lmdeploy@v0.18.0, pytorch)
 #   PYTHON  the host's Python, whose packages the environments lend (default python3)
 #   EXTRA   a command run in the background once the environments exist ($D the bundle's dsadapt,
@@ -28,7 +30,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 B=$(cd "${1:-.carry/gpu}" && pwd) || exit 9
 CHAINS_FILE=${2:-$HERE/calibration.chains}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-360}; CMD_S=${CMD_S:-200}
+DEADLINE=${DEADLINE:-540}; CMD_S=${CMD_S:-200}; MIN_S=${MIN_S:-60}
 PIN=${PIN:-lmdeploy@v0.18.0}; VARIANT=${VARIANT:-pytorch}; PYTHON=${PYTHON:-python3}
 R=$B/results; EXTRA_DIR=$B/extra; mkdir -p "$R" "$EXTRA_DIR"
 if [ -n "${CHAINS:-}" ]; then printf '%s\n' "$CHAINS" | tr ';' '\n' > "$R/chains.txt"
@@ -55,12 +57,14 @@ one() {  # CHAIN N STACK DSADAPT-ARGS...: one command of a chain, its --json out
   local cmd=$1; shift
   local tag; tag=$(printf '%02d-%s-%s' "$n" "$stack" "$(echo "$cmd $*" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-60)")
   local out=$R/$chain/$tag
-  if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then echo "skipped (time) $chain $stack $cmd $*"
-    printf '{"skipped": "time limit %ss"}\n' "$LIMIT" > "$out.json"; return; fi
+  local left=$((DEADLINE - (SECONDS - T0)))
+  if [ "$left" -lt "$MIN_S" ]; then echo "skipped (time) $chain $stack $cmd $*"
+    printf '{"skipped": "%ss left of the %ss deadline"}\n' "$left" "$DEADLINE" > "$out.json"; return; fi
+  local budget=$CMD_S; [ "$left" -lt "$budget" ] && budget=$left
   local project=$B; [ "$stack" = main ] || project=$B/stacks/$stack
   local t=$SECONDS
   # shellcheck disable=SC2086
-  DSADAPT_VENVS=$project/.dsadapt/venvs DSADAPT_WORKDIR=$project/.w$chain timeout -k 20 "$CMD_S" \
+  DSADAPT_VENVS=$project/.dsadapt/venvs DSADAPT_WORKDIR=$project/.w$chain timeout -k 10 "$budget" \
     "$D" --project "$project" "$cmd" "$PIN" --variant "$VARIANT" --publish "$@" --json > "$out.json" 2> "$out.log"
   local rc=$?
   printf '{"chain": "%s", "stack": "%s", "command": "%s", "rc": %d, "seconds": %d}\n' \
@@ -68,7 +72,7 @@ one() {  # CHAIN N STACK DSADAPT-ARGS...: one command of a chain, its --json out
   echo "=== $((SECONDS - T0))s chain $chain: [$stack] $cmd $* rc=$rc ($((SECONDS - t)) s)"
 }
 export -f one
-export R LIMIT CMD_S PIN VARIANT T0
+export R DEADLINE CMD_S MIN_S PIN VARIANT T0
 stamp chains
 pids=()  # waited for by pid: a bare `wait` would also wait for the log's tee, which never ends
 if [ -n "${EXTRA:-}" ]; then (bash -c "$EXTRA") > "$EXTRA_DIR/extra.txt" 2>&1 & pids+=($!); fi
