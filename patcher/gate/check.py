@@ -214,10 +214,13 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tupl
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
-              dtype: str | None = None) -> tuple[LockEntry, VariantSpec]:
+              dtype: str | None = None, unpatched_engine: bool = False) -> tuple[LockEntry, VariantSpec]:
     """What `check` can tell before it touches anything: the pin, the variant, whether it can run
     here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
-    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU)."""
+    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU).
+    `unpatched_engine` only means something for a pin that serves another pinned engine."""
+    if unpatched_engine:
+        served_engine_of(lock, ref)
     entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}")
     eng = engine(ref.engine)
     if dtype is not None:
@@ -227,6 +230,17 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
                              hint=f"its runner supports {', '.join(dtypes)}: pass --dtype {dtypes[0]}"
                              if dtypes else f"see {eng.docs_page}")
     return entry, spec
+
+
+def served_engine_of(lock: Lock, ref: PinRef) -> str:
+    """The pinned engine `ref` serves (`serves` in upstream.lock): what --unpatched-engine leaves
+    unpatched. A pin that serves none is bad input for that option."""
+    entry = lock.pin(ref)
+    if not entry.serves:
+        raise UsageError(f"{ref} serves no other engine: --unpatched-engine has nothing to leave unpatched",
+                         hint="it is for pins that serve another pinned engine (`serves` in upstream.lock); "
+                              "use --unpatched for the pristine release of this one")
+    return entry.serves
 
 
 def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None) -> tuple[str, ...]:
@@ -320,7 +334,7 @@ class _Run:
 
 def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line) -> _Run:
     t_start = time.monotonic()
-    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype)
+    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine)
     eng = engine(req.pin.engine)
     stack = load_stack(cfg.patches_root, req.pin)
     model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
@@ -403,7 +417,8 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     provenance = {
         **r.provenance(installed),
         "engine_version": report.engine_version, "engine_versions": report.versions,
-        "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
+        "engine_path": report.engine_path,
+        "engine_settings": {k: v for k, v in (report.settings or {}).items() if k in r.eng.run_settings},
         "reference_versions": reference.versions,
         # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
         "reference_device": (reference.settings or {}).get("device", "cpu"),
@@ -499,13 +514,6 @@ def _engine_failed(r: _Run, err: EngineRunFailed, installed: dict) -> CheckResul
     r.out.with_suffix(".png").unlink(missing_ok=True)
     _write_report(r.out, result)
     return result
-
-
-def _settings_summary(settings: dict | None) -> dict:
-    """The engine's run settings worth keeping in provenance (device, backend, dtype handling...)."""
-    keep = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode", "enforce_eager",
-            "max_model_len", "cache_max_entry_count", "generation_requests")
-    return {k: v for k, v in (settings or {}).items() if k in keep}
 
 
 def _root_cause(log_path: str | None) -> str | None:

@@ -148,7 +148,7 @@ def render_bisect_summary(b: dict) -> None:
                    "bfloat16, float16 — one verdict each and one overall).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
+@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
 @click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
 @click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
 @click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -164,6 +164,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
+    if all_pins and unpatched_engine:
+        raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
+                         hint="dsadapt check ENGINE@TAG --unpatched-engine")
     _check_model(model)
     command = command_line(click.get_current_context())
     progress = progress_printer(not as_json)
@@ -175,7 +178,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         from patcher.cli.commands.build import default_variant
 
         variant = default_variant(ctx, ref, variant)
-        _, spec = preflight(ctx.lock, ref, variant, command, dtype)  # bad variant/dtype, cannot run here: before anything is made
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine)  # bad variant/dtype, cannot run here: before anything is made
         from patcher.gate.check import reference_device as where_reference
 
         where_reference(reference_device, spec)
