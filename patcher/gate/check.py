@@ -35,6 +35,7 @@ from patcher.gate import bisect as bisect_run
 from patcher.gate.hosts import RunHost
 from patcher.rules.logits import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, LogitReport, compare, explain
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
+from patcher.rules.verdicts import check_margins
 from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
 #: The gate's dtype for block-FP8 checkpoints: the engine's FP8 path (activations bfloat16).
@@ -63,6 +64,8 @@ class CheckResult:
     comparison: dict = field(repr=False, default_factory=dict)
     #: the per-module comparison (`patcher.gate.bisect.summary`) when this check ran one
     bisect: dict | None = None
+    #: how far the worst judged quantity is from its limit (`patcher.rules.verdicts.check_margins`)
+    margins: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -197,24 +200,30 @@ def reference_device(asked: str, spec: VariantSpec) -> str:
 
 
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
-                  progress=None, on_line=None, device: str = "cpu", checkpoint: Checkpoint | None = None) -> LogitReport:
-    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device).
-    Before it runs: whether it fits the memory of `device` (exit 6 with the numbers, never an OOM kill)."""
+                  progress=None, on_line=None, device: str = "cpu", dtype: str = "float32",
+                  checkpoint: Checkpoint | None = None) -> LogitReport:
+    """The HF reference, cached by (model, prompts, settings, transformers, runner script, device,
+    dtype): float32 (the truth, with greedy generation), or in a low-precision dtype the noise
+    yardstick of an engine in that dtype (teacher-forced prompt positions only; for fp8, HF's own
+    FP8 arithmetic on the dequantized weights). Before it runs: whether it fits the memory of
+    `device` (exit 6 with the numbers, never an OOM kill)."""
     spec = dataclasses.replace(REFERENCE_RUNNER, extra_args=("--device", device))
-    key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
+    max_tokens = MAX_TOKENS if dtype == "float32" else 0
+    key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": max_tokens,
                       "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest(),
-                      "device": device})
+                      "device": device, **({"dtype": dtype} if dtype != "float32" else {})})
     cached = cfg.cache / "reference" / f"{key}.json"
     if cached.is_file():
         if progress:
-            progress("reference: reusing cached HF transformers report")
+            progress(f"reference: reusing cached HF transformers {dtype} report")
         return LogitReport.load(cached)
     require_reference_memory(checkpoint or open_checkpoint(model_dir, check_layout=False), device)
     py = reference_python(cfg, progress)
     if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}"
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
+                 + ("" if dtype == "float32" else " (the engine's noise yardstick)")
                  + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
-    return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
+    return run_runner(spec, py, model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
                       fingerprint=fingerprint, on_line=on_line,
                       timeout=run_time_limit(checkpoint) if checkpoint else 900.0)
 
@@ -411,6 +420,10 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     t0 = time.monotonic()
     reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device,
                               checkpoint=r.checkpoint)
+    noise = None
+    if dtype in LOW_PRECISION_DTYPES:  # the reference's own rounding in this dtype: the yardstick
+        noise = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line,
+                              ref_device, dtype=dtype, checkpoint=r.checkpoint)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
@@ -447,7 +460,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     for k, v in report.timings.items():
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
-    comparison = compare(reference, report, ENGINE_TOP_K)
+    comparison = compare(reference, report, ENGINE_TOP_K, noise=noise)
     timings["compare_s"] = round(time.monotonic() - t0, 3)
     bisected = None
     if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
@@ -472,6 +485,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     }
     result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison.to_json(),
                       bisected)
+    result.margins = check_margins(result.comparison, bisected)
     r.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from patcher.rules.plots import plot_deltas

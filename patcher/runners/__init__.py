@@ -83,7 +83,7 @@ class RunnerSpec:
 #: The reference side of the gate: HF transformers on CPU (not an engine; it runs in the
 #: reference environment, patcher.gate.check.reference_python).
 REFERENCE_RUNNER = RunnerSpec("hf_reference", HERE / "hf_reference.py",
-                              dtypes=("float32", "float64", "bfloat16", "float16"))
+                              dtypes=("float32", "float64", "bfloat16", "float16", "fp8"))
 
 #: The reference keeps this many top logprobs per position (wider than any engine's k).
 REFERENCE_TOP_K = 20

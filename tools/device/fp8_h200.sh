@@ -1,103 +1,102 @@
 #!/bin/bash
 # The gate on a DeepSeek-V3-shaped block-FP8 checkpoint, on the H200, through the product only.
 #
-# Here (with network once, for the LMDeploy wheel):
-#   bash tools/device/fp8_h200.sh prepare     # -> .carry/fp8: a bundle of the lmdeploy@v0.18.0 stack plus
-#                                             #    tools/gpu/lmdeploy-v0.18.0-fp8-block-scale.patch (~18 MiB)
-#   bash tools/device/fp8_h200.sh rehearse    # the device steps on this machine at small scale (CPU: the
-#                                             #    LMDeploy checks end with exit 6, everything before them runs)
-# On the device, as lmdeploy_h200.sh's EXTRA (it needs that script's $D, $B, $EXTRA_DIR), carrying
-# .carry/gpu and .carry/fp8 (no weights: the checkpoint is made there):
-#   CHAINS="..." EXTRA='bash tools/device/fp8_h200.sh device' bash tools/device/lmdeploy_h200.sh .carry/gpu
+# Here: the one bundle of the device call carries the planted FP8 stack as one more of its extra
+# stacks (`fp8-scale`: tools/gpu/lmdeploy-v0.18.0-fp8-block-scale.patch), so nothing else is carried:
+#   bash tools/device/fp8_h200.sh prepare [OUT]  # = EXTRA_PLANTED=fp8-scale=... tools/device/prepare_bundle.sh
+#   bash tools/device/fp8_h200.sh rehearse       # the device steps on this machine, small (the LMDeploy
+#                                                #    checks end with exit 6 on a machine without a GPU)
+# On the device, as lmdeploy_h200.sh's EXTRA (it exports $D, $B, $EXTRA_DIR, DSADAPT_CACHE, DEADLINE):
+#   EXTRA='bash tools/device/fp8_h200.sh device' bash tools/device/lmdeploy_h200.sh .carry/gpu
 #
-# `device`: 1. `dsadapt model make --like deepseek-v3 --layers $MAKE_LAYERS --mtp 0` (6: the 3 dense
-# layers and 3 MoE layers of 256 experts, ~40 GB of FP8 weights; no MTP module: it would be an 11.5 GB
-# seventh layer the slice drops anyway, and the disk is 64 GiB) 2. `dsadapt model slice --layers 4`
-# (the 3 dense layers and the first MoE layer, ~17 GB), then the source is deleted 3. `dsadapt check
-# lmdeploy@v0.18.0 --variant pytorch --model SLICE --dtype fp8 --publish`: HF transformers on the
-# dequantized weights in float32 on the GPU (~60 GB) against LMDeploy's blocked-FP8 path, logits and
-# every module, the FP8 limits 4. the planted stack's bundle installed, and the same check with
-# DSADAPT_PLANTED_FP8_BUG=transposed (must FAIL, first divergence in layer 0's attention), then
-# =inverse if time is left (LIMIT seconds after the start). Each step runs under tools/measure_cost.py
-# (wall time, peak RSS and GPU memory by reference / engine / other); results in $EXTRA_DIR
-# (fp8-*.json, fp8-*.log), the published reports under reports/ and $EXTRA_DIR/fp8-planted-BUG-reports.
-# Knobs: MAKE_LAYERS (6), SLICE_LAYERS (4), WORKERS (12), FP8_WORK (where the checkpoints go:
-# $B/../fp8-work), LIMIT (420: no planted run starts later), CHECK_S (360: each check's timeout).
+# `device`: 1. `dsadapt model make --like deepseek-v3 --layers $MAKE_LAYERS --mtp $MTP` (default 4 and
+# 1: the 3 dense layers, the first MoE layer of 256 experts and the MTP module, block-FP8, 32.4 GB;
+# MAKE_LAYERS=6 MTP=0 is the 40.0 GB variant with two more MoE layers) 2. `dsadapt model slice
+# --layers 4`: the 3 dense layers and the first MoE layer (17.0 GB; the MTP module and any later
+# layer dropped), then the source is deleted 3. `dsadapt check lmdeploy@v0.18.0 --variant pytorch
+# --model SLICE --dtype fp8 --publish`: HF transformers on the dequantized weights in float32 on the
+# GPU (56 GiB of weights) against LMDeploy's blocked-FP8 path, logits and every module, each against
+# HF's own FP8 arithmetic 4. the same check on the bundle's `fp8-scale` stack with
+# DSADAPT_PLANTED_FP8_BUG=transposed (must FAIL, first divergence layer 0 q_a_norm), then =inverse,
+# while time is left. Every step runs under tools/measure_cost.py (wall time, CPU seconds, peak RSS
+# and GPU memory of reference / engine / the rest) and ends by the call's DEADLINE (its own clock
+# starts when lmdeploy_h200.sh starts EXTRA, after the installs: FP8_DEADLINE, default DEADLINE - 90).
+# Results in $EXTRA_DIR (packed into reports.tgz): fp8-*.json (each command's --json output),
+# fp8-*.log, fp8-*-cost.json, fp8-planted-BUG-reports/ (the planted runs' published reports).
+# Knobs: MAKE_LAYERS (4), MTP (1), SLICE_LAYERS (4), WORKERS (12), FP8_WORK ($B/../fp8-work),
+# FP8_DEADLINE, PLANTED_STACK (fp8-scale).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PIN=lmdeploy@v0.18.0
-PATCH=tools/gpu/lmdeploy-v0.18.0-fp8-block-scale.patch
-NAME=0002-Plant-a-bug-block-FP8-scales-misread-grid-transposed.patch
-MAKE_LAYERS=${MAKE_LAYERS:-6}; SLICE_LAYERS=${SLICE_LAYERS:-4}; WORKERS=${WORKERS:-12}
-LIMIT=${LIMIT:-420}; CHECK_S=${CHECK_S:-360}
+MAKE_LAYERS=${MAKE_LAYERS:-4}; MTP=${MTP:-1}; SLICE_LAYERS=${SLICE_LAYERS:-4}; WORKERS=${WORKERS:-12}
+PLANTED_STACK=${PLANTED_STACK:-fp8-scale}
 
 prepare() {
-  local proj=${FP8_PROJECT:-/tmp/dsadapt-fp8-project} ds=${DSADAPT:-$ROOT/.venv/bin/dsadapt}
-  rm -rf "$proj" "$ROOT/.carry/fp8" && mkdir -p "$proj"
-  cp "$ROOT/upstream.lock" "$proj/" && cp -r "$ROOT/patches" "$proj/"
-  cp "$ROOT/$PATCH" "$proj/patches/lmdeploy/v0.18.0/$NAME"
-  echo "$NAME" >> "$proj/patches/lmdeploy/v0.18.0/series"
-  "$ds" --project "$proj" verify "$PIN" || exit 1
-  # the host's packages and the main bundle's dsadapt environment provide everything but the engine
-  "$ds" --project "$proj" bundle "$PIN" --variant pytorch --no-unpatched \
-    --have "$ROOT/tools/device/h200-pip-list.json" --have transformers==5.24.0 --have gitpython==3.2.1 \
-    --have gitdb==4.0.12 --have smmap==5.0.3 --have tomli-w==1.2.0 --out "$ROOT/.carry/fp8" --max-size 20MiB
+  EXTRA_PLANTED="${EXTRA_PLANTED:-} $PLANTED_STACK=tools/gpu/lmdeploy-v0.18.0-fp8-block-scale.patch" \
+    bash "$ROOT/tools/device/prepare_bundle.sh" "${1:-$ROOT/.carry/gpu}"
 }
 
 device() {
   : "${D:?run as lmdeploy_h200.sh EXTRA}" "${B:?}" "${EXTRA_DIR:?}"
-  local T0=$SECONDS W=${FP8_WORK:-$B/../fp8-work} E
-  E=$(cd "${FP8_BUNDLE:-$B/../fp8}" && pwd) || { echo "no planted bundle next to $B"; E=""; }
-  # one cache for both projects: the float32 reference and the slice's digests are computed once
-  export DSADAPT_CACHE=$B/.fp8-cache
+  local T0=$SECONDS W=${FP8_WORK:-$B/../fp8-work}
+  local END=${FP8_DEADLINE:-$(( ${DEADLINE:-540} - 90 ))}
   local M="python3 $ROOT/tools/measure_cost.py"
   local SRC=$W/deepseek-v3-$MAKE_LAYERS SLICE=$W/deepseek-v3-slice$SLICE_LAYERS
+  export DSADAPT_CACHE=${DSADAPT_CACHE:-$B/.dsadapt/cache}  # one cache: references and digests computed once
   stamp() { echo "=== $((SECONDS - T0))s fp8 $*"; }
-  mkdir -p "$W" && rm -rf "$SRC" "$SLICE"
-  df -h "$W" | tail -1
-  stamp "make --like deepseek-v3 --layers $MAKE_LAYERS"
-  $M --out "$EXTRA_DIR/fp8-make-cost.json" -- "$D" model make --like deepseek-v3 --layers "$MAKE_LAYERS" --mtp 0 \
-    --workers "$WORKERS" --out "$SRC" --json > "$EXTRA_DIR/fp8-make.json" 2> "$EXTRA_DIR/fp8-make.log"
-  stamp "make rc=$?"; du -sh "$SRC" 2>/dev/null; df -h "$W" | tail -1
-  $M --out "$EXTRA_DIR/fp8-slice-cost.json" -- "$D" model slice "$SRC" --layers "$SLICE_LAYERS" --out "$SLICE" \
-    --json > "$EXTRA_DIR/fp8-slice.json" 2> "$EXTRA_DIR/fp8-slice.log"
-  stamp "slice rc=$?"; du -sh "$SLICE" 2>/dev/null
-  rm -rf "$SRC"
-  check_one() {  # NAME PROJECT [env arguments...]: one fp8 check of the slice, in PROJECT's own work dir
-    local name=$1 proj=$2; shift 2
-    env "$@" DSADAPT_WORKDIR="$proj/.wfp8" $M --out "$EXTRA_DIR/fp8-$name-cost.json" -- \
-      timeout -k 20 "$CHECK_S" "$D" --project "$proj" --publish check "$PIN" --variant pytorch --model "$SLICE" \
-      --dtype fp8 --json > "$EXTRA_DIR/fp8-$name.json" 2> "$EXTRA_DIR/fp8-$name.log"
-    stamp "check $name rc=$?"
+  step() {  # NAME MIN_SECONDS COMMAND...: under measure_cost, ended by the deadline; skipped with less left
+    local name=$1 need=$2; shift 2
+    local left=$((END - (SECONDS - T0)))
+    if [ "$left" -lt "$need" ]; then stamp "skipped (time: ${left}s left) $name"; echo "{\"skipped\": $left}" \
+      > "$EXTRA_DIR/fp8-$name.json"; return 124; fi
+    $M --out "$EXTRA_DIR/fp8-$name-cost.json" -- timeout -k 10 "$left" "$@" > "$EXTRA_DIR/fp8-$name.json" \
+      2> "$EXTRA_DIR/fp8-$name.log"
+    local rc=$?
+    stamp "$name rc=$rc"
+    return $rc
   }
-  check_one correct "$B"
-  if [ -n "$E" ]; then
-    env -u DSADAPT_VENVS "$D" --project "$E" install --offline "$E" --system-site-packages --json \
-      > "$EXTRA_DIR/fp8-planted-install.json" 2> "$EXTRA_DIR/fp8-planted-install.log"
-    stamp "planted install rc=$?"
+  mkdir -p "$W" && rm -rf "$SRC" "$SLICE"
+  df -h "$W" | tail -1; nproc
+  step make 60 "$D" model make --like deepseek-v3 --layers "$MAKE_LAYERS" --mtp "$MTP" --workers "$WORKERS" \
+    --out "$SRC" --json
+  du -sh "$SRC" 2>/dev/null
+  step slice 30 "$D" model slice "$SRC" --layers "$SLICE_LAYERS" --out "$SLICE" --json
+  rm -rf "$SRC"
+  check_one() {  # NAME PROJECT MIN_SECONDS [VAR=VALUE...]: one fp8 check of the slice in PROJECT's own work dir
+    local name=$1 proj=$2 need=$3; shift 3
+    ( export DSADAPT_VENVS="$proj/.dsadapt/venvs" DSADAPT_WORKDIR="$proj/.wfp8" "$@"
+      step "$name" "$need" "$D" --project "$proj" --publish check "$PIN" --variant pytorch --model "$SLICE" \
+        --dtype fp8 --json )
+  }
+  check_one correct "$B" 120
+  local E=$B/stacks/$PLANTED_STACK
+  if [ -d "$E" ]; then
     for bug in transposed inverse; do
-      if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then stamp "skipped (time) planted $bug"; continue; fi
-      check_one "planted-$bug" "$E" DSADAPT_VENVS="$E/.dsadapt/venvs" DSADAPT_PLANTED_FP8_BUG=$bug
+      check_one "planted-$bug" "$E" 90 DSADAPT_PLANTED_FP8_BUG=$bug
       cp -r "$E/reports" "$EXTRA_DIR/fp8-planted-$bug-reports" 2>/dev/null  # the next run writes the same names
     done
+  else
+    stamp "no stack $PLANTED_STACK in the bundle: planted runs skipped"
   fi
-  find "$B/.wfp8/runs" "${E:-/nonexistent}/.wfp8/runs" -name '*.log' -size -2M -exec cp --parents {} "$EXTRA_DIR" \; 2>/dev/null
+  find "$B/.wfp8/runs" "$E/.wfp8/runs" -name '*.log' -size -2M -exec cp --parents {} "$EXTRA_DIR" \; 2>/dev/null
   rm -rf "$SLICE"
   stamp done
   true
 }
 
 rehearse() {
-  # The device steps here at DeepSeek-V3's real shape but 2 layers made and 1 sliced (5.4 GB and
+  # The device steps here at DeepSeek-V3's real shape with 2 layers made and 1 sliced (4.9 GB and
   # 4.3 GB of disk); the LMDeploy checks end with exit 6 on a machine without a GPU. This
   # checkout's dsadapt, and a copy of the project standing in for the carried bundle.
   local scratch=${REHEARSE_DIR:-/tmp/dsadapt-fp8-rehearsal}
   rm -rf "$scratch" && mkdir -p "$scratch/gpu" "$scratch/extra"
   cp "$ROOT/upstream.lock" "$scratch/gpu/" && cp -r "$ROOT/patches" "$scratch/gpu/"
-  D=${DSADAPT:-$ROOT/.venv/bin/dsadapt} B=$scratch/gpu EXTRA_DIR=$scratch/extra FP8_BUNDLE=/nonexistent \
-    MAKE_LAYERS=${MAKE_LAYERS_REHEARSE:-2} SLICE_LAYERS=1 WORKERS=${WORKERS_REHEARSE:-2} device
-  for f in "$scratch"/extra/fp8-*-cost.json; do echo "$f: $(tr -d '\n' < "$f")"; done
+  D=${DSADAPT:-$ROOT/.venv/bin/dsadapt} B=$scratch/gpu EXTRA_DIR=$scratch/extra MAKE_LAYERS=2 MTP=0 SLICE_LAYERS=1 \
+    WORKERS=${WORKERS_REHEARSE:-2} FP8_DEADLINE=${FP8_DEADLINE:-3600} device
+  for f in "$scratch"/extra/fp8-*-cost.json; do echo "$f: $(tr -d '\n ' < "$f")"; done
   tail -2 "$scratch"/extra/fp8-correct.log
+  rm -rf "$scratch"
 }
 
-"${1:?prepare|device|rehearse}"
+cmd=${1:?prepare|device|rehearse}; shift
+"$cmd" "$@"

@@ -117,6 +117,8 @@ def render(res: CheckResult) -> None:
     if res.bisect:
         render_bisect_summary(res.bisect)
     say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    if res.margins and res.margins.get("words"):
+        say(f"margins: {res.margins['words']}")
     for line in res.explanation if not res.passed else []:
         say(f"  explain: {line}")
     say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
@@ -129,8 +131,10 @@ def render_bisect_summary(b: dict) -> None:
     if b.get("first"):
         f = b["first"]
         where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}); "
-            f"{len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
+        phase = f", {f['phase']} rows" if f.get("phase") else ""
+        ratio = f", {f['ratio']:.2f}x the reference's own error" if f.get("ratio") is not None else ""
+        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
+            f"{phase}{ratio}); {len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
     elif b.get("passed"):
         say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
     else:

@@ -193,7 +193,9 @@ def engine_model(pipe):
 
 def capture_pass(pipe, prompt_docs: list[dict], args) -> float:
     """`dsadapt bisect`'s capture (capture.py): hooks on the live model, each prompt alone through
-    the request path, prefill plus a few greedy decode steps."""
+    the request path, prefill plus `--capture-decode-steps` greedy decode steps. A request that
+    stops short is continued like the gate's (`_generate`); the continuation re-prefills the
+    prefix, and the comparison keeps each position's first computation."""
     from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
 
     t0 = time.time()
@@ -204,7 +206,7 @@ def capture_pass(pipe, prompt_docs: list[dict], args) -> float:
     try:
         for p in prompt_docs:
             rec.prompt = p["id"]
-            tokens, _ = pipe._run(coro=_request(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
+            tokens, _, _ = pipe._run(coro=_generate(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
             sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in tokens]
     finally:
         rec.active = False
