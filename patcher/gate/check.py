@@ -217,10 +217,12 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str,
         elsewhere = [v.name for v in eng.pinned_variants(entry)
                      if v.name != spec.name and eng.parallel_support(entry, v).tp
                      and (eng.parallel_support(entry, v).ep or not parallel.ep)]
+        offered = eng.parallel_support(entry, spec).tp and (eng.parallel_support(entry, spec).ep or not parallel.ep)
+        where = (f"run `{command}` where it can (variant {', '.join(elsewhere)} offers it)" if elsewhere
+                 else f"run `{command}` on a machine that has what it needs" if offered
+                 else f"no variant of {ref} offers {parallel.describe()}: check it in one process (without --tp)")
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run {parallel.describe()} here: {blocker}",
-                                hint=f"run `{command}` where it can"
-                                     + (f" (variant {', '.join(elsewhere)} offers it)" if elsewhere else "")
-                                     + f"; {eng.docs_page or 'the engine docs'} says what each variant offers")
+                                hint=f"{where}; {eng.docs_page or 'the engine docs'} says what each variant offers")
     return entry, spec
 
 
