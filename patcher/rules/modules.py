@@ -354,6 +354,7 @@ class PointResult:
     # every rank) and what that rank holds here (`Site.tp`)
     rank: int | None = None
     layout: str | None = None
+    by_rank: dict | None = None  # {rank: error} of every rank compared here (replicated, sharded)
 
     @property
     def above(self) -> bool:
@@ -789,6 +790,7 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
     layouts = engine_table.tp_layouts() if engine_table else {}
     docs = rank_docs(engine)
     results: dict[tuple, PointResult] = {}
+    errors: dict[tuple, dict[int, float]] = {}
     order: list[tuple] = []
     last: BisectResult | None = None
     for r, view, ref, ref_lp, notes in _parallel_views(engine, reference, reference_lp, layouts):
@@ -801,6 +803,8 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
             q.rank = None if q.layout == "partial" else r
             if q.status == "not compared" and key in notes:
                 q.note = notes[key]
+            if q.rank is not None and q.error is not None:
+                errors.setdefault(key, {})[r] = q.error
             if key not in results:
                 order.append(key)
                 results[key] = q
@@ -808,6 +812,8 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
                 results[key] = q
     assert last is not None  # rank_docs always holds rank 0's document
     points = [results[k] for k in order]
+    for k, q in zip(order, points):
+        q.by_rank = errors.get(k) or None
     above = [p for p in points if p.above]
     first = above[0] if above else None
     reasons = []
@@ -824,6 +830,32 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
                        missing=sorted({m for d in docs.values() for m in d.get("missing", [])}))
     res.explanation = explain_bisect(res, config)
     return res
+
+
+def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResult]) -> list[str]:
+    """What the first divergence of a parallel run says about the split (after its first line)."""
+    others = {r: e for r, e in (p.by_rank or {}).items() if r != p.rank}
+    apart = ("; the other ranks' " + ", ".join(f"rank {r} {e:.3g}" for r, e in sorted(others.items()))) \
+        if others else ""
+    if p.layout == "sharded":
+        if others and all(e <= (p.limit or 0) for e in others.values()):
+            return [f"only rank {p.rank}'s share leaves the reference there (relative error {p.error:.3g}{apart}): a "
+                    "rank-dependent split (which heads or features that rank holds, or how its shard was loaded)"]
+        return [f"every rank's share leaves the reference there (rank {p.rank} {p.error:.3g}{apart}): how the "
+                "module is split over the ranks (a shard boundary, weights loaded for the wrong rank)"]
+    if p.layout == "partial":
+        return ["the ranks' partial sums add up to something else than the reference: a rank's shard of this "
+                "module (its weights, which experts or which slice of them it holds); the all-reduce that sums "
+                "them comes after this point"]
+    if others and all(e <= (p.limit or 0) for e in others.values()):
+        return [f"only rank {p.rank} leaves the reference there (relative error {p.error:.3g}{apart}): a rank computes "
+                "what the others do not (a rank-dependent branch, a collective that rank left out)"]
+    split = [q for q in upstream if q.layout in ("sharded", "partial")]
+    if p.layout == "replicated" and split:
+        return [f"its split inputs match on every rank ({', '.join(q.label for q in split)}): the collective that "
+                "combines the ranks (an all-reduce missing, applied twice or over the wrong ranks) or what the "
+                "ranks do with its result"]
+    return []
 
 
 def _on_rank(p: PointResult, world: int) -> str:
@@ -867,6 +899,8 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
                      + (f", engine experts {w['engine']} vs reference {w['reference']}" if "engine" in w else ""))
     upstream = [q for q in res.points if q.layer == p.layer and q is not p and q.status == "ok"
                 and res.points.index(q) < res.points.index(p)]
+    if world > 1:
+        lines += _parallel_lines(res, p, upstream)
     if upstream and p.layer is not None:
         lines.append("its inputs in this layer match (" + ", ".join(q.label for q in upstream) + "): the "
                      f"difference starts in {p.label}")
@@ -891,19 +925,6 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     if down:
         lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
                      f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
-    if world > 1 and p.layout == "sharded":
-        lines.append(f"only rank {p.rank}'s share leaves the reference there: a rank-dependent split "
-                     "(which heads or features that rank holds, or how its shard was loaded)")
-    elif world > 1 and p.layout == "partial":
-        lines.append("the ranks' partial sums add up to something else than the reference: a rank's shard of "
-                     "this module (its weights, which experts or which slice of them it holds); the all-reduce "
-                     "that sums them comes after this point")
-    elif world > 1 and p.layout == "replicated" and upstream:
-        split = [q for q in upstream if q.layout in ("sharded", "partial")]
-        if split:
-            lines.append(f"its split inputs match on every rank ({', '.join(q.label for q in split)}): the "
-                         "collective that combines the ranks (an all-reduce missing, applied twice or over the "
-                         "wrong ranks) or what the ranks do with its result")
     not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
     if not_cmp:
         lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))

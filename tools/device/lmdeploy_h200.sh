@@ -7,8 +7,11 @@
 #
 # Knobs (environment):
 #   CHAINS  chains of checks, run in parallel; chains separated by ";", checks by spaces, each
-#           MODEL:DTYPE[:unpatched]. Each chain has its own work dir (the work-dir lock serializes
-#           runs in one) and all share the bundle's environments (DSADAPT_VENVS).
+#           MODEL:DTYPE[:FLAG...] with FLAGs `unpatched`, `tpN` (`--tp N`: N GPUs a check) and `mp`
+#           (LMDeploy's multiprocess executor even at TP 1: LMDEPLOY_EXECUTOR_BACKEND=mp, the TP code
+#           path on one GPU), e.g. `v3:bfloat16:tp2` or `v2:float16:tp1:mp`. Each chain has its own
+#           work dir (the work-dir lock serializes runs in one) and all share the bundle's
+#           environments (DSADAPT_VENVS). Chains of several callers compose: join them with ";".
 #   LIMIT   seconds after which no new check starts (default 420); each check may take CHECK_S (240).
 #   PIN, VARIANT, CHECK_ARGS   what is checked (default lmdeploy@v0.18.0, pytorch, nothing extra);
 #   PYTHON  the host's Python, whose packages the environments lend (default python3);
@@ -42,11 +45,22 @@ D=$B/.dsadapt/env/bin/dsadapt
 EXTRA_DIR=$B/extra; mkdir -p "$EXTRA_DIR"
 export D B EXTRA_DIR
 "$D" install --offline . --system-site-packages --json > "$OUT/install.json"; echo "install rc=$?"
-check() {  # workdir model dtype [unpatched]
+check() {  # workdir model dtype [flags: unpatched, tpN, mp; ':'-separated]
   if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then echo "skipped (time) $*"; return; fi
+  local flag args=() envs=()
+  IFS=: read -ra flags <<< "${4:-}"
+  for flag in "${flags[@]}"; do
+    case "$flag" in
+      unpatched) args+=(--unpatched) ;;
+      tp[0-9]*) args+=(--tp "${flag#tp}") ;;
+      mp) envs+=(LMDEPLOY_EXECUTOR_BACKEND=mp) ;;
+      '') ;;
+      *) echo "=== chain $1: unknown flag '$flag' in $2:$3:$4"; return ;;
+    esac
+  done
   # shellcheck disable=SC2086
-  DSADAPT_WORKDIR=$B/.w$1 timeout -k 20 "$CHECK_S" "$D" check "$PIN" --variant "$VARIANT" --publish \
-    --model "$2" --dtype "$3" ${4:+--unpatched} ${CHECK_ARGS:-}
+  env "${envs[@]}" DSADAPT_WORKDIR="$B/.w$1" timeout -k 20 "$CHECK_S" "$D" check "$PIN" --variant "$VARIANT" --publish \
+    --model "$2" --dtype "$3" "${args[@]}" ${CHECK_ARGS:-}
   echo "=== $((SECONDS - T0))s chain $1: $2 $3 ${4:-patched} rc=$?"
 }
 stamp checks
@@ -56,7 +70,7 @@ n=0
 IFS=';' read -ra chains <<< "$CHAINS"
 for chain in "${chains[@]}"; do
   n=$((n + 1))
-  ( for item in $chain; do IFS=: read -r model dtype side <<< "$item"; check "$n" "$model" "$dtype" "$side"; done ) \
+  ( for item in $chain; do IFS=: read -r model dtype flags <<< "$item"; check "$n" "$model" "$dtype" "$flags"; done ) \
     > "$OUT/chain$n.txt" 2>&1 &
   pids+=($!)
 done
