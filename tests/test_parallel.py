@@ -451,3 +451,13 @@ def test_low_precision_ranks_use_each_rank_block_of_the_reference_noise():
     assert res.passed and res.rule == "low-precision", res.reasons
     core = {(p.layer, p.point): p for p in res.points}[(0, "attn.core")]
     assert core.noise is not None and core.noise == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_list_shows_what_each_variant_offers_in_parallel(proj):  # noqa: F811
+    rc, out, err = proj.run("list", "--json")
+    assert rc == 0, err
+    pins = {p["pin"]: p for p in json.loads(out)["pins"]}
+    assert pins[PIN]["parallel"]["cpu"] == {"tp": True, "ep": False, "unit": "CPU core"}
+    assert pins[PIN]["parallel"]["cuda"] == {"tp": True, "ep": True, "unit": "CUDA GPU"}
+    assert pins["lmdeploy@v0.18.0"]["parallel"]["pytorch"]["tp"] is True
+    assert pins["triton@r26.01"]["parallel"]["cpu"]["tp"] is False
