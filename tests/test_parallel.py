@@ -461,3 +461,22 @@ def test_list_shows_what_each_variant_offers_in_parallel(proj):  # noqa: F811
     assert pins[PIN]["parallel"]["cuda"] == {"tp": True, "ep": True, "unit": "CUDA GPU"}
     assert pins["lmdeploy@v0.18.0"]["parallel"]["pytorch"]["tp"] is True
     assert pins["triton@r26.01"]["parallel"]["cpu"]["tp"] is False
+
+
+def test_a_failed_check_names_where_its_modules_leave_the_reference():
+    from patcher.base.errors import CheckFailed
+
+    res = check_mod.CheckResult(
+        pin=PIN, engine="vllm", variant="cpu", model="v3", config_style="transformers", dtype="float32",
+        unpatched=False, verdict="fail", reasons=["short: max |Δ| 1.4"], explanation=[], report_path="r.json",
+        plot_path=None, provenance={}, timings={}, parallel=Parallel(2).to_json(),
+        bisect={"report_path": "b.json", "first": {"layer": 0, "label": "q_rope", "family": "attention", "rank": 1,
+                                                    "layout": "sharded"}})
+    with pytest.raises(CheckFailed) as e:
+        check_mod.check_or_raise(res)
+    assert "failed the equivalence gate at tp2 (first divergence: layer 0 q_rope on rank 1, attention)" in e.value.message
+    res.bisect["first"] = {"layer": 1, "label": "routed", "family": "moe", "rank": None, "layout": "partial"}
+    res.parallel = SINGLE.to_json()
+    assert check_mod.failure_where(res) == " (first divergence: layer 1 routed, the ranks' partial sums added, moe)"
+    res.bisect = None
+    assert check_mod.failure_where(res) == ""

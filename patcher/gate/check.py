@@ -642,4 +642,21 @@ def check_or_raise(result: CheckResult) -> None:
             hint += f"; localize the layer and module with `{bisect_command(result)}`"
         if not (result.explanation and "--explain" in (result.provenance.get("command") or "")):
             hint += "; rerun with --explain for the likely layer family"
-        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}", hint=hint)
+        raise CheckFailed(f"{result.pin} failed the equivalence gate{failure_where(result)}: {'; '.join(result.reasons[:2])}",
+                          hint=hint)
+
+
+def failure_where(result: CheckResult) -> str:
+    """Where the per-module comparison says the engine leaves the reference, in the failure's first
+    words (layer, module, its family, and the rank of a parallel run), when one ran."""
+    first = (result.bisect or {}).get("first") or {}
+    if not first:
+        return ""
+    where = f"layer {first['layer']} {first['label']}" if first.get("layer") is not None else first["label"]
+    if first.get("layout") == "partial":
+        where += ", the ranks' partial sums added"
+    elif first.get("layout") and first.get("rank") is not None:
+        where += f" on rank {first['rank']}"
+    par = result.parallel or {}
+    at = f" at {par['label']}" if int(par.get("tp") or 1) > 1 else ""
+    return f"{at} (first divergence: {where}, {first.get('family')})"

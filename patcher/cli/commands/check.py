@@ -34,6 +34,7 @@ from patcher.gate.check import (
     check_dtypes,
     check_or_raise,
     check_split,
+    failure_where,
     preflight,
     run_check,
 )
@@ -218,7 +219,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 check_or_raise(first)
             except CheckFailed as e:
                 raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed_runs)}: "
-                                  f"{first.dtype}: {'; '.join(first.reasons[:2])}", hint=e.hint) from None
+                                  f"{first.dtype}{failure_where(first)}: {'; '.join(first.reasons[:2])}",
+                                  hint=e.hint) from None
         for r in failed_runs:
             check_or_raise(r)
         return
