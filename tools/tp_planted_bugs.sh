@@ -25,6 +25,20 @@ export DSADAPT_VENVS=${DSADAPT_VENVS:-$ROOT/.dsadapt/venvs}
 export DSADAPT_CACHE=${DSADAPT_CACHE:-$ROOT/.dsadapt/cache}
 export DSADAPT_SOURCES=${DSADAPT_SOURCES:-pypi}
 ds() { PYTHONPATH=$ROOT "$PY" -m patcher.cli.main "$@"; }
+relativize() {  # DIR PREFIX...: drop each prefix from the paths written in DIR's files
+  local dir=$1; shift
+  "$PY" - "$dir" "$@" <<'REL'
+import sys
+from pathlib import Path
+prefixes = sorted({p for p in sys.argv[2:] if len(p) > 1}, key=len, reverse=True)
+for f in Path(sys.argv[1]).rglob("*"):
+    if f.is_file():
+        text = f.read_text(errors="replace")
+        for pre in prefixes:
+            text = text.replace(pre, "")
+        f.write_text(text)
+REL
+}
 bugs=("$@")
 if [ ${#bugs[@]} -eq 0 ]; then
   for f in "$ROOT"/tools/tp/vllm-v0.32.0-tp-*.patch; do b=${f##*/vllm-v0.32.0-tp-}; bugs+=("${b%.patch}"); done
@@ -54,6 +68,8 @@ p = parse_patch(open(sys.argv[1]).read(), sys.argv[1]); print(patch_filename(2, 
   done
   # the per-module reports of the two-rank run (JSON only; heat maps are rebuilt from them)
   cp "$proj"/.dsadapt/reports/vllm/v0.32.0/v3-*-tp2-bisect.json "$OUT/$bug/" 2>/dev/null
+  # committed results name project-relative paths, not this machine's
+  relativize "$OUT/$bug" "$proj/" "$ROOT/" "$(dirname "$(dirname "$(dirname "$PY")")")/"
   rm -rf "$proj"
 done
 unset DSADAPT_PROJECT
