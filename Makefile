@@ -69,11 +69,10 @@ bench: setup
 ## out, tools/device/h200-pip-list.json) and the device command (tools/device/lmdeploy_h200.sh).
 GPU_BUNDLE ?= .carry/gpu
 gpu-check: setup
-	$(BIN)/dsadapt bundle lmdeploy@v0.18.0 --variant pytorch --have tools/device/h200-pip-list.json \
-	  --out $(GPU_BUNDLE) --max-size 58MiB
+	DSADAPT=$(BIN)/dsadapt bash tools/device/prepare_bundle.sh $(GPU_BUNDLE)
 	@echo "device tool, from this checkout: run command 'bash tools/device/lmdeploy_h200.sh $(GPU_BUNDLE)'," \
-	  "carry ['$(GPU_BUNDLE)'], timeout_s 600 (knobs: CHAINS, LIMIT, EXTRA; the script's header)"
-	@echo "then, here: tar xzf OUT/reports.tgz reports && python tools/check_table.py reports/lmdeploy"
+	  "carry ['$(GPU_BUNDLE)'], timeout_s 600 (the chains: tools/device/calibration.chains; knobs: the script's header)"
+	@echo "then, here: mkdir -p back && tar xzf OUT/reports.tgz -C back && python tools/calibrate_low_precision.py table back"
 
 ## Regenerate docs/commands.md from the commands' help.
 docs: setup

@@ -87,6 +87,63 @@ def _modules_outside_engines():
         yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
+#: methods whose string arguments decide something about their subject
+_STRING_TESTS = {"split", "rsplit", "startswith", "endswith", "removeprefix", "removesuffix", "replace", "partition",
+                 "rpartition", "index", "find", "count", "get", "pop", "setdefault"}
+
+
+def engine_name_uses(tree: ast.AST, names: set[str], kinds: set[str] = frozenset()) -> list[tuple[int, str]]:
+    """Every place a module decides something by an engine's name (or a build kind): a string that
+    holds an engine name as a word (``"vllm"``, ``"-triton"``, ``"lmdeploy-generate"``,
+    ``"vllm@v0.32.0"``) in a comparison, a membership test, a default value, a dict key, a
+    subscript, a match pattern, or the argument of a string test (split, startswith...).
+    Messages and docstrings may name engines; decisions may not."""
+    import re
+
+    word = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(sorted(map(re.escape, names))) + r")(?![A-Za-z0-9])")
+    hits: list[tuple[int, str]] = []
+
+    def consts(node: ast.AST | None):
+        if node is None:
+            return
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for elt in node.elts:
+                yield from consts(elt)
+
+    def flag(node: ast.AST | None, why: str) -> None:
+        for c in consts(node):
+            if word.search(c.value):
+                hits.append((c.lineno, f"{why}: {c.value!r}"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                flag(side, "compares with")
+                for c in consts(side):
+                    if c.value in kinds:
+                        hits.append((c.lineno, f"compares with build kind {c.value!r}"))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for d in [*node.args.defaults, *node.args.kw_defaults]:
+                flag(d, "default")
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "default":
+                    flag(kw.value, "default")
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _STRING_TESTS:
+                for a in node.args:
+                    flag(a, f".{node.func.attr}()")
+        elif isinstance(node, ast.Dict):
+            for k in node.keys:
+                flag(k, "dict key")
+        elif isinstance(node, ast.Subscript):
+            flag(node.slice, "subscript")
+        elif isinstance(node, ast.MatchValue):
+            flag(node.value, "match")
+    return hits
+
+
 def test_nothing_outside_the_engines_knows_an_engine_by_name_or_build_kind():
     names = set(engine_names()) | {"vllm", "lmdeploy", "triton"}
     kinds = {"overlay", "full", "backend"}
@@ -95,12 +152,33 @@ def test_nothing_outside_the_engines_knows_an_engine_by_name_or_build_kind():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
                 hits.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
-            if isinstance(node, ast.Compare):
-                consts = [c.value for c in [node.left, *node.comparators]
-                          if isinstance(c, ast.Constant) and isinstance(c.value, str)]
-                if any(c in kinds for c in consts):
-                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}: compares with {consts}")
+        hits += [f"{path.relative_to(ROOT)}:{line}: {why}" for line, why in engine_name_uses(tree, names, kinds)]
     assert hits == [], "\n".join(hits)
+
+
+PLANTED = {
+    'if protocol == "lmdeploy-generate":\n    pass\n': "compares with",
+    'base = name.split("-unpatched")[0].split("-triton")[0]\n': ".split()",
+    'def bench(pin="vllm@v0.32.0"):\n    pass\n': "default",
+    'click.option("--stack-pin", default="vllm@v0.32.0")\n': "default",
+    'KEEP = {"vllm": ("enforce_eager",)}\n': "dict key",
+    'x = settings["lmdeploy_profiler"]\n': "subscript",
+    'ok = engine_name in ("vllm", "triton")\n': "compares with",
+    'match e:\n    case "triton":\n        pass\n': "match",
+    'if name.endswith("-triton"):\n    pass\n': ".endswith()",
+}
+
+
+@pytest.mark.parametrize("source", sorted(PLANTED))
+def test_the_engine_name_check_fails_on_a_planted_use(source):
+    hits = engine_name_uses(ast.parse(source), {"vllm", "lmdeploy", "triton"})
+    assert any(PLANTED[source] in why for _line, why in hits), (source, hits)
+
+
+def test_the_engine_name_check_lets_messages_name_engines():
+    source = ('raise UsageError("name one ENGINE@TAG", hint="e.g. dsadapt check vllm@v0.32.0")\n'
+              '"""Docstring naming lmdeploy."""\nlog(f"triton: {x}")\n')
+    assert engine_name_uses(ast.parse(source), {"vllm", "lmdeploy", "triton"}) == []
 
 
 def _imports(path: Path) -> set[str]:
@@ -138,6 +216,12 @@ def test_speed_gate_scripts_never_import_patcher_and_the_guard_is_stdlib_only():
         assert "dsadapt_runner" in imported, f"{script} does not use the runner protocol"
     guard = _imports(PATCHER / "base" / "procs.py")
     assert guard <= set(sys.stdlib_module_names) | {"__future__"}, guard - set(sys.stdlib_module_names)
+    # the engines' streaming protocols are loaded by stream_load.py in the engine's environment
+    protocols = sorted(PATCHER.glob("engines/*/stream_protocol.py"))
+    assert protocols, "no engine streaming protocol found"
+    for proto in protocols:
+        imported = _imports(proto) - {proto.parent.name}  # the engine's own package, where it is installed
+        assert imported <= set(sys.stdlib_module_names) | {"__future__"}, (proto, imported)
 
 
 def test_the_speed_gate_asks_the_protocol_for_recipes():

@@ -122,7 +122,7 @@ def test_runner_receives_the_capture_protocol(proj, model_dir, tmp_path, monkeyp
     spec = json.loads(Path(argv[argv.index("--capture-spec") + 1]).read_text())
     assert spec["schema"] == "dsadapt.capture-spec/1" and spec["table"] == "vllm"
     assert argv[argv.index("--capture") + 1].endswith("engine-capture.pt")
-    assert argv[argv.index("--capture-decode-steps") + 1] == "2"
+    assert argv[argv.index("--capture-decode-steps") + 1] == "16"
     # float32 without --bisect: no capture
     proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32")
     assert "--capture" not in json.loads(argv_file.read_text())

@@ -452,12 +452,16 @@ def noisy(ref, scale, seed):
 
 def test_low_precision_rule_measures_against_the_references_own_noise():
     ref = synthetic()
+    from patcher.rules.modules import low_precision_rule
+
     lp = noisy(ref, 0.01, seed=1)
-    assert compare_captures(noisy(ref, 0.015, seed=2), ref, CONFIG, "bfloat16", reference_lp=lp).passed
+    assert compare_captures(noisy(ref, 0.01, seed=2), ref, CONFIG, "bfloat16", reference_lp=lp).passed
     res = compare_captures(downstream(noisy(ref, 0.01, seed=2), 0, "attn.kv_a_norm",
                                       lambda v: v * 1.04), ref, CONFIG, "bfloat16", reference_lp=lp)
     assert not res.passed and (res.first.layer, res.first.point) == (0, "attn.kv_a_norm")
-    assert res.first.noise == pytest.approx(0.01, rel=0.3) and res.first.limit == pytest.approx(2.5 * res.first.noise)
+    factor = low_precision_rule("bfloat16").factor
+    assert res.first.noise == pytest.approx(0.01, rel=0.3) and res.first.limit == pytest.approx(factor * res.first.noise)
+    assert res.first.ratio > factor and res.first.phase in ("prefill", "decode")
 
 
 def test_low_precision_expert_agreement_is_judged_against_the_references_own_flips():
@@ -470,9 +474,10 @@ def test_low_precision_expert_agreement_is_judged_against_the_references_own_fli
     other = torch.tensor([[0, 1]] * n)
     other[5] = torch.tensor([0, 4])
     assert compare_captures(synthetic(ids=other), ref, CONFIG, "float16", reference_lp=lp).passed
-    # the engine routes half the rows elsewhere: a routing bug
+    # the engine routes every row elsewhere: a routing bug (on ten rows a few flips more than the
+    # reference's are not evidence of one: the binomial tail judges the count)
     half = torch.tensor([[0, 1]] * n)
-    half[: n // 2] = torch.tensor([3, 4])
+    half[:] = torch.tensor([3, 4])
     res = compare_captures(synthetic(ids=half), ref, CONFIG, "float16", reference_lp=lp)
     assert res.first.point == "router.experts" and res.first.layer == 1
 
@@ -493,9 +498,14 @@ def test_heatmap_grid_has_a_row_per_layer_and_marks_the_first_divergence():
     ref = synthetic()
     res = compare_captures(downstream(ref, 1, "attn.q_rope", lambda v: v + 1), ref, CONFIG, "float32")
     rows, cols, values, status = heatmap_grid(res)
-    assert rows == ["layer 0", "layer 1", "model"]
-    assert status[1][cols.index("q_rope")] == "first" and "moe" in cols
-    assert values[0][cols.index("q_rope")] == pytest.approx(-9.0)
+    assert rows == ["input", "layer 0", "layer 1", "output"]  # model order
+    assert status[2][cols.index("q_rope")] == "first" and "moe" in cols
+    # colour is error / limit on a log scale: exact agreement at the floor, the bug far above its limit
+    assert values[1][cols.index("q_rope")] == pytest.approx(-4.0)
+    assert values[2][cols.index("q_rope")] > 2.0
+    assert values[0][cols.index("embed")] is not None and values[3][cols.index("logits")] is not None
+    # expert selection is a fraction on its own scale
+    assert values[2][cols.index("experts_sel")] == pytest.approx(1.0)
 
 
 def test_plot_bisect_writes_a_png(tmp_path):
@@ -577,9 +587,27 @@ def test_expert_weights_may_carry_a_few_roundings_of_the_engine_dtype():
     from patcher.rules.modules import POINTS
 
     weights = next(p.name for p in POINTS if p.label == "experts_w")  # the rule's key is the point's name
-    assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 30
-    assert 2 * 0.0015 < fp16.limit(weights, 0.000106) < 0.60 / 30
+    assert 2 * 0.0052 < bf16.limit(weights, 0.000762) < 0.60 / 20
+    assert 2 * 0.0015 < fp16.limit(weights, 0.000106) < 0.60 / 20
     # every other point keeps its noise-scaled limit: the eps bug at kv_a_norm still fails
     kv_a_norm = next(p.name for p in POINTS if p.label == "kv_a_norm")
-    assert bf16.limit(kv_a_norm, 0.0037) == 2.5 * 0.0037 < 0.0128
-    assert bf16.limit("attn_core", 0.0) == 1e-3
+    assert bf16.limit(kv_a_norm, 0.0037) == bf16.factor * 0.0037 < 0.0128
+    assert bf16.limit("attn_core", 0.0) == bf16.factor * 1e-3  # the floor where the reference is exact
+
+
+def test_a_reprefilled_prefix_is_judged_on_its_first_computation():
+    """An engine that continues a short request re-prefills prompt + tokens so far (LMDeploy's
+    continuation): those positions appear twice in its capture; the first computation is judged."""
+    import copy
+
+    ref = synthetic()
+    eng = copy.deepcopy(ref)
+    for p in eng["points"]:  # append a second, wrong computation of prompt a's positions 0..2
+        dup = torch.arange(3)
+        p["value"] = torch.cat([p["value"], p["value"][dup] * 5])
+        p["prompt"] = torch.cat([p["prompt"], p["prompt"][dup]])
+        p["pos"] = torch.cat([p["pos"], p["pos"][dup]])
+        p["phase"] = torch.cat([p["phase"], torch.zeros(3, dtype=torch.long)])
+    res = compare_captures(eng, ref, CONFIG, "float32")
+    assert res.passed, res.reasons
+    assert all(p.rows == len(ROWS) for p in res.points if p.status == "ok" and p.metric == "rel_l2")

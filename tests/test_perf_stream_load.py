@@ -24,6 +24,8 @@ from patcher.rules.speed import Mix, Workload
 from patcher.runners import kit_pythonpath
 
 STREAM_LOAD = REPO_ROOT / "patcher" / "runners" / "stream_load.py"
+LMDEPLOY_PROTOCOL = REPO_ROOT / "patcher" / "engines" / "lmdeploy" / "stream_protocol.py"
+TRITON_PROTOCOL = REPO_ROOT / "patcher" / "engines" / "triton" / "stream_protocol.py"
 
 
 class Fake(BaseHTTPRequestHandler):
@@ -112,7 +114,7 @@ def test_lmdeploy_recipe_writes_exact_length_token_prompts_and_loads_generate(tm
 def test_triton_generate_stream_protocol_counts_one_event_per_token(tmp_path, server):
     wl = tmp_path / "w.json"
     wl.write_text(json.dumps([{"mix": "a", "input_len": 3, "output_len": 6, "text": "hello there you"}]))
-    doc = drive(tmp_path, {"protocol": "triton-generate", "url": server, "model": "deepseek", "workload": str(wl),
+    doc = drive(tmp_path, {"protocol": str(TRITON_PROTOCOL), "url": server, "model": "deepseek", "workload": str(wl),
                            "concurrency": 1})
     (rec,) = doc["requests"]
     assert rec["ok"] and rec["output_len"] == 6 and rec["ttft_s"] > 0
@@ -125,7 +127,7 @@ def test_a_refused_request_is_recorded_as_failed(tmp_path, server):
     wl = tmp_path / "w.json"
     wl.write_text(json.dumps([{"mix": "a", "input_len": 2, "output_len": 13, "input_ids": [5, 6]},
                               {"mix": "a", "input_len": 2, "output_len": 4, "input_ids": [5, 6]}]))
-    doc = drive(tmp_path, {"protocol": "lmdeploy-generate", "url": server, "workload": str(wl), "concurrency": 2})
+    doc = drive(tmp_path, {"protocol": str(LMDEPLOY_PROTOCOL), "url": server, "workload": str(wl), "concurrency": 2})
     bad, good = doc["requests"]
     assert not bad["ok"] and bad["error"].startswith("HTTP 500") and good["ok"]
 

@@ -52,9 +52,11 @@ for bug in "${bugs[@]}"; do
   [ -f "$patch" ] || { echo "no $patch"; exit 2; }
   proj=$(mktemp -d "/tmp/dsadapt-tp-$bug.XXXX")
   cp "$ROOT/upstream.lock" "$proj/" && cp -r "$ROOT/patches" "$proj/"
-  # the file name `dsadapt verify` expects: position 2, from the patch's subject
+  # the file name `dsadapt verify` expects: the next position in the series, from the patch's subject
+  n=$(grep -cv '^\s*\(#\|$\)' "$proj/patches/vllm/v0.32.0/series")
   name=$(PYTHONPATH=$ROOT "$PY" -c "import sys; from patcher.formats.patchfile import parse_patch, patch_filename; \
-p = parse_patch(open(sys.argv[1]).read(), sys.argv[1]); print(patch_filename(2, p.subject))" "$patch") || exit 2
+p = parse_patch(open(sys.argv[1]).read(), sys.argv[1]); print(patch_filename(int(sys.argv[2]), p.subject))" \
+    "$patch" $((n + 1))) || exit 2
   cp "$patch" "$proj/patches/vllm/v0.32.0/$name"
   echo "$name" >> "$proj/patches/vllm/v0.32.0/series"
   mkdir -p "$OUT/$bug"

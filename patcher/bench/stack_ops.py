@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.formats.lock import Lock, format_lock
+from patcher.base.errors import UsageError
+from patcher.formats.lock import Lock, format_lock, version_key
 
 SIZES = (1, 10, 100, 500, 1000)
 ANCHOR_ENV = {**os.environ, "LC_ALL": "C", "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.org"}
@@ -144,13 +145,34 @@ def _scratch_project(cfg: Config, lock: Lock, pins: list[str], root: Path, stack
     return proj, env
 
 
-def run_stack_bench(cfg: Config, lock: Lock, pin: str = "vllm@v0.32.0", sizes=SIZES, repeat: int = 3,
-                    rebase_to: str | None = "v0.33.0", progress=None) -> tuple[list[OpRow], dict]:
+def default_stack_pin(lock: Lock) -> tuple[str, str | None]:
+    """(pin, tag to rebase it to) the stack benchmark runs on by default: preferring a pin whose tree
+    comes from a release artifact (no GitHub needed), then one with a newer pin of the same engine
+    to rebase onto, then the largest source artifact (the largest tree: git's own speed matters
+    most there)."""
+    pins = lock.sorted_pins()
+    if not pins:
+        raise UsageError("upstream.lock has no pin to run the stack benchmark on",
+                         hint="pin one first (`dsadapt pin ENGINE@TAG`), or pass --stack-pin ENGINE@TAG")
+
+    def newer(e) -> str | None:
+        later = [o for o in lock.pins_of(e.engine) if version_key(o.tag) > version_key(e.tag)]
+        return min(later, key=lambda o: version_key(o.tag)).tag if later else None
+
+    best = max(pins, key=lambda e: (bool(e.artifacts), newer(e) is not None,
+                                    max((a.size or 0 for a in e.artifacts), default=0)))
+    return str(best.ref), newer(best)
+
+
+def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES, repeat: int = 3,
+                    rebase_to: str | None = None, progress=None) -> tuple[list[OpRow], dict]:
     """Rows for the stack-operations table and facts about the tree (files, source)."""
     from patcher.base.config import load_config
     from patcher.formats.pinref import parse_pinref
     from patcher.stack.workspace import Checkout
 
+    if pin is None:
+        pin, rebase_to = default_stack_pin(lock)
     rows: list[OpRow] = []
     facts: dict = {"pin": pin}
     dsa = dsadapt_argv()

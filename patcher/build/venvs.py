@@ -132,7 +132,7 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
                post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
                stream: bool = True, lock_name: str | None = None, host_packages: bool = False,
                lock_file: Path | None = None, pip_args: Sequence[str] = (),
-               details: dict | None = None) -> tuple[bool, list[str]]:
+               details: dict | None = None, siblings: Sequence[Path] = ()) -> tuple[bool, list[str]]:
     """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
 
     With `lock_name` (what dsadapt's own callers pass for every locked environment) the
@@ -146,6 +146,7 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     (`host_site`), after its own, so a host's torch is reused instead of installed.
     `lock_file` names the hash lock directly (an offline bundle's), `pip_args` go to every pip
     install (`--no-index --find-links BUNDLE/wheels`), `details` into the install marker.
+    `siblings`: environments of the same pin and variant a new one may be copied from (`_seed_for`).
     """
     if lock_file is None and lock_name:
         lock_file = find_lock(lock_name)  # no lock here: fails before anything is made
@@ -160,7 +161,7 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     if old and old.get("sha256") == sha256 and py.exists() and old.get("post", []) == list(post):
         return True, []
     if not py.exists() and not old:
-        seed = _seed_for(venv, post, deps)
+        seed = _seed_for(venv, siblings, post, deps)
         if seed is not None:
             # Same engine, same dependencies: a copy plus a swapped engine package takes
             # seconds where a fresh resolve and install of torch and friends takes minutes.
@@ -264,19 +265,16 @@ def host_site(venv: Path) -> Path | None:
     return pth
 
 
-def _seed_for(venv: Path, post: tuple[str, ...], deps: str | None = None) -> Path | None:
-    """A sibling environment of the same pin and variant (``<engine>-<tag>-<variant>...``) to copy.
+def _seed_for(venv: Path, siblings: Sequence[Path], post: tuple[str, ...], deps: str | None = None) -> Path | None:
+    """One of `siblings` (environments of the same pin and variant) to copy.
 
     Only one installed from the same dependency lock (`deps`) qualifies. Prefers one with the same
     extra requirements (`post`); any such sibling will do, its engine package is then swapped.
     """
-    name = venv.name
-    base = name.split("-unpatched")[0].split("-triton")[0]
-    siblings = [d for d in sorted(venv.parent.glob(base + "*")) if d != venv and d.name.split("-unpatched")[0]
-                .split("-triton")[0] == base and venv_python(d).exists() and installed_marker(d)
-                and (installed_marker(d) or {}).get("deps_lock") == deps]
-    same = [d for d in siblings if (installed_marker(d) or {}).get("post", []) == list(post)]
-    found = same or siblings
+    found = [d for d in siblings if d != venv and venv_python(d).exists() and installed_marker(d)
+             and (installed_marker(d) or {}).get("deps_lock") == deps]
+    same = [d for d in found if (installed_marker(d) or {}).get("post", []) == list(post)]
+    found = same or found
     return found[0] if found else None
 
 
@@ -294,7 +292,7 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
     its dependencies from the plan's hash lock (`plan_lock_name`).
 
     Environments are named ``<engine>-<tag>-<variant>[-unpatched][<suffix>]`` under the venvs
-    root, so engines run differently (Triton's '-triton') never share site-packages; the patched
+    root, so an engine run differently (a plan's suffix) never shares site-packages; the patched
     and the unpatched environment of a plan install from the same lock.
 
     After `dsadapt install --offline BUNDLE` (a record next to the environments, `bundlefile`), the builds
@@ -322,8 +320,11 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
             marker = {"ref": str(entry.ref), "variant": spec.name, "unpatched": True, "unpatched_build": build.kind}
         wheel, sha256 = Path(build.artifact), build.sha256
         kw = {"lock_name": lock_name, "host_packages": recipe.host_packages}
+    siblings = [base.with_name(base.name + side + suffix) for suffix in dict.fromkeys(("", plan.suffix))
+                for side in ("", "-unpatched")]
     reused, removed = ensure_env(venv, wheel, sha256, extra=list(recipe.extra), remove=recipe.remove,
-                                 post=recipe.post, progress=progress, stream=stream, marker=marker, **kw)
+                                 post=recipe.post, progress=progress, stream=stream, marker=marker,
+                                 siblings=siblings, **kw)
     return InstallResult(str(entry.ref), spec.name, str(venv), str(venv_python(venv)), str(wheel), sha256, reused,
                          round(time.monotonic() - t0, 2), removed, details=_env_details(venv))
 

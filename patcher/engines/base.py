@@ -346,6 +346,7 @@ class Engine(Protocol):
     # -- how it runs for the gate
     runner: RunnerSpec | None        # the engine's runner script (None: no gate)
     model_config_style: str          # config.json style of the built-in models it is checked on by default
+    run_settings: tuple[str, ...]    # keys of its runner's `settings` that check reports keep as provenance
     # -- bench: what the alternative to dsadapt's build is (bench.py)
     full_build_doc: tuple[str, str] | None  # (what upstream documents for a compiling build, source URL)
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
@@ -427,6 +428,8 @@ class EngineBase:
     # what the built-in models' config.json looks like unless --config-style says otherwise:
     # "transformers" (what save_pretrained writes) or "deepseek" (DeepSeek's released keys)
     model_config_style: ClassVar[str] = "transformers"
+    # the runner's settings every engine reports; an adapter adds its own keys
+    run_settings: ClassVar[tuple[str, ...]] = ("device", "gpu", "backend", "parallel")
     full_build_doc: ClassVar[tuple[str, str] | None] = None
     compile_note: ClassVar[str | None] = None
     bisect_table: ClassVar[Any] = None

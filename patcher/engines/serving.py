@@ -124,9 +124,11 @@ def prompt_token_ids(model_dir: Path, requests: Sequence[RequestSpec]) -> list[l
 
 @dataclass(frozen=True)
 class StreamLoadRecipe:
-    """The shared part of recipes loaded by runners/stream_load.py (token-id or text prompts)."""
+    """The shared part of recipes loaded by runners/stream_load.py (token-id or text prompts):
+    `protocol` is the engine's protocol module (a stdlib file in its package, stream_load.py's
+    docstring says what it defines)."""
 
-    protocol: str = "lmdeploy-generate"
+    protocol: Path
     text_prompts: bool = False
     tool: str = "dsadapt stream_load (stdlib streaming client)"
 
@@ -153,7 +155,7 @@ class StreamLoadRecipe:
         return path
 
     def stream_job(self, job: LoadJob, model: str = "") -> dict:
-        return {"protocol": self.protocol, "url": job.base_url, "model": model or job.settings.served_name,
+        return {"protocol": str(self.protocol), "url": job.base_url, "model": model or job.settings.served_name,
                 "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path)}
 
     def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun:

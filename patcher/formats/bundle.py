@@ -80,6 +80,10 @@ class Manifest:
     plan: dict = field(default_factory=dict)    # the engine's environment plan (pin, variant, suffix)
     host_source: str = ""                       # where the host's package list came from
     commands: list[str] = field(default_factory=list)
+    #: other stacks of the same pin carried as overlays on the main build (`bundle --stack NAME=DIR`):
+    #: name -> {"project": "stacks/NAME", "stack_hash", "patches", "build": BuiltWheel as a dict};
+    #: `install --offline` makes each its project and an environment seeded from the main one
+    stacks: dict[str, dict] = field(default_factory=dict)
     schema: str = SCHEMA
 
     @property
@@ -96,7 +100,7 @@ class Manifest:
             parts = {k: Part(**v) for k, v in data["parts"].items()}
             fields = {k: data[k] for k in ("pin", "engine", "variant", "python", "platforms", "stack_hash", "patches",
                                            "dsadapt", "created", "host_packages", "files")}
-            extra = {k: data[k] for k in ("plan", "host_source", "commands") if k in data}
+            extra = {k: data[k] for k in ("plan", "host_source", "commands", "stacks") if k in data}
             m = cls(builds=builds, parts=parts, **fields, **extra)
         except (KeyError, TypeError, AttributeError) as e:
             raise UsageError(f"{where}: not a dsadapt bundle manifest ({type(e).__name__}: {show(e, 80)})",

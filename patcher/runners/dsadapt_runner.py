@@ -59,7 +59,7 @@ def add_capture_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--capture", default=None,
                     help="also capture every comparison point of `dsadapt bisect` into this file (torch.save)")
     ap.add_argument("--capture-spec", default=None, help="the capture spec (JSON) naming the points")
-    ap.add_argument("--capture-decode-steps", type=int, default=2,
+    ap.add_argument("--capture-decode-steps", type=int, default=16,
                     help="greedy decode steps captured after each prompt's prefill")
     return ap
 

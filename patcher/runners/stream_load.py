@@ -4,29 +4,23 @@ never imports patcher).
 
     PYTHON stream_load.py
 
-LMDeploy's serving benchmark (benchmark/profile_restful_api.py) lives in its repository, not in
-its wheel, and Triton's perf_analyzer is a separate C++ binary; this is the thin client that
-stands in for them. It speaks the recipe protocol of patcher/engines/serving.py: one JSON job
-per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done"}``, where
-``workload`` is a JSON file ``[{"mix", "input_len", "output_len", "input_ids"?, "text"?}, ...]``.
-Requests are offered all at once and run ``concurrency`` at a time (a thread each, as the
-seeds' concurrency tester does); per request it records when the response started streaming
-tokens (TTFT), when it ended (latency) and how many tokens came back. Protocols:
-
-- ``lmdeploy-generate``: LMDeploy api_server's ``POST /generate`` with token ids
-  (``input_ids``, ``max_tokens``, ``ignore_eos``, greedy ``top_k`` 1, ``stream``); server-sent
-  events carry ``output_ids`` and ``meta_info.completion_tokens``.
-- ``triton-generate``: Triton's ``POST /v2/models/NAME/generate_stream`` with ``text_input`` and
-  vLLM sampling parameters (``max_tokens`` = ``min_tokens``, ``ignore_eos``, temperature 0); one
-  event per generated token.
-
-Where LMDeploy is importable, its own metric code (``lmdeploy.profiler.Profiler``) summarises
-the same timings into the result's ``tool`` section, next to dsadapt's per-request records.
+Engines whose wheels ship no serving benchmark client get this thin client instead (a serving
+benchmark that lives in an engine's repository rather than its wheel, or a separate binary, is not
+at hand where the engine is installed). It speaks the recipe protocol of patcher/engines/serving.py:
+one JSON job per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done"}``,
+where ``workload`` is a JSON file ``[{"mix", "input_len", "output_len", "input_ids"?, "text"?}, ...]``
+and ``protocol`` the path of the engine's protocol module (``patcher/engines/<engine>/
+stream_protocol.py``, stdlib only): ``request(model, row) -> (path, body)``, ``tokens(event,
+so_far, record) -> (new, total)`` for each server-sent event, and optionally ``summary(records,
+elapsed) -> dict`` (the engine's own metric code over the same timings). Requests are offered all
+at once and run ``concurrency`` at a time (a thread each); per request it records when the
+response started streaming tokens (TTFT), when it ended (latency) and how many tokens came back.
 The driver exits at end of input and when its parent process is gone.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 import urllib.parse
@@ -36,23 +30,27 @@ from http.client import HTTPConnection
 import dsadapt_runner as kit
 
 
-def _body(protocol: str, model: str, r: dict) -> tuple[str, dict]:
-    n = int(r["output_len"])
-    if protocol == "lmdeploy-generate":
-        return "/generate", {"input_ids": r["input_ids"], "max_tokens": n, "ignore_eos": True, "top_k": 1,
-                             "stream": True}
-    if protocol == "triton-generate":
-        params = {"max_tokens": n, "min_tokens": n, "ignore_eos": True, "temperature": 0}
-        return f"/v2/models/{model}/generate_stream", {"text_input": r["text"], "stream": True,
-                                                      "exclude_input_in_output": True, "parameters": params,
-                                                      "sampling_parameters": json.dumps(params)}
-    raise ValueError(f"unknown protocol {protocol!r}")
+def load_protocol(path: str):
+    """The engine's protocol module, loaded from its file (once per path)."""
+    if path not in _PROTOCOLS:
+        name = f"dsadapt_stream_protocol_{len(_PROTOCOLS)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"no protocol module at {path!r}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _PROTOCOLS[path] = mod
+    return _PROTOCOLS[path]
+
+
+_PROTOCOLS: dict = {}
 
 
 def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
     """Send one request; (mix, input_len, output_len, ttft_s, latency_s, ok, error, ticks)."""
     u = urllib.parse.urlparse(url)
-    path, body = _body(protocol, model, r)
+    proto = load_protocol(protocol)
+    path, body = proto.request(model, r)
     rec = {"mix": r["mix"], "input_len": int(r["input_len"]), "output_len": 0, "ttft_s": 0.0, "latency_s": 0.0,
            "ok": False, "error": "", "ticks": []}
     t0 = time.perf_counter()
@@ -75,15 +73,7 @@ def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
             if "error" in ev:
                 rec["error"] = str(ev["error"])[:300]
                 return rec
-            if protocol == "lmdeploy-generate":
-                new = len(ev.get("output_ids") or [])
-                total = (ev.get("meta_info") or {}).get("completion_tokens")
-                tokens = int(total) if total is not None else tokens + new
-                if ev.get("meta_info", {}).get("prompt_tokens"):
-                    rec["input_len"] = int(ev["meta_info"]["prompt_tokens"])
-            else:
-                new = 1 if ev.get("text_output") is not None else 0
-                tokens += new
+            new, tokens = proto.tokens(ev, tokens, rec)
             if new or tokens:
                 now = time.perf_counter() - t0
                 if rec["ttft_s"] == 0.0:
@@ -99,27 +89,6 @@ def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
     return rec
 
 
-def _lmdeploy_summary(records: list[dict], elapsed: float) -> dict:
-    """LMDeploy's own metric code over the same timings, when LMDeploy is importable."""
-    try:
-        from lmdeploy.profiler import Profiler, Session
-    except Exception:  # noqa: BLE001 - not an LMDeploy environment
-        return {}
-    prof = Profiler(stream_output=True, percentages=[50, 90, 99])
-    for r in records:
-        s = prof.new_session(r["input_len"], r["output_len"])
-        s.ts, s.ns = [0.0] + [t for t, _ in r["ticks"]], [0] + [n for _, n in r["ticks"]]
-        s.finish(Session.SUCCESS if r["ok"] and len(s.ts) > 1 else Session.FAIL)
-    prof.elapsed_time = elapsed
-    try:
-        prof.compute_metrics()
-    except Exception as e:  # noqa: BLE001
-        return {"lmdeploy_profiler_error": str(e)}
-    return {"lmdeploy_profiler": {"output_throughput": float(prof.output_throughput),
-                                  "ttft_mean_s": float(prof.ttft_mean), "tpot_mean_s": float(prof.tpot_mean),
-                                  "e2e_mean_s": float(prof.e2e_mean), "success": int(prof.success)}}
-
-
 def run_job(job: dict) -> None:
     with open(job["workload"]) as f:
         reqs = json.load(f)
@@ -128,7 +97,8 @@ def run_job(job: dict) -> None:
     with ThreadPoolExecutor(int(job["concurrency"])) as pool:
         records = list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout), reqs))
     elapsed = time.perf_counter() - t0
-    tool = {"tool": "dsadapt stream_load", "duration": elapsed, **_lmdeploy_summary(records, elapsed)}
+    summary = getattr(load_protocol(job["protocol"]), "summary", None)
+    tool = {"tool": "dsadapt stream_load", "duration": elapsed, **(summary(records, elapsed) if summary else {})}
     for r in records:
         r.pop("ticks", None)
     with open(job["out"], "w") as f:

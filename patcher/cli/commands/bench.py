@@ -19,10 +19,12 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
               help="Measure only builds, or only stack operations (the other section of the file is kept).")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
-@click.option("--stack-pin", default="vllm@v0.32.0", show_default=True, metavar="ENGINE@TAG",
-              help="The pin whose tree the stack operations run on.")
-@click.option("--rebase-to", default="v0.33.0", show_default=True, metavar="TAG",
-              help="The tag the warm rebase of the stack pin's real stack goes to ('' to skip it).")
+@click.option("--stack-pin", default=None, metavar="ENGINE@TAG",
+              help="The pin whose tree the stack operations run on (default: of the pins with a release artifact "
+                   "and a newer pin to rebase onto, the one with the largest tree).")
+@click.option("--rebase-to", default=None, metavar="TAG",
+              help="The tag the warm rebase of the stack pin's real stack goes to (default: the next newer pin of "
+                   "that engine; '' to skip it).")
 @json_option
 @pass_ctx
 def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool, only: str | None, sizes: str,
@@ -38,6 +40,11 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         raise UsageError(f"--sizes {sizes!r} is not a comma list of numbers", hint="e.g. --sizes 1,10,100") from None
     if not ns or min(ns) < 1 or max(ns) > 5000:
         raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
+    if stack_pin is None:
+        from patcher.bench.stack_ops import default_stack_pin
+
+        stack_pin, default_to = default_stack_pin(ctx.lock)
+        rebase_to = default_to if rebase_to is None else rebase_to
     stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
                                                 "rebase_to": rebase_to or None}
     with workdir_lock(ctx.cfg):

@@ -76,7 +76,7 @@ def render(res: CheckResult, report: dict | None) -> None:
               help="The engine's dtype (default: float32 where the engine has it, else its first).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="Triton: the unpatched served engine.")
+@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
 @parallel_options
 @json_option
 @pass_ctx
@@ -92,7 +92,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     check_split(model, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     # bad variant/dtype, cannot run here (in this parallel configuration): before anything is made
-    preflight(ctx.lock, ref, variant, command, dtype, parallel)
+    preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel)
     if getattr(engine(ref.engine), "bisect_table", None) is None:
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")

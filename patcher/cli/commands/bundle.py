@@ -17,7 +17,7 @@ from patcher.cli.commands.common import (
     say,
 )
 from patcher.engines import engine
-from patcher.offline.pack import make_bundle, parse_size
+from patcher.offline.pack import make_bundle, parse_size, parse_stacks
 from patcher.stack.workspace import workdir_lock
 
 
@@ -39,11 +39,15 @@ from patcher.stack.workspace import workdir_lock
 @click.option("--no-unpatched", is_flag=True,
               help="Leave the unpatched build out (smaller; `check --unpatched` and `perf` then cannot run there).")
 @click.option("--max-size", default=None, metavar="SIZE", help="Refuse a bundle larger than this (e.g. 58MiB).")
+@click.option("--stack", "stacks", multiple=True, metavar="NAME=DIR",
+              help="Also carry another stack of this pin (DIR: a series file and its patches, e.g. the pin's stack "
+                   "plus a planted bug) as an overlay build on the main one; `install --offline` makes its project "
+                   "stacks/NAME/ and an environment seeded from the main one. Repeatable.")
 @json_option
 @pass_ctx
 def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, platform: str | None,
                out: Path | None, tar: bool, have: tuple[str, ...], exclude: tuple[str, ...], no_unpatched: bool,
-               max_size: str | None, as_json: bool) -> None:
+               max_size: str | None, stacks: tuple[str, ...], as_json: bool) -> None:
     """Write one folder (or .tar) with everything a machine without network needs to run
     `dsadapt check PIN` there: dsadapt as a wheel, the patched and the unpatched engine builds,
     the dependencies the target lacks, each environment's hash lock, the pin's stack. On the
@@ -53,10 +57,11 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
     if variant is not None:
         engine(ref.engine).variant(variant)
     limit = parse_size(max_size)
+    extra = parse_stacks(stacks)
     with workdir_lock(ctx.cfg):
         res = make_bundle(ctx.cfg, ctx.lock, ref, variant=variant, python=python, platform=platform, out=out,
                           tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
-                          progress=progress_printer(not as_json))
+                          progress=progress_printer(not as_json), stacks=extra)
     if as_json:
         emit_json(res.to_json())
         return
@@ -65,6 +70,9 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
         f"{res.files} files, {res.seconds:.0f} s")
     for side, b in res.builds.items():
         say(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
+    for name, st in res.stacks.items():
+        say(f"  stack {name}: {Path(st['file']).name} ({len(st['patches'])} patches, {st['stack_hash'][:8]}): "
+            f"project stacks/{name}/")
     for name, part in res.parts.items():
         say(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
         if part["left_out"]:

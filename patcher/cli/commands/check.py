@@ -117,6 +117,8 @@ def render(res: CheckResult) -> None:
     if res.bisect:
         render_bisect_summary(res.bisect)
     say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    if res.margins and res.margins.get("words"):
+        say(f"margins: {res.margins['words']}")
     for line in res.explanation if not res.passed else []:
         say(f"  explain: {line}")
     say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
@@ -133,8 +135,10 @@ def render_bisect_summary(b: dict) -> None:
             where += " (every rank's partial sums added)"
         elif f.get("rank") is not None and f.get("layout"):
             where += f" on rank {f['rank']}"
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}); "
-            f"{len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
+        phase = f", {f['phase']} rows" if f.get("phase") else ""
+        ratio = f", {f['ratio']:.2f}x the reference's own error" if f.get("ratio") is not None else ""
+        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
+            f"{phase}{ratio}); {len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
     elif b.get("passed"):
         say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
     else:
@@ -154,7 +158,7 @@ def render_bisect_summary(b: dict) -> None:
                    "bfloat16, float16 — one verdict each and one overall).")
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
+@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
 @click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
 @click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
 @click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -175,6 +179,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     "Parallel runs"); its report is named for the configuration (…-tp2.json)."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
+    if all_pins and unpatched_engine:
+        raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
+                         hint="dsadapt check ENGINE@TAG --unpatched-engine")
     _check_model(model)
     parallel = to_parallel(tp, ep)
     check_split(model, parallel)
@@ -189,7 +196,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
 
         variant = default_variant(ctx, ref, variant)
         # bad variant/dtype, cannot run here (in this parallel configuration): before anything is made
-        _, spec = preflight(ctx.lock, ref, variant, command, dtype, parallel)
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel)
         from patcher.gate.check import reference_device as where_reference
 
         where_reference(reference_device, spec)

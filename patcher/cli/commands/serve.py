@@ -10,7 +10,7 @@ import click
 from patcher.cli.commands.common import Context, PinRefParam, pass_ctx, progress_printer, ref_of, say
 from patcher.engines import engine
 from patcher.engines.base import GateRun, NotSupported
-from patcher.gate.check import resolve_model
+from patcher.gate.check import resolve_model, served_engine_of
 from patcher.gate.hosts import RunHost
 from patcher.stack.workspace import workdir_lock
 
@@ -22,13 +22,15 @@ from patcher.stack.workspace import workdir_lock
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one).")
-@click.option("--unpatched-engine", is_flag=True, help="Triton: serve the unpatched engine behind the patched backend.")
+@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
 @pass_ctx
 def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtype: str, variant: str | None,
               port: int | None, unpatched_engine: bool) -> None:
     """Build and install the pin, start its server with the model, print how to query it (triton@TAG today)."""
     ref = ref_of(pin)
     entry = ctx.lock.pin(ref)
+    if unpatched_engine:
+        served_engine_of(ctx.lock, ref)
     eng = engine(ref.engine)
     if eng.serve_api is None:
         raise NotSupported(f"dsadapt has no serving recipe for {ref.engine} yet",

@@ -52,6 +52,8 @@ class LmdeployEngine(WheelEngine):
     model_config_style = "deepseek"
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
+    run_settings = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode",
+                    "cache_max_entry_count", "generation_requests", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
     bisect_table = TABLE
     module_map = TABLE.module_map()

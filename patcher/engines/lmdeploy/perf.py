@@ -8,9 +8,9 @@ loaded through its ``/generate`` endpoint with token-id prompts.
   caching off (LMDeploy's default), CUDA graphs on (LMDeploy's default).
 - Load: LMDeploy's serving benchmark (``benchmark/profile_restful_api.py``) is not in its wheel,
   so the thin stdlib client ``patcher/runners/stream_load.py`` sends the workload
-  (``lmdeploy-generate``: exact-length ``input_ids``, ``max_tokens``, ``ignore_eos``, greedy) and
-  records per-request timings; LMDeploy's own ``lmdeploy.profiler.Profiler`` summarises the same
-  timings in each run's ``tool`` section.
+  (``stream_protocol.py`` next to this file: exact-length ``input_ids``, ``max_tokens``, ``ignore_eos``,
+  greedy) and records per-request timings; LMDeploy's own ``lmdeploy.profiler.Profiler`` summarises
+  the same timings in each run's ``tool`` section.
 
 Runs only on CUDA (the adapter's run_blocker says so elsewhere); verified where docs/speed.md says.
 """
@@ -34,7 +34,7 @@ def gpu_blocks(s: ServeSettings) -> int:
 
 @dataclass(frozen=True)
 class LmdeployPerfRecipe(StreamLoadRecipe):
-    protocol: str = "lmdeploy-generate"
+    protocol: Path = Path(__file__).resolve().with_name("stream_protocol.py")
     tool: str = "dsadapt stream_load against LMDeploy's /generate, summarised by lmdeploy.profiler"
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
     serves_parallel: bool = True

@@ -298,16 +298,18 @@ def _rpc_capture(executor, prompt_docs: list[dict], args, run_prompt) -> tuple[d
 
 def capture_pass(pipe, prompt_docs: list[dict], args, saved: list | None = None) -> float:
     """`dsadapt bisect`'s capture (capture.py): hooks on the live model, each prompt alone through
-    the request path, prefill plus a few greedy decode steps. With the single-process executor
-    the hooks go on the model in this process; with LMDeploy's multiprocess executor (several
-    ranks) on every worker's model, through the executor (`install_worker_capture`)."""
+    the request path, prefill plus `--capture-decode-steps` greedy decode steps. A request that
+    stops short is continued like the gate's (`_generate`); the continuation re-prefills the
+    prefix, and the comparison keeps each position's first computation. With the single-process
+    executor the hooks go on the model in this process; with LMDeploy's multiprocess executor
+    (several ranks) on every worker's model, through the executor (`install_worker_capture`)."""
     import capture  # the runners' own helper, on PYTHONPATH with the kit
 
     t0 = time.time()
     steps = args.capture_decode_steps + 1
 
     def run_prompt(p):
-        tokens, _ = pipe._run(coro=_request(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
+        tokens, _, _ = pipe._run(coro=_generate(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
         return tokens
 
     executor = _executor(pipe)

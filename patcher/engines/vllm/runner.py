@@ -7,7 +7,7 @@ the environment (on CPU: ``VLLM_CPU_KVCACHE_SPACE=1``).
     python vllm_runner.py --model DIR --prompts prompts.json --dtype float32 \
         --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA] \
         [--tensor-parallel-size N [--expert-parallel]] \
-        [--capture FILE --capture-spec SPEC.json [--capture-decode-steps 2]]
+        [--capture FILE --capture-spec SPEC.json [--capture-decode-steps 16]]
 
 Prompts go in as token ids (``{"prompt_token_ids": [...]}``), never text; the
 tokenizer is not even loaded (``skip_tokenizer_init``). Sampling is greedy

@@ -1,0 +1,129 @@
+"""A check's verdict from its stored reports: margins, and re-judging under the rule as it is now.
+
+Pure functions over the JSON `dsadapt check` writes (`dsadapt.check-report/1` and, next to it,
+`dsadapt.bisect-report/1`), so a report kept from an earlier run can be re-judged without running
+anything (`rescore`), and every report says how far its worst point is from its limit
+(`check_margins`): for a pass how far below, for a fail by how much over.
+"""
+
+from __future__ import annotations
+
+import math
+
+from patcher.rules.logits import judge_logits
+from patcher.rules.modules import rescore_bisect
+from patcher.rules.noise import margin_words
+
+
+def _logit_margin(c: dict) -> dict | None:
+    """The logit rule's margin from a stored comparison."""
+    if not c or c.get("rule") is None:
+        return None
+    s = c.get("summary") or {}
+    if c["rule"] == "strict":
+        tol, top = c.get("tolerance"), s.get("max_abs")
+        if not tol:
+            return None
+        if top is None:  # an engine token outside the reference's top list: infinitely far
+            return {"quantity": "max |Δ logprob|", "value": None, "limit": tol, "margin": math.inf, "above": True}
+        above = not top < tol
+        return {"quantity": "max |Δ logprob|", "value": top, "limit": tol, "above": above,
+                "margin": (top / tol) if above else (tol / top if top > 0 else math.inf)}
+    j = c.get("judgement")
+    if j and j.get("prefill"):
+        p = j["prefill"]
+        return {"quantity": "mean |Δ logprob| / the reference's own (prefill)", "value": p["ratio"],
+                "lower": p["lower"], "limit": p["limit"], "above": p["above"], "margin": p["margin"],
+                "phase": "prefill"}
+    th = c.get("thresholds") or {}
+    if "max_mean_abs" in th and s.get("mean_abs") is not None:  # the absolute rule (no yardstick stored)
+        v, lim = s["mean_abs"], th["max_mean_abs"]
+        above = v > lim
+        return {"quantity": "mean |Δ logprob| (absolute rule)", "value": v, "limit": lim, "above": above,
+                "margin": (v / lim) if above else (lim / v if v > 0 else math.inf)}
+    return None
+
+
+def check_margins(comparison: dict, bisect: dict | None) -> dict:
+    """{"logits": ..., "modules": ..., "worst": the tighter of the two, "words": one line}. For a
+    pass, `margin` is limit / value (2.0: the worst point sits at half its limit); for a fail,
+    value / limit (1.3: 30 % over)."""
+    logits = _logit_margin(comparison)
+    modules = (bisect or {}).get("margin")
+    if modules is not None:
+        modules = {**modules, "quantity": ("engine / reference's own error" if modules.get("ratio") is not None
+                                           else "relative error")}
+    cands = [(k, m) for k, m in (("logits", logits), ("modules", modules)) if m and m.get("margin") is not None]
+    worst = None
+    if cands:
+        over = [(k, m) for k, m in cands if m["above"]]
+        worst = max(over, key=lambda km: km[1]["margin"]) if over else min(cands, key=lambda km: km[1]["margin"])
+    return {"logits": logits, "modules": modules, "worst": worst[0] if worst else None,
+            "words": margin_line(logits, modules)}
+
+
+def margin_line(logits: dict | None, modules: dict | None) -> str:
+    parts = []
+    if logits and logits.get("margin") is not None:
+        v = logits.get("value")
+        parts.append(f"logits {logits['quantity']} {'inf' if v is None else f'{v:.3g}'} vs {logits['limit']:.3g}: "
+                     f"{margin_words(logits['margin'], logits['above'])}")
+    if modules and modules.get("margin") is not None:
+        v = modules["ratio"] if modules.get("ratio") is not None else modules.get("error")
+        parts.append(f"worst module {modules['where']} ({modules.get('phase')}) {modules['quantity']} "
+                     f"{v:.3g}: {margin_words(modules['margin'], modules['above'])}")
+    return "; ".join(parts) or "no margin: nothing was judged"
+
+
+def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
+    """Re-judge a stored check (its `dsadapt.check-report/1` JSON, and its bisect report's JSON when
+    it has one) under the rule as it is now. Returns {"verdict": "pass" | "fail" | None, "reasons",
+    "margins", "judged": what could be judged}. `verdict` is None when the stored report lacks the
+    evidence the current rule needs (a low-precision report written before the per-phase rule)."""
+    c = check_report.get("comparison") or {}
+    dtype = str(check_report.get("dtype") or (c.get("engine") or {}).get("dtype") or "")
+    reasons: list[str] = []
+    judged: list[str] = []
+    missing: list[str] = []
+    if c.get("rule") is None:  # the engine produced no logits: its stored verdict is the verdict
+        return {"verdict": check_report.get("verdict"), "reasons": list(check_report.get("reasons") or []),
+                "margins": check_margins({}, None), "judged": ["engine failure (stored)"]}
+    comparison = dict(c)
+    if c["rule"] == "strict":
+        reasons += list(c.get("reasons") or [])  # the float32 rule is unchanged: its stored verdict
+        judged.append("logits (strict, stored)")
+    elif c.get("noise"):
+        j = judge_logits(c.get("rows") or [], c["noise"].get("rows") or [], dtype, int(c.get("top_k") or 5))
+        reasons += [r for r in (c.get("reasons") or []) if r.split(":")[0] in {row["id"] for row in c["rows"]}
+                    and "token ids" in r]
+        reasons += j["reasons"]
+        comparison["judgement"] = j
+        judged.append("logits (noise-relative)")
+    else:
+        missing.append("the reference's own low-precision logits (noise yardstick)")
+    bisect_summary = None
+    if bisect_report is not None:
+        has_evidence = any(p.get("evidence") for p in bisect_report.get("points") or [])
+        if has_evidence:
+            res = rescore_bisect(bisect_report)
+            bisect_summary = {"passed": res.passed, "margin": res.margin,
+                              "first": None if res.first is None else {"layer": res.first.layer,
+                                                                       "point": res.first.point,
+                                                                       "phase": res.first.phase}}
+            if not res.passed:
+                reasons += [f"per-module comparison ({dtype}): {x}" for x in res.reasons[:1]]
+            judged.append("modules")
+        elif bisect_report.get("rule") == "strict":
+            if bisect_report.get("passed") is False:
+                reasons += [f"per-module comparison ({dtype}): {x}" for x in (bisect_report.get("reasons") or [])[:1]]
+            judged.append("modules (strict, stored)")
+        else:
+            missing.append("per-module evidence (block sums per phase)")
+    elif c.get("rule") == "low-precision":
+        missing.append("the bisect report (every low-precision check has one)")
+    verdict = None if missing else ("pass" if not reasons else "fail")
+    out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, bisect_summary),
+           "judged": judged}
+    if missing:
+        out["cannot_judge"] = missing
+    return out
