@@ -311,7 +311,7 @@ def test_lmdeploy_capture_through_the_workers_of_the_multiprocess_executor(tmp_p
             for k, w in enumerate(workers):  # the step runs on every rank
                 monkeypatch.setattr(cap, "_WORKER", recorders[k])
                 w.model_agent.patched_model(input_ids=torch.tensor(ids), positions=torch.arange(len(ids)))
-            return [7] * max_tokens, []
+            return [7] * max_tokens, [{7: 0.0}] * max_tokens
         return run()
 
     class Pipe:
