@@ -153,7 +153,11 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
     chains = ("first main check --model v2-lite --config-style deepseek\n"
               "a scale check --model v2-lite --config-style deepseek\n"
               "b main check --model v2-lite --config-style deepseek\n"
-              "b main check --model v2-lite --config-style deepseek --unpatched\n")
+              "b main check --model v2-lite --config-style deepseek --unpatched\n"
+              # the parallel path's lines: an environment word for one command, --tp (the toy runs in one
+              # process, so TP 2 is the exit 6 a one-GPU machine gives LMDeploy's)
+              "c main LMDEPLOY_EXECUTOR_BACKEND=mp check --model v2-lite --config-style deepseek --tp 1\n"
+              "c scale check --model v2-lite --config-style deepseek --tp 2\n")
     env = {**offline_env, "DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": "", "OUT": str(out), "CHAINS": chains,
            "PIN": PIN, "VARIANT": "cpu", "PYTHON": sys.executable, "DEADLINE": "1500", "CMD_S": "600"}
     r = subprocess.run(["bash", str(DEVICE / "lmdeploy_h200.sh"), str(bundle)], cwd=REPO_ROOT, env=env,
@@ -171,9 +175,17 @@ def test_the_device_script_runs_the_chains_through_the_product(toy, tmp_path):  
         ("a", "scale", "check --model v2-lite --config-style deepseek"): ["fail"],  # the planted bug
         ("b", "main", "check --model v2-lite --config-style deepseek"): ["pass"],
         ("b", "main", "check --model v2-lite --config-style deepseek --unpatched"): ["fail"],  # the release
+        ("c", "main", "check --model v2-lite --config-style deepseek --tp 1"): ["pass"],
+        ("c", "scale", "check --model v2-lite --config-style deepseek --tp 2"): ["error"],  # exit 6, said why
     }, (out / "summary.txt").read_text()
     text = (out / "summary.txt").read_text()
-    assert "below its limit" in text and "above its limit" in text and "4 commands: fail 2, pass 2" in text
+    assert "below its limit" in text and "above its limit" in text and "6 commands: error 1, fail 2, pass 3" in text
+    tp1 = next(r for r in summary if r["chain"] == "c" and r["stack"] == "main")
+    assert tp1["env"] == "LMDEPLOY_EXECUTOR_BACKEND=mp" and tp1["rc"] == 0
+    assert json.loads(Path(tp1["file"]).read_text())["parallel"]["label"] == "tp1"
+    tp2 = next(r for r in summary if r["chain"] == "c" and r["stack"] == "scale")
+    assert tp2["rc"] == 6 and "runs the gate in one process only" in \
+        json.loads(Path(tp2["file"]).read_text())["error"]["message"]
     # the planted run used the planted environment, seeded from the main one
     row = next(r for r in summary if r["stack"] == "scale")
     detail = json.loads(Path(row["file"]).read_text())

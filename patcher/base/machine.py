@@ -21,6 +21,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_cores_here() -> int:
+    """The CPU cores this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cuda_devices_here() -> int:
+    """CUDA GPUs this process sees: nvidia-smi's list, limited by CUDA_VISIBLE_DEVICES."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")]))
+    return n
+
+
 def gpu_name() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None

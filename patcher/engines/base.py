@@ -48,6 +48,87 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """How an engine run is spread: tensor parallel size `tp` (one rank per device) and, with
+    `ep`, the routed experts distributed over those ranks (expert parallelism) instead of each
+    rank holding a slice of every expert. The single-process run is ``Parallel()``."""
+
+    tp: int = 1
+    ep: bool = False
+
+    @property
+    def single(self) -> bool:
+        return self.tp == 1 and not self.ep
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def label(self) -> str:
+        """The configuration as reports name it: ``tp1``, ``tp2``, ``tp2-ep``."""
+        return f"tp{self.tp}" + ("-ep" if self.ep else "")
+
+    def describe(self) -> str:
+        if self.single:
+            return "one process (TP 1)"
+        return f"TP {self.tp}" + (" with expert parallelism" if self.ep else "")
+
+    def args(self) -> tuple[str, ...]:
+        """The runner protocol's options for this configuration (none for TP 1)."""
+        if self.single:
+            return ()
+        return ("--tensor-parallel-size", str(self.tp)) + (("--expert-parallel",) if self.ep else ())
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "ep": self.ep, "world_size": self.world_size, "label": self.label}
+
+
+SINGLE = Parallel()
+
+
+@dataclass(frozen=True)
+class ParallelSupport:
+    """Which parallel configurations a variant's gate runner offers, and what each rank needs.
+
+    `tp`: tensor parallelism (any size up to the machine's `unit`s); `ep`: expert parallelism
+    (with TP > 1); `unit`: what one rank occupies ("CPU core", "CUDA GPU"), counted on the
+    machine by `units_here`. The default offers TP 1 only."""
+
+    tp: bool = False
+    ep: bool = False
+    unit: str = ""
+    note: str = ""                  # how the engine spreads (docs, `dsadapt list`)
+
+    def describe(self) -> str:
+        if not self.tp:
+            return "TP 1 only"
+        return f"TP N (one {self.unit} a rank)" + (", expert parallel" if self.ep else "")
+
+
+def version_at_least(version: str, floor: str) -> bool:
+    """`version` >= `floor` (PEP 440); False for a version that does not parse."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) >= Version(floor)
+    except InvalidVersion:
+        return False
+
+
+def units_here(unit: str) -> int:
+    """How many of `unit` this machine lends dsadapt ("CPU core": this process's affinity;
+    "CUDA GPU": the GPUs it sees)."""
+    from patcher.base.machine import cpu_cores_here, cuda_devices_here
+
+    if unit == "CPU core":
+        return cpu_cores_here()
+    if unit == "CUDA GPU":
+        return cuda_devices_here()
+    return 0
+
+
+@dataclass(frozen=True)
 class VariantSpec:
     """A build variant: which pinned wheel it overlays and what it needs to run."""
 
@@ -63,6 +144,8 @@ class VariantSpec:
     # libraries for a PyTorch-engine-only build, ...): an offline bundle leaves them (and what only
     # they need) out; `dsadapt bundle` lists them, docs/engines/<engine>.md says how it was verified
     unused_deps: tuple[str, ...] = ()
+    # the parallel configurations its gate runner offers on its device (`Engine.parallel_blocker`)
+    parallel: ParallelSupport = ParallelSupport()
 
     @property
     def artifact_variant(self) -> str:
@@ -166,6 +249,12 @@ class GateRun:
     model_dir: Path
     unpatched: bool = False         # the pristine upstream instead of the stack
     unpatched_engine: bool = False  # served engines: the served engine pristine, the stack applied
+    tp: int = 1                     # tensor parallel size (ranks)
+    ep: bool = False                # expert parallelism over those ranks
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(self.tp, self.ep)
 
 
 @dataclass(frozen=True)
@@ -292,6 +381,9 @@ class Engine(Protocol):
     def gate_dtypes(self, spec: VariantSpec) -> tuple[str, ...]: ...
     def run_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
     def checkpoint_blocker(self, entry: LockEntry, spec: VariantSpec, config: Mapping[str, Any]) -> str | None: ...
+    # -- parallel runs: what the pin's runner offers, and why a configuration cannot run here
+    def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport: ...
+    def parallel_blocker(self, entry: LockEntry, spec: VariantSpec, parallel: Parallel) -> str | None: ...
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]: ...
     def bisect_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession] | None: ...
 
@@ -338,7 +430,7 @@ class EngineBase:
     # "transformers" (what save_pretrained writes) or "deepseek" (DeepSeek's released keys)
     model_config_style: ClassVar[str] = "transformers"
     # the runner's settings every engine reports; an adapter adds its own keys
-    run_settings: ClassVar[tuple[str, ...]] = ("device", "gpu", "backend")
+    run_settings: ClassVar[tuple[str, ...]] = ("device", "gpu", "backend", "parallel")
     full_build_doc: ClassVar[tuple[str, str] | None] = None
     compile_note: ClassVar[str | None] = None
     bisect_table: ClassVar[Any] = None
@@ -426,6 +518,29 @@ class EngineBase:
         or None. For what the engine knows it lacks here (an FP8 kernel that needs other hardware),
         never for what the gate must find out: an engine that fails to load a model it should
         load is a verdict (fail), not a blocker."""
+        return None
+
+    def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport:
+        """The parallel configurations this pin/variant's gate runner offers (the variant's by default)."""
+        return spec.parallel
+
+    def parallel_blocker(self, entry: LockEntry, spec: VariantSpec, parallel: Parallel) -> str | None:
+        """Why `parallel` cannot run for this pin/variant on this machine (what it would need), or
+        None. TP 1 always can (as far as `run_blocker` says)."""
+        if parallel.single:
+            return None
+        sup = self.parallel_support(entry, spec)
+        if not sup.tp:
+            return (f"{self.name} {entry.version} ({spec.name}) runs the gate in one process only "
+                    f"(TP 1); {parallel.describe()} is not offered")
+        if parallel.ep and not sup.ep:
+            return f"{self.name} {entry.version} ({spec.name}) offers tensor parallelism without expert parallelism"
+        if parallel.ep and parallel.tp < 2:
+            return "expert parallelism spreads the experts over the tensor-parallel ranks: it needs --tp 2 or more"
+        have = units_here(sup.unit)
+        if have < parallel.tp:
+            return (f"needs {parallel.tp} {sup.unit}s for {parallel.describe()}, one a rank "
+                    f"(this machine has {have})")
         return None
 
     def gate_session(self, run: GateRun, svc: RunServices) -> AbstractContextManager[GateSession]:
@@ -518,4 +633,14 @@ class WheelEngine(EngineBase):
             raise EngineUnavailable(f"{run.entry}: no runner for {self.name} in the gate",
                                     hint=f"see {self.docs_page or 'docs/equivalence.md'}")
         env = svc.environment(self.env_plan(run.entry, run.variant, svc.lock), unpatched=run.unpatched)
-        yield GateSession(env.python, self.runner, {}, env.provenance())
+        yield GateSession(env.python, parallel_runner(self.runner, run.parallel), {}, env.provenance())
+
+
+def parallel_runner(runner: RunnerSpec, parallel: Parallel) -> RunnerSpec:
+    """`runner` with the runner protocol's parallel options (``--tensor-parallel-size N``,
+    ``--expert-parallel``) when `parallel` is not the single-process run."""
+    if parallel.single:
+        return runner
+    from dataclasses import replace
+
+    return replace(runner, extra_args=runner.extra_args + parallel.args())

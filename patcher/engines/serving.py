@@ -38,6 +38,8 @@ class ServeSettings:
     compute_cpus: tuple[int, ...] = ()   # cores for the engine's compute threads (CPU builds)
     served_name: str = SERVED_NAME
     seed: int = 0
+    tp: int = 1                          # tensor parallel ranks each server runs (recipes with serves_parallel)
+    ep: bool = False                     # expert parallelism over those ranks
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class PerfRecipe(Protocol):
     @property
     def dtypes(self) -> tuple[str, ...]:
         """Dtypes the engine serves, first = default."""
+        ...
+
+    @property
+    def serves_parallel(self) -> bool:
+        """Whether `server_command` serves ``settings.tp`` ranks (and ``settings.ep``); a recipe
+        without it serves one process and `dsadapt perf --tp N` says so (exit 6)."""
         ...
 
     def server_command(self, python: Path, port: int, settings: ServeSettings) -> ServerCommand: ...

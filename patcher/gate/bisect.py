@@ -57,18 +57,29 @@ def capture_args(work: Path, table: CaptureTable, config: dict, dtype: str) -> t
     """Extra runner arguments that make an engine runner capture (its --capture protocol)."""
     spec = write_spec(table, config, dtype, work / f"{table.name}-capture-spec.json")
     out = work / ENGINE_CAPTURE
-    out.unlink(missing_ok=True)
+    for old in [out, *out.parent.glob(out.name + ".rank*")]:  # never read an earlier run's ranks
+        old.unlink(missing_ok=True)
     return ("--capture", str(out), "--capture-spec", str(spec), "--capture-decode-steps", str(CAPTURE_DECODE_STEPS))
 
 
 def load_capture(path: Path) -> dict:
+    """A capture document; an engine that ran on several ranks saved one per rank
+    (``<path>.rank<r>``, capture.py's `rank_path`): rank 0's document then carries every rank's
+    under ``ranks`` (the ones that are there: the comparison says what a missing rank costs)."""
     import torch
 
-    try:
-        doc = torch.load(path, weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise BisectError(f"cannot read the capture {path}: {e}",
-                          hint="the engine run that should have written it failed; see its log") from e
+    def read(p: Path):
+        try:
+            return torch.load(p, weights_only=False)
+        except (OSError, RuntimeError, EOFError) as e:
+            raise BisectError(f"cannot read the capture {p}: {e}",
+                              hint="the engine run that should have written it failed; see its log") from e
+
+    doc = read(path)
+    world = int(((doc.get("meta") or {}) if isinstance(doc, dict) else {}).get("world_size") or 1)
+    if world > 1:
+        others = [path.with_name(f"{path.name}.rank{r}") for r in range(1, world)]
+        doc["ranks"] = [doc] + [read(p) for p in others if p.is_file()]
     return doc
 
 
@@ -182,9 +193,10 @@ def summary(result: BisectResult, report_path: str | None, plot_path: str | None
             "layer": first.layer, "point": first.point, "label": first.label, "family": first.family,
             "module": first.module, "engine_module": first.engine_module, "error": first.error,
             "limit": first.limit, "noise": first.noise, "value": first.value, "worst": first.worst,
-            "phase": first.phase, "ratio": first.ratio, "margin": first.margin, "phases": first.phases},
+            "phase": first.phase, "ratio": first.ratio, "margin": first.margin, "phases": first.phases,
+            "rank": first.rank, "layout": first.layout},
         "above": [{"layer": p.layer, "point": p.point, "error": p.error, "limit": p.limit, "phase": p.phase,
-                   "ratio": p.ratio} for p in result.points if p.above],
+                   "ratio": p.ratio, "rank": p.rank} for p in result.points if p.above],
         "compared": sum(p.status != "not compared" for p in result.points),
         "margin": result.margin,
     }

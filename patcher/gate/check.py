@@ -27,7 +27,7 @@ from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint as checkpoint_fingerprint
 from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, require_reference_memory, run_time_limit
 from patcher.engines import engine
-from patcher.engines.base import Engine, GateRun, VariantSpec
+from patcher.engines.base import SINGLE, Engine, GateRun, Parallel, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack
@@ -66,6 +66,9 @@ class CheckResult:
     bisect: dict | None = None
     #: how far the worst judged quantity is from its limit (`patcher.rules.verdicts.check_margins`)
     margins: dict | None = None
+    #: how the engine was spread: {"tp", "ep", "world_size", "label"} (`Parallel.to_json`);
+    #: reports of different parallel configurations have different names and never replace each other
+    parallel: dict = field(default_factory=SINGLE.to_json)
 
     @property
     def passed(self) -> bool:
@@ -229,18 +232,24 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
 
 
 def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
-                 unpatched_engine: bool = False, kind: str | None = None) -> Path:
-    """Where a gate's report goes: reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-unpatched].json.
+                 unpatched_engine: bool = False, kind: str | None = None, parallel: Parallel = SINGLE) -> Path:
+    """Where a gate's report goes:
+    reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-tp<N>[-ep]][-unpatched].json.
 
-    `kind` names another gate's report (``perf``, ``perf-aa``) next to the check reports."""
-    name = "-".join(x for x in (kind, label, style, dtype, "unpatched" if unpatched else None,
+    `kind` names another gate's report (``perf``, ``perf-aa``) next to the check reports; a
+    parallel configuration other than one process names its own (``-tp2``, ``-tp2-ep``), so a TP 2
+    report never replaces the TP 1 one."""
+    name = "-".join(x for x in (kind, label, style, dtype, None if parallel.single else parallel.label,
+                                "unpatched" if unpatched else None,
                                 "unpatched-engine" if unpatched_engine else None) if x)
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
-def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tuple[LockEntry, VariantSpec]:
+def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str,
+             parallel: Parallel = SINGLE) -> tuple[LockEntry, VariantSpec]:
     """The pin's entry and variant, or EngineUnavailable (exit 6) saying why it cannot run here
-    and where `command` can (shared by check and perf)."""
+    (in `parallel`: what that configuration needs) and where `command` can (shared by check,
+    bisect and perf)."""
     entry = lock.pin(ref)
     eng = engine(ref.engine)
     spec = eng.variant_for(entry, variant)
@@ -249,19 +258,74 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str) -> tupl
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
                                 hint=f"run `{command}` on a machine that has what it needs "
                                      f"({eng.docs_page or 'the engine docs'} says where it was verified)")
+    blocker = eng.parallel_blocker(entry, spec, parallel)
+    if blocker:
+        elsewhere = [v.name for v in eng.pinned_variants(entry)
+                     if v.name != spec.name and eng.parallel_support(entry, v).tp
+                     and (eng.parallel_support(entry, v).ep or not parallel.ep)]
+        offered = eng.parallel_support(entry, spec).tp and (eng.parallel_support(entry, spec).ep or not parallel.ep)
+        where = (f"run `{command}` where it can (variant {', '.join(elsewhere)} offers it)" if elsewhere
+                 else f"run `{command}` on a machine that has what it needs" if offered
+                 else f"no variant of {ref} offers {parallel.describe()}: check it in one process (without --tp)")
+        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run {parallel.describe()} here: {blocker}",
+                                hint=f"{where}; {eng.docs_page or 'the engine docs'} says what each variant offers")
     return entry, spec
+
+
+def parallel_fits(config: dict, parallel: Parallel) -> str | None:
+    """Why a model of this config.json cannot be split over `parallel`'s ranks (what is not
+    divisible), or None. Each rank must hold a whole share of the attention heads and of the
+    MoE's experts (expert parallelism) or of each expert's intermediate size (tensor parallelism),
+    and of the router's expert groups."""
+    if parallel.single:
+        return None
+    n = parallel.tp
+    checks = [("num_attention_heads", "attention heads")]
+    if config.get("n_routed_experts"):
+        checks += [("n_routed_experts", "routed experts")] if parallel.ep else \
+            [("moe_intermediate_size", "expert intermediate size")]
+        if parallel.ep and int(config.get("n_group") or 1) > 1:
+            checks += [("n_group", "expert groups")]
+    if config.get("intermediate_size"):
+        checks += [("intermediate_size", "dense MLP intermediate size")]
+    for key, what in checks:
+        value = config.get(key)
+        if isinstance(value, int) and value % n:
+            return f"its {what} ({key} = {value}) do not split over {n} ranks"
+    return None
+
+
+def check_split(model: str, parallel: Parallel) -> None:
+    """UsageError (exit 2) when `model` (a built-in name or a directory) cannot be split over
+    `parallel`'s ranks; read from its config alone, before anything is made."""
+    if parallel.single:
+        return
+    from patcher.checkpoints.tiny import VARIANTS, deepseek_config
+
+    if model in VARIANTS:
+        config = deepseek_config(model)  # both config styles have the same shapes
+    else:
+        try:
+            config = json.loads((Path(model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # resolve_model says what is wrong with it
+    unfit = parallel_fits(config if isinstance(config, dict) else {}, parallel)
+    if unfit:
+        raise UsageError(f"--model {model} cannot run {parallel.describe()}: {unfit}",
+                         hint="choose a tensor parallel size that divides the model's heads and expert sizes")
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
               dtype: str | None = None, unpatched_engine: bool = False,
-              config: dict | None = None) -> tuple[LockEntry, VariantSpec]:
+              parallel: Parallel = SINGLE, config: dict | None = None) -> tuple[LockEntry, VariantSpec]:
     """What `check` can tell before it touches anything: the pin, the variant, whether it can run
-    here (exit 6), and whether its runner takes `dtype` (exit 2; checked after the machine, so a
-    dtype a GPU-only engine supports is never reported as bad input on a machine without a GPU).
+    here (exit 6; in `parallel`: whether the engine offers it and the machine has the devices),
+    and whether its runner takes `dtype` (exit 2; checked after the machine, so a dtype a GPU-only
+    engine supports is never reported as bad input on a machine without a GPU).
     `unpatched_engine` only means something for a pin that serves another pinned engine."""
     if unpatched_engine:
         served_engine_of(lock, ref)
-    entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}")
+    entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}", parallel)
     eng = engine(ref.engine)
     if config is not None:
         model_preflight(entry, spec, config, dtype)
@@ -319,13 +383,24 @@ class CheckRequest:
     bisect: str | None = None         # None, "on-fail" or "always" (`patcher.gate.bisect.wanted`)
     explain: bool = True
     command: str | None = None        # the command line, for provenance
+    tp: int = 1                       # the engine's tensor parallel size (the reference stays one process)
+    ep: bool = False                  # expert parallelism over those ranks
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(self.tp, self.ep)
 
     def with_dtype(self, dtype: str) -> CheckRequest:
         return replace(self, dtype=dtype)
 
     def default_command(self, style: str | None) -> str:
         return (f"dsadapt check {self.pin} --model {self.model}" + (f" --config-style {style}" if style else "")
-                + f" --dtype {self.dtype}" + (" --unpatched" if self.unpatched else ""))
+                + f" --dtype {self.dtype}" + parallel_flags(self.parallel) + (" --unpatched" if self.unpatched else ""))
+
+
+def parallel_flags(parallel: Parallel) -> str:
+    """The command-line flags of a parallel configuration (empty for one process)."""
+    return "" if parallel.single else f" --tp {parallel.tp}" + (" --ep" if parallel.ep else "")
 
 
 @dataclass
@@ -358,6 +433,7 @@ class _Run:
     @property
     def title(self) -> str:
         return f"{self.req.pin} {self.label} {self.style or ''} {self.req.dtype}" + \
+            ("" if self.req.parallel.single else f" {self.req.parallel.label}") + \
             (" (unpatched)" if self.req.unpatched else "")
 
     def provenance(self, installed: dict) -> dict:
@@ -373,6 +449,7 @@ class _Run:
             "gpu": gpu_info(),
             "model_fingerprint": self.fingerprint, "model_dir": str(self.model_dir),
             "checkpoint": self.checkpoint.summary(), "model_files": self.model_files,
+            "parallel": self.req.parallel.to_json(),
             "dsadapt": _dsadapt_version(),
         }
 
@@ -383,23 +460,28 @@ class _Run:
             pin=str(self.req.pin), engine=self.req.pin.engine, variant=self.spec.name, model=self.label,
             config_style=self.style, dtype=self.req.dtype, unpatched=self.req.unpatched, verdict=verdict,
             reasons=reasons, explanation=explanation, report_path=str(self.out), plot_path=None,
-            provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected)
+            provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected,
+            parallel=self.req.parallel.to_json())
 
 
 def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line) -> _Run:
     t_start = time.monotonic()
-    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine)
+    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine,
+                            req.parallel)
     eng = engine(req.pin.engine)
     stack = load_stack(cfg.patches_root, req.pin)
+    check_split(req.model, req.parallel)
     model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
                                             default_style=eng.model_config_style)
     ckpt = open_checkpoint(model_dir)
     model_preflight(entry, spec, ckpt.config, req.dtype)
     fp = checkpoint_fingerprint(ckpt, cfg.cache, progress)
-    out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine)
+    out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine,
+                       parallel=req.parallel)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
-    gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine)
+    gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine,
+                   tp=req.tp, ep=req.ep)
     return _Run(req=req, cfg=cfg, entry=entry, spec=spec, eng=eng, stack=stack, model_dir=model_dir, label=label,
                 style=style, fingerprint=fp.sha256, config=ckpt.config, checkpoint=ckpt, model_files=fp.files,
                 out=out, work=work, gate=gate,
@@ -451,6 +533,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
         return _engine_failed(r, e, installed)
+    _check_parallel(req, report.settings)
     venv = installed.get("venv")
     engine_path = report.engine_path or ""
     if venv and engine_path.startswith("/") and \
@@ -498,6 +581,17 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         result.plot_path = None
     _write_report(r.out, result)
     return result
+
+
+def _check_parallel(req: CheckRequest, settings: dict | None) -> None:
+    """The engine ran with the parallel configuration asked for, as its runner reports it
+    (``settings.parallel``); a runner that says nothing ran in one process."""
+    ran = (settings or {}).get("parallel") or {}
+    got = Parallel(int(ran.get("tp") or 1), bool(ran.get("ep")))
+    if got != req.parallel:
+        raise DsadaptError(f"{req.pin}: asked for {req.parallel.describe()}, the engine's runner ran "
+                           f"{got.describe()}", hint="the engine's runner ignores the parallel options: see its "
+                                                     "page in docs/engines/")
 
 
 def _write_report(out: Path, result: CheckResult) -> None:
@@ -551,7 +645,10 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
     meta = {"pin": str(r.req.pin), "model": r.label, "config_style": r.style, "unpatched": r.req.unpatched,
             "engine_path": engine_path, "model_fingerprint": r.fingerprint,
             "reference_versions": ref_docs["float32"].get("meta", {}),
-            "engine_capture": {k: engine_doc.get(k) for k in ("calls", "stray_calls", "missing", "dropped", "meta")}}
+            "engine_capture": {k: engine_doc.get(k) for k in ("calls", "stray_calls", "missing", "dropped", "meta")},
+            "parallel": r.req.parallel.to_json()}
+    if engine_doc.get("ranks"):
+        meta["engine_capture"]["ranks"] = [d.get("meta", {}).get("rank") for d in engine_doc["ranks"]]
     return bisect_run.write_report(result, r.out, meta, f"{r.title}: per-module error vs HF")
 
 
@@ -611,7 +708,9 @@ def bisect_command(result: CheckResult) -> str:
     from patcher.checkpoints.tiny import VARIANTS
 
     model = result.model if result.model in VARIANTS else (result.provenance.get("model_dir") or result.model)
-    return bisect_run.command(result.pin, model, result.config_style, result.dtype, result.unpatched)
+    par = result.parallel or {}
+    return bisect_run.command(result.pin, model, result.config_style, result.dtype, result.unpatched) + \
+        parallel_flags(Parallel(int(par.get("tp") or 1), bool(par.get("ep"))))
 
 
 def check_or_raise(result: CheckResult) -> None:
@@ -623,4 +722,21 @@ def check_or_raise(result: CheckResult) -> None:
             hint += f"; localize the layer and module with `{bisect_command(result)}`"
         if not (result.explanation and "--explain" in (result.provenance.get("command") or "")):
             hint += "; rerun with --explain for the likely layer family"
-        raise CheckFailed(f"{result.pin} failed the equivalence gate: {'; '.join(result.reasons[:2])}", hint=hint)
+        raise CheckFailed(f"{result.pin} failed the equivalence gate{failure_where(result)}: {'; '.join(result.reasons[:2])}",
+                          hint=hint)
+
+
+def failure_where(result: CheckResult) -> str:
+    """Where the per-module comparison says the engine leaves the reference, in the failure's first
+    words (layer, module, its family, and the rank of a parallel run), when one ran."""
+    first = (result.bisect or {}).get("first") or {}
+    if not first:
+        return ""
+    where = f"layer {first['layer']} {first['label']}" if first.get("layer") is not None else first["label"]
+    if first.get("layout") == "partial":
+        where += ", the ranks' partial sums added"
+    elif first.get("layout") and first.get("rank") is not None:
+        where += f" on rank {first['rank']}"
+    par = result.parallel or {}
+    at = f" at {par['label']}" if int(par.get("tp") or 1) > 1 else ""
+    return f"{at} (first divergence: {where}, {first.get('family')})"

@@ -47,7 +47,7 @@ from patcher.base.procs import (
     start_guarded,
 )
 from patcher.engines import engine
-from patcher.engines.base import VariantSpec
+from patcher.engines.base import SINGLE, Parallel, VariantSpec
 from patcher.engines.serving import LoadJob, PerfRecipe, ServeSettings
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
@@ -98,6 +98,8 @@ class PerfResult:
     provenance: dict
     timings: dict
     runs: list[dict] = field(repr=False, default_factory=list)
+    #: each server's parallel configuration (`Parallel.to_json`): both sides run the same
+    parallel: dict = field(default_factory=SINGLE.to_json)
 
     @property
     def passed(self) -> bool:
@@ -427,17 +429,32 @@ def check_threshold(threshold: float) -> None:
 
 
 def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = None,
-              command: str | None = None) -> tuple[LockEntry, VariantSpec, PerfRecipe]:
+              command: str | None = None, parallel: Parallel = SINGLE,
+              cpus: Sequence[int] | None = None) -> tuple[LockEntry, VariantSpec, PerfRecipe]:
     """What `perf` can tell before it touches anything: the pin, the variant, whether it can run
-    here (exit 6), whether the engine has a speed-gate recipe for it (exit 6) and whether that
-    serves `dtype` (exit 2; checked after the machine, as `check` does)."""
+    here (exit 6; in `parallel`: the engine offers it, the machine has the devices, the recipe
+    serves it, and on CPU builds there are that many compute cores besides the service core),
+    whether the engine has a speed-gate recipe for it (exit 6) and whether that serves `dtype`
+    (exit 2; checked after the machine, as `check` does)."""
     from patcher.gate.check import runnable
 
-    entry, spec = runnable(lock, ref, variant, command or f"dsadapt perf {ref}")
+    command = command or f"dsadapt perf {ref}"
+    entry, spec = runnable(lock, ref, variant, command, parallel)
     recipe = engine(ref.engine).perf_recipe(entry, spec)
     if recipe is None:
         raise EngineUnavailable(f"{ref}: dsadapt perf has no recipe for {ref.engine} {entry.version} ({spec.name})",
                                 hint="docs/speed.md lists the engines the speed gate can serve and load")
+    if not parallel.single and not getattr(recipe, "serves_parallel", False):
+        raise EngineUnavailable(f"{ref}: dsadapt perf serves {ref.engine} ({spec.name}) in one process only",
+                                hint="docs/speed.md says which recipes serve tensor-parallel ranks")
+    if not parallel.single and spec.device == "cpu":
+        compute, _ = split_cpus(tuple(cpus) if cpus else default_cpus(), spec.device)
+        if len(compute) < parallel.tp:
+            raise EngineUnavailable(
+                f"{ref} ({spec.name}): dsadapt perf {parallel.describe()} needs {parallel.tp} compute cores, one a "
+                f"rank, besides the core it keeps for the load generator and the servers' other processes "
+                f"(this machine lends {len(compute) + 1})",
+                hint=f"run `{command}` on a machine with at least {parallel.tp + 1} cores")
     if dtype is not None and dtype not in recipe.dtypes:
         raise UsageError(f"--dtype {dtype}: {ref.engine} ({spec.name}) serves {', '.join(recipe.dtypes)}",
                          hint=f"use --dtype {recipe.dtypes[0]}")
@@ -451,7 +468,8 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
              max_model_len: int = 256, threshold: float = P.DEFAULT_THRESHOLD, aa: bool = False,
              cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-             on_servers: Callable[[dict[str, Server]], None] | None = None) -> PerfResult:
+             on_servers: Callable[[dict[str, Server]], None] | None = None,
+             parallel: Parallel = SINGLE) -> PerfResult:
     from patcher.formats.stackfiles import load_stack
     from patcher.gate.check import model_fingerprint, report_paths, resolve_model
     from patcher.gate.hosts import RunHost
@@ -459,7 +477,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
 
     t_start = time.monotonic()
     check_threshold(threshold)
-    entry, spec, recipe = preflight(lock, ref, variant, dtype)
+    entry, spec, recipe = preflight(lock, ref, variant, dtype, parallel=parallel, cpus=cpus)
     eng = engine(ref.engine)
     dtype = dtype or recipe.dtypes[0]
     stack = load_stack(cfg.patches_root, ref)
@@ -472,8 +490,9 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
     cpus = tuple(cpus) if cpus else default_cpus()
     compute, service = split_cpus(cpus, spec.device)
     settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute)
-    out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf")
+                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute,
+                             tp=parallel.tp, ep=parallel.ep)
+    out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf", parallel=parallel)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     sides = (P.PATCHED, P.PATCHED + "-2") if aa else (P.PATCHED, P.UNPATCHED)
     t0 = time.monotonic()
@@ -500,7 +519,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
     }
     common = dict(pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
                   mode="aa" if aa else "patched-vs-unpatched", sides=list(sides), threshold=threshold,
-                  workload=workload.to_json(), report_path=str(out))
+                  workload=workload.to_json(), report_path=str(out), parallel=parallel.to_json())
     try:
         m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=service,
                     time_limit_s=time_limit_s, progress=progress, on_servers=on_servers)
@@ -562,7 +581,8 @@ def rescore(path: Path, threshold: float | None = None, pin: str | None = None) 
                                   "workload", "report_path", "timings")}
     result = PerfResult(**fields, verdict=verdict, reasons=reasons, threshold=threshold,
                         points=[p.to_json() for p in points], band=P.band(points, threshold) if points else {},
-                        plot_path=None, provenance=prov, runs=doc["runs"])
+                        plot_path=None, provenance=prov, runs=doc["runs"],
+                        parallel=doc.get("parallel") or SINGLE.to_json())
     out = Path(path)
     result.report_path = str(out)
     if points:

@@ -24,6 +24,16 @@ rows, decode rows) against the reference's own error in that dtype on the same r
 
 The first point above its threshold in forward order is where the engine leaves the
 reference; later points above threshold are reported as downstream of it (propagation).
+
+Parallel engines (tensor parallel ranks, `compare_parallel`): each rank captures what it
+computes. The reference stays one process; what a rank's value is, the engine's table says per
+point (`Site.tp`): ``replicated`` (every rank holds the full tensor, e.g. after an all-reduce:
+each rank is compared with the reference), ``sharded`` (rank r holds block r of the features,
+e.g. its attention heads: compared with that block of the reference's tensor, never gathered),
+``partial`` (each rank holds a partial sum that the engine's all-reduce adds up later: the
+ranks' values summed, which is what that all-reduce computes, are compared). Every point the
+single-process comparison has is compared; the worst rank's result stands for the point and
+names the rank.
 """
 
 from __future__ import annotations
@@ -152,6 +162,14 @@ class Site:
     moe_layers: bool | None = None
     rope: str = "interleaved"
     note: str = ""
+    # under tensor parallelism, what each rank holds here: "replicated" (the full tensor),
+    # "sharded" (block r of the features on rank r: heads), "partial" (a partial sum before an
+    # all-reduce); see `compare_parallel`
+    tp: str = "replicated"
+
+
+#: What a rank's captured value can be under tensor parallelism (`Site.tp`).
+TP_LAYOUTS = ("replicated", "sharded", "partial")
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,17 @@ class CaptureTable:
         for s in self.sites:
             where = f"{s.path}.{s.method}()" if s.method else (s.path or s.function or "")
             out.setdefault(POINT[s.point].hf, where)
+        return out
+
+    def tp_layouts(self) -> dict[str, str]:
+        """Point -> what a tensor-parallel rank holds there (`Site.tp`; "replicated" if unstated)."""
+        out: dict[str, str] = {}
+        for s in self.sites:
+            if s.tp not in TP_LAYOUTS:
+                raise BisectError(f"table {self.name}: point {s.point} has tp layout {s.tp!r}",
+                                  hint=f"one of {', '.join(TP_LAYOUTS)}")
+            if out.setdefault(s.point, s.tp) != s.tp:
+                raise BisectError(f"table {self.name}: point {s.point} has two tp layouts")
         return out
 
     def spec(self, config: dict, dtype: str) -> dict:
@@ -360,6 +389,12 @@ class PointResult:
     ratio: float | None = None   # low precision: the worst phase's engine / reference's own error
     phase: str | None = None     # the phase that failed (or, passing, the one closest to its limit)
     margin: float | None = None  # pass: limit / ratio; fail: by how much it is over (noise.PhaseJudgement)
+    # parallel engines: the rank whose result this is (None: one process, or a partial sum of
+    # every rank) and what that rank holds here (`Site.tp`)
+    rank: int | None = None
+    layout: str | None = None
+    by_rank: dict | None = None  # {rank: error} of every rank compared here (replicated, sharded)
+    ranks_above: list[int] | None = None  # the ranks above their limit here
 
     @property
     def above(self) -> bool:
@@ -621,6 +656,9 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     for name, doc in (("engine", engine), ("reference", reference)):
         if not isinstance(doc, dict) or doc.get("schema") != "dsadapt.capture/1":
             raise BisectError(f"the {name} capture is not a dsadapt.capture/1 document")
+    if world_size(engine) > 1:
+        return compare_parallel(engine, reference, config, dtype, engine_name=engine_name,
+                                reference_lp=reference_lp, engine_table=engine_table)
     strict = dtype in STRICT_DTYPES
     if not strict and reference_lp is None:
         raise BisectError(f"a {dtype} engine needs the reference's own {dtype} capture as its noise yardstick")
@@ -866,6 +904,200 @@ def rescore_bisect(doc: dict) -> BisectResult:
     return res
 
 
+# ----------------------------------------------------------------------------- parallel ranks
+
+
+def world_size(doc: dict) -> int:
+    """How many ranks the engine ran with, as its capture says (1: one process)."""
+    try:
+        return max(1, int((doc.get("meta") or {}).get("world_size") or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def rank_docs(doc: dict) -> dict[int, dict]:
+    """The captures of every rank present: rank 0's document carries the others under ``ranks``
+    (`patcher.gate.bisect.load_capture`); a capture of rank 0 alone maps {0: doc}."""
+    out = {int((d.get("meta") or {}).get("rank") or 0): d for d in (doc.get("ranks") or [])}
+    out.setdefault(int((doc.get("meta") or {}).get("rank") or 0), doc)
+    return dict(sorted(out.items()))
+
+
+def _shard(entry: dict, rank: int, world: int) -> dict | None:
+    """Block `rank` of `world` of a capture entry's features (None when they do not split evenly)."""
+    width = int(entry["value"].shape[1])
+    if width % world:
+        return None
+    w = width // world
+    return {**entry, "value": entry["value"][:, rank * w:(rank + 1) * w]}
+
+
+def _summed(entries: list[dict]) -> dict | None:
+    """The sum of every rank's partial value at one point (what the engine's all-reduce makes of
+    them), or None when the ranks did not capture the same rows."""
+    import torch
+
+    first = entries[0]
+    for e in entries[1:]:
+        if e["value"].shape != first["value"].shape or not all(
+                torch.equal(e[k], first[k]) for k in ("prompt", "pos", "phase")):
+            return None
+    return {**first, "value": torch.stack([e["value"].double() for e in entries]).sum(0).float()}
+
+
+def _parallel_views(engine: dict, reference: dict, reference_lp: dict | None, layouts: dict[str, str]):
+    """Per present rank: (engine view, reference view, reference-LP view, notes) in which every
+    point holds what is comparable with one process: the rank's own value (replicated), the
+    rank's block of the reference (sharded), or every rank's values summed (partial).
+    `notes` says, per (layer, point), why it cannot be compared."""
+    world = world_size(engine)
+    docs = rank_docs(engine)
+    complete = set(docs) == set(range(world))
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for r, d in docs.items():
+        for entry in d["points"]:
+            by_key.setdefault((entry["layer"], entry["point"]), {})[r] = entry
+    summed: dict[tuple, dict | None] = {}
+    views = []
+    for r, d in docs.items():
+        notes: dict[tuple, str] = {}
+        eng_points, ref_slices = [], {}
+        for key, per_rank in by_key.items():
+            layout = layouts.get(key[1], "replicated")
+            if layout == "partial":
+                if not complete:
+                    notes[key] = (f"a partial sum on each rank (summed by a later all-reduce); the captures of ranks "
+                                  f"{sorted(set(range(world)) - set(docs))} are missing")
+                    continue
+                if key not in summed:
+                    summed[key] = _summed([per_rank[q] for q in range(world) if q in per_rank]) \
+                        if len(per_rank) == world else None
+                if summed[key] is None:
+                    notes[key] = "a partial sum on each rank, but the ranks captured different rows"
+                    continue
+                eng_points.append(summed[key])
+            elif r in per_rank:
+                eng_points.append(per_rank[r])
+                if layout == "sharded":
+                    ref_slices[key] = r
+        view = {**d, "points": eng_points, "meta": {**(d.get("meta") or {}), "world_size": 1}}
+        refs: list[dict | None] = []
+        for doc in (reference, reference_lp):
+            if doc is None:
+                refs.append(None)
+                continue
+            pts = []
+            for entry in doc["points"]:
+                key = (entry["layer"], entry["point"])
+                if key in ref_slices:
+                    part = _shard(entry, r, world)
+                    if part is None:
+                        notes[key] = (f"sharded over {world} ranks, but the reference's "
+                                      f"{entry['value'].shape[1]} features do not split evenly")
+                        continue
+                    entry = part
+                pts.append(entry)
+            refs.append({**doc, "points": pts})
+        views.append((r, view, refs[0], refs[1], notes))
+    return views
+
+
+def _severity(p: PointResult) -> tuple:
+    """Which rank's result stands for a point: above its limit before within it, then the one
+    furthest over (or closest to) its limit."""
+    order = {"above": 2, "ok": 1}.get(p.status, 0)
+    if p.margin is not None:
+        return (order, p.margin if p.above else -p.margin)
+    if p.error is None:
+        return (order, 0.0)
+    return (order, p.error / p.limit if p.limit else p.error)
+
+
+def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *, engine_name: str = "engine",
+                     reference_lp: dict | None = None, engine_table: CaptureTable | None = None) -> BisectResult:
+    """`compare_captures` for an engine that ran on several ranks (the module docstring says
+    what each layout is compared with). Each rank's view is compared under the single-process
+    rule; per point the worst rank's result stands, with its rank (None for a partial sum)."""
+    world = world_size(engine)
+    layouts = engine_table.tp_layouts() if engine_table else {}
+    docs = rank_docs(engine)
+    results: dict[tuple, PointResult] = {}
+    errors: dict[tuple, dict[int, float]] = {}
+    above_on: dict[tuple, set[int]] = {}
+    order: list[tuple] = []
+    last: BisectResult | None = None
+    for r, view, ref, ref_lp, notes in _parallel_views(engine, reference, reference_lp, layouts):
+        res = compare_captures(view, ref, config, dtype, engine_name=engine_name, reference_lp=ref_lp,
+                               engine_table=engine_table)
+        last = res
+        for q in res.points:
+            key = (q.layer, q.point)
+            q.layout = layouts.get(q.point, "replicated")
+            q.rank = None if q.layout == "partial" else r
+            if q.status == "not compared" and key in notes:
+                q.note = notes[key]
+            if q.rank is not None and q.error is not None:
+                errors.setdefault(key, {})[r] = q.error
+            if q.rank is not None and q.above:
+                above_on.setdefault(key, set()).add(r)
+            if key not in results:
+                order.append(key)
+                results[key] = q
+            elif _severity(q) > _severity(results[key]):
+                results[key] = q
+    assert last is not None  # rank_docs always holds rank 0's document
+    points = [results[k] for k in order]
+    for k, q in zip(order, points):
+        q.by_rank = errors.get(k) or None
+        q.ranks_above = sorted(above_on.get(k, ())) or None
+    # the verdict over the merged points, as the one-process comparison makes it
+    res = judge_points(points, dtype, last.layers, engine_name)
+    if res.first is not None:
+        res.reasons[0] = (f"first divergence: {res.first.where} ({res.first.module}){_on_rank(res.first, world)}: "
+                          f"{describe(res.first)}")
+    res.rows = {**last.rows, "world_size": world, "ranks": sorted(docs)}
+    res.missing = sorted({m for d in docs.values() for m in d.get("missing", [])})
+    res.explanation = explain_bisect(res, config)
+    return res
+
+
+def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResult]) -> list[str]:
+    """What the first divergence of a parallel run says about the split (after its first line)."""
+    others = {r: e for r, e in (p.by_rank or {}).items() if r != p.rank}
+    apart = ("; the other ranks' " + ", ".join(f"rank {r} {e:.3g}" for r, e in sorted(others.items()))) \
+        if others else ""
+    alone = bool(others) and set(p.ranks_above or ()) <= {p.rank}  # only this rank is above its limit
+    if p.layout == "sharded":
+        if alone:
+            return [f"only rank {p.rank}'s share leaves the reference there (relative error {p.error:.3g}{apart}): a "
+                    "rank-dependent split (which heads or features that rank holds, or how its shard was loaded)"]
+        return [f"every rank's share leaves the reference there (rank {p.rank} {p.error:.3g}{apart}): how the "
+                "module is split over the ranks (a shard boundary, weights loaded for the wrong rank)"]
+    if p.layout == "partial":
+        return ["the ranks' partial sums add up to something else than the reference: a rank's shard of this "
+                "module (its weights, which experts or which slice of them it holds); the all-reduce that sums "
+                "them comes after this point"]
+    if alone:
+        return [f"only rank {p.rank} leaves the reference there (relative error {p.error:.3g}{apart}): a rank computes "
+                "what the others do not (a rank-dependent branch, a collective that rank left out)"]
+    split = [q for q in upstream if q.layout in ("sharded", "partial")]
+    if p.layout == "replicated" and split:
+        return [f"its split inputs match on every rank ({', '.join(q.label for q in split)}): the collective that "
+                "combines the ranks (an all-reduce missing, applied twice or over the wrong ranks) or what the "
+                "ranks do with its result"]
+    return []
+
+
+def _on_rank(p: PointResult, world: int) -> str:
+    if world <= 1 or p.layout is None:
+        return ""
+    if p.layout == "partial":
+        return f" (the sum of the {world} ranks' partial sums)"
+    if p.layout == "sharded":
+        return f" on rank {p.rank} of {world} (its share of the features)"
+    return f" on rank {p.rank} of {world}"
+
+
 def describe(p: PointResult) -> str:
     if p.metric == "agreement":
         s = f"expert sets agree on {p.value:.1%} of {p.rows} rows"
@@ -908,7 +1140,8 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
                          f"{margin_words(m['margin'], False)}")
         return lines
     pdef = POINT[p.point]
-    lines = [f"first divergence at {p.where} — {p.module}: {describe(p)}"]
+    world = int(res.rows.get("world_size") or 1)
+    lines = [f"first divergence at {p.where} — {p.module}{_on_rank(p, world)}: {describe(p)}"]
     if p.worst:
         w = p.worst
         lines.append(f"worst row: prompt {w['prompt']} position {w['position']} ({w['phase']})"
@@ -916,6 +1149,8 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
                      + (f", engine experts {w['engine']} vs reference {w['reference']}" if "engine" in w else ""))
     upstream = [q for q in res.points if q.layer == p.layer and q is not p and q.status == "ok"
                 and res.points.index(q) < res.points.index(p)]
+    if world > 1:
+        lines += _parallel_lines(res, p, upstream)
     if upstream and p.layer is not None:
         lines.append("its inputs in this layer match (" + ", ".join(q.label for q in upstream) + "): the "
                      f"difference starts in {p.label}")

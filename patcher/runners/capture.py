@@ -37,6 +37,14 @@ A forward pre-hook on each decoder layer tells the recorder which layer is runni
 pre-hook on the root module (engines) records each forward call's token ids and positions,
 so every captured row maps to (prompt, position). `Recorder.finish` checks that mapping
 against the known token sequences and returns the capture document saved with `save`.
+
+Parallel engines (tensor parallel ranks in worker processes): the engine hands each rank's
+model to `worker_install` / `worker_prompt` / `worker_finish` (picklable by reference: vLLM's
+``LLM.apply_model`` runs them in every worker); each rank records what *it* computes and saves
+its own document, rank 0 at the capture path and rank r at ``<path>.rank<r>`` (`rank_path`),
+each stating ``meta.rank`` and ``meta.world_size`` (torch.distributed's, 0 / 1 without it).
+Which values are a rank's shard, a partial sum or the reduced tensor is the engine table's
+business (``Site.tp`` in patcher/rules/modules.py), not the recorder's.
 """
 
 from __future__ import annotations
@@ -371,3 +379,63 @@ _LAYER_RE = re.compile(r"\{i\}")
 
 def spec_layers(spec: dict) -> bool:
     return any(_LAYER_RE.search(p.get("path", "")) for p in spec.get("points", []))
+
+
+# ----------------------------------------------------------------------------- parallel ranks
+
+
+def rank_info() -> tuple[int, int]:
+    """(rank, world size) of this process in torch.distributed, (0, 1) when it is not initialized."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    except Exception:  # noqa: BLE001 - a capture never fails on a missing process group
+        pass
+    return 0, 1
+
+
+def rank_path(path: str, rank: int) -> str:
+    """Where rank `rank` saves its capture: the capture path itself for rank 0."""
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+#: The recorder of this process (one per rank), between `worker_install` and `worker_finish`.
+_WORKER: dict[str, Recorder] = {}
+
+
+def worker_install(spec_path: str, model) -> int:
+    """Install a recorder for the spec on this rank's `model`; returns the rank."""
+    rank, world = rank_info()
+    rec = Recorder(load_spec(spec_path))
+    rec.install(model)
+    _WORKER["rec"] = rec
+    return rank
+
+
+def worker_prompt(prompt: str, model) -> int:
+    """The prompt the next forward calls belong to."""
+    _WORKER["rec"].prompt = prompt
+    return rank_info()[0]
+
+
+def worker_finish(path: str, sequences: dict, meta: dict, model) -> str:
+    """Stop recording, remove the hooks, and save this rank's capture document (`rank_path`);
+    returns where it was saved."""
+    rec = _WORKER.pop("rec")
+    rec.active = False
+    rec.remove()
+    rank, world = rank_info()
+    doc = rec.finish(sequences, meta={**meta, "rank": rank, "world_size": world})
+    out = rank_path(path, rank)
+    save(doc, out)
+    return out
+
+
+def worker_abort(model) -> None:
+    """Remove this rank's hooks after a failed capture (nothing saved)."""
+    rec = _WORKER.pop("rec", None)
+    if rec is not None:
+        rec.active = False
+        rec.remove()

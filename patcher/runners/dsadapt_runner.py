@@ -64,6 +64,24 @@ def add_capture_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+def add_parallel_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The protocol for runners whose engine runs in parallel (`dsadapt check --tp N [--ep]`):
+    tensor parallel size and expert parallelism. A runner that takes them reports what it ran
+    as ``settings.parallel`` (`parallel_settings`), and dsadapt refuses a report that says
+    otherwise."""
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="tensor parallel ranks the engine runs with (default 1: one process)")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="spread the routed experts over the tensor-parallel ranks")
+    return ap
+
+
+def parallel_settings(args: argparse.Namespace, **extra) -> dict:
+    """``settings.parallel`` of a report: what the engine ran with."""
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    return {"tp": tp, "ep": bool(getattr(args, "expert_parallel", False)), "world_size": tp, **extra}
+
+
 def try_capture(capture: Callable[[], float]) -> tuple[float | None, str | None]:
     """Run a capture pass; a failure is reported (settings.capture_error), not fatal: the gate's
     logits stand and dsadapt says why bisect could not run. Returns (seconds, error)."""

@@ -3,7 +3,10 @@
 `dsadapt matrix --json` prints ``{"include": [cell, ...]}``, which a GitHub Actions job feeds
 to ``strategy.matrix`` with ``fromJSON``. Every cell says what it needs (device, python, the
 runner labels) and which steps apply; a step that cannot apply is left out with the reason
-in ``skip``, so the workflow can print it.
+in ``skip``, so the workflow can print it. ``parallel`` lists the parallel configurations the
+cell's check also runs (``dsadapt check PIN --tp 2 [--ep]``: what the engine's contract offers
+for the variant, each with the flags and what it needs), empty with the reason in ``skip``
+when the engine offers none.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from dataclasses import asdict, dataclass, field
 
 from patcher.base.config import Config
 from patcher.engines import engine
-from patcher.engines.base import Engine, VariantSpec
+from patcher.engines.base import Engine, Parallel, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
 from patcher.upstream.tags import TagsResult
 
 DEFAULT_PYTHON = "3.11"
 RUNNERS = {"cpu": ["ubuntu-latest"], "cuda": ["self-hosted", "gpu"]}
+#: The tensor parallel size a cell's parallel check runs with (the smallest real split).
+CI_TP = 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class Cell:
     steps: list[str]           # subset of rebase, apply, build, check, perf, in order
     rebase_from: str = ""      # new cells: the pin whose stack is carried forward
     skip: list[str] = field(default_factory=list)  # steps left out, and why
+    # parallel configurations the check step also runs: {"tp", "ep", "label", "args", "needs"}
+    parallel: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,6 +65,19 @@ def _perf_step(ad: Engine, entry: LockEntry, v: VariantSpec, skip: list[str]) ->
     return []
 
 
+def parallel_entries(ad: Engine, entry: LockEntry, v: VariantSpec, skip: list[str]) -> list[dict]:
+    """The parallel configurations a cell checks besides one process: TP `CI_TP`, and with expert
+    parallelism where the engine offers it; none (and the reason in `skip`) where it offers no
+    tensor parallelism."""
+    sup = ad.parallel_support(entry, v)
+    if not sup.tp:
+        skip.append(f"parallel: {ad.name} {entry.version} ({v.name}) runs the gate in one process only")
+        return []
+    configs = [Parallel(CI_TP)] + ([Parallel(CI_TP, ep=True)] if sup.ep else [])
+    return [{**c.to_json(), "args": f"--tp {c.tp}" + (" --ep" if c.ep else ""),
+             "needs": f"{c.tp} {sup.unit}s"} for c in configs]
+
+
 def pin_cells(ad: Engine, entry: LockEntry, has_stack: bool) -> list[Cell]:
     variants = _variants_for(ad, entry, ())
     cells = []
@@ -67,14 +87,16 @@ def pin_cells(ad: Engine, entry: LockEntry, has_stack: bool) -> list[Cell]:
             steps.append("apply")
         else:
             skip.append(f"apply: {entry.ref} has no stack")
+        parallel: list[dict] = []
         if v in variants:
             steps += ["build", "check"]
+            parallel = parallel_entries(ad, entry, v, skip)
             if has_stack:
                 steps += _perf_step(ad, entry, v, skip)
         else:
             skip.append(f"build, check: {entry.ref} pins no release artifact for variant {v.name}")
         cells.append(Cell(f"{entry.ref} {v.name}", entry.engine, entry.tag, str(entry.ref), "pinned", v.name,
-                          v.device, RUNNERS[v.device], _python(entry), steps, "", skip))
+                          v.device, RUNNERS[v.device], _python(entry), steps, "", skip, parallel))
     return cells
 
 
@@ -91,8 +113,9 @@ def new_tag_cells(ad: Engine, tags: TagsResult, lock: Lock) -> list[Cell]:
             skip: list[str] = []
             new_entry = LockEntry(tags.engine, t.tag, t.version)
             steps = ["rebase", "build", "check", *_perf_step(ad, new_entry, v, skip)]
+            parallel = parallel_entries(ad, new_entry, v, skip)
             cells.append(Cell(f"{pin} {v.name} (new)", tags.engine, t.tag, pin, "new", v.name, v.device,
-                              RUNNERS[v.device], _python(base), steps, str(base.ref), skip))
+                              RUNNERS[v.device], _python(base), steps, str(base.ref), skip, parallel))
     return cells
 
 

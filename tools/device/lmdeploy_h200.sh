@@ -52,8 +52,10 @@ echo "install rc=$?"
 # the HF references are pure functions of their inputs: one cache for every chain and stack
 export DSADAPT_CACHE=$B/.dsadapt/cache
 
-one() {  # CHAIN N STACK DSADAPT-ARGS...: one command of a chain, its --json output and log kept
+one() {  # CHAIN N STACK [NAME=VALUE...] DSADAPT-ARGS...: one command of a chain, its --json output and log kept
   local chain=$1 n=$2 stack=$3; shift 3
+  local envs=()  # leading NAME=VALUE words: that command's environment only (e.g. LMDEPLOY_EXECUTOR_BACKEND=mp)
+  while [[ "${1:-}" =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done
   local cmd=$1; shift
   local tag; tag=$(printf '%02d-%s-%s' "$n" "$stack" "$(echo "$cmd $*" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-60)")
   local out=$R/$chain/$tag
@@ -64,12 +66,12 @@ one() {  # CHAIN N STACK DSADAPT-ARGS...: one command of a chain, its --json out
   local project=$B; [ "$stack" = main ] || project=$B/stacks/$stack
   local t=$SECONDS
   # shellcheck disable=SC2086
-  DSADAPT_VENVS=$project/.dsadapt/venvs DSADAPT_WORKDIR=$project/.w$chain timeout -k 10 "$budget" \
+  env "${envs[@]}" DSADAPT_VENVS="$project/.dsadapt/venvs" DSADAPT_WORKDIR="$project/.w$chain" timeout -k 10 "$budget" \
     "$D" --project "$project" "$cmd" "$PIN" --variant "$VARIANT" --publish "$@" --json > "$out.json" 2> "$out.log"
   local rc=$?
-  printf '{"chain": "%s", "stack": "%s", "command": "%s", "rc": %d, "seconds": %d}\n' \
-    "$chain" "$stack" "$cmd $*" "$rc" "$((SECONDS - t))" > "$out.meta.json"
-  echo "=== $((SECONDS - T0))s chain $chain: [$stack] $cmd $* rc=$rc ($((SECONDS - t)) s)"
+  printf '{"chain": "%s", "stack": "%s", "command": "%s", "env": "%s", "rc": %d, "seconds": %d}\n' \
+    "$chain" "$stack" "$cmd $*" "${envs[*]}" "$rc" "$((SECONDS - t))" > "$out.meta.json"
+  echo "=== $((SECONDS - T0))s chain $chain: [$stack] ${envs[*]:+${envs[*]} }$cmd $* rc=$rc ($((SECONDS - t)) s)"
 }
 export -f one
 export R DEADLINE CMD_S MIN_S PIN VARIANT T0

@@ -16,14 +16,16 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    parallel_options,
     pass_ctx,
     progress_printer,
     say,
     table,
+    to_parallel,
     to_ref,
 )
 from patcher.engines import engine
-from patcher.gate.check import CheckRequest, CheckResult, check_dtypes, preflight, run_check
+from patcher.gate.check import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
 from patcher.stack.workspace import workdir_lock
 
 
@@ -33,6 +35,8 @@ def _num(x, spec=".3g") -> str:
 
 def render(res: CheckResult, report: dict | None) -> None:
     b = res.bisect or {}
+    par = res.parallel or {}
+    parallel = int(par.get("tp") or 1) > 1
     if report:
         rows = []
         for p in report["points"]:
@@ -44,10 +48,17 @@ def render(res: CheckResult, report: dict | None) -> None:
             status = {"above": "ABOVE", "ok": "ok", "not compared": "-"}.get(p["status"], p["status"])
             if report.get("first") and p["layer"] == report["first"]["layer"] and p["point"] == report["first"]["point"]:
                 status = "FIRST"
-            rows.append([where, p["label"], err, limit, _num(p.get("noise")), str(p.get("rows") or "-"), status])
-        table(f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers, per module — "
+            row = [where, p["label"], err, limit, _num(p.get("noise")), str(p.get("rows") or "-"), status]
+            if parallel:
+                row.insert(2, "sum" if p.get("layout") == "partial" else str(p.get("rank", "-")))
+            rows.append(row)
+        columns = ["layer", "point", "error", "limit", "ref noise", "rows", "status"]
+        if parallel:
+            columns.insert(2, "rank")
+        table(f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}"
+              f"{', ' + par['label'] if parallel else ''}) vs HF transformers, per module — "
               f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
-              f"{b.get('rule')} rule", ["layer", "point", "error", "limit", "ref noise", "rows", "status"], rows)
+              f"{b.get('rule')} rule", columns, rows)
     for line in b.get("explanation") or b.get("reasons") or []:
         say(f"  {line}")
     say(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
@@ -67,17 +78,22 @@ def render(res: CheckResult, report: dict | None) -> None:
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
 @click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
 @click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
+@parallel_options
 @json_option
 @pass_ctx
-def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, as_json) -> None:
+def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, tp, ep,
+               as_json) -> None:
     """Compare every decoder layer's modules with HF transformers on the gate's prompts and name the first
     (layer, module) that diverges. One engine start, one reference run. Exit 0 when every point is within
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
     model_config = _check_model(model)
+    parallel = to_parallel(tp, ep)
+    check_split(model, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, config=model_config)  # before anything is made
+    # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
+    preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel, config=model_config)
     if getattr(engine(ref.engine), "bisect_table", None) is None:
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")
@@ -86,7 +102,8 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
         req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
-                           unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command)
+                           unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command,
+                           tp=parallel.tp, ep=parallel.ep)
         res = run_check(ctx.cfg, ctx.lock, req, progress=progress, stream=not as_json, on_line=on_line)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
@@ -106,7 +123,12 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
         if b.get("first"):
             f = b["first"]
             where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
-            raise CheckFailed(f"{ref} leaves the reference at {where} ({f['module']}) in {dtype}",
+            if f.get("layout") == "partial":
+                where += " (the ranks' partial sums added)"
+            elif f.get("rank") is not None and f.get("layout"):
+                where += f" on rank {f['rank']}"
+            raise CheckFailed(f"{ref} leaves the reference at {where} ({f['module']}) in {dtype}"
+                              + ("" if parallel.single else f" at {parallel.describe()}"),
                               hint=f"bisect report: {b.get('report_path')}")
         raise DsadaptError(f"{ref}: {'; '.join(b.get('reasons') or ['bisect failed'])}",
                            hint=f"check report: {res.report_path}")

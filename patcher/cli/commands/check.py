@@ -16,11 +16,13 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    parallel_options,
     pass_ctx,
     progress_printer,
     publish_option,
     say,
     table,
+    to_parallel,
     to_ref,
 )
 from patcher.engines import engine
@@ -31,6 +33,8 @@ from patcher.gate.check import (
     bisect_command,
     check_dtypes,
     check_or_raise,
+    check_split,
+    failure_where,
     preflight,
     run_check,
 )
@@ -106,7 +110,9 @@ def render(res: CheckResult) -> None:
                      {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match")),
                      "-" if r.get("first_divergence") is None else str(r["first_divergence"]),
                      _row_verdict(c, r)])
-    title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}) vs HF transformers — "
+    par = res.parallel or {}
+    title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}"
+             f"{', ' + par['label'] if int(par.get('tp') or 1) > 1 else ''}) vs HF transformers — "
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
              f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
     if not rows:
@@ -131,6 +137,10 @@ def render_bisect_summary(b: dict) -> None:
     if b.get("first"):
         f = b["first"]
         where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
+        if f.get("layout") == "partial":
+            where += " (every rank's partial sums added)"
+        elif f.get("rank") is not None and f.get("layout"):
+            where += f" on rank {f['rank']}"
         phase = f", {f['phase']} rows" if f.get("phase") else ""
         ratio = f", {f['ratio']:.2f}x the reference's own error" if f.get("ratio") is not None else ""
         say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
@@ -162,18 +172,25 @@ def render_bisect_summary(b: dict) -> None:
 @click.option("--bisect", "bisect", is_flag=True,
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
+@parallel_options
 @publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, as_json) -> None:
-    """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
+              reference_device, bisect, tp, ep, as_json) -> None:
+    """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass.
+
+    With --tp N [--ep] the engine runs on N ranks and the same comparison runs against the
+    one-process reference: the logits, and per module every rank's view (docs/equivalence.md,
+    "Parallel runs"); its report is named for the configuration (…-tp2.json)."""
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
     if all_pins and unpatched_engine:
         raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
                          hint="dsadapt check ENGINE@TAG --unpatched-engine")
     model_config = _check_model(model)
+    parallel = to_parallel(tp, ep)
+    check_split(model, parallel)
     command = command_line(click.get_current_context())
     progress = progress_printer(not as_json)
     on_line = progress.note if progress is not None else None
@@ -184,8 +201,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         from patcher.cli.commands.build import default_variant
 
         variant = default_variant(ctx, ref, variant)
-        # bad variant/dtype, cannot run here (this checkpoint here): before anything is made
-        _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, config=model_config)
+        # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
+        _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel,
+                            config=model_config)
         from patcher.gate.check import reference_device as where_reference
 
         where_reference(reference_device, spec)
@@ -193,7 +211,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         done: list[CheckResult] = []
         req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
                            unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
-                           command=command)
+                           command=command, tp=parallel.tp, ep=parallel.ep)
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
                 res = run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
@@ -215,7 +233,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 check_or_raise(first)
             except CheckFailed as e:
                 raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed_runs)}: "
-                                  f"{first.dtype}: {'; '.join(first.reasons[:2])}", hint=e.hint) from None
+                                  f"{first.dtype}{failure_where(first)}: {'; '.join(first.reasons[:2])}",
+                                  hint=e.hint) from None
         for r in failed_runs:
             check_or_raise(r)
         return
@@ -226,25 +245,26 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         for entry in ctx.lock.sorted_pins():
             eng = engine(entry.engine)
             spec = eng.variant_for(entry, None)
-            blocker = eng.run_blocker(entry, spec)
+            blocker = eng.run_blocker(entry, spec) or eng.parallel_blocker(entry, spec, parallel)
             if blocker is None and dtype is not None and dtype not in eng.gate_dtypes(spec):
                 blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
             if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
                 blocker = "no stack"
             if blocker:
-                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": blocker})
+                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": blocker,
+                                "parallel": parallel.to_json()})
                 rows.append([str(entry.ref), "not run", blocker])
                 continue
             try:
                 req = CheckRequest(entry.ref, model=model, config_style=config_style, reference_on=reference_device,
-                                   bisect=mode, command=command)
+                                   bisect=mode, command=command, tp=parallel.tp, ep=parallel.ep)
                 runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
                                   on_line=on_line)
                         for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref, config=model_config))]
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
                 results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
-                                "dtypes": {r.dtype: r.verdict for r in runs},
+                                "parallel": parallel.to_json(), "dtypes": {r.dtype: r.verdict for r in runs},
                                 "report": runs[0].report_path if len(runs) == 1 else [r.report_path for r in runs],
                                 "reasons": [f"{r.dtype}: {x}" if len(runs) > 1 else x for r in bad for x in r.reasons]})
                 rows.append([str(entry.ref) + ("" if len(runs) == 1 else " (" + ", ".join(
@@ -265,7 +285,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if as_json:
         emit_json({"results": results, "ok": bool(ran) and not failed})
     else:
-        table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'})",
+        table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'}"
+              f"{'' if parallel.single else ', ' + parallel.describe()})",
               ["pin", "verdict", "detail"], rows)
         say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
             f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
@@ -277,7 +298,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
 
 def overall_json(pin: str, results: list[CheckResult]) -> dict:
     """`check PIN --json` over several dtypes: one verdict per dtype and one overall."""
-    return {"schema": "dsadapt.check-dtypes/1", "pin": pin,
+    return {"schema": "dsadapt.check-dtypes/1", "pin": pin, "parallel": results[0].parallel,
             "verdict": "pass" if all(r.passed for r in results) else "fail",
             "dtypes": {r.dtype: r.verdict for r in results}, "results": [r.to_json() for r in results]}
 

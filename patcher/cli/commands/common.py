@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import click
 
 from patcher.base.config import Config, load_config
-from patcher.base.errors import escape_line, plural  # noqa: F401 - plural is for the commands
+from patcher.base.errors import UsageError, escape_line, plural  # noqa: F401 - plural is for the commands
 from patcher.formats.lock import Lock, load_lock
 from patcher.formats.pinref import PinRef, parse_pinref
 
@@ -97,6 +97,26 @@ publish_option = click.option(
     "--publish", is_flag=True, expose_value=False, callback=_publish,
     help="Write the report into the project's committed reports/ (default: the work dir's reports/, "
          "so runs never change committed files).")
+
+
+def parallel_options(f):
+    """--tp N and --ep: the engine's parallel configuration (the reference stays one process)."""
+    f = click.option("--ep", is_flag=True,
+                     help="Expert parallelism: spread the routed experts over the --tp ranks (where the "
+                          "engine offers it; needs --tp 2 or more).")(f)
+    return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+                        help="Run the engine with tensor parallel size N, one rank a device (CPU core or GPU, "
+                             "as the engine's contract says); the HF reference stays one process.")(f)
+
+
+def to_parallel(tp: int, ep: bool):
+    """The parallel configuration of --tp/--ep, or UsageError (exit 2) for --ep without ranks."""
+    from patcher.engines.base import Parallel
+
+    if ep and tp < 2:
+        raise UsageError("--ep spreads the experts over the tensor-parallel ranks: it needs --tp 2 or more",
+                         hint="e.g. --tp 2 --ep")
+    return Parallel(tp, ep)
 
 
 def pinref_arg(required: bool = True, pinned: bool = True):

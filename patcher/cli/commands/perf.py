@@ -15,11 +15,13 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    parallel_options,
     pass_ctx,
     progress_printer,
     publish_option,
     say,
     table,
+    to_parallel,
     to_ref,
 )
 from patcher.rules.speed import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, build_workload, parse_int_list
@@ -50,7 +52,9 @@ def render(res) -> None:
         rows.append(["peak RSS (server group)", _mib(p["sides"][a]["peak_rss"]), _mib(p["sides"][b]["peak_rss"]), "", ""])
         if p["sides"][a].get("peak_gpu") is not None:
             rows.append(["peak GPU memory", _mib(p["sides"][a]["peak_gpu"]), _mib(p["sides"][b]["peak_gpu"]), "", ""])
-        table(f"{res.pin} ({res.variant}) {res.model} {res.config_style or ''} {res.dtype}: concurrency "
+        par = res.parallel or {}
+        label = f", {par['label']}" if int(par.get("tp") or 1) > 1 else ""
+        table(f"{res.pin} ({res.variant}{label}) {res.model} {res.config_style or ''} {res.dtype}: concurrency "
               f"{p['concurrency']}, {p['sides'][a]['rounds']} rounds",
               ["metric", a, b, f"{a}/{b} (95% CI; <1 = {a} slower)", ""], rows)
     say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
@@ -86,11 +90,12 @@ def render(res) -> None:
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
                    "--threshold if given) instead of measuring; rewrites the report and its plot.")
+@parallel_options
 @publish_option
 @json_option
 @pass_ctx
 def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency, input_len, output_len, requests,
-             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, as_json) -> None:
+             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, tp, ep, as_json) -> None:
     """Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.
 
     Both builds are served on 127.0.0.1 at once and loaded in alternating rounds by the
@@ -122,17 +127,23 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     ins = parse_int_list(input_len, "--input-len")
     outs = parse_int_list(output_len, "--output-len")
     cpu_list = parse_cpus(cpus)
+    parallel = to_parallel(tp, ep)
+    from patcher.gate.check import check_split
+
+    check_split(model, parallel)
     # the workload's own checks (lengths, rounds, requests), before anything is made
     build_workload(original_context=None, max_model_len=max_model_len, input_lens=ins, output_lens=outs,
                    concurrency=conc, rounds=rounds, requests=requests, warmup_rounds=warmup)
-    preflight(ctx.lock, ref, variant, dtype)  # unknown pin/variant, cannot run here, no recipe: before anything is made
+    # unknown pin/variant, cannot run here (in this parallel configuration), no recipe: before anything is made
+    preflight(ctx.lock, ref, variant, dtype, parallel=parallel, cpus=cpu_list)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     progress = progress_printer(not as_json)
     with workdir_lock(ctx.cfg):
         res = run_perf(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                        concurrency=conc, input_lens=ins, output_lens=outs, rounds=rounds, requests=requests,
                        warmup_rounds=warmup, max_model_len=max_model_len, threshold=threshold, aa=aa, cpus=cpu_list,
-                       time_limit_s=time_limit, progress=progress, stream=not as_json, command=command)
+                       time_limit_s=time_limit, progress=progress, stream=not as_json, command=command,
+                       parallel=parallel)
     if as_json:
         emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
     else:

@@ -112,8 +112,9 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     if as_json:
         emit_json(github_matrix(cells))
         return
-    table("CI matrix", ["cell", "runs on", "python", "steps", "skipped", "check here"],
-          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps), "; ".join(c.skip) or "-",
+    table("CI matrix", ["cell", "runs on", "python", "steps", "parallel", "skipped", "check here"],
+          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps),
+            ", ".join(f"{p['label']} ({p['needs']})" for p in c.parallel) or "-", "; ".join(c.skip) or "-",
             blocker_here(c, ctx.lock) or "yes"] for c in cells])
 
 

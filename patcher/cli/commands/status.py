@@ -50,7 +50,11 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
                  "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
                  "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
                  "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
-                 "run_blockers": {v: b for v, b in blockers.items() if b}, "serves": entry.serves, "error": err}
+                 "run_blockers": {v: b for v, b in blockers.items() if b},
+                 # what each variant's gate runner offers in parallel (`Engine.parallel_support`)
+                 "parallel": {v.name: {"tp": ad.parallel_support(entry, v).tp, "ep": ad.parallel_support(entry, v).ep,
+                                       "unit": ad.parallel_support(entry, v).unit} for v in variants},
+                 "serves": entry.serves, "error": err}
             data.append(d)
             rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
                          kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])

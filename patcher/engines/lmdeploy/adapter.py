@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patcher.engines.base import COMPILED_DEFAULT, VariantSpec, WheelEngine
+from patcher.engines.base import COMPILED_DEFAULT, ParallelSupport, VariantSpec, WheelEngine, version_at_least
 from patcher.engines.lmdeploy.bisect_table import TABLE
 from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe, recipe
 from patcher.formats.lock import LockEntry
 from patcher.runners import RunnerSpec
 
 HERE = Path(__file__).resolve().parent
+#: The PyTorch engine's tensor parallelism (PytorchEngineConfig tp=N: LMDeploy starts one process
+#: a GPU). No expert parallelism: LMDeploy's EP needs DeepEP/DLBlas kernels the gate does not set up.
+TP_ON_GPUS = ParallelSupport(tp=True, ep=False, unit="CUDA GPU",
+                             note="PytorchEngineConfig tp=N, one process a GPU (not run at TP > 1 yet)")
+#: The first LMDeploy release whose runner takes the parallel options.
+PARALLEL_SINCE = "0.18.0"
 
 
 class LmdeployEngine(WheelEngine):
@@ -20,7 +26,7 @@ class LmdeployEngine(WheelEngine):
     packages = ("lmdeploy",)
     variants = (
         VariantSpec("cuda", "lmdeploy", "cuda", description="full wheel (TurboMind + PyTorch engine)",
-                    toolchain=("nvcc", "cmake", "g++")),
+                    toolchain=("nvcc", "cmake", "g++"), parallel=TP_ON_GPUS),
         VariantSpec("pytorch", "lmdeploy", "cuda",
                     description="PyTorch engine only: TurboMind's 364 MB extension left out",
                     toolchain=("nvcc", "cmake", "g++"),
@@ -35,7 +41,8 @@ class LmdeployEngine(WheelEngine):
                     # families the tiny DeepSeek models do not use (tilelang kernels, linear attention,
                     # the chemistry tokenizer's rdkit). An offline bundle leaves them out.
                     unused_deps=("nvidia-nccl-cu12", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12",
-                                 "nvidia-curand-cu12", "ray", "tilelang", "flash-linear-attention", "rdkit")),
+                                 "nvidia-curand-cu12", "ray", "tilelang", "flash-linear-attention", "rdkit"),
+                    parallel=TP_ON_GPUS),
     )
     compiled_patterns = COMPILED_DEFAULT + ("src/turbomind/*", "lmdeploy/lib/*")
     docs_page = "docs/engines/lmdeploy.md"
@@ -48,10 +55,13 @@ class LmdeployEngine(WheelEngine):
     # backends/cuda/blockedf8_modules.py), activations bfloat16
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16", "fp8"))
     run_settings = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode",
-                    "cache_max_entry_count", "generation_requests", "weights")
+                    "cache_max_entry_count", "generation_requests", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
     bisect_table = TABLE
     module_map = TABLE.module_map()
+
+    def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport:
+        return spec.parallel if version_at_least(entry.version, PARALLEL_SINCE) else ParallelSupport()
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
         # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only

@@ -28,6 +28,14 @@ What differs from HF transformers, and how the table brings LMDeploy's values to
   renormalization). The routed experts (``FusedMoE``) and the shared experts are modules; the
   shared output is added in place after the hooks have copied the routed output.
 - Logits: ``lm_head`` computes the sampled row of each step.
+- Tensor parallel ranks (``Site.tp``; read from the same files, **not run**: LMDeploy's TP needs
+  two GPUs): ``q_b_proj``/``q_proj`` are column-parallel (``is_tp=True``) and ``o_proj``
+  row-parallel with its all-reduce, so q after RoPE and the attention core hold the rank's heads
+  (``sharded``) and the attention output is whole; the routed experts (``all_reduce`` off when
+  dp = 1) and the shared experts (``is_shared_expert``: split, reduced in the MoE) are
+  ``partial``, all-reduced together at the end of ``DeepseekV2MoE.forward``. The embedding
+  (``ParallelEmbedding``, all-reduced) and the logits (``ParallelLMHead`` all-gathers on every
+  rank) are whole.
 
 The adapter (`LmdeployEngine.bisect_table`) serves this table.
 """
@@ -47,16 +55,16 @@ TABLE = CaptureTable(
         Site("input_norm", f"{L}.input_layernorm", take=0, token_axis=1),
         Site("attn.q_a_norm", f"{L}.self_attn.q_a_layernorm", token_axis=1),
         Site("attn.kv_a_norm", f"{L}.self_attn.kv_a_layernorm"),
-        Site("attn.q_rope", f"{L}.self_attn.apply_rotary_pos_emb", take=0, rope="halves"),
+        Site("attn.q_rope", f"{L}.self_attn.apply_rotary_pos_emb", take=0, rope="halves", tp="sharded"),
         Site("attn.k_rope", f"{L}.self_attn.apply_rotary_pos_emb", take=1, rope="halves"),
-        Site("attn.core", f"{L}.self_attn.o_proj", take="input0", token_axis=1),
+        Site("attn.core", f"{L}.self_attn.o_proj", take="input0", token_axis=1, tp="sharded"),
         Site("attn.out", f"{L}.self_attn", token_axis=1),
         Site("post_norm", f"{L}.post_attention_layernorm", take=0, token_axis=1),
         Site("router.logits", f"{L}.mlp.gate.router_gemm"),
         Site("router.weights", f"{L}.mlp.gate", take=0),
         Site("router.experts", f"{L}.mlp.gate", take=1),
-        Site("routed", f"{L}.mlp.experts"),
-        Site("shared", f"{L}.mlp.shared_experts"),
+        Site("routed", f"{L}.mlp.experts", tp="partial"),
+        Site("shared", f"{L}.mlp.shared_experts", tp="partial"),
         Site("mlp", f"{L}.mlp", token_axis=1),
         Site("out", L, take="sum", token_axis=1),
         Site("final_norm", "model.norm", take=0, token_axis=1),

@@ -37,6 +37,7 @@ class LmdeployPerfRecipe(StreamLoadRecipe):
     protocol: Path = Path(__file__).resolve().with_name("stream_protocol.py")
     tool: str = "dsadapt stream_load against LMDeploy's /generate, summarised by lmdeploy.profiler"
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
+    serves_parallel: bool = True
 
     def server_command(self, python: Path, port: int, settings: ServeSettings) -> ServerCommand:
         s = settings
@@ -44,6 +45,8 @@ class LmdeployPerfRecipe(StreamLoadRecipe):
                 "--server-name", "127.0.0.1", "--server-port", str(port), "--model-name", s.served_name,
                 "--dtype", s.dtype, "--session-len", str(s.max_model_len), "--max-batch-size", str(s.max_num_seqs),
                 "--num-gpu-blocks", str(gpu_blocks(s)), "--cache-block-seq-len", str(BLOCK), "--log-level", "WARNING"]
+        if s.tp > 1:
+            argv += ["--tp", str(s.tp)]
         return ServerCommand(argv, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0"},
                              ready_path="/health")
 

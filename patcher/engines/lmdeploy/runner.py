@@ -5,7 +5,8 @@ PYTHONPATH); it runs with the pin's environment interpreter in a subprocess and 
 imports `patcher`. Needs a CUDA device.
 
     python lmdeploy_runner.py --model DIR --prompts prompts.json --dtype bfloat16 \
-        --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA]
+        --top-k 20 --max-tokens 16 --out report.json [--fingerprint SHA] \
+        [--tensor-parallel-size N] [--capture FILE --capture-spec SPEC.json]
 
 What it records, per prompt (the ``dsadapt.logit-report/1`` schema of
 ``patcher/runners/dsadapt_runner.py``):
@@ -25,12 +26,24 @@ batch are sent together (concurrent requests the engine schedules as one batch).
 
 LMDeploy has no float32 mode: ``--dtype`` is bfloat16 or float16, or fp8 for a block-FP8 checkpoint
 (LMDeploy reads its quantization_config and runs its blocked-FP8 linears; activations bfloat16).
+
+Tensor parallelism (``--tensor-parallel-size N``, `dsadapt check --tp N`): ``PytorchEngineConfig(tp=N)``;
+LMDeploy starts one worker process a GPU. The executor is LMDeploy's multiprocess one
+(``distributed_executor_backend="mp"``; LMDeploy would pick ray on CUDA, which the offline
+bundle leaves out), unless ``LMDEPLOY_EXECUTOR_BACKEND`` says otherwise. There the model lives
+in the workers, not in this process: the capture (``--capture``) is driven through the
+executor's ``collective_rpc`` with a worker method this script adds when LMDeploy's spawned
+workers import it as their main module (``__mp_main__``: `install_worker_capture`); every
+rank saves its own capture (capture.py). ``LMDEPLOY_EXECUTOR_BACKEND=mp`` at TP 1 takes the
+same path with one worker (the single-GPU rehearsal of the TP path). No expert parallelism.
+
 Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 
@@ -47,8 +60,14 @@ def parse_args(argv=None):
     ap.add_argument("--session-len", type=int, default=SESSION_LEN)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.05,
                     help="fraction of free GPU memory for the KV cache")
+    kit.add_parallel_args(ap)
     kit.add_capture_args(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be at least 1")
+    if args.expert_parallel:
+        ap.error("--expert-parallel: this runner runs LMDeploy's tensor parallelism only")
+    return args
 
 
 # ----------------------------------------------------------------------------- pure
@@ -99,13 +118,24 @@ submission_groups = kit.submission_groups
 # ----------------------------------------------------------------------------- engine
 
 
-def make_pipeline(model: str, dtype: str, session_len: int, cache_max_entry_count: float):
+def executor_backend(tp: int, environ=None) -> str | None:
+    """The executor LMDeploy is asked for: LMDEPLOY_EXECUTOR_BACKEND when set, "mp" for several
+    ranks (LMDeploy's own choice on CUDA is ray), else LMDeploy's default (None: "uni" for one)."""
+    environ = os.environ if environ is None else environ
+    given = environ.get("LMDEPLOY_EXECUTOR_BACKEND")
+    if given:
+        return given
+    return "mp" if tp > 1 else None
+
+
+def make_pipeline(model: str, dtype: str, session_len: int, cache_max_entry_count: float, tp: int = 1):
     from lmdeploy import PytorchEngineConfig, pipeline
 
     config = PytorchEngineConfig(dtype="bfloat16" if dtype == "fp8" else dtype, session_len=session_len,
                                  eager_mode=True,
                                  cache_max_entry_count=cache_max_entry_count,
-                                 logprobs_mode="raw_logprobs")
+                                 logprobs_mode="raw_logprobs", tp=tp,
+                                 distributed_executor_backend=executor_backend(tp))
     return pipeline(model, backend_config=config, log_level="ERROR"), config
 
 
@@ -174,46 +204,138 @@ def run(pipe, prompt_docs: list[dict], top_k: int, max_tokens: int) -> tuple[lis
     return [out[p["id"]] for p in prompt_docs], requests
 
 
+def _unwrap(model):
+    """The ``nn.Module`` of a model agent's ``patched_model`` (unwrapped from the graph runner)."""
+    import torch
+
+    return model if isinstance(model, torch.nn.Module) else model.get_model()
+
+
 def engine_model(pipe):
     """The live ``nn.Module`` behind a ``pipeline`` (PyTorch engine, single-process ``uni``
     executor): ``async_engine.engine.executor.model_agent.patched_model``, unwrapped from the
     graph runner (lmdeploy 0.18.0)."""
-    import torch
-
-    engine = getattr(getattr(pipe, "async_engine", None), "engine", None)
-    agent = getattr(getattr(engine, "executor", None), "model_agent", None)
+    executor = _executor(pipe)
+    agent = getattr(executor, "model_agent", None)
     model = getattr(agent, "patched_model", None)
     if model is None:
         raise RuntimeError("cannot reach the model through pipeline.async_engine.engine.executor.model_agent "
                            "(bisect needs the PyTorch engine with its single-process 'uni' executor)")
-    if not isinstance(model, torch.nn.Module):
-        model = model.get_model()
-    return model
+    return _unwrap(model)
 
 
-def capture_pass(pipe, prompt_docs: list[dict], args) -> float:
+def _executor(pipe):
+    engine = getattr(getattr(pipe, "async_engine", None), "engine", None)
+    return getattr(engine, "executor", None)
+
+
+# ----------------------------------------------------------------------------- capture in workers
+
+#: The worker method the capture calls through ``collective_rpc`` (`install_worker_capture`).
+WORKER_METHOD = "dsadapt_capture"
+
+
+def worker_capture(worker, op: str, *args):
+    """What one worker does for the capture: `op` "install" (spec path), "prompt" (prompt id),
+    "finish" (path, sequences, meta) or "abort", on its own model (capture.py's worker functions)."""
+    import capture  # on PYTHONPATH with the kit: the workers inherit this process's environment
+
+    model = _unwrap(worker.model_agent.patched_model) if op == "install" else None
+    if op == "install":
+        return capture.worker_install(args[0], model)
+    if op == "prompt":
+        return capture.worker_prompt(args[0], model)
+    if op == "finish":
+        return capture.worker_finish(args[0], args[1], args[2], model)
+    return capture.worker_abort(model)
+
+
+def install_worker_capture() -> bool:
+    """Give LMDeploy's worker class the capture method (in a worker process it spawned; the
+    multiprocess executor calls worker methods by name). False when LMDeploy is not importable."""
+    try:
+        from lmdeploy.pytorch.engine.executor.base_worker import WorkerWrapperBase
+    except ImportError:
+        return False
+
+    def method(self, op, *args):
+        return worker_capture(self, op, *args)
+
+    setattr(WorkerWrapperBase, WORKER_METHOD, method)
+    return True
+
+
+def _rpc_capture(executor, prompt_docs: list[dict], args, run_prompt) -> tuple[dict, list[str]]:
+    """The capture through the workers: install, one "prompt" before each prompt's request, then
+    "finish"; every command goes out without waiting for replies (the engine's own loop reads the
+    workers' replies), and the rank captures are awaited on disk. Returns (sequences, paths)."""
+    world = len(getattr(executor, "procs", None) or [None])
+    path = os.path.abspath(args.capture)
+    paths = [path if r == 0 else f"{path}.rank{r}" for r in range(world)]
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+    def rpc(*call):
+        executor.collective_rpc(WORKER_METHOD, args=call, return_mask=0)
+
+    rpc("install", os.path.abspath(args.capture_spec))
+    sequences: dict[str, list[int]] = {}
+    try:
+        for p in prompt_docs:
+            rpc("prompt", p["id"])
+            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in run_prompt(p)]
+    except BaseException:
+        rpc("abort")
+        raise
+    meta = {"engine": "lmdeploy", "dtype": args.dtype, "decode_steps": args.capture_decode_steps,
+            "parallel": kit.parallel_settings(args, executor=type(executor).__name__)}
+    rpc("finish", path, sequences, meta)
+    deadline = time.time() + 300
+    while not all(os.path.isfile(p) for p in paths):
+        if time.time() > deadline:
+            raise RuntimeError(f"the workers wrote {sum(os.path.isfile(p) for p in paths)} of {world} rank captures")
+        time.sleep(0.2)
+    return sequences, paths
+
+
+def capture_pass(pipe, prompt_docs: list[dict], args, saved: list | None = None) -> float:
     """`dsadapt bisect`'s capture (capture.py): hooks on the live model, each prompt alone through
     the request path, prefill plus `--capture-decode-steps` greedy decode steps. A request that
     stops short is continued like the gate's (`_generate`); the continuation re-prefills the
-    prefix, and the comparison keeps each position's first computation."""
-    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
+    prefix, and the comparison keeps each position's first computation. With the single-process
+    executor the hooks go on the model in this process; with LMDeploy's multiprocess executor
+    (several ranks) on every worker's model, through the executor (`install_worker_capture`)."""
+    import capture  # the runners' own helper, on PYTHONPATH with the kit
 
     t0 = time.time()
-    rec = Recorder(load_spec(args.capture_spec))
-    rec.install(engine_model(pipe))
     steps = args.capture_decode_steps + 1
+
+    def run_prompt(p):
+        tokens, _, _ = pipe._run(coro=_generate(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
+        return tokens
+
+    executor = _executor(pipe)
+    if getattr(executor, "model_agent", None) is None and hasattr(executor, "collective_rpc"):
+        _, paths = _rpc_capture(executor, prompt_docs, args, run_prompt)
+        if saved is not None:
+            saved += paths
+        return round(time.time() - t0, 3)
+    rec = capture.Recorder(capture.load_spec(args.capture_spec))
+    rec.install(engine_model(pipe))
     sequences: dict[str, list[int]] = {}
     try:
         for p in prompt_docs:
             rec.prompt = p["id"]
-            tokens, _, _ = pipe._run(coro=_generate(pipe.async_engine, list(p["token_ids"]), steps, 1)).result()
-            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in tokens]
+            sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in run_prompt(p)]
     finally:
         rec.active = False
         rec.remove()
     doc = rec.finish(sequences, meta={"engine": "lmdeploy", "dtype": args.dtype,
                                       "decode_steps": args.capture_decode_steps})
-    save(doc, args.capture)
+    capture.save(doc, args.capture)
+    if saved is not None:
+        saved.append(args.capture)
     return round(time.time() - t0, 3)
 
 
@@ -224,13 +346,16 @@ def main(argv=None):
 
     prompt_docs = kit.load_prompts(args.prompts)
     t0 = time.time()
-    pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count)
+    pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count,
+                                 args.tensor_parallel_size)
     t1 = time.time()
     capture_s, capture_error = None, None
+    saved: list = []
+    executor = type(_executor(pipe)).__name__
     try:
         results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
         if args.capture:
-            capture_s, capture_error = kit.try_capture(lambda: capture_pass(pipe, prompt_docs, args))
+            capture_s, capture_error = kit.try_capture(lambda: capture_pass(pipe, prompt_docs, args, saved))
     finally:
         pipe.close()
     t2 = time.time()
@@ -249,12 +374,20 @@ def main(argv=None):
                   "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
                   "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
                   "generation_requests": requests,
+                  "parallel": kit.parallel_settings(args, executor=executor,
+                                                    gpus=torch.cuda.device_count(),
+                                                    **({"captured_ranks": len(saved)} if args.capture else {})),
                   **({"capture_error": capture_error} if capture_error else {})},
         timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
                  **({"capture_s": capture_s} if capture_s is not None else {})}))
     kit.say("lmdeploy_runner", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 
+
+if __name__ == "__mp_main__":
+    # a worker process LMDeploy's multiprocess executor spawned (spawn imports the parent's main
+    # script under this name before the worker starts): give its worker class the capture method
+    install_worker_capture()
 
 if __name__ == "__main__":
     kit.run(main)

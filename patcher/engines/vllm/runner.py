@@ -6,6 +6,7 @@ the environment (on CPU: ``VLLM_CPU_KVCACHE_SPACE=1``).
 
     python vllm_runner.py --model DIR --prompts prompts.json --dtype float32 \
         --top-k 5 --max-tokens 16 --out report.json [--max-model-len 256] [--fingerprint SHA] \
+        [--tensor-parallel-size N [--expert-parallel]] \
         [--capture FILE --capture-spec SPEC.json [--capture-decode-steps 16]]
 
 Prompts go in as token ids (``{"prompt_token_ids": [...]}``), never text; the
@@ -17,9 +18,18 @@ of a named batch are submitted together in one call.
 The report records ``vllm.__version__`` and ``vllm.__file__`` (``engine_path``),
 so the caller can prove which (patched) package was loaded.
 
+``--tensor-parallel-size N`` (`dsadapt check --tp N`): N ranks in vLLM's multiprocess executor
+(``distributed_executor_backend="mp"``). On vLLM's CPU backend each rank's OpenMP threads are
+bound to their own cores: ``VLLM_CPU_OMP_THREADS_BIND`` is set here to this process's allowed
+cores split into N groups (``0|1`` on two cores; vLLM's automatic binding wants one NUMA node
+per rank); the ranks talk through vLLM's shared-memory communicator (gloo underneath), which
+needs nothing else. ``--expert-parallel`` passes ``enable_expert_parallel``.
+
 ``--capture`` (`dsadapt bisect`): after the gate's prompts, each prompt again alone with forward
 hooks on the live model (``LLM.apply_model``; the engine core runs in this process for that,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), recording the points the spec names (capture.py).
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), recording the points the spec names (capture.py). With
+N ranks the hooks are installed in every rank's worker (``apply_model`` runs on each) and each
+rank saves its own capture (``capture.rank_path``).
 """
 
 from __future__ import annotations
@@ -34,8 +44,36 @@ import dsadapt_runner as kit
 def parse_args(argv=None):
     ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16", "fp8"))
     ap.add_argument("--max-model-len", type=int, default=256)
+    kit.add_parallel_args(ap)
     kit.add_capture_args(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be at least 1")
+    return args
+
+
+def cpu_bind(cpus, ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers over the cores `cpus`: the sorted cores
+    split into `ranks` equal contiguous groups ('0|1' for two ranks on two cores; '0-1|2-3' on
+    four), leftover cores unused. Fewer cores than ranks is an error (one core a rank at least)."""
+    cpus = sorted(int(c) for c in cpus)
+    if ranks < 1 or len(cpus) < ranks:
+        raise RuntimeError(f"{ranks} CPU ranks need {ranks} cores; this process may use {len(cpus)}")
+    per = len(cpus) // ranks
+    groups = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def parallel_env(ranks: int, on_cpu: bool, environ=None) -> dict:
+    """What vLLM's CPU backend needs in the environment for `ranks` > 1 (set before the engine
+    starts its workers): the per-rank thread binding, unless the caller set one that fits."""
+    environ = os.environ if environ is None else environ
+    if ranks <= 1 or not on_cpu:
+        return {}
+    given = environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if given and given not in ("auto", "nobind") and len(given.split("|")) == ranks:
+        return {"VLLM_CPU_OMP_THREADS_BIND": given}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(os.sched_getaffinity(0), ranks)}
 
 
 def position_entry(entry, token_id, top_k):
@@ -70,30 +108,34 @@ def result_from_output(doc, out, top_k):
 groups = kit.submission_groups
 
 
-def capture_pass(llm, prompt_docs, args):
-    """`dsadapt bisect`'s capture: forward hooks registered on the live model (in this process:
-    VLLM_ENABLE_V1_MULTIPROCESSING=0), each prompt alone, prefill plus a few greedy decode
-    steps, so every row maps to (prompt, position). Returns the capture's timing."""
-    from capture import Recorder, load_spec, save  # the runners' own helper, on PYTHONPATH with the kit
+def capture_pass(llm, prompt_docs, args, saved: list):
+    """`dsadapt bisect`'s capture: forward hooks registered on the live model of every rank
+    (``apply_model`` runs capture.py's worker functions in each worker; with one rank, in this
+    process: VLLM_ENABLE_V1_MULTIPROCESSING=0), each prompt alone, prefill plus a few greedy
+    decode steps, so every row maps to (prompt, position). Each rank saves its own capture; their
+    paths go into `saved`. Returns the capture's timing."""
+    from functools import partial
+
+    import capture  # the runners' own helper, on PYTHONPATH with the kit (and in every worker)
     from vllm import SamplingParams
 
     t0 = time.time()
-    rec = Recorder(load_spec(args.capture_spec))
-    llm.apply_model(rec.install)
+    llm.apply_model(partial(capture.worker_install, os.path.abspath(args.capture_spec)))
     steps = args.capture_decode_steps + 1
     params = SamplingParams(temperature=0.0, max_tokens=steps, min_tokens=steps, ignore_eos=True, detokenize=False)
     sequences = {}
     try:
         for p in prompt_docs:
             llm.reset_prefix_cache()  # every prompt token must be computed, not read from the cache
-            rec.prompt = p["id"]
+            llm.apply_model(partial(capture.worker_prompt, p["id"]))
             out = llm.generate([{"prompt_token_ids": list(p["token_ids"])}], params, use_tqdm=False)
             sequences[p["id"]] = list(p["token_ids"]) + [int(t) for t in out[0].outputs[0].token_ids]
-    finally:
-        rec.active = False
-        llm.apply_model(lambda model: rec.remove())
-    doc = rec.finish(sequences, meta={"engine": "vllm", "dtype": args.dtype, "decode_steps": args.capture_decode_steps})
-    save(doc, args.capture)
+    except BaseException:
+        llm.apply_model(capture.worker_abort)
+        raise
+    meta = {"engine": "vllm", "dtype": args.dtype, "decode_steps": args.capture_decode_steps,
+            "parallel": kit.parallel_settings(args)}
+    saved += llm.apply_model(partial(capture.worker_finish, os.path.abspath(args.capture), sequences, meta))
     return round(time.time() - t0, 3)
 
 
@@ -105,14 +147,23 @@ def main(argv=None):
     t0 = time.time()
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
     prompt_docs = kit.load_prompts(args.prompts)
+    tp = args.tensor_parallel_size
+    env = parallel_env(tp, current_platform.is_cpu())
+    os.environ.update(env)  # read by vLLM when it starts its workers
+    parallel_kwargs: dict = {}
+    if tp > 1:
+        parallel_kwargs = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+    if args.expert_parallel:
+        parallel_kwargs["enable_expert_parallel"] = True
     t1 = time.time()
     # fp8: a block-FP8 checkpoint; vLLM reads its quantization_config and runs its FP8 linears
     # with bfloat16 activations
     llm = LLM(model=args.model, dtype="bfloat16" if args.dtype == "fp8" else args.dtype, enforce_eager=True,
               max_model_len=args.max_model_len,
-              seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20))
+              seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20), **parallel_kwargs)
     t2 = time.time()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
                             ignore_eos=True, logprobs=args.top_k, prompt_logprobs=args.top_k,
@@ -126,8 +177,9 @@ def main(argv=None):
         for p, out in zip(group, outs):
             results[p["id"]] = result_from_output(p, out, args.top_k)
     t3 = time.time()
-    capture_s, capture_error = kit.try_capture(lambda: capture_pass(llm, prompt_docs, args)) if args.capture \
-        else (None, None)
+    saved: list = []
+    capture_s, capture_error = kit.try_capture(lambda: capture_pass(llm, prompt_docs, args, saved)) \
+        if args.capture else (None, None)
     import torch
 
     kit.write_report(args.out, kit.report(
@@ -140,6 +192,10 @@ def main(argv=None):
                   # capturing runs the engine core in this process (hooks must see its model): float32
                   # sums may then differ from a multiprocess run in the last bits (~1e-6)
                   "engine_core": "in-process" if args.capture else "multiprocess",
+                  "parallel": kit.parallel_settings(
+                      args, **({"executor": "mp"} if tp > 1 else {}),
+                      **({"cpu_bind": env["VLLM_CPU_OMP_THREADS_BIND"]} if env else {}),
+                      **({"captured_ranks": len(saved)} if args.capture else {})),
                   **({"capture_error": capture_error} if capture_error else {})},
         timings={"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3),
                  "generate_s": round(t3 - t2, 3), "generate_calls_s": gen_times,
