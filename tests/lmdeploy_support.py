@@ -74,7 +74,7 @@ def trees(tag: str, root: Path) -> Trees:
     is the checkout's verified base commit, checked out next to it."""
     from shared_envs import real_lock, shared_config
 
-    from patcher.stack.workspace import apply_stack
+    from patcher.stack.apply import apply_stack
 
     wheel = wheel_path(tag)
     assert wheel is not None

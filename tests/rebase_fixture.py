@@ -21,7 +21,7 @@ from patcher.base.config import load_config
 from patcher.base.gitutil import Git, init_repo
 from patcher.formats.lock import EngineDecl, Lock, LockEntry, format_lock
 from patcher.formats.stackfiles import write_stack
-from patcher.stack.workspace import export_commits
+from patcher.stack.refresh import export_commits
 
 ENGINE = "vllm"
 

@@ -418,15 +418,15 @@ CASES: dict[str, Case] = {
     "config: not TOML": C("status", 2, "not valid TOML", lambda p: _config(p, "[x\n")),
     # ---- file system (the machine refuses; typed one-line errors, exit 7)
     "fs: read-only (EROFS)": C(f"apply {REF1}", 7, "read-only file system",
-                               _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EROFS, "Read-only file system", "/w/x")), deep=True),
+                               _raise_in("patcher.stack.materialize.init_repo", OSError(errno.EROFS, "Read-only file system", "/w/x")), deep=True),
     "fs: permission denied (EACCES)": C(f"apply {REF1}", 7, "permission denied",
-                                        _raise_in("patcher.stack.workspace.init_repo", PermissionError(errno.EACCES, "Permission denied", "/w/x")), deep=True),
+                                        _raise_in("patcher.stack.materialize.init_repo", PermissionError(errno.EACCES, "Permission denied", "/w/x")), deep=True),
     "fs: disk full (ENOSPC)": C(f"apply {REF1}", 7, "no space left on the device",
-                                _raise_in("patcher.stack.workspace.init_repo", OSError(errno.ENOSPC, "No space left on device", "/w/x")), deep=True),
+                                _raise_in("patcher.stack.materialize.init_repo", OSError(errno.ENOSPC, "No space left on device", "/w/x")), deep=True),
     "fs: quota (EDQUOT)": C(f"apply {REF1}", 7, "disk quota exceeded",
-                            _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EDQUOT, "Disk quota exceeded", "/w/x")), deep=True),
+                            _raise_in("patcher.stack.materialize.init_repo", OSError(errno.EDQUOT, "Disk quota exceeded", "/w/x")), deep=True),
     "fs: file too large (EFBIG)": C(f"apply {REF1}", 7, "file too large",
-                                    _raise_in("patcher.stack.workspace.init_repo", OSError(errno.EFBIG, "File too large", "/w/x")), deep=True),
+                                    _raise_in("patcher.stack.materialize.init_repo", OSError(errno.EFBIG, "File too large", "/w/x")), deep=True),
     # ---- concurrent runs
     "concurrent: another run holds the work dir": C(f"apply {REF1}", 4, "another dsadapt run holds", _hold_lock),
 }

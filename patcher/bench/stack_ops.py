@@ -149,7 +149,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str = "vllm@v0.32.0", sizes=SI
     """Rows for the stack-operations table and facts about the tree (files, source)."""
     from patcher.base.config import load_config
     from patcher.formats.pinref import parse_pinref
-    from patcher.stack.workspace import Checkout
+    from patcher.stack.materialize import Checkout
 
     rows: list[OpRow] = []
     facts: dict = {"pin": pin}
@@ -183,7 +183,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str = "vllm@v0.32.0", sizes=SI
         head = make_patches(co.path, base, nmax)
         from patcher.base.gitutil import Git
         from patcher.formats.stackfiles import write_stack
-        from patcher.stack.workspace import export_commits
+        from patcher.stack.refresh import export_commits
 
         patches = export_commits(Git(co.path), base, head)
         _git(co.path, "update-ref", "-d", "refs/heads/bench-gen")

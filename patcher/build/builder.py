@@ -40,8 +40,8 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.sourcetree import left_out as _left_out
 from patcher.formats.stackfiles import Stack, expected_preimages, load_stack
 from patcher.formats.wheel import format_record, new_member, parse_record, read_raw_members, record_hash, write_members
-from patcher.stack.trees import checkout_tree
-from patcher.stack.workspace import Checkout, apply_stack
+from patcher.stack.apply import apply_stack, checkout_tree
+from patcher.stack.materialize import Checkout
 from patcher.upstream.sources import fetch_artifact
 
 __all__ = ["BuildHost", "BuildResult", "build_pin", "buildable_here", "full_build", "overlay_build",
@@ -101,7 +101,7 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: V
     members, z = read_raw_members(wheel_path)
     try:
         by_name = {m.name: m for m in members}
-        expected, chain = expected_preimages(stack.patches)
+        expected, _post, chain = expected_preimages(stack.patches)
         if chain:
             raise VerificationError(f"{entry}: stack is inconsistent: {chain[0]}", hint="refresh the stack")
         not_shipped = sorted(p for p in files if not _shipped(ad, p))

@@ -177,12 +177,13 @@ def write_stack(d: Path, patches: list[Patch]) -> list[str]:
     return names
 
 
-def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list[str]]:
-    """What the base tree must hold for the stack to apply byte-exactly.
+def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], dict[str, str | None], list[str]]:
+    """What the base tree must hold for the stack to apply byte-exactly, and what it leaves.
 
-    Returns ({path: (blob id or None for 'absent', index of first patch touching it)}, problems),
-    where problems are inconsistencies inside the stack (a patch whose pre-image is not what
-    the previous patch of the same file produced).
+    Returns (base, post, problems): base is {path: (blob id or None for 'absent', index of the
+    first patch touching it)}; post is {path: blob id the last patch touching it leaves, or None
+    where it leaves the path absent}; problems are inconsistencies inside the stack (a patch whose
+    pre-image is not what the previous patch of the same file produced).
     """
     from patcher.formats.patchfile import ZERO_ID
 
@@ -205,7 +206,7 @@ def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list
                 current[f.old_path] = None
             if f.new_path is not None:
                 current[f.new_path] = f.new_blob if f.new_blob != ZERO_ID else None
-    return base, problems
+    return base, current, problems
 
 
 def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],

@@ -27,7 +27,6 @@ Phases of an op (each one recorded before its step runs)::
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -46,223 +45,11 @@ from patcher.base.gitutil import (
     work_fingerprint,
     work_snapshot,
 )
+from patcher.stack.materialize import OP_PREFIX, STACK_REF, Checkout, Progress
+from patcher.stack.state import SCHEMA, AmRun, Applied, Op, PatchOutcome, State
 
-SCHEMA = 2
-BASE_REF = "refs/dsadapt/base"
-STACK_REF = "refs/dsadapt/stack"          # the stack files (series + patches) last applied or exported
-BACKUP_PREFIX = "refs/dsadapt/backup/"
-OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 FIXED_MAIL_DATE = "Tue, 14 Nov 2023 22:13:20 -0000"  # RFC 2822 form of gitutil.FIXED_DATE (email.utils.formatdate)
-
-Progress = Callable[[str], None]
-
-
-def branch_name(tag: str) -> str:
-    return f"dsadapt/{tag}"
-
-
-# ---------------------------------------------------------------- the record (plain data)
-
-
-@dataclass
-class PatchMeta:
-    name: str
-    subject: str
-
-
-@dataclass
-class PatchOutcome:
-    index: int
-    name: str
-    subject: str
-    outcome: str  # clean | merged | changed | skipped | upstream (rebase only)
-    commit: str | None = None
-
-
-@dataclass
-class Orig:
-    """Where the checkout was before the op: what `abort` returns to."""
-
-    branch: str | None         # the branch HEAD was on (None: detached)
-    head: str | None           # HEAD's commit
-    branch_head: str | None    # refs/heads/dsadapt/<tag> (None: the branch did not exist)
-    stack_ref: str | None      # refs/dsadapt/stack
-    dirty: bool                # uncommitted or untracked work (saved in saves["work"])
-    print: str | None = None   # its work_fingerprint: `abort` checks the work is back exactly
-
-
-@dataclass
-class AmRun:
-    """One `git am` sequence: the patches it was given, in order, and where it started."""
-
-    start: str                  # HEAD when it started
-    indices: list[int]          # 1-based stack positions, in am's order
-    mbox: str                   # file in the op dir
-    head_at_stop: str | None = None
-    stop_print: str | None = None    # work_fingerprint when it stopped: any other state is the user's doing
-    resolution: str | None = None    # commit the user made by hand for the stopped patch
-
-
-@dataclass
-class Op:
-    kind: str
-    ref: str
-    stack_hash: str
-    patches: list[PatchMeta]
-    orig: Orig
-    phase: str = "save"
-    saves: dict[str, str] = field(default_factory=dict)   # what -> backup ref (planned names)
-    outcomes: dict[int, PatchOutcome] = field(default_factory=dict)
-    am: AmRun | None = None
-    stopped: int | None = None
-    abort_from: str | None = None
-    abort_saved: bool = False
-    restored: bool = False
-    snapshot: str | None = None      # commit holding the stack's files as this op read them
-    started: float = 0.0
-    extra: dict = field(default_factory=dict)   # the kind's own data
-    schema: int = SCHEMA
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["outcomes"] = [asdict(o) for _, o in sorted(self.outcomes.items())]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> Op:
-        d = dict(d)
-        d["patches"] = [PatchMeta(**p) for p in d.get("patches", [])]
-        d["orig"] = Orig(**d["orig"])
-        d["outcomes"] = {o["index"]: PatchOutcome(**o) for o in d.get("outcomes", [])}
-        d["am"] = AmRun(**d["am"]) if d.get("am") else None
-        return cls(**d)
-
-    @property
-    def total(self) -> int:
-        return len(self.patches)
-
-    def meta(self, index: int) -> PatchMeta:
-        return self.patches[index - 1]
-
-    def done_count(self) -> int:
-        return len(self.outcomes)
-
-
-@dataclass
-class Applied:
-    stack_hash: str
-    head: str | None
-    needs_refresh: list[str] = field(default_factory=list)
-    snapshot: str | None = None      # commit of the stack files this head corresponds to
-    snapshot_tree: str | None = None
-
-
-@dataclass
-class State:
-    ref: str
-    source: dict | None
-    base: str | None
-    applied: Applied | None = None
-    op: Op | None = None
-    legacy_op: dict | None = None    # an op recorded by dsadapt < schema 2 (only `abort` finishes it)
-    schema: int = SCHEMA
-
-    def to_json(self) -> dict:
-        return {"schema": SCHEMA, "ref": self.ref, "source": self.source, "base": self.base,
-                "applied": asdict(self.applied) if self.applied else None,
-                "op": self.op.to_json() if self.op else None,
-                **({"legacy_op": self.legacy_op} if self.legacy_op else {})}
-
-    @classmethod
-    def from_json(cls, d: dict) -> State:
-        schema = d.get("schema", 1)
-        if not isinstance(schema, int) or schema > SCHEMA:
-            raise ValueError(f"state schema {schema} is newer than this dsadapt ({SCHEMA})")
-        applied = d.get("applied")
-        if schema < 2:
-            ap = Applied(applied["stack_hash"], applied.get("head"), list(applied.get("needs_refresh") or [])) \
-                if applied else None
-            return cls(d["ref"], d.get("source"), d.get("base"), ap, None, d.get("op") or None)
-        return cls(d["ref"], d.get("source"), d.get("base"), Applied(**applied) if applied else None,
-                   Op.from_json(d["op"]) if d.get("op") else None, d.get("legacy_op"))
-
-
-# ---------------------------------------------------------------- a checkout
-
-
-class Checkout:
-    """One checkout directory (a normal git repository) and its dsadapt state."""
-
-    def __init__(self, cfg, ref):
-        self.cfg = cfg
-        self.ref = ref
-        self.path = cfg.checkout_dir(ref.engine, ref.tag)
-        self.git = Git(self.path)
-
-    @property
-    def exists(self) -> bool:
-        return (self.path / ".git").is_dir() and self.state_path.is_file()
-
-    @property
-    def state_path(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "state.json"
-
-    @property
-    def op_dir(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "op"
-
-    @property
-    def am_dir(self) -> Path:
-        return self.path / ".git" / "rebase-apply"
-
-    @property
-    def branch(self) -> str:
-        return branch_name(self.ref.tag)
-
-    @property
-    def branch_ref(self) -> str:
-        return f"refs/heads/{self.branch}"
-
-    def load(self) -> State:
-        try:
-            return State.from_json(json.loads(self.state_path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise WorkspaceError(f"{self.path} has no dsadapt state", hint=f"run `dsadapt apply {self.ref}`") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise WorkspaceError(f"{self.path}: unreadable dsadapt state ({e.__class__.__name__}: {e})",
-                                 hint=f"move the directory away and run `dsadapt apply {self.ref}` again") from None
-
-    def load_state(self) -> dict:
-        """The state as JSON (what `.git/dsadapt/state.json` holds)."""
-        return self.load().to_json()
-
-    def save(self, state: State) -> None:
-        atomic_write_text(self.state_path, json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n")
-
-    def am_in_progress(self) -> bool:
-        return self.am_dir.exists()
-
-    def base(self) -> str:
-        """refs/dsadapt/base (it never moves once the checkout exists: read once)."""
-        b = getattr(self, "_base", None) or self.git.rev(BASE_REF)
-        if not b:
-            raise WorkspaceError(f"{self.path}: {BASE_REF} is missing", hint="the checkout is damaged; move it away and re-apply")
-        self._base = b
-        return b
-
-    def backups(self) -> list[str]:
-        return [r for r, _ in self.git.refs(BACKUP_PREFIX)]
-
-    def next_backup_names(self, n: int) -> list[str]:
-        taken = {r.removeprefix(BACKUP_PREFIX) for r in self.backups()}
-        out: list[str] = []
-        i = 1
-        while len(out) < n:
-            if str(i) not in taken:
-                out.append(f"{BACKUP_PREFIX}{i}")
-            i += 1
-        return out
 
 
 # ---------------------------------------------------------------- op kinds (registration)
@@ -292,8 +79,13 @@ class OpKind(Protocol):
     def undo(self, tx: Transaction) -> None:
         """Idempotently undo what prepare/finish did outside the checkout's branch and work tree."""
 
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        """(state, detail, next command) of an interrupted op of this kind, where the kind has its own
+        words for it (refresh: patches/ half written); None: the transaction's words for its phase."""
+
 
 KINDS: dict[str, OpKind] = {}
+OPS_GROUP = "dsadapt.ops"
 
 
 def register(kind: OpKind) -> OpKind:
@@ -301,13 +93,32 @@ def register(kind: OpKind) -> OpKind:
     return kind
 
 
-def kind_of(name: str) -> OpKind:
-    if name not in KINDS:  # kinds living in other modules register themselves on import (entry points)
-        from importlib.metadata import entry_points
+def _declared_kinds() -> dict[str, str]:
+    """Op kinds by name -> module: the `dsadapt.ops` entry points, and dsadapt's own declaration in
+    pyproject.toml where its installed metadata predates a kind (a source tree)."""
+    from importlib.metadata import entry_points
 
-        for ep in entry_points(group="dsadapt.ops"):
-            if ep.name == name:
-                ep.load()
+    found = {ep.name: ep.value for ep in entry_points(group=OPS_GROUP)}
+    try:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        if data.get("project", {}).get("name") == "dsadapt":
+            for k, v in data["project"].get("entry-points", {}).get(OPS_GROUP, {}).items():
+                found.setdefault(k, v)
+    except (OSError, ValueError, KeyError):
+        pass
+    return found
+
+
+def kind_of(name: str) -> OpKind:
+    if name not in KINDS:  # kinds register themselves when their module is imported (entry points)
+        import importlib
+
+        module = _declared_kinds().get(name)
+        if module:
+            importlib.import_module(module.partition(":")[0].strip())
     if name not in KINDS:
         raise WorkspaceError(f"unknown operation kind {name!r} in the checkout's state",
                              hint="it was started by another dsadapt version; `dsadapt abort` undoes it")
@@ -506,9 +317,38 @@ class Transaction:
 
     # ------------------------------------------------------------ running an op to its end or a stop
 
+    def refuse(self) -> None:
+        """Raise: an op is in progress that the command at hand does not finish (what it is, what does)."""
+        co = self.co
+        state, detail, _nxt = describe_op(co, self.op)
+        what = "stopped on a conflict" if state == "stopped" else state
+        raise WorkspaceError(f"{co.ref}: an {self.op.kind} is in progress in {co.path} ({what})", hint=detail)
+
+    def finish_interrupted(self, kinds: tuple[str, ...]) -> Transaction:
+        """Roll an interrupted op of one of `kinds` forward (a rerun of the command that died) and
+        return the transaction to go on with; refuse anything else in progress."""
+        if self.state.op is None:
+            return self
+        op = self.op
+        if op.kind in kinds and op.phase not in ("stopped", "abort", "legacy"):
+            if self.progress:
+                self.progress(f"finishing the interrupted {op.kind} first")
+            self.run()
+            tx = Transaction.open(self.co, self.on_patch, self.progress)
+            tx.notes = self.notes
+            return tx
+        self.refuse()
+        return self  # pragma: no cover
+
+    def _refuse_legacy(self) -> None:
+        if self.op.phase == "legacy":
+            raise WorkspaceError(f"{self.co.ref}: an apply recorded by an older dsadapt is in progress in {self.co.path}",
+                                 hint=f"run `dsadapt abort {self.co.ref}`, then apply again")
+
     def run(self) -> StackResult:
         """Drive the op from whatever phase it is in (also after a kill) to its end, or raise ConflictStop."""
         op = self.op
+        self._refuse_legacy()
         if op.phase == "abort":
             raise WorkspaceError(f"{self.co.ref}: an abort was interrupted",
                                  hint=f"run `dsadapt abort {self.co.ref}` to finish it")
@@ -858,6 +698,7 @@ class Transaction:
 
     def user_continue(self) -> StackResult:
         op = self.op
+        self._refuse_legacy()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -900,6 +741,7 @@ class Transaction:
 
     def user_skip(self) -> StackResult:
         op = self.op
+        self._refuse_legacy()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -1028,19 +870,37 @@ class Transaction:
 # ---------------------------------------------------------------- status of an op (read-only)
 
 
+def am_done(co: Checkout, op: Op) -> int:
+    """How many of the op's patches have an outcome or are behind a running (or killed) `git am`:
+    the recorded outcomes are written when a run stops, am's own counter moves per patch."""
+    done = set(op.outcomes)
+    if op.am is not None and co.am_in_progress():
+        cur = _read_int(co.am_dir / "next")
+        if cur is not None:
+            done |= set(op.am.indices[:max(cur - 1, 0)])
+    return len(done)
+
+
 def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, str | None]:
     """(state, detail, next command) of a checkout holding an op, without changing anything."""
     ref = co.ref
-    done = len(op.outcomes)
-    verb = "rebase" if op.kind == "rebase" else op.kind
+    done = am_done(co, op)
+    try:
+        kind: OpKind | None = kind_of(op.kind)
+    except WorkspaceError:
+        kind = None
+    verb = kind.verb if kind is not None else op.kind
     if running:
         return "running", f"a dsadapt {verb} is running now ({done}/{op.total} patches done)", None
+    if op.phase == "legacy":
+        return "interrupted", (f"an {verb} recorded by an older dsadapt is in progress; run `dsadapt abort {ref}`, "
+                               "then apply again"), f"dsadapt abort {ref}"
     if op.phase == "abort":
         return "interrupted", f"an abort of the {verb} was interrupted; run `dsadapt abort {ref}` to finish it", \
             f"dsadapt abort {ref}"
-    if op.kind == "refresh":
-        return "interrupted", (f"a refresh was interrupted while writing patches/; run `dsadapt refresh {ref}` "
-                               f"to finish it or `dsadapt abort {ref}` to put patches/ back"), f"dsadapt refresh {ref}"
+    own = kind.describe(co, op) if kind is not None else None
+    if own is not None:
+        return own
     name = op.meta(op.stopped).name if op.stopped and op.stopped <= op.total else None
     if op.phase == "stopped" and name:
         return "stopped", (f"{done}/{op.total} patches done; stopped on a conflict in {name}: resolve, `git add`, "
@@ -1063,6 +923,5 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
         f"dsadapt continue {ref}"
 
 
-__all__ = ["Applied", "AmRun", "BACKUP_PREFIX", "BASE_REF", "Checkout", "KINDS", "Op", "OpKind", "Orig",
-           "PatchMeta", "PatchOutcome", "STACK_REF", "StackResult", "State", "Transaction", "branch_name",
-           "describe_op", "kind_of", "register"]
+__all__ = ["KINDS", "OpKind", "StackResult", "Transaction", "describe_op", "files_commit", "flat_tree_id", "kind_of",
+           "register"]

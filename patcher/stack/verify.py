@@ -12,7 +12,7 @@ from patcher.formats.lock import Lock
 from patcher.formats.patchfile import ZERO_ID
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import expected_preimages, lint_stack, load_stack, preimage_mismatches
-from patcher.stack.workspace import ensure_checkout
+from patcher.stack.materialize import ensure_checkout
 
 
 @dataclass
@@ -58,7 +58,7 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
     state = co.load_state()
     res.source = f"{state['source']['kind']} {state['source']['origin']}"
     base = co.base()
-    expected, chain = expected_preimages(stack.patches)
+    expected, _post, chain = expected_preimages(stack.patches)
     res.problems += chain
     if state["source"]["kind"] == "pypi":
         res.problems += [f"pre-image: {m}" for m in

@@ -11,6 +11,7 @@ import click
 
 from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
 from patcher.base.textfile import read_text
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -26,7 +27,6 @@ from patcher.cli.commands.common import (
 from patcher.engines import engine
 from patcher.formats.stackfiles import load_stack
 from patcher.gate.check import CheckResult, bisect_command, check_dtypes, check_or_raise, preflight, run_check
-from patcher.stack.workspace import workdir_lock
 
 BUILTIN_MODELS = ("v3", "v2-lite", "v2")
 

@@ -33,7 +33,8 @@ from patcher.engines import adapter
 from patcher.formats.lock import Lock, format_lock, load_lock, parse_lock, write_lock
 from patcher.formats.patchfile import Patch, drop_when_satisfied, parse_patch
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack, stack_dir, stack_hash
+from patcher.formats.stackfiles import load_stack, stack_dir
+from patcher.stack.materialize import BASE_REF, STACK_REF, Checkout, Progress, ensure_checkout, stack_files
 from patcher.stack.rebase.report import (
     CARRIED,
     PatchReport,
@@ -42,30 +43,9 @@ from patcher.stack.rebase.report import (
     report_stem,
     split_range_diff,
 )
-from patcher.stack.transaction import (
-    BASE_REF,
-    STACK_REF,
-    Applied,
-    Checkout,
-    Op,
-    Orig,
-    PatchMeta,
-    PatchOutcome,
-    StackResult,
-    Transaction,
-    describe_op,
-    flat_tree_id,
-    register,
-)
-from patcher.stack.workspace import (
-    Progress,
-    _series_names,
-    ensure_checkout,
-    export_commits,
-    exported_files,
-    stack_files,
-    sync_stack_dir,
-)
+from patcher.stack.refresh import export_commits, exported_files, files_hash, series_names, sync_stack_dir
+from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
+from patcher.stack.transaction import StackResult, Transaction, flat_tree_id, register
 from patcher.upstream.resolve import resolve_pin
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
@@ -240,10 +220,10 @@ class RebaseKind:
         files, names = exported_files(export_commits(g, base, head), cur_series)
         if "written" not in ex:
             ex["written"] = names
-            ex["names_before"] = _series_names(cur_series.encode("utf-8")) if cur_series else []
+            ex["names_before"] = series_names(cur_series.encode("utf-8")) if cur_series else []
             tx.write()
         sync_stack_dir(d, files, ex["names_before"])
-        new_hash = stack_hash([_Entry(n, files[n].decode("utf-8")) for n in names])
+        new_hash = files_hash(files, names)
         md, js = report_paths(cfg, co.ref.engine, ex["from"].split("@", 1)[1], co.ref.tag)
         if "reports_before" not in ex:
             ex["reports_before"] = {_portable(cfg, p): (p.read_text(encoding="utf-8") if p.is_file() else None)
@@ -278,7 +258,7 @@ class RebaseKind:
         else:
             written = set(ex.get("written") or [])
             if d.is_dir():
-                cur = _series_names((d / "series").read_bytes()) if (d / "series").is_file() else []
+                cur = series_names((d / "series").read_bytes()) if (d / "series").is_file() else []
                 for name in sorted(written | set(cur)):
                     remove_file(d / name)
                 remove_file(d / "series")
@@ -286,6 +266,10 @@ class RebaseKind:
                     d.rmdir()
         if ex.get("lock_before") is not None:
             _unpin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(co.ref))
+
+
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        return None
 
 
 register(RebaseKind())
@@ -454,11 +438,6 @@ def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, b
     return blocks
 
 
-class _Entry:
-    def __init__(self, name: str, text: str):
-        self.name, self.text = name, text
-
-
 def _source_words(src: dict | None) -> str:
     return f"{src.get('kind')} {src.get('origin')}" if src else "unknown"
 
@@ -472,8 +451,7 @@ def load_report(cfg: Config, engine: str, old: str, new: str) -> dict:
 
 def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
     """Refuse a NEW checkout that holds work; returns its branch head (None if absent)."""
-    if tx.state.op is not None or tx.state.legacy_op:
-        _, detail, nxt = describe_op(co, tx.op) if tx.state.op else ("", "", f"dsadapt abort {new_ref}")
+    if tx.state.op is not None:
         raise WorkspaceError(f"{new_ref}: an apply or rebase is in progress in {co.path}",
                              hint=f"finish it with `dsadapt continue {new_ref}` or `dsadapt abort {new_ref}`")
     if co.git.is_dirty():
