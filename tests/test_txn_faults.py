@@ -13,25 +13,25 @@ from pathlib import Path
 
 import pytest
 import rebase_fixture as fx
-from conftest import MOD_V1, P1_MOD, REF1, TAG1, UTIL_V1, Project, commit_msg, edit, git, make_patches
+from conftest import (
+    MOD_V1,
+    P1_MOD,
+    REF1,
+    TAG1,
+    UTIL_V1,
+    Project,
+    commit_msg,
+    conflicting_stack,
+    edit,
+    git,
+    make_patches,
+)
 from fault_harness import ALLOWED, Scenario, Tally, Work, outcome, run_scenario
 
 SUMMARY: dict[str, Tally] = {}
 
 RESOLVED = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
                 'scoring = getattr(config, "scoring_func", None) or "tanh"')
-
-
-def _conflicting(project: Project) -> None:
-    p2 = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
-              'scoring = getattr(config, "scoring_func", "tanh")')
-    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
-        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
-        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": p2}),
-        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
-        (commit_msg("add a module"), {"vllm/newmod.py": "VALUE = 1\n"}),
-    ], independent=True)
-    project.write_stack(texts)
 
 
 def _resolve(project: Project) -> None:
@@ -87,7 +87,7 @@ def build_stopped(p: Project) -> None:
     p.write_stack(make_patches(p.upstream, p.tmp / "mk", TAG1, clean_stack_edits()))
     assert p.run("apply", REF1).rc == 0
     _dirty(p)
-    _conflicting(p)
+    conflicting_stack(p, [(commit_msg("add a module"), {"vllm/newmod.py": "VALUE = 1\n"})])
     assert p.run("apply", REF1, "--force").rc == 4
 
 

@@ -17,6 +17,7 @@ from conftest import (
     TAG1,
     TAG2,
     commit_msg,
+    conflicting_stack,
     edit,
     files_snapshot,
     git,
@@ -33,17 +34,6 @@ def _applied(project):
 
 def _status(project, ref=REF1):
     return {c["ref"]: c for c in project.run("status", "--json").json()["checkouts"]}[ref]
-
-
-def _conflicting(project):
-    p2 = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
-              'scoring = getattr(config, "scoring_func", "tanh")')
-    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
-        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
-        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": p2}),
-        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
-    ], independent=True)
-    project.write_stack(texts)
 
 
 # ---------------------------------------------------------------- status
@@ -66,7 +56,7 @@ def test_status_tells_stopped_from_interrupted_from_done_and_names_the_next_comm
     _applied(project)
     st = _status(project)
     assert st["state"] == "stack applied" and st["next"] is None and "3 patches on" in st["detail"]
-    _conflicting(project)
+    conflicting_stack(project)
     st = _status(project)
     assert st["state"] == "stack outdated" and st["next"] == f"dsadapt apply {REF1}"
     assert project.run("apply", REF1).rc == 4
@@ -86,7 +76,7 @@ def test_status_tells_stopped_from_interrupted_from_done_and_names_the_next_comm
 
 
 def test_a_stale_index_lock_is_named_by_status_and_removed_by_the_next_command(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     (co / ".git" / "index.lock").write_text("")  # what a git killed while writing the index leaves
@@ -99,7 +89,7 @@ def test_a_stale_index_lock_is_named_by_status_and_removed_by_the_next_command(p
 
 
 def test_an_index_lock_held_by_a_running_git_is_left_alone(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     (co / ".git" / "index.lock").write_text("")
@@ -125,7 +115,7 @@ def test_abort_at_a_stop_keeps_commits_and_files_made_there(project, clean_stack
     _applied(project)
     co = project.checkout()
     before = refs_snapshot(co)
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     (co / "notes.txt").write_text("my notes while resolving\n")
     (co / "vllm" / "mod.py").write_text("half resolved\n")
@@ -142,7 +132,7 @@ def test_abort_at_a_stop_keeps_commits_and_files_made_there(project, clean_stack
 
 
 def test_a_resolution_committed_by_hand_at_a_stop_is_the_changed_patch(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     resolved = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")', 'scoring = "both"')
