@@ -370,7 +370,8 @@ def clean_stack(project) -> list[str]:
 
 def make_wheel(up: Upstream | Path, dest_dir: Path, tag: str = TAG1, *, under: str | None = "vllm",
                dist: str = "vllm", version: str = "1.0.0", overrides: dict[str, str] | None = None,
-               extra: dict[str, bytes] | None = None, name: str | None = None) -> tuple[Path, str]:
+               extra: dict[str, bytes] | None = None, name: str | None = None,
+               summary: str | None = None) -> tuple[Path, str]:
     """A release wheel of the tree at `tag` (only its `under/` folder, or all of it with None) plus
     `extra` members (default: a compiled extension, which a base tree leaves out) and a dist-info
     (METADATA, WHEEL, RECORD), written by dsadapt's own wheel writer (patcher.formats.wheel: fixed
@@ -394,7 +395,8 @@ def make_wheel(up: Upstream | Path, dest_dir: Path, tag: str = TAG1, *, under: s
         members[f] = text.encode()
     members.update({f"{dist}/_C.abi3.so": b"\x7fELF not really"} if extra is None else extra)
     di = f"{dist}-{version}.dist-info"
-    members[f"{di}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
+    members[f"{di}/METADATA"] = (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+                                 + (f"Summary: {summary}\n" if summary else "")).encode()
     members[f"{di}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: dsadapt-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     rows = [[n, record_hash(d), str(len(d))] for n, d in members.items()] + [[f"{di}/RECORD", "", ""]]
     members[f"{di}/RECORD"] = format_record(rows).encode()

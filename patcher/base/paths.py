@@ -4,7 +4,9 @@ One rule for both (patch paths and wheel members), pure and strict: relative POS
 without empty, `.` or `..` components, no backslashes, drive letters or control characters,
 and no component that git (on any file system) would take for `.git`: any case, trailing dots
 or spaces (NTFS), zero-width characters (HFS+), or the 8.3 short name `GIT~1`.
-Symbolic links may point only inside the tree and never into `.git` (`symlink_target_error`).
+Symbolic links may point only inside the tree and never into `.git`: each target on its own
+(`symlink_target_error`), and followed as the OS follows it through the tree's other links
+(`resolve_in_tree`), so a chain of links that each look harmless cannot reach out either.
 """
 
 from __future__ import annotations
@@ -55,3 +57,45 @@ def symlink_target_error(link: str, target: str) -> str | None:
     if any(is_dotgit(p) for p in resolved.split("/")) or any(is_dotgit(p) for p in target.split("/")):
         return f"points into .git ({target})"
     return None
+
+
+MAX_LINK_HOPS = 40  # what Linux allows (ELOOP) when it follows a path's symbolic links
+
+
+def resolve_in_tree(path: str, links: dict[str, str]) -> tuple[str | None, set[str]]:
+    """Follow `path` through the tree the way the OS would, where `links` ({tree path: target}) are
+    the tree's symbolic links: every component that is a link is replaced by its target before the
+    next `..` is taken, so a chain of links that each look harmless is seen for what it reaches.
+
+    Returns (why it leaves the tree or reaches into .git, or None; the links it went through)."""
+    todo = [p for p in path.split("/") if p]
+    cur: list[str] = []
+    used: set[str] = set()
+    hops = 0
+    while todo:
+        c = todo.pop(0)
+        if c in ("", "."):
+            continue
+        if c == "..":
+            if not cur:
+                return "points outside the tree", used
+            cur.pop()
+            continue
+        if is_dotgit(c):
+            return "points into .git", used
+        cur.append(c)
+        here = "/".join(cur)
+        target = links.get(here)
+        if target is None:
+            continue
+        used.add(here)
+        hops += 1
+        if hops > MAX_LINK_HOPS:
+            return "is a loop of symbolic links", used
+        if not target or "\0" in target or "\n" in target:
+            return "has an empty or malformed target", used
+        if target.startswith("/") or _DRIVE.match(target) or "\\" in target:
+            return f"points outside the tree ({target})", used
+        cur.pop()
+        todo = target.split("/") + todo
+    return None, used

@@ -113,7 +113,21 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
         text = read_text(f, PatchFormatError, where=str(f),
                          hint="a patch is UTF-8 text; regenerate it with `dsadapt refresh` or `git format-patch`")
         entries.append(StackEntry(name, parse_patch(text, where=str(f)), text))
-    return Stack(ref, d, tuple(entries))
+    stack = Stack(ref, d, tuple(entries))
+    refuse_unsafe_links(stack, None)  # what the stack's own links do (the base's: once it is known)
+    return stack
+
+
+def refuse_unsafe_links(stack: Stack, base_links: dict[str, str] | None) -> None:
+    """Raise (exit 2) when the stack makes a symbolic link lead outside the tree (`symlink_problems`)."""
+    if not touches_links(stack.patches):
+        return
+    problems = symlink_problems(stack.patches, base_links)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PatchFormatError(f"{stack.dir}: {problems[0]}{more}",
+                               hint="a stack may create, move or retarget symbolic links only to files inside the "
+                                    "tree; fix or drop that patch")
 
 
 def lint_stack(stack: Stack) -> list[str]:
@@ -207,6 +221,89 @@ def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], dict
             if f.new_path is not None:
                 current[f.new_path] = f.new_blob if f.new_blob != ZERO_ID else None
     return base, current, problems
+
+
+SYMLINK_MODE = "120000"
+
+
+def touches_links(patches) -> bool:
+    """Whether any patch could create, move, copy or retarget a symbolic link: a link mode, a rename
+    or copy, or a change that states no mode (it keeps whatever the tree has, a link included)."""
+    for p in patches:
+        for f in p.files:
+            if SYMLINK_MODE in (f.mode, f.old_mode):
+                return True
+            if f.old_path and f.new_path and (f.old_path != f.new_path or f.copy):
+                return True
+            if f.old_path and f.new_path and f.mode is None:
+                return True
+    return False
+
+
+def symlink_problems(patches, base_links: dict[str, str] | None) -> list[str]:
+    """Symbolic links the stack creates, renames, copies or retargets that lead outside the tree or
+    into .git, after any patch: each link is followed through every link the tree holds at that
+    point (`paths.resolve_in_tree`), so chains, links made by one patch and moved by another, and
+    retargets by a change without a mode are all seen. `base_links` ({path: target}) are the base
+    tree's links; None when the base is not known yet (then only what the stack itself makes is
+    followed). A base link nobody touches is upstream's business and is not judged."""
+    from patcher.base.paths import resolve_in_tree
+
+    known = base_links is not None
+    links: dict[str, str] = dict(base_links or {})
+    touched: set[str] = set()
+    reported: set[str] = set()
+    problems: list[str] = []
+    for i, p in enumerate(patches, 1):
+        changed = False
+        for f in p.files:
+            old, new = f.old_path, f.new_path
+            src = links.get(old) if old else None
+            if old and old != new and not f.copy and old in links:
+                del links[old]  # renamed away or deleted
+                changed = True
+            if new is None:
+                continue
+            mode = f.mode or (SYMLINK_MODE if src is not None else None)
+            if mode is None and not known and old is not None and old not in touched:
+                continue  # a path of the base: whether it is a link is told by the base pass
+            if mode == SYMLINK_MODE:
+                target = f.link_target if f.content else src
+                if target is None:
+                    problems.append(f"patch {i} ({p.subject}): {new} becomes a symbolic link whose target the "
+                                    "patch does not give")
+                    continue
+                if links.get(new) != target or new not in links:
+                    links[new] = target
+                    changed = True
+                touched.add(new)
+            elif new in links:
+                del links[new]
+                changed = True
+        if not changed:
+            continue
+        for path in sorted(links):
+            if path in reported:
+                continue
+            why, used = resolve_in_tree(path, links)
+            if why and (path in touched or used & touched):
+                reported.add(path)
+                problems.append(f"patch {i} ({p.subject}): symbolic link {path} -> {links[path]} {why}")
+    return problems
+
+
+def tree_link_problems(base_links: dict[str, str], links: dict[str, str]) -> list[str]:
+    """The links of a finished tree (`links`) that lead outside it or into .git, where the stack made,
+    moved or retargeted them or one they go through (the base's own, untouched, are not judged)."""
+    from patcher.base.paths import resolve_in_tree
+
+    touched = {p for p, t in links.items() if base_links.get(p) != t}
+    out = []
+    for path in sorted(links):
+        why, used = resolve_in_tree(path, links)
+        if why and (path in touched or used & touched):
+            out.append(f"symbolic link {path} -> {links[path]} {why}")
+    return out
 
 
 def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],

@@ -15,17 +15,21 @@ from patcher.base.gitutil import work_fingerprint
 from patcher.engines.base import Tree
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import Stack, load_stack
+from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, touches_links
 from patcher.stack.materialize import (
     BACKUP_PREFIX,
     BASE_REF,
     STACK_REF,
     Checkout,
     Progress,
+    branch_lag,
     check_preimages,
     ensure_checkout,
+    head_state,
     in_progress,
+    reflog_only,
     stack_files,
+    tree_links,
 )
 from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
 from patcher.stack.transaction import StackResult, Transaction, register
@@ -55,6 +59,8 @@ class ApplyKind:
     def finish(self, tx: Transaction) -> StackResult:
         op, g = tx.op, tx.git
         head = g.head_commit()
+        assert head
+        tx.refuse_links_out_of_tree(head)
         edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in ("changed", "skipped")]
         if op.snapshot:
             g.update_ref(STACK_REF, op.snapshot)
@@ -81,16 +87,20 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     co, _created = ensure_checkout(cfg, lock, entry, progress)
     tx = Transaction.open(co, on_patch, progress).finish_interrupted(("apply", "refresh"))
     state, g = tx.state, co.git
-    cur_branch, head, refs = g.head()
+    hs = head_state(co)
+    cur_branch, head, refs = hs.branch, hs.head, hs.refs
     base = refs.get(BASE_REF) or co.base()
     co._base = base
-    head_branch = refs.get(co.branch_ref)
+    head_branch = hs.branch_head
     applied = state.applied
     dirty = g.dirty_files()
     if (not dirty and applied and not applied.needs_refresh and applied.stack_hash == stack.hash
             and head_branch == applied.head and cur_branch == co.branch):
         return StackResult(str(ref), str(co.path), state.source, base, head_branch, stack.hash, noop=True,
                            notes=tx.notes)
+    off = hs.problem(co)
+    if off and not force:
+        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}", hint=off[1])
     if dirty and not force:
         raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(dirty[:3])}"
                              f"{'…' if len(dirty) > 3 else ''})",
@@ -101,18 +111,29 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
                              f"({', '.join(applied.needs_refresh)})",
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
     if head_branch and head_branch != expected_head and not force:
-        n = g.out("rev-list", "--count", f"{expected_head}..{head_branch}") if expected_head and g.rev(expected_head) else "?"
-        raise WorkspaceError(f"{ref}: branch {co.branch} has {n} commit(s) not exported to the stack",
+        ahead, behind = branch_lag(g, expected_head, head_branch)
+        if ahead == 0 and behind:
+            raise WorkspaceError(f"{ref}: branch {co.branch} was moved back by hand: it lacks {behind} commit(s) of "
+                                 "the applied stack",
+                                 hint=f"`dsadapt refresh {ref}` drops their patches from the stack; `dsadapt apply "
+                                      f"{ref} --force` applies patches/ again (the branch is kept in a backup ref)")
+        raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead if ahead is not None else '?'} commit(s) not "
+                             "exported to the stack",
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
     if (state.source or {}).get("kind") == "pypi":
         check_preimages(co, stack, base)
-    want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base))) if cond]
+    if touches_links(stack.patches):  # the links the base holds count as well: chains, renames, retargets
+        refuse_unsafe_links(stack, tree_links(g, base))
+    only_reflog = reflog_only(g)  # what the user left behind by hand: kept before anything moves
+    want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base)),
+                              ("head", bool(hs.only_head)), ("reflog", bool(only_reflog))) if cond]
     names = co.next_backup_names(len(want), {r for r in refs if r.startswith(BACKUP_PREFIX)})
     saves = dict(zip(want, names))
     op = Op(kind="apply", ref=str(ref), stack_hash=stack.hash,
             patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
             orig=Orig(cur_branch, head, head_branch, refs.get(STACK_REF), bool(dirty),
-                      work_fingerprint(g) if dirty else None), saves=saves)
+                      work_fingerprint(g) if dirty else None), saves=saves,
+            extra={"reflog": only_reflog} if only_reflog else {})
     tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
     return tx.run()
 

@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base import leftovers
 from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, VerificationError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text
-from patcher.base.gitutil import Git, clear_stale_locks, init_repo
+from patcher.base.gitutil import FIXED_DATE, Git, clear_stale_locks, init_repo
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import Stack, expected_preimages, preimage_mismatches
+from patcher.formats.stackfiles import SYMLINK_MODE, Stack, expected_preimages, preimage_mismatches
 from patcher.stack.state import State
 
 BASE_REF = "refs/dsadapt/base"
@@ -115,6 +116,96 @@ class Checkout:
             return self.load().op is not None
         except DsadaptError:
             return False
+
+
+@dataclass
+class HeadState:
+    """Where HEAD and the stack branch are, as git shows them: read before any command acts, so
+    that nothing acts on a guess about a checkout the user changed by hand."""
+
+    branch: str | None            # the branch HEAD is on (None: detached)
+    head: str | None              # HEAD's commit
+    branch_head: str | None       # refs/heads/dsadapt/<tag> (None: missing)
+    refs: dict[str, str]          # refs/heads/* and refs/dsadapt/*
+    only_head: int = 0            # commits only a detached HEAD reaches (on no branch, tag or backup)
+    beyond: int = 0               # commits of the other branch HEAD is on that dsadapt/<tag> lacks
+
+    def problem(self, co: Checkout) -> tuple[str, str] | None:
+        """(what, how to reconcile) when HEAD holds work that is not on the stack branch."""
+        br = co.branch
+        if self.branch is None and self.only_head:
+            short = (self.head or "?")[:12]
+            if self.branch_head and self.head and self.branch_head != self.head and self._on_top(co):
+                fix = f"`git checkout -B {br}` makes them the stack branch's (then `dsadapt refresh {co.ref}`)"
+            else:
+                fix = f"`git switch -c NAME` keeps them on a branch of yours (or cherry-pick them onto {br})"
+            return (f"HEAD is detached at {short} with {self.only_head} commit(s) on no branch",
+                    f"{fix}; `dsadapt apply {co.ref} --force` keeps them in a backup ref and re-applies the stack")
+        if self.branch is not None and self.branch != br and self.beyond:
+            if self.branch_head is None:
+                fix = f"if you renamed the stack branch, `git branch -m {self.branch} {br}`, then `dsadapt refresh {co.ref}`"
+            else:
+                fix = f"`git checkout -B {br}` makes them the stack branch's (then `dsadapt refresh {co.ref}`)"
+            missing = f"; branch {br} is missing" if self.branch_head is None else ""
+            return (f"HEAD is on branch {self.branch} with {self.beyond} commit(s) not on {br}{missing}",
+                    f"{fix}; or `dsadapt apply {co.ref} --force` (branch {self.branch} stays as it is)")
+        return None
+
+    def _on_top(self, co: Checkout) -> bool:
+        return co.git.run("merge-base", "--is-ancestor", self.branch_head or "", self.head or "", check=False).ok
+
+
+def head_state(co: Checkout) -> HeadState:
+    """HEAD, the stack branch and, only where HEAD is off that branch, how much work sits there
+    (one `for-each-ref` in the usual case, one `rev-list` more otherwise)."""
+    g = co.git
+    branch, head, refs = g.head()
+    st = HeadState(branch, head, refs.get(co.branch_ref), refs)
+    if head and branch is None and head != st.branch_head:
+        st.only_head = int(g.out("rev-list", "--count", head, "--not", "--branches", "--tags", "--remotes",
+                                 "--glob=refs/dsadapt/*") or 0)
+    elif head and branch is not None and branch != co.branch:
+        since = st.branch_head or g.rev(BASE_REF)
+        st.beyond = int(g.out("rev-list", "--count", head, *([f"^{since}"] if since else [])) or 0)
+    return st
+
+
+def branch_lag(g: Git, expected: str | None, branch_head: str) -> tuple[int | None, int]:
+    """(commits the branch has beyond `expected`, commits of `expected` it lacks); (None, 0) when
+    `expected` is not in the repository."""
+    if not expected or not g.rev(expected):
+        return None, 0
+    parts = g.out("rev-list", "--left-right", "--count", f"{expected}...{branch_head}").split()
+    return (int(parts[1]), int(parts[0])) if len(parts) == 2 else (None, 0)
+
+
+def tree_links(g: Git, rev: str) -> dict[str, str]:
+    """The symbolic links of a tree: {path: target} (one `ls-tree`, one `cat-file` when there are any)."""
+    out = g.run_bytes("ls-tree", "-r", "-z", rev)[1].decode("utf-8", "surrogateescape")
+    ids = {}
+    for rec in out.split("\0"):
+        meta, _, path = rec.partition("\t")
+        if meta.startswith("120000 "):
+            ids[path] = meta.split()[2]
+    blobs = g.cat_blobs(sorted(set(ids.values())))
+    return {p: (blobs.get(oid) or b"").decode("utf-8", "surrogateescape") for p, oid in ids.items()}
+
+
+def changed_links(g: Git, base: str, head: str) -> bool:
+    """Whether base..head adds, changes or removes a symbolic link (one `diff-tree`, as git sees it)."""
+    out = g.run("diff-tree", "-r", "--raw", "--no-renames", "-z", base, head).out
+    return any(rec.startswith(":") and SYMLINK_MODE in rec[1:].split(" ")[:2] for rec in out.split("\0"))
+
+
+def reflog_only(g: Git) -> list[str]:
+    """Commits of the user's that only git's reflogs still reach (reset or checked out away from),
+    newest ones only (the tips); dsadapt's own commits, which carry its fixed date, are not counted."""
+    out = g.run("log", "--format=%H %ct %P", "--reflog", "--not", "--all", check=False).out
+    rows = [l.split() for l in out.splitlines() if l.strip()]
+    fixed = FIXED_DATE.split()[0]
+    mine = {r[0]: r[2:] for r in rows if len(r) >= 2 and r[1] != fixed}
+    parents = {p for ps in mine.values() for p in ps}
+    return [c for c in mine if c not in parents]
 
 
 class _AtPath(Checkout):

@@ -20,7 +20,7 @@ from patcher.formats.lock import Lock
 from patcher.formats.patchfile import Patch, parse_patch
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import format_series, parse_series, stack_dir, stack_hash
-from patcher.stack.materialize import STACK_REF, Checkout
+from patcher.stack.materialize import STACK_REF, Checkout, head_state
 from patcher.stack.state import Applied, Op, Orig
 from patcher.stack.transaction import MBOX_FROM, StackResult, Transaction, flat_tree_id, register
 
@@ -215,7 +215,11 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     if dirty:
         raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes; refresh exports commits only",
                              hint=f"commit them on {co.branch} (git commit, or git commit --fixup + rebase), then refresh")
-    head = g.rev(co.branch_ref)
+    hs = head_state(co)
+    off = hs.problem(co)
+    if off:  # work that is not on the branch refresh exports: never report "unchanged" over it
+        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}; refresh exports branch {co.branch}", hint=off[1])
+    head = hs.branch_head
     if not head:
         raise WorkspaceError(f"{ref}: branch {co.branch} is missing", hint=f"run `dsadapt apply {ref}`")
     base = co.base()

@@ -14,7 +14,7 @@ from patcher.base.gitutil import GitError
 from patcher.base.workdir import lock_holder
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.stackfiles import Stack, load_stack
-from patcher.stack.materialize import BACKUP_PREFIX, BASE_REF, Checkout, all_checkouts
+from patcher.stack.materialize import BACKUP_PREFIX, BASE_REF, Checkout, all_checkouts, branch_lag, head_state
 from patcher.stack.transaction import am_done, describe_op
 
 __all__ = ["CheckoutStatus", "checkout_status", "status_all", "unpinned_status"]
@@ -80,9 +80,10 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
         return st
     g = co.git
     st.source = state.source
-    refs = dict(g.refs("refs/dsadapt/", co.branch_ref))
+    hs = head_state(co)
+    refs = hs.refs
     st.base = refs.get(BASE_REF)
-    st.head = refs.get(co.branch_ref)
+    st.head = hs.branch_head
     st.backups = sorted(r for r in refs if r.startswith(BACKUP_PREFIX))
     applied = state.applied
     st.applied_hash = applied.stack_hash if applied else None
@@ -109,6 +110,24 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
         st.state = "dirty"
         st.detail = f"uncommitted changes: {', '.join(dirty[:5])}{lock_note}"
         return st
+    off = hs.problem(co)
+    if off:  # work on a detached HEAD or another branch: never "applied" over it
+        st.state, st.detail = "diverged", f"{off[0]}: {off[1]}{lock_note}"
+        return st
+    if st.head is None:
+        st.state, st.detail = "diverged", f"branch {co.branch} is missing; `dsadapt apply {ref}` makes it again{lock_note}"
+        st.next = f"dsadapt apply {ref}"
+        return st
+    elsewhere = ""
+    if hs.head != st.head:  # HEAD holds no work of its own, but the work tree is not the branch's
+        where = f"detached at {(hs.head or '?')[:12]}" if hs.branch is None else f"on branch {hs.branch}"
+        st.state, st.detail = "diverged", (f"HEAD is {where}, not on {co.branch}: `git switch {co.branch}` (or "
+                                           f"`dsadapt apply {ref}`){lock_note}")
+        st.next = f"dsadapt apply {ref}"
+        return st
+    if hs.branch != co.branch:
+        where = "detached at the head of" if hs.branch is None else f"on branch {hs.branch}, at the head of"
+        elsewhere = f"; HEAD is {where} {co.branch}: `git switch {co.branch}` before you commit"
     if applied and st.head == applied.head:
         if applied.needs_refresh:
             st.state = "diverged"
@@ -122,19 +141,26 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
         else:
             st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {ref}`"
             st.next = f"dsadapt apply {ref}"
-        st.detail += lock_note
+        st.detail += elsewhere + lock_note
         return st
     if st.head == st.base:
         st.state, st.detail = "clean base", "upstream tree, no patches applied"
         if stack is not None and len(stack):
             st.next = f"dsadapt apply {ref}"
-        st.detail += lock_note
+        st.detail += elsewhere + lock_note
         return st
     since = (applied.head if applied else None) or st.base
-    n = g.out("rev-list", "--count", f"{since}..{st.head}") if st.head and since and g.rev(since) else "?"
-    st.state, st.detail = "diverged", f"{n} new commit(s) on {co.branch}; run `dsadapt refresh {ref}` to export them"
-    st.next = f"dsadapt refresh {ref}"
-    st.detail += lock_note
+    ahead, behind = branch_lag(g, since, st.head)
+    if ahead == 0 and behind:
+        st.state, st.detail = "diverged", (f"branch {co.branch} was moved back by hand: it lacks {behind} commit(s) "
+                                           f"of the applied stack; `dsadapt refresh {ref}` drops their patches from "
+                                           f"the stack, `dsadapt apply {ref} --force` applies patches/ again")
+    else:
+        st.state, st.detail = "diverged", (f"{ahead if ahead is not None else '?'} new commit(s) on {co.branch}"
+                                           + (f" ({behind} of the applied stack's replaced)" if behind else "")
+                                           + f"; run `dsadapt refresh {ref}` to export them")
+        st.next = f"dsadapt refresh {ref}"
+    st.detail += elsewhere + lock_note
     return st
 
 

@@ -34,18 +34,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from patcher.base.errors import ConflictStop, WorkspaceError
+from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, git_blob_id, remove_tree
 from patcher.base.gitutil import (
     FIXED_DATE,
     Git,
     WorkSnapshot,
     clear_stale_locks,
+    keeping_commit,
+    signal_words,
     snapshot_commit,
     work_fingerprint,
     work_snapshot,
 )
-from patcher.stack.materialize import OP_PREFIX, STACK_REF, Checkout, Progress
+from patcher.stack.materialize import OP_PREFIX, STACK_REF, Checkout, Progress, changed_links, tree_links
 from patcher.stack.state import SCHEMA, AmRun, Applied, Op, PatchOutcome, State
 
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -154,8 +156,10 @@ def with_fixed_date(text: str) -> str:
     ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
     first, sep, rest = text.partition("\n")
     if first.startswith("From ") and not first.startswith("From:"):
-        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
-    return f"Date: {FIXED_MAIL_DATE}\n{text}"
+        text = rest  # a patch as `git format-patch` wrote it: the mbox separator is ours to write
+    head, sep, body = text.partition("\n\n")
+    kept = [l for l in head.split("\n") if not l.lower().startswith("date:")]  # one Date: ours
+    return f"Date: {FIXED_MAIL_DATE}\n" + "\n".join(kept) + sep + body
 
 
 def mbox(texts: list[str]) -> str:
@@ -322,7 +326,8 @@ class Transaction:
         co = self.co
         state, detail, _nxt = describe_op(co, self.op)
         what = "stopped on a conflict" if state == "stopped" else state
-        raise WorkspaceError(f"{co.ref}: an {self.op.kind} is in progress in {co.path} ({what})", hint=detail)
+        article = "an" if self.op.kind[:1] in "aeiou" else "a"
+        raise WorkspaceError(f"{co.ref}: {article} {self.op.kind} is in progress in {co.path} ({what})", hint=detail)
 
     def finish_interrupted(self, kinds: tuple[str, ...]) -> Transaction:
         """Roll an interrupted op of one of `kinds` forward (a rerun of the command that died) and
@@ -357,11 +362,13 @@ class Transaction:
         if op.phase == "reset":
             self._reset()
         if op.phase == "stopped":
+            self._adopt_stop()
+        if op.phase == "stopped":
             at = self._settle()
             self.report_new()
             if at is not None and at == op.stopped and self.co.am_in_progress():
                 raise self._conflict(at)
-            op.phase = "replay"  # the stop went away behind our back: carry on from what git shows
+            op.phase = "replay"
         if op.phase in ("replay", "continue", "skip"):
             self._replay()
         return self.kind.finish(self)  # recorded outcomes + git say it is done; finish is idempotent
@@ -379,6 +386,13 @@ class Transaction:
         branch = op.saves.get("branch")
         if branch and branch not in existing and op.orig.branch_head:
             g.update_ref(branch, op.orig.branch_head, why=f"{self.co.branch} before {op.kind}")
+        head = op.saves.get("head")  # a detached HEAD's own commits, which nothing else reaches
+        if head and head not in existing and op.orig.head:
+            g.update_ref(head, op.orig.head, why=f"detached HEAD before {op.kind}")
+        kept = op.saves.get("reflog")  # the user's commits only git's reflog still reaches
+        if kept and kept not in existing and op.extra.get("reflog"):
+            g.update_ref(kept, keeping_commit(g, op.extra["reflog"], "dsadapt: commits only the reflog held"),
+                         why=f"commits only the reflog held before {op.kind}")
         self.set_phase("reset")
 
     def _reset(self) -> None:
@@ -633,6 +647,13 @@ class Transaction:
         op = self.op
         at = self._settle(_am_blocks(out), first_pos)
         self.report_new()
+        if rc < 0 and at is not None:  # a signal stopped am (a file-size limit, the OOM killer): no stop of
+            op.phase = "replay"        # a patch, whatever its state looks like; it said nothing
+            self.write()
+            what, fix = signal_words(rc)
+            raise WorkspaceError(f"{self.co.ref}: git am was {what}",
+                                 hint=f"{fix}: `dsadapt continue {self.co.ref}` finishes the {self.kind.verb} "
+                                      f"(or `dsadapt abort {self.co.ref}` undoes it)")
         while at is not None and self.co.am_in_progress() and self._am_pos() is not None:
             am = op.am
             assert am is not None
@@ -686,6 +707,43 @@ class Transaction:
             files = sorted(self._junk_paths(self.op.stopped))
         return files
 
+    # ------------------------------------------------------------ git by hand at a stop
+
+    def _adopt_stop(self) -> None:
+        """What the user did with git at the stop, read before anything acts on it: their own
+        `git am --continue` / `--skip` is taken as if dsadapt had run it (and a new stop it ran into
+        becomes the op's stop); an am aborted, quit or rewound by hand is refused with the command
+        that reconciles it. Nothing changes while am still stands on the stopped patch."""
+        op = self.op
+        am = op.am
+        if op.phase != "stopped" or am is None or not op.stopped:
+            return
+        seen = stop_seen(self.co, op)
+        if seen.how == "same":
+            return
+        if seen.how in ("rewound", "ended"):
+            raise WorkspaceError(f"{self.co.ref}: {seen.words(self.co, op)}",
+                                 hint=f"run `dsadapt abort {self.co.ref}` to go back to where the {self.kind.verb} "
+                                      f"started (what you made meanwhile is kept in a backup ref), then "
+                                      f"`dsadapt {self.kind.verb}` again")
+        later = [norm_subject(op.meta(i).subject) for i in am.indices[am.indices.index(op.stopped):]]
+        if seen.after and not am.resolution and norm_subject(seen.after[0][1]) not in later:
+            am.resolution = seen.after[0][0]  # the user's own commit for the stopped patch (any subject)
+        op.phase = "replay"
+        self.write()
+        at = self._settle()
+        self.report_new()
+        if at is not None and seen.how == "moved" and seen.at == at and self.co.am_in_progress():
+            op.stopped = at  # the user's `git am --continue` stopped on this one: it is the op's stop now
+            am.head_at_stop = self.git.head_commit()
+            am.stop_print = None  # not seen by dsadapt: whatever is dirty is kept before skip or abort
+            am.resolution = None
+            op.phase = "stopped"
+            self.write()
+            self.notes.append(f"took what you did with git am in {self.co.path} (stopped on {op.meta(at).name})")
+        else:
+            self.notes.append(f"took what you did with git am in {self.co.path}")
+
     # ------------------------------------------------------------ user commands at a stop
 
     def _at_stop(self) -> bool:
@@ -699,6 +757,7 @@ class Transaction:
     def user_continue(self) -> StackResult:
         op = self.op
         self._refuse_legacy()
+        self._adopt_stop()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -742,6 +801,7 @@ class Transaction:
     def user_skip(self) -> StackResult:
         op = self.op
         self._refuse_legacy()
+        self._adopt_stop()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -775,9 +835,30 @@ class Transaction:
             remove_tree(self.co.am_dir)
         remove_tree(self.co.op_dir)
 
+    def refuse_links_out_of_tree(self, head: str) -> None:
+        """The final tree, as git made it: when the stack left a symbolic link leading outside the tree
+        (which the check of the patches before the op should have refused), undo the whole op and
+        refuse. Costs one `diff-tree` when no link changed."""
+        from patcher.formats.stackfiles import tree_link_problems
+
+        base = self.co.base()
+        if not changed_links(self.git, base, head):
+            return
+        problems = tree_link_problems(tree_links(self.git, base), tree_links(self.git, head))
+        if problems:
+            self.abort()
+            raise PatchFormatError(f"{self.co.ref}: the stack leaves {problems[0]}; the {self.kind.verb} was undone",
+                                   hint="a stack may create, move or retarget symbolic links only to files inside "
+                                        "the tree; fix or drop that patch")
+
     def result(self, head: str | None, stack_hash: str, backup: str | None = None) -> StackResult:
         op = self.op
         self.report_new(all_of_them=True)
+        for what, words in (("head", "the commits of your detached HEAD are"),
+                            ("reflog", "your commits that only git's reflog held are")):
+            if op.saves.get(what):
+                self.notes.append(f"{words} kept in {op.saves[what]} (`git -C {self.co.path} log {op.saves[what]}"
+                                  f"{'^@' if what == 'reflog' else ''}`)")
         kept = [r for r in (op.saves.get("kept") or "").split(",") if r]
         return StackResult(str(self.co.ref), str(self.co.path), self.state.source, self.co.base(), head, stack_hash,
                            [op.outcomes[i] for i in sorted(op.outcomes)], backup_ref=backup or op.saves.get("branch"),
@@ -821,6 +902,10 @@ class Transaction:
         branch = op.saves.get("branch")
         if branch and g.rev(self.co.branch_ref) == g.rev(branch):
             g.delete_ref(branch)
+        if op.saves.get("head") and g.rev("HEAD") == g.rev(op.saves["head"]):
+            g.delete_ref(op.saves["head"])  # HEAD holds them again, as before the op
+        if op.saves.get("reflog") and g.rev(op.saves["reflog"]):  # kept: a reflog is no place for work
+            self.notes.append(f"your commits that only git's reflog held stay kept in {op.saves['reflog']}")
         if op.orig.stack_ref:
             if g.rev(STACK_REF) != op.orig.stack_ref:
                 g.update_ref(STACK_REF, op.orig.stack_ref)
@@ -870,6 +955,60 @@ class Transaction:
 # ---------------------------------------------------------------- status of an op (read-only)
 
 
+@dataclass
+class StopSeen:
+    """What git shows of a recorded stop (read-only).
+
+    how: same     am still stands on the stopped patch (HEAD on top of the stop)
+         moved    am stands on a later patch: the user went on with `git am --continue / --skip`
+         done     no am any more, commits on top of the stop: the user's am ran to its end
+         ended    no am any more, nothing on top of the stop (`git am --quit`, or an abort of a stop
+                  on the first patch)
+         rewound  HEAD no longer holds the stop's commits (`git am --abort`, a reset, a checkout)
+    """
+
+    how: str
+    at: int | None = None                        # the stack index am stands on now
+    after: list[tuple[str, str, str]] = field(default_factory=list)  # commits on top of the stop
+
+    def words(self, co: Checkout, op: Op) -> str:
+        name = op.meta(op.stopped).name if op.stopped else "?"
+        if self.how == "rewound":
+            return (f"git am was aborted by hand (git am --abort, or a reset) at the stop on {name}: the branch "
+                    f"no longer holds the patches applied before it")
+        if self.how == "ended":
+            return f"the stop on {name} was ended by hand (git am --quit, or git am --abort): no git am is in progress"
+        if self.how == "done":
+            return f"git am was continued by hand past {name} and finished"
+        if self.how == "moved" and self.at:
+            return f"git am was continued by hand past {name}; it stopped on {op.meta(self.at).name}"
+        return f"stopped on {name}"
+
+
+def stop_seen(co: Checkout, op: Op) -> StopSeen:
+    am = op.am
+    assert am is not None and op.stopped
+    g = co.git
+    head = g.head_commit()
+    pos = None
+    if co.am_in_progress():
+        cur, last = _read_int(co.am_dir / "next"), _read_int(co.am_dir / "last")
+        pos = cur if cur is not None and last is not None and 1 <= cur <= len(am.indices) else None
+    at = am.indices[pos - 1] if pos is not None else None
+    after: list[tuple[str, str, str]] = []
+    if head != am.head_at_stop:
+        on_top = bool(head and am.head_at_stop) and \
+            g.run("merge-base", "--is-ancestor", am.head_at_stop or "", head or "", check=False).ok
+        if not on_top:
+            return StopSeen("rewound", at)
+        after = g.commits(f"{am.head_at_stop}..{head}")
+    if at == op.stopped:
+        return StopSeen("same", at, after)
+    if at is not None:
+        return StopSeen("moved", at, after)
+    return StopSeen("done" if after else "ended", None, after)
+
+
 def am_done(co: Checkout, op: Op) -> int:
     """How many of the op's patches have an outcome or are behind a running (or killed) `git am`:
     the recorded outcomes are written when a run stops, am's own counter moves per patch."""
@@ -902,6 +1041,18 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
     if own is not None:
         return own
     name = op.meta(op.stopped).name if op.stopped and op.stopped <= op.total else None
+    if op.phase == "stopped" and name and op.am is not None:
+        seen = stop_seen(co, op)
+        if seen.how in ("rewound", "ended"):
+            return "interrupted", (f"{seen.words(co, op)}; run `dsadapt abort {ref}` to go back to where the {verb} "
+                                   f"started, then {verb} again"), f"dsadapt abort {ref}"
+        if seen.how == "moved" and seen.at:
+            return "stopped", (f"{done}/{op.total} patches done; {seen.words(co, op)} (a conflict): resolve, "
+                               f"`git add`, then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / "
+                               f"`dsadapt abort {ref}`)"), f"dsadapt continue {ref}"
+        if seen.how == "done":
+            return "interrupted", (f"{seen.words(co, op)}; run `dsadapt continue {ref}` to record it (or "
+                                   f"`dsadapt abort {ref}` to undo the whole {verb})"), f"dsadapt continue {ref}"
     if op.phase == "stopped" and name:
         return "stopped", (f"{done}/{op.total} patches done; stopped on a conflict in {name}: resolve, `git add`, "
                            f"then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / `dsadapt abort {ref}`)"), \
