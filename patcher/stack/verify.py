@@ -49,6 +49,7 @@ class VerifyResult:
     applied: bool = False
     compiled: int = 0        # patched .py files that compile (fresh or remembered)
     compiled_now: int = 0    # of them, compiled in this run (the rest: by blob id, from an earlier run)
+    compile_s: float = 0.0   # the time those compiles took
     source: str | None = None
     unverifiable: str | None = None  # no source could provide the pinned tree here
 
@@ -194,6 +195,7 @@ def _compile(cfg: Config, g: Git, stack: Stack, tree: str, res: VerifyResult) ->
     cache = compile_cache_path(cfg)
     known = _read_ids(cache)
     todo = sorted({oid for oid in ids.values() if oid not in known})
+    t0 = time.perf_counter()
     blobs = g.cat_blobs(todo)
     good: set[str] = set()
     bad: dict[str, SyntaxError] = {}
@@ -213,4 +215,5 @@ def _compile(cfg: Config, g: Git, stack: Stack, tree: str, res: VerifyResult) ->
             why = bad[oid]
             res.problems.append(f"{owner.get(p, '?')}: {p}:{why.lineno}: does not compile: {why.msg}")
     res.compiled_now = len(good) + len(bad)
+    res.compile_s = round(time.perf_counter() - t0, 3)
     _remember(cache, known, sorted(good))
