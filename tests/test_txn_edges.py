@@ -153,23 +153,27 @@ def test_a_disk_too_full_to_unpack_the_tree_is_said_before_any_progress_line(pro
 
 def test_status_counts_the_patches_a_running_am_has_done(project, clean_stack):
     """The record is written when a run stops; am's own counter says how far it got meanwhile."""
+    from conftest import MOD_V1, edit
+
     assert project.run("apply", REF1).rc == 0
-    texts = make_patches(project.upstream, project.tmp / "mk-6", TAG1, [
-        (commit_msg(f"add module {i}"), {f"vllm/m{i}.py": f"X = {i}\n"}) for i in range(6)])
-    project.write_stack(texts)
-    # die while am runs: a wrapper git kills the whole group once am has committed four patches
+    edits = [(commit_msg(f"add module {i}"), {f"vllm/m{i}.py": f"X = {i}\n"}) for i in range(4)]
+    edits.insert(0, (commit_msg("mod: sigmoid"), {"vllm/mod.py": edit(MOD_V1, '"softmax")', '"sigmoid")')}))
+    edits.insert(4, (commit_msg("mod: tanh"), {"vllm/mod.py": edit(MOD_V1, '"softmax")', '"tanh")')}))
+    project.write_stack(make_patches(project.upstream, project.tmp / "mk-6", TAG1, edits, independent=True))
+    # dsadapt dies right after its git am stopped on patch 5 (am's counter says 4 done), before it
+    # could record anything: a wrapper git kills the whole group when am returns
     wrap = project.tmp / "bin"
     wrap.mkdir()
-    (wrap / "git").write_text('#!/bin/sh\nif [ "$1" = am ]; then\n  "$REAL_GIT" "$@" &\n  while [ "$(cat '
-                              '.git/rebase-apply/next 2>/dev/null)" != 5 ]; do sleep 0.01; done\n'
-                              '  kill -9 -"$DSADAPT_TEST_PGID"\nfi\nexec "$REAL_GIT" "$@"\n')
+    (wrap / "git").write_text('#!/bin/sh\nif [ "$1" = am ]; then\n  "$REAL_GIT" "$@"\n  kill -9 -"$DSADAPT_TEST_PGID"\n'
+                              '  sleep 5\nfi\nexec "$REAL_GIT" "$@"\n')
     (wrap / "git").chmod(0o755)
-    killed, _ = fork_run(project, ["apply", REF1], {"PATH": f"{wrap}:/usr/bin:/bin",
-                                                    "REAL_GIT": subprocess.run(["which", "git"], capture_output=True,
-                                                                               text=True).stdout.strip()})
+    real = subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip()
+    killed, _ = fork_run(project, ["apply", REF1], {"PATH": f"{wrap}:/usr/bin:/bin", "REAL_GIT": real})
     assert killed
+    assert (project.checkout() / ".git" / "rebase-apply" / "next").read_text().strip() == "5"
     st = project.run("status", "--json").json()["checkouts"][0]
     assert st["state"] == "interrupted" and st["op"]["done"] == 4 and "(4/6 patches done)" in st["detail"], st
+    assert project.run("continue", REF1).rc == 4  # and it goes on: to the stop on patch 5
 
 
 # ---------------------------------------------------------------- verify in a place of its own

@@ -11,6 +11,7 @@ Symbolic links may point only inside the tree and never into `.git`: each target
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 import unicodedata
@@ -21,26 +22,36 @@ _IGNORABLE = dict.fromkeys(map(ord, "\u200c\u200d\u200e\u200f\u202a\u202b\u202c\
                                     "\u206a\u206b\u206c\u206d\u206e\u206f\ufeff"), None)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_GIT_8_3 = re.compile(r"git~\d+")
+
+
 def is_dotgit(component: str) -> bool:
     """True when a file system could resolve this name to `.git` (or it is git's own 8.3 alias)."""
-    name = unicodedata.normalize("NFC", component.translate(_IGNORABLE)).rstrip(". ").lower()
-    return name == ".git" or re.fullmatch(r"git~\d+", name) is not None
+    if component.isascii():  # nothing to normalize or ignore (the usual case, and the cheap one)
+        name = component.rstrip(". ").lower()
+    else:
+        name = unicodedata.normalize("NFC", component.translate(_IGNORABLE)).rstrip(". ").lower()
+    return name == ".git" or (name[:4] == "git~" and _GIT_8_3.fullmatch(name) is not None)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def tree_path_error(path: str) -> str | None:
-    """Why `path` may not be written into a source tree, or None when it may."""
+    """Why `path` may not be written into a source tree, or None when it may (pure; remembered, since
+    a patch names each path up to four times and a stack the same paths again)."""
     if not path:
         return "is empty"
-    if any(ord(c) < 0x20 or c == "\x7f" for c in path):
+    if _CONTROL.search(path):
         return "contains a control character"
-    if path.startswith("/") or _DRIVE.match(path):
+    if path[0] == "/" or _DRIVE.match(path):
         return "is absolute"
     if "\\" in path:
         return "contains a backslash"
     parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    if "" in parts or "." in parts or ".." in parts:
         return "escapes the source tree"
-    if any(is_dotgit(p) for p in parts):
+    # only a name starting with "." or "g", or one that is not ASCII, can resolve to .git
+    if any((p[0] in ".gG" or not p.isascii()) and is_dotgit(p) for p in parts):
         return "is inside .git (git's own files)"
     return None
 

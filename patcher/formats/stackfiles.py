@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +62,12 @@ def stack_dir(patches_root: Path, ref: PinRef) -> Path:
     return patches_root / ref.engine / ref.tag
 
 
+_NOT_PLAIN = re.compile(r"[/\\\s\x00-\x1f\x7f]")
+
+
 def series_name_error(name: str) -> str | None:
     """Why a series line is not a plain patch file name of the stack's own directory."""
-    if "/" in name or "\\" in name or name.startswith(".") or any(c.isspace() or ord(c) < 0x20 or c == "\x7f"
-                                                                   for c in name):
+    if name.startswith(".") or _NOT_PLAIN.search(name):
         return "is not a plain patch file name"
     if len(name) > 200:
         return "is longer than 200 characters"
@@ -86,10 +90,18 @@ def parse_series(text: str, where: str = "series") -> list[str]:
     return names
 
 
-def _regular_file(path: Path, what: str) -> None:
-    if path.is_symlink():
+def _regular_file(path: Path, what: str) -> bool:
+    """Whether a regular file is there (one lstat); a symbolic link is refused."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
         raise StackError(f"{path}: the {what} is a symbolic link",
                          hint="a stack holds regular files only; replace the link with the file it points to")
+    return stat.S_ISREG(mode)
 
 
 def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
@@ -105,8 +117,7 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
     entries = []
     for name in names:
         f = d / name
-        _regular_file(f, "patch file")
-        if not f.is_file():
+        if not _regular_file(f, "patch file"):
             raise StackError(f"{series}: names {name}, which does not exist",
                              hint=f"restore {f} or remove its line from series")
         # bytes as they are: a CRLF patch stays CRLF, and the format check refuses it

@@ -220,11 +220,11 @@ def ensure_checkout(cfg: Config, lock: Lock, entry: LockEntry, progress: Progres
 
     It is built under `.TAG.tmp-PID` and renamed into place when complete, so a kill leaves
     either no checkout or a whole one; leftovers of dead runs are removed first."""
-    from patcher.upstream.sources import materialize
-
     co = Checkout(cfg, entry.ref)
     if co.exists:
         return co, False
+    from patcher.upstream.sources import materialize  # (network modules: only when a tree is to be made)
+
     if co.path.exists() and any(co.path.iterdir()):
         raise WorkspaceError(f"{co.path} exists but is not a dsadapt checkout",
                              hint="move it away; dsadapt will not overwrite it")

@@ -27,6 +27,7 @@ from patcher.formats.lock import Lock
 from patcher.formats.patchfile import ZERO_ID
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import (
+    SYMLINK_MODE,
     Stack,
     expected_preimages,
     lint_stack,
@@ -36,7 +37,7 @@ from patcher.formats.stackfiles import (
     touches_links,
     tree_link_problems,
 )
-from patcher.stack.materialize import changed_links, ensure_checkout, tree_links
+from patcher.stack.materialize import ensure_checkout, tree_links
 
 CACHE_LIMIT = 200_000  # ids kept in a compile cache file; past that it starts again from the newest half
 
@@ -70,10 +71,8 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Sta
             return VerifyResult(str(ref), 0, [broken.message])
     res = VerifyResult(str(ref), len(stack))
     res.problems += lint_stack(stack)
-    from patcher.engines import adapter
-
-    ad = adapter(ref.engine)
-    allowed = {ad.name, *ad.pypi}
+    decl = lock.engine(ref.engine)  # the engine's PyPI names as the project declares them (no adapter loaded)
+    allowed = {decl.name, *decl.pypi}
     for e in stack.entries:
         for spec in e.patch.trailer_values("Drop-When"):
             name = spec.split("<")[0].split(">")[0].split("=")[0].split("!")[0].split("~")[0].strip()
@@ -100,10 +99,12 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Sta
         res.applied, tree = _apply_in_temp_index(g, stack, base, res.problems)
         named = any("symbolic link" in p for p in res.problems)
         if res.applied and tree:
-            if not named and changed_links(g, base, tree):  # the final tree, as git made it
+            changed = _changed(g, base, tree)  # one diff-tree: new blob ids and modes, as git made them
+            if not named and any(SYMLINK_MODE in modes for modes, _oid in changed.values()):
                 res.problems += tree_link_problems(tree_links(g, base) if base_links is None else base_links,
                                                    tree_links(g, tree))
-            _compile(cfg, g, stack, tree, res)
+            _compile(cfg, g, stack, {p: oid for p, (modes, oid) in changed.items()
+                                     if oid != ZERO_ID and modes[1] in ("100644", "100755")}, res)
     return res
 
 
@@ -130,6 +131,18 @@ class scratch_git:
     def __exit__(self, *exc) -> None:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _changed(g: Git, base: str, tree: str) -> dict[str, tuple[tuple[str, str], str]]:
+    """{path: ((old mode, new mode), new blob id)} of every path that differs between two trees."""
+    out = g.run_bytes("diff-tree", "-r", "--raw", "--no-renames", "-z", base, tree)[1].decode("utf-8", "surrogateescape")
+    recs = out.split("\0")
+    got: dict[str, tuple[tuple[str, str], str]] = {}
+    for meta, path in zip(recs[0::2], recs[1::2]):
+        if meta.startswith(":"):
+            f = meta[1:].split(" ")
+            got[path] = ((f[0], f[1]), f[3])
+    return got
 
 
 def _apply_in_temp_index(g: Git, stack: Stack, base: str, problems: list[str]) -> tuple[bool, str | None]:
@@ -186,12 +199,11 @@ def _remember(path: Path, known: set[str], new: list[str]) -> None:
         pass  # a cache that cannot be written only costs the compiles next time
 
 
-def _compile(cfg: Config, g: Git, stack: Stack, tree: str, res: VerifyResult) -> None:
-    """Compile every patched .py file of the result tree, skipping blob ids that compiled before."""
+def _compile(cfg: Config, g: Git, stack: Stack, blobs_of: dict[str, str], res: VerifyResult) -> None:
+    """Compile every patched .py file of the result tree (`blobs_of`: path -> blob id of what the
+    stack changed), skipping blob ids that compiled before."""
     owner = {f.new_path: e.name for e in stack.entries for f in e.patch.files if f.new_path}
-    paths = sorted({f.new_path for e in stack.entries for f in e.patch.files
-                    if f.new_path and f.new_path.endswith(".py") and f.new_blob != ZERO_ID})
-    ids = {p: oid for p, oid in g.blobs_at(tree, paths).items() if oid}
+    ids = {p: oid for p, oid in blobs_of.items() if p.endswith(".py") and p in owner}
     cache = compile_cache_path(cfg)
     known = _read_ids(cache)
     todo = sorted({oid for oid in ids.values() if oid not in known})
