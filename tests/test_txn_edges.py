@@ -221,3 +221,25 @@ def test_verify_compiles_each_blob_once_and_a_damaged_memory_costs_only_time(pro
         r = project.run("verify", REF1, "--json")
         assert r.rc == 1 and any("does not compile" in p for p in r.json()["stacks"][0]["problems"]), r
     _ = json
+
+
+def test_a_wrong_sha256_in_the_lock_is_said_before_the_download(project, clean_stack, monkeypatch):
+    """PyPI's index lists each file's sha256: a lock that pins another is answered in one line,
+    before pip downloads anything (and before any progress line)."""
+    from conftest import artifact_toml, lock_text
+
+    from patcher.upstream import sources
+
+    name = "vllm-1.0.0-py3-none-any.whl"
+    project.write_lock(lock_text(project.upstream, artifact=artifact_toml(name, "a" * 64)))
+    monkeypatch.setattr(sources, "pypi_files", lambda dist, timeout=30: [
+        {"filename": name, "hashes": {"sha256": "b" * 64}}])
+
+    def no_download(*a, **k):
+        raise AssertionError("pip download ran")
+
+    monkeypatch.setattr(sources, "_pip_download", no_download)
+    r = project.run("apply", REF1, env={"DSADAPT_SOURCES": "pypi"})
+    lines = r.err.strip().splitlines()
+    assert r.rc == 3 and len(lines) == 2 and "PyPI lists" in lines[0] and "the lock pins aaaaaaaa" in lines[0], r
+    assert not project.checkout().exists()

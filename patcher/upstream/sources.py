@@ -207,6 +207,12 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
     leftovers.clean_downloads(cfg.cache / "artifacts")  # what killed downloads left where this one works
     local = find_local_artifact(cfg, art)
     if local is None:
+        listed = _listed_sha256(art)  # a wrong sha256 in the lock is said before the slow download
+        if listed and listed != art.sha256:
+            raise VerificationError(f"{entry}: PyPI lists {art.file} with sha256 {listed[:16]}…, the lock pins "
+                                    f"{art.sha256[:16]}…",
+                                    hint="the lock's sha256 is wrong, or PyPI serves other bytes than were pinned: "
+                                         "find out which, then re-pin with `dsadapt pin`")
         need_space(_mkdir(cfg.cache / "artifacts"), (art.size or 0) * 2, f"downloading {art.file}")
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
@@ -224,6 +230,18 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
             return final
     _check_sha(local, art, entry)
     return local
+
+
+def _listed_sha256(art: Artifact) -> str | None:
+    """The sha256 PyPI's index lists for the artifact's file (None: not listed, or no index here)."""
+    try:
+        files = pypi_files(art.dist, timeout=10)
+    except Unreachable:
+        return None
+    for f in files:
+        if f.get("filename") == art.file:
+            return (f.get("hashes") or {}).get("sha256")
+    return None
 
 
 def need_space(where: Path, nbytes: int, what: str) -> None:
