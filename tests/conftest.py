@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -211,6 +210,22 @@ def clean_stack_edits() -> list[tuple[str, dict[str, str | None]]]:
     ]
 
 
+def conflicting_stack(project: Project, extra: list[tuple[str, dict[str, str | None]]] | None = None) -> list[str]:
+    """Write a stack on v1.0.0 whose patches 1 and 2 change the same line of vllm/mod.py, made
+    independently on the base (patch 2 stops `git am`), then a clean patch 3 (and `extra`);
+    returns the patch texts."""
+    tanh = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
+                'scoring = getattr(config, "scoring_func", "tanh")')
+    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
+        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
+        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": tanh}),
+        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
+        *(extra or []),
+    ], independent=True)
+    project.write_stack(texts)
+    return texts
+
+
 # ---------------------------------------------------------------- project + CLI
 
 
@@ -353,22 +368,39 @@ def clean_stack(project) -> list[str]:
 # ---------------------------------------------------------------- fixture wheels
 
 
-def make_wheel(up: Upstream, dest_dir: Path, tag: str = TAG1, *, overrides: dict[str, str] | None = None,
-               name: str = "vllm-1.0.0-py3-none-any.whl") -> tuple[Path, str]:
-    """A wheel-shaped zip of the tag's vllm/ package + a .dist-info and a .so (to be left out)."""
+def make_wheel(up: Upstream | Path, dest_dir: Path, tag: str = TAG1, *, under: str | None = "vllm",
+               dist: str = "vllm", version: str = "1.0.0", overrides: dict[str, str] | None = None,
+               extra: dict[str, bytes] | None = None, name: str | None = None,
+               summary: str | None = None) -> tuple[Path, str]:
+    """A release wheel of the tree at `tag` (only its `under/` folder, or all of it with None) plus
+    `extra` members (default: a compiled extension, which a base tree leaves out) and a dist-info
+    (METADATA, WHEEL, RECORD), written by dsadapt's own wheel writer (patcher.formats.wheel: fixed
+    member order and timestamps, RECORD hashes). Returns (path, sha256)."""
+    from patcher.formats.wheel import format_record, new_member, record_hash, write_members
+
+    repo = up.path if isinstance(up, Upstream) else Path(up)
     dest_dir.mkdir(parents=True, exist_ok=True)
-    path = dest_dir / name
-    files = git(up.path, "ls-tree", "-r", "--name-only", tag, "vllm").splitlines()
-    with zipfile.ZipFile(path, "w") as z:
-        for f in files:
-            data = (overrides or {}).get(f)
-            if data is None:
-                data = subprocess.run(["git", "show", f"{tag}:{f}"], cwd=up.path, capture_output=True,
-                                      check=True).stdout
-            z.writestr(f, data)
-        z.writestr("vllm/_C.abi3.so", b"\x7fELF not really")
-        z.writestr("vllm-1.0.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\n")
-        z.writestr("vllm-1.0.0.dist-info/RECORD", "")
+    path = dest_dir / (name or f"{dist}-{version}-py3-none-any.whl")
+    listed = git(repo, "ls-tree", "-r", "--name-only", tag, *([under] if under else [])).splitlines()
+    blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=repo, capture_output=True, check=True,
+                           input="".join(f"{tag}:{f}\n" for f in listed).encode()).stdout
+    members: dict[str, bytes] = {}
+    pos = 0
+    for f in listed:
+        nl = blobs.index(b"\n", pos)
+        size = int(blobs[pos:nl].split()[2])
+        members[f] = blobs[nl + 1:nl + 1 + size]
+        pos = nl + 1 + size + 1
+    for f, text in (overrides or {}).items():
+        members[f] = text.encode()
+    members.update({f"{dist}/_C.abi3.so": b"\x7fELF not really"} if extra is None else extra)
+    di = f"{dist}-{version}.dist-info"
+    members[f"{di}/METADATA"] = (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+                                 + (f"Summary: {summary}\n" if summary else "")).encode()
+    members[f"{di}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: dsadapt-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    rows = [[n, record_hash(d), str(len(d))] for n, d in members.items()] + [[f"{di}/RECORD", "", ""]]
+    members[f"{di}/RECORD"] = format_record(rows).encode()
+    write_members(path, [new_member(n, d) for n, d in sorted(members.items())])
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 

@@ -132,8 +132,13 @@ def work_kept(project: Project, tag: str, w: Work) -> bool:
                 if git(co, "show", spec, check=False, strip=False) == w.content:
                     return True
         return False
-    if w.kind == "commit":
-        return bool(git(co, "for-each-ref", "--contains", w.path, "--format=%(refname)", check=False))
+    if w.kind == "commit":  # in place (HEAD reaches it: a detached HEAD's own work) or on a ref
+        if bool(git(co, "for-each-ref", "--contains", w.path, "--format=%(refname)", check=False)):
+            return True
+        import subprocess
+
+        return subprocess.run(["git", "merge-base", "--is-ancestor", w.path, "HEAD"], cwd=co,
+                              capture_output=True).returncode == 0
     if w.kind == "patchfile":
         p = project.root / w.path
         if p.is_file() and p.read_text() == w.content:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from patcher.base.fsutil import sha256_file as sha256  # noqa: F401 (re-exported for the tests)
 from patcher.formats.lock import load_lock
-from patcher.formats.patchfile import ZERO_ID
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack
+from patcher.formats.stackfiles import expected_preimages, load_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES = REPO_ROOT / "patches" / "lmdeploy"
@@ -74,7 +73,7 @@ def trees(tag: str, root: Path) -> Trees:
     is the checkout's verified base commit, checked out next to it."""
     from shared_envs import real_lock, shared_config
 
-    from patcher.stack.workspace import apply_stack
+    from patcher.stack.apply import apply_stack
 
     wheel = wheel_path(tag)
     assert wheel is not None
@@ -85,14 +84,8 @@ def trees(tag: str, root: Path) -> Trees:
     patched = cfg.checkout_dir("lmdeploy", tag)
     base = root / "base"
     git(patched, "worktree", "add", "-q", "--detach", str(base), "refs/dsadapt/base")
-    last: dict[str, str | None] = {}
-    for e in load_stack(REPO_ROOT / "patches", ref).entries:
-        for f in e.patch.files:
-            if f.old_path and f.old_path != f.new_path:
-                last[f.old_path] = None
-            if f.new_path:
-                last[f.new_path] = None if f.new_blob in (None, ZERO_ID) else f.new_blob
-    return Trees(base, patched, [(p, b) for p, b in last.items() if b is not None])
+    _base, post, _problems = expected_preimages(load_stack(REPO_ROOT / "patches", ref).patches)
+    return Trees(base, patched, [(p, b) for p, b in post.items() if b is not None])
 
 
 def series(tag: str) -> list[Path]:

@@ -21,7 +21,7 @@ from patcher.base.config import load_config
 from patcher.base.gitutil import Git, init_repo
 from patcher.formats.lock import EngineDecl, Lock, LockEntry, format_lock
 from patcher.formats.stackfiles import write_stack
-from patcher.stack.workspace import export_commits
+from patcher.stack.refresh import export_commits
 
 ENGINE = "vllm"
 
@@ -151,21 +151,9 @@ def snapshot(d: Path) -> dict[str, bytes]:
 
 def make_wheels(up: Path, dest: Path, tags=("v1.0.0", "v1.1.0")) -> dict[str, Path]:
     """A wheel per tag holding the upstream tree at that tag (as a release artifact would)."""
-    import zipfile
+    from conftest import make_wheel
 
-    dest.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for tag in tags:
-        version = tag[1:]
-        path = dest / f"vllm-{version}-py3-none-any.whl"
-        files = git(up, "ls-tree", "-r", "--name-only", tag).split("\n")
-        with zipfile.ZipFile(path, "w") as z:
-            for f in sorted(files):
-                z.writestr(f, subprocess.run(["git", "-C", str(up), "show", f"{tag}:{f}"], check=True,
-                                             capture_output=True).stdout)
-            z.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
-        out[tag] = path
-    return out
+    return {tag: make_wheel(up, dest, tag, under=None, version=tag[1:], extra={})[0] for tag in tags}
 
 
 def make_pypi_project(root: Path, up: Path) -> tuple[Path, Path]:

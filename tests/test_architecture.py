@@ -75,8 +75,8 @@ def test_no_import_cycle_runs_through_the_engines_or_the_runners():
     cycles = _cycles()
     for comp in cycles:
         assert not any(m.startswith(("patcher.engines", "patcher.runners")) for m in comp), comp
-    # the stack transaction's cycle (workspace <-> rebase) is gone: op kinds register with
-    # patcher.stack.transaction (issue 11), so no import cycle is left anywhere in patcher/
+    # op kinds (apply, refresh, rebase) register with patcher.stack.transaction instead of being
+    # imported by it, so no import cycle is left anywhere in patcher/
     assert cycles == [], cycles
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import REF1, TAG2
+from conftest import REF1, REPO_ROOT, TAG2
 from test_build_overlay import pin_wheel
 
 from patcher.bench.builds import BenchReport, BuildBench, CheckTimings, build_table, format_markdown, read_check_timings
@@ -114,14 +114,17 @@ def test_stack_ops_bench_measures_dsadapt_next_to_raw_git_and_keeps_the_builds_s
     out.parent.mkdir(parents=True)
     out.write_text("# Benchmarks\n\nold header\n\n## Builds\n\nold builds table\n\n## Check wall time\n\nold\n")
     r = project.run("bench", "--only", "stack-ops", "--stack-pin", REF1, "--sizes", "1,3", "--repeat", "1",
-                    "--rebase-to", "", "--json")
+                    "--rebase-to", "", "--json", env={"PYTHONPATH": str(REPO_ROOT)})  # the timed runs: this code
     assert r.rc == 0, r
     rows = r.json()["stack_ops"]
     by = {(x["op"], x["n"]): x for x in rows}
-    for op in ("apply", "verify", "refresh"):
+    for op in ("apply", "verify", "verify cold", "refresh"):
         for n in (1, 3):
             row = by[(op, n)]
             assert row["dsadapt_s"] > 0 and row["anchor_s"] > 0 and row["ratio"] > 0, row
+    assert by[("verify", 3)]["anchor"] == "one temp-index git apply --cached of the whole stack"
+    # three patches over the fixture's two multi-line modules: two distinct files to compile, cold
+    assert "compile 2 file(s)" in by[("verify cold", 3)]["note"], by[("verify cold", 3)]
     assert [x["note"] for x in rows if x["op"] == "start-up"] == ["dsadapt --help", "dsadapt list", "dsadapt status"]
     assert by[("verify all", 1)]["dsadapt_s"] > 0
     md = out.read_text()

@@ -30,12 +30,13 @@ from conftest import (
     git,
     lock_text,
     make_patches,
+    make_wheel,
     swap_engine,
 )
 
 from patcher.engines import engine
 from patcher.engines.base import VariantSpec
-from patcher.formats.wheel import format_record, parse_record, record_hash, verify_record
+from patcher.formats.wheel import parse_record, record_hash, verify_record
 
 WHEEL_NAME = "vllm-1.0.0-py3-none-any.whl"
 DIST_INFO = "vllm-1.0.0.dist-info"
@@ -60,26 +61,8 @@ DATA_SCRIPT = "vllm-1.0.0.data/scripts/vllm-tool"
 
 def release_wheel(project, dest: Path, *, overrides: dict[str, str] | None = None) -> tuple[Path, str]:
     """A release-shaped wheel of v1.0.0's vllm/: WHEEL, METADATA, a .so, a .data script, a RECORD of real hashes."""
-    up = project.upstream
-    members: dict[str, bytes] = {}
-    for f in git(up.path, "ls-tree", "-r", "--name-only", TAG1, "vllm").splitlines():
-        members[f] = subprocess.run(["git", "show", f"{TAG1}:{f}"], cwd=up.path, capture_output=True,
-                                    check=True).stdout
-    for f, text in (overrides or {}).items():
-        members[f] = text.encode()
-    members[SO] = b"\x7fELF not really a shared object"
-    members[DATA_SCRIPT] = b"#!python\nprint('tool')\n"
-    members[f"{DIST_INFO}/METADATA"] = b"Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\nSummary: fixture\n"
-    members[f"{DIST_INFO}/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: fixture\nRoot-Is-Purelib: true\n"
-                                     b"Tag: py3-none-any\n")
-    rows = [[n, record_hash(d), str(len(d))] for n, d in members.items()] + [[f"{DIST_INFO}/RECORD", "", ""]]
-    members[f"{DIST_INFO}/RECORD"] = format_record(rows).encode()
-    dest.mkdir(parents=True, exist_ok=True)
-    path = dest / WHEEL_NAME
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
-        for n, d in members.items():
-            z.writestr(n, d)
-    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+    return make_wheel(project.upstream, dest, TAG1, overrides=overrides, summary="fixture",
+                      extra={SO: b"\x7fELF not really a shared object", DATA_SCRIPT: b"#!python\nprint('tool')\n"})
 
 
 def pin_wheel(project, edits=OVERLAY_EDITS, *, overrides=None, sha: str | None = None) -> tuple[Path, str]:

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from conftest import MOD_V1, P1_MOD, REF1, TAG1, commit_msg, edit, git, make_patches, refs_snapshot
+from conftest import MOD_V1, P1_MOD, REF1, TAG1, commit_msg, conflicting_stack, edit, git, make_patches, refs_snapshot
 
 
 def _am_tree(project, texts, tmp, base=TAG1) -> str:
@@ -70,21 +70,8 @@ def test_same_inputs_give_same_commit_ids(project, clean_stack, tmp_path):
     assert git(tmp_path / "work2" / "checkouts" / "vllm" / TAG1, "rev-parse", "HEAD") == head1
 
 
-def _conflicting_stack(project):
-    """Patch 1 and 2 both change the same line of vllm/mod.py, made independently on the base."""
-    p2 = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
-              'scoring = getattr(config, "scoring_func", "tanh")')
-    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
-        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
-        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": p2}),
-        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
-    ], independent=True)
-    project.write_stack(texts)
-    return texts
-
-
 def test_conflict_stops_names_patch_and_files_status_says_stopped(project):
-    _conflicting_stack(project)
+    conflicting_stack(project)
     r = project.run("apply", REF1)
     assert r.rc == 4, r
     err = r.err.splitlines()
@@ -100,7 +87,7 @@ def test_conflict_stops_names_patch_and_files_status_says_stopped(project):
 
 
 def test_continue_after_resolving_gives_changed(project):
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     resolved = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
@@ -122,7 +109,7 @@ def test_continue_after_resolving_gives_changed(project):
 def test_a_resolution_must_be_refreshed_before_apply_runs_again(project):
     """After `continue` (changed) the branch no longer equals the stack: status says so, apply
     refuses to redo the conflict, and refresh exports the resolution."""
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     (co / "vllm" / "mod.py").write_text(edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
@@ -142,7 +129,7 @@ def test_a_resolution_must_be_refreshed_before_apply_runs_again(project):
 
 
 def test_skip_drops_the_patch(project):
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     r = project.run("skip", "--json")  # no ref: the one apply in progress
     assert r.rc == 0, r
@@ -157,7 +144,7 @@ def test_abort_restores_exactly_the_state_before_apply(project, clean_stack):
     assert project.run("apply", REF1).rc == 0
     co = project.checkout()
     before = refs_snapshot(co)
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     assert refs_snapshot(co) != before
     r = project.run("abort", REF1)
@@ -173,7 +160,7 @@ def test_abort_leaves_no_branch_that_did_not_exist(project, clean_stack):
     git(co, "checkout", "-q", "-b", "mywork", "refs/dsadapt/base")
     git(co, "branch", "-q", "-D", f"dsadapt/{TAG1}")
     before = refs_snapshot(co)
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     assert project.run("abort").rc == 0
     assert refs_snapshot(co) == before
@@ -211,7 +198,7 @@ def test_abort_after_force_over_dirty_work_gives_the_work_back(project, clean_st
     (co / "vllm" / "util.py").write_text("# my uncommitted work\n")
     (co / "scratch.txt").write_text("untracked notes\n")
     before = refs_snapshot(co)
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1, "--force").rc == 4
     assert project.run("abort", REF1).rc == 0
     assert refs_snapshot(co) == before
@@ -384,7 +371,7 @@ def test_lock_held_by_another_process(project, clean_stack):
 
 
 def test_abort_of_the_very_first_apply_leaves_the_clean_base(project):
-    _conflicting_stack(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     assert project.run("abort", REF1).rc == 0
     co = project.checkout()

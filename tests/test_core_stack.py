@@ -113,16 +113,18 @@ def test_expected_preimages_chain_and_new_files():
     p1 = _patch("p1", FileChange("m.py", "m.py", A, B), FileChange(None, "new.py", ZERO_ID, C))
     p2 = _patch("p2", FileChange("m.py", "m.py", B, D), FileChange("u.py", "u.py", C, A))
     p3 = _patch("p3", FileChange("new.py", "new.py", C, A))
-    base, problems = expected_preimages([p1, p2, p3])
+    base, post, problems = expected_preimages([p1, p2, p3])
     assert problems == []
     # the base tree must hold m.py at A (patch 1) and u.py at C (patch 2); new.py must be absent
     assert base == {"m.py": (A, 1), "new.py": (None, 1), "u.py": (C, 2)}
+    # and what the last patch touching each path leaves there
+    assert post == {"m.py": D, "new.py": A, "u.py": A}
 
 
 def test_expected_preimages_broken_chain_is_a_problem():
     p1 = _patch("p1", FileChange("m.py", "m.py", A, B))
     p2 = _patch("p2", FileChange("m.py", "m.py", C, D))
-    base, problems = expected_preimages([p1, p2])
+    base, _post, problems = expected_preimages([p1, p2])
     assert base == {"m.py": (A, 1)}
     assert len(problems) == 1 and "patch 2 (p2): m.py pre-image cccccccccccc" in problems[0]
     assert "bbbbbbbbbbbb" in problems[0]
@@ -133,16 +135,17 @@ def test_expected_preimages_delete_rename_and_recreate():
     p2 = _patch("p2", FileChange(None, "old.py", ZERO_ID, B))  # re-created: absent in between, fine
     p3 = _patch("p3", FileChange("r.py", "s.py", C, D))
     p4 = _patch("p4", FileChange("s.py", "s.py", D, A))
-    base, problems = expected_preimages([p1, p2, p3, p4])
+    base, post, problems = expected_preimages([p1, p2, p3, p4])
     assert problems == []
     assert base == {"old.py": (A, 1), "r.py": (C, 3)}
+    assert post == {"old.py": B, "r.py": None, "s.py": A}  # renamed away: absent
 
 
 def test_preimage_mismatches_names_patch_file_and_ids(tmp_path):
     text = format_patch(_patch("one"))
     _write(tmp_path, {"0001-one.patch": text}, "0001-one.patch\n")
     st = load_stack(tmp_path, REF)
-    expected, _ = expected_preimages(st.patches)
+    expected, _post, _problems = expected_preimages(st.patches)
     assert expected == {"m.py": (A, 1)}
     assert preimage_mismatches(expected, {"m.py": A}, st) == []
     (msg,) = preimage_mismatches(expected, {"m.py": C}, st)

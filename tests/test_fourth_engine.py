@@ -16,13 +16,10 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, files_snapshot, git
-
-from patcher.formats.wheel import format_record, record_hash
+from conftest import REPO_ROOT, files_snapshot, git, make_wheel
 
 pytestmark = pytest.mark.slow  # about a minute: two gate runs of a plain-PyTorch engine and the HF reference
 
@@ -51,23 +48,7 @@ def make_upstream(tmp: Path) -> tuple[Path, str, str]:
 
 def make_release_wheel(repo: Path, dest: Path) -> tuple[Path, str]:
     """The release wheel toyds would publish for the tag (pure Python, no dependencies)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    members: dict[str, bytes] = {}
-    for name in git(repo, "ls-tree", "-r", "--name-only", TAG, "toyds").splitlines():
-        members[name] = subprocess.run(["git", "show", f"{TAG}:{name}"], cwd=repo, capture_output=True,
-                                       check=True).stdout
-    di = "toyds-0.1.0.dist-info"
-    members[f"{di}/METADATA"] = b"Metadata-Version: 2.1\nName: toyds\nVersion: 0.1.0\n"
-    members[f"{di}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: dsadapt-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    rows = [[n, record_hash(d), str(len(d))] for n, d in members.items()] + [[f"{di}/RECORD", "", ""]]
-    members[f"{di}/RECORD"] = format_record(rows).encode()
-    path = dest / WHEEL
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, data in members.items():
-            info = zipfile.ZipInfo(name, date_time=(2026, 11, 30, 0, 0, 0))
-            info.external_attr = 0o644 << 16
-            z.writestr(info, data)
-    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+    return make_wheel(repo, dest, TAG, under="toyds", dist="toyds", version="0.1.0", extra={})
 
 
 def toy_lock_entries(repo: Path, commit: str, tree: str, sha256: str) -> str:

@@ -12,8 +12,10 @@ from patcher.base.errors import ConflictStop, WorkspaceError
 from patcher.formats.lock import load_lock
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import lint_stack, load_stack
-from patcher.stack import workspace
+from patcher.stack.apply import abort_apply, apply_stack, continue_apply, skip_patch
+from patcher.stack.materialize import Checkout, ensure_checkout
 from patcher.stack.rebase import FROM_BASE, FROM_HEAD, rebase_stack
+from patcher.stack.status import checkout_status
 
 OLD = PinRef(fx.ENGINE, "v1.0.0")
 NEW = PinRef(fx.ENGINE, "v1.1.0")
@@ -36,10 +38,10 @@ def _start(cfg):
 
 
 def _resolve_and_continue(cfg):
-    co = workspace.Checkout(cfg, NEW)
+    co = Checkout(cfg, NEW)
     (co.path / "pkg/d.py").write_text(fx.RESOLVED_D)
     co.git.run("add", "pkg/d.py")
-    return workspace.continue_apply(cfg, None)
+    return continue_apply(cfg, None)
 
 
 def test_rebase_classifies_each_patch_and_writes_new_stack(env):
@@ -88,7 +90,7 @@ def test_rebase_classifies_each_patch_and_writes_new_stack(env):
     assert "- 0006-e-prefer-b.patch: already upstream: Drop-When" in md
 
     # the checkout is left with NEW's stack applied: apply is a no-op
-    again = workspace.apply_stack(cfg, load_lock(cfg.lock_path), NEW)
+    again = apply_stack(cfg, load_lock(cfg.lock_path), NEW)
     assert again.noop
 
 
@@ -103,7 +105,7 @@ def test_patch_id_finds_a_verbatim_backport_when_history_is_there(env):
     write_lock(lock.with_pin(LockEntry(fx.ENGINE, NEW.tag, "1.1.0", commit=fx.git(up, "rev-parse", "v1.1.0^{commit}"),
                                        tree=fx.git(up, "rev-parse", "v1.1.0^{tree}"))), cfg.lock_path)
     _start(cfg)
-    state = workspace.Checkout(cfg, NEW).load_state()
+    state = Checkout(cfg, NEW).load_state()
     detail = state["op"]["extra"]["details"]["1"]
     cherry = fx.git(up, "rev-parse", "v1.1.0~4")  # the cherry-pick, first commit after v1.0.0
     assert detail.startswith("patch-id ") and cherry[:12] in detail
@@ -114,10 +116,10 @@ def test_abort_restores_everything(env):
     cfg = fx.config(proj, root)
     before = fx.snapshot(proj)
     _start(cfg)
-    co = workspace.Checkout(cfg, NEW)
-    assert workspace.checkout_status(cfg, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW)).state == "stopped"
+    co = Checkout(cfg, NEW)
+    assert checkout_status(cfg, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW)).state == "stopped"
     (co.path / "pkg/d.py").write_text("half-resolved\n")  # the user started resolving, then gave up
-    workspace.abort_apply(cfg, NEW)
+    abort_apply(cfg, NEW)
     assert fx.snapshot(proj) == before  # lock entry removed, no NEW stack, no report, OLD untouched
     assert co.load_state()["op"] is None
     assert not co.am_in_progress() and not co.git.is_dirty()
@@ -138,7 +140,7 @@ def test_abort_keeps_a_pin_the_user_made(env):
     write_lock(lock.with_pin(entry), cfg.lock_path)
     before = fx.snapshot(proj)
     _start(cfg)
-    workspace.abort_apply(cfg, None)
+    abort_apply(cfg, None)
     assert fx.snapshot(proj) == before
     assert str(NEW) in load_lock(cfg.lock_path).pins
 
@@ -147,7 +149,7 @@ def test_skip_drops_the_conflicting_patch(env):
     root, up, proj = env
     cfg = fx.config(proj, root)
     _start(cfg)
-    res = workspace.skip_patch(cfg, NEW)
+    res = skip_patch(cfg, NEW)
     assert [o.outcome for o in res.outcomes][4:] == ["skipped", "upstream", "clean"]
     assert [e.name for e in load_stack(cfg.patches_root, NEW).entries] == [
         "0001-c-double-the-total.patch", "0002-f-shift-f2.patch"]
@@ -173,7 +175,7 @@ def test_a_second_rebase_onto_a_stopped_one_is_refused(env):
     _start(cfg)
     with pytest.raises(WorkspaceError, match="in progress"):
         rebase_stack(cfg, load_lock(cfg.lock_path), OLD, NEW.tag)
-    assert workspace.Checkout(cfg, NEW).load_state()["op"]["kind"] == "rebase"
+    assert Checkout(cfg, NEW).load_state()["op"]["kind"] == "rebase"
 
 
 def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
@@ -187,7 +189,7 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
                                  "DSADAPT_ARTIFACTS": str(wheels)})
     lock_before = cfg.lock_path.read_bytes()
     seen = _start(cfg)
-    co = workspace.Checkout(cfg, NEW)
+    co = Checkout(cfg, NEW)
     assert co.load_state()["source"]["kind"] == "pypi"
     assert co.git.out("rev-list", "--count", co.base()) == "1"  # a snapshot: no upstream history
     assert [o.outcome for o in seen] == ["upstream", "upstream", "upstream", "merged"]
@@ -203,7 +205,7 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
     # control: in a NEW snapshot checkout without OLD's base fetched, the same patch cannot merge
     other = load_config(proj, env={"DSADAPT_WORKDIR": str(tmp_path / "work2"), "DSADAPT_SOURCES": "pypi",
                                    "DSADAPT_ARTIFACTS": str(wheels)})
-    co2, _ = workspace.ensure_checkout(other, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW))
+    co2, _ = ensure_checkout(other, load_lock(cfg.lock_path), load_lock(cfg.lock_path).pin(NEW))
     c_patch = proj / "patches" / fx.ENGINE / "v1.0.0" / "0004-c-double-the-total.patch"
     r = co2.git.run("am", "-3", str(c_patch), check=False)
     assert not r.ok and "lacks necessary blobs to fall back on 3-way merge" in r.err
@@ -212,6 +214,6 @@ def test_release_artifact_trees_merge_with_old_blobs(tmp_path):
 def test_plain_apply_is_untouched_by_the_rebase_hooks(env):
     root, up, proj = env
     cfg = fx.config(proj, root)
-    res = workspace.apply_stack(cfg, load_lock(cfg.lock_path), OLD)
+    res = apply_stack(cfg, load_lock(cfg.lock_path), OLD)
     assert [o.outcome for o in res.outcomes] == ["clean"] * 7
     assert not (proj / "reports").exists()

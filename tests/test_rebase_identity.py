@@ -14,7 +14,7 @@ from patcher.formats.lock import load_lock
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import write_stack
 from patcher.stack.rebase import rebase_stack
-from patcher.stack.workspace import export_commits
+from patcher.stack.refresh import export_commits
 
 FILES = sorted(fx.BASE_FILES)
 edit = st.tuples(st.sampled_from(FILES), st.integers(0, 20),

@@ -66,8 +66,8 @@ def test_dsadapt_apply_verify_and_build_through_the_mirror(tag, tmp_path):
 
     from patcher.build.builder import build_pin
     from patcher.formats.pinref import PinRef
+    from patcher.stack.apply import apply_stack
     from patcher.stack.verify import verify_stack
-    from patcher.stack.workspace import apply_stack
 
     ref = PinRef("triton", tag)
     cfg = replace(shared_config(), workdir=tmp_path / "work", sources=("mirror",),

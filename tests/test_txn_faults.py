@@ -1,6 +1,7 @@
 """Fault injection: kill -9 at every git start and end, every durable write and every removal of
-apply, re-apply, apply --force, continue, skip, abort, refresh, refresh --force and rebase (see
-tests/fault_harness.py for what is checked after each kill).
+apply, re-apply, apply --force, continue, skip, abort, refresh, refresh --force and rebase, and of
+the commands that follow git steps the user made by hand (a `git am --continue` or `--abort` at a
+stop, commits on a detached HEAD) -- see tests/fault_harness.py for what is checked after each kill.
 
 FAULT_SAMPLE=N runs every N-th point only (a quicker local loop); the default is all.
 """
@@ -13,25 +14,25 @@ from pathlib import Path
 
 import pytest
 import rebase_fixture as fx
-from conftest import MOD_V1, P1_MOD, REF1, TAG1, UTIL_V1, Project, commit_msg, edit, git, make_patches
+from conftest import (
+    MOD_V1,
+    P1_MOD,
+    REF1,
+    TAG1,
+    UTIL_V1,
+    Project,
+    commit_msg,
+    conflicting_stack,
+    edit,
+    git,
+    make_patches,
+)
 from fault_harness import ALLOWED, Scenario, Tally, Work, outcome, run_scenario
 
 SUMMARY: dict[str, Tally] = {}
 
 RESOLVED = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
                 'scoring = getattr(config, "scoring_func", None) or "tanh"')
-
-
-def _conflicting(project: Project) -> None:
-    p2 = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
-              'scoring = getattr(config, "scoring_func", "tanh")')
-    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
-        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
-        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": p2}),
-        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
-        (commit_msg("add a module"), {"vllm/newmod.py": "VALUE = 1\n"}),
-    ], independent=True)
-    project.write_stack(texts)
 
 
 def _resolve(project: Project) -> None:
@@ -87,7 +88,7 @@ def build_stopped(p: Project) -> None:
     p.write_stack(make_patches(p.upstream, p.tmp / "mk", TAG1, clean_stack_edits()))
     assert p.run("apply", REF1).rc == 0
     _dirty(p)
-    _conflicting(p)
+    conflicting_stack(p, [(commit_msg("add a module"), {"vllm/newmod.py": "VALUE = 1\n"})])
     assert p.run("apply", REF1, "--force").rc == 4
 
 
@@ -119,6 +120,28 @@ def build_refresh_force(p: Project) -> None:
 def _hand_work(p: Project) -> list[Work]:
     f = sorted(p.stack_dir().glob("0001-*.patch"))[0]
     return [Work("patchfile", str(f.relative_to(p.root)), f.read_text())]
+
+
+def build_am_continued_by_hand(p: Project) -> None:
+    """At the stop the user resolved and ran `git am --continue` themselves (it ran to the end)."""
+    build_resolved(p)
+    git(p.checkout(), "am", "--continue")
+
+
+def build_am_aborted_by_hand(p: Project) -> None:
+    """At the stop (over the user's edits) the user ran `git am --abort` themselves."""
+    build_stopped(p)
+    git(p.checkout(), "am", "--abort")
+
+
+def build_detached_with_commit(p: Project) -> None:
+    """The user checked out a commit and committed on it; then patches/ changed."""
+    build_reapply(p)
+    co = p.checkout()
+    git(co, "checkout", "-q", "--detach", "HEAD~1")
+    (co / "mine.txt").write_text("mine\n")
+    git(co, "add", "mine.txt")
+    git(co, "commit", "-qm", "my commit on a detached HEAD")
 
 
 REBASE_PIN = "vllm@v1.1.0"
@@ -163,6 +186,15 @@ SCENARIOS = {
     "skip": lambda: Scenario("skip", REF1, TAG1, ["skip", REF1], build_stopped),
     "abort": lambda: Scenario("abort", REF1, TAG1, ["abort", REF1], build_stopped,
                               work=[Work("file", "vllm/util.py", DIRTY), Work("untracked", "scratch.txt", NOTES)]),
+    "continue-after-git-am-continue": lambda: Scenario("continue-after-git-am-continue", REF1, TAG1,
+                                                       ["continue", REF1], build_am_continued_by_hand,
+                                                       resolve=_resolve),
+    "abort-after-git-am-abort": lambda: Scenario("abort-after-git-am-abort", REF1, TAG1, ["abort", REF1],
+                                                 build_am_aborted_by_hand,
+                                                 work=[Work("file", "vllm/util.py", DIRTY),
+                                                       Work("untracked", "scratch.txt", NOTES)]),
+    "force-over-detached-commit": lambda: Scenario("force-over-detached-commit", REF1, TAG1,
+                                                   ["apply", REF1, "--force"], build_detached_with_commit),
     "refresh": lambda: Scenario("refresh", REF1, TAG1, ["refresh", REF1], build_refresh),
     "refresh-force": lambda: Scenario("refresh-force", REF1, TAG1, ["refresh", REF1, "--force"], build_refresh_force),
     "rebase": lambda: Scenario("rebase", REBASE_PIN, "v1.1.0", ["rebase", "vllm@v1.0.0", "--onto", "v1.1.0"],
@@ -181,7 +213,7 @@ def _base(name: str, tmp_path, project_factory) -> tuple[Project, Scenario]:
     if name == "force":
         co = base.checkout()
         sc.work.append(Work("commit", git(co, "rev-parse", "HEAD")))
-    if name == "refresh":
+    if name in ("refresh", "force-over-detached-commit"):
         sc.work.append(Work("commit", git(base.checkout(), "rev-parse", "HEAD")))
     if name == "refresh-force":
         sc.work += _hand_work(base)

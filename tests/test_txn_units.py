@@ -17,6 +17,7 @@ from conftest import (
     TAG1,
     TAG2,
     commit_msg,
+    conflicting_stack,
     edit,
     files_snapshot,
     git,
@@ -33,17 +34,6 @@ def _applied(project):
 
 def _status(project, ref=REF1):
     return {c["ref"]: c for c in project.run("status", "--json").json()["checkouts"]}[ref]
-
-
-def _conflicting(project):
-    p2 = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
-              'scoring = getattr(config, "scoring_func", "tanh")')
-    texts = make_patches(project.upstream, project.tmp / "mk-conflict", TAG1, [
-        (commit_msg("mod: default scoring to sigmoid"), {"vllm/mod.py": P1_MOD}),
-        (commit_msg("mod: default scoring to tanh"), {"vllm/mod.py": p2}),
-        (commit_msg("util: bigger step"), {"vllm/util.py": "def helper(x):\n    return x + 5\n"}),
-    ], independent=True)
-    project.write_stack(texts)
 
 
 # ---------------------------------------------------------------- status
@@ -66,7 +56,7 @@ def test_status_tells_stopped_from_interrupted_from_done_and_names_the_next_comm
     _applied(project)
     st = _status(project)
     assert st["state"] == "stack applied" and st["next"] is None and "3 patches on" in st["detail"]
-    _conflicting(project)
+    conflicting_stack(project)
     st = _status(project)
     assert st["state"] == "stack outdated" and st["next"] == f"dsadapt apply {REF1}"
     assert project.run("apply", REF1).rc == 4
@@ -86,7 +76,7 @@ def test_status_tells_stopped_from_interrupted_from_done_and_names_the_next_comm
 
 
 def test_a_stale_index_lock_is_named_by_status_and_removed_by_the_next_command(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     (co / ".git" / "index.lock").write_text("")  # what a git killed while writing the index leaves
@@ -99,7 +89,7 @@ def test_a_stale_index_lock_is_named_by_status_and_removed_by_the_next_command(p
 
 
 def test_an_index_lock_held_by_a_running_git_is_left_alone(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     (co / ".git" / "index.lock").write_text("")
@@ -125,7 +115,7 @@ def test_abort_at_a_stop_keeps_commits_and_files_made_there(project, clean_stack
     _applied(project)
     co = project.checkout()
     before = refs_snapshot(co)
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     (co / "notes.txt").write_text("my notes while resolving\n")
     (co / "vllm" / "mod.py").write_text("half resolved\n")
@@ -142,7 +132,7 @@ def test_abort_at_a_stop_keeps_commits_and_files_made_there(project, clean_stack
 
 
 def test_a_resolution_committed_by_hand_at_a_stop_is_the_changed_patch(project):
-    _conflicting(project)
+    conflicting_stack(project)
     assert project.run("apply", REF1).rc == 4
     co = project.checkout()
     resolved = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")', 'scoring = "both"')
@@ -289,13 +279,49 @@ def test_a_state_file_of_the_previous_format_is_read_and_its_op_aborted(project,
     assert _status(project)["state"] == "stack applied"
 
 
+def test_a_schema_1_op_halfway_is_migrated_and_aborted_through_the_transaction(project, clean_stack):
+    """A schema-1 apply stopped after its first patch, with the user's work stashed: migrated on
+    read into the current record (phase legacy), refused by continue / skip / apply with the command
+    that finishes it, and aborted by the one transaction: branch, HEAD and the work come back."""
+    co = _applied(project)
+    state_path = co / ".git" / "dsadapt" / "state.json"
+    head = git(co, "rev-parse", "HEAD")
+    (co / "vllm" / "util.py").write_text("# my work\n")
+    (co / "notes.txt").write_text("mine\n")
+    git(co, "stash", "push", "-q", "--include-untracked")
+    stash = git(co, "rev-parse", "stash@{0}")
+    git(co, "update-ref", "refs/dsadapt/backup/1", stash)
+    git(co, "stash", "drop", "-q")
+    base = git(co, "rev-parse", "refs/dsadapt/base")
+    git(co, "checkout", "-q", "-f", "-B", f"dsadapt/{TAG1}", base)  # what a schema-1 apply did first
+    git(co, "am", "-q", "-3", str(sorted(project.stack_dir().glob("0001-*.patch"))[0]))
+    old = {"ref": REF1, "source": json.loads(state_path.read_text())["source"], "base": base,
+           "applied": {"stack_hash": "x" * 64, "head": head},
+           "op": {"kind": "apply", "stack_hash": "y" * 64, "orig_branch": f"dsadapt/{TAG1}", "orig_head": head,
+                  "branch_head_before": head, "patches": [{"name": "0001-a.patch", "subject": "a"}],
+                  "outcomes": [{"index": 1, "name": "0001-a.patch", "subject": "a", "outcome": "clean"}],
+                  "backup_ref": None, "dirty_backup": "refs/dsadapt/backup/1"}}
+    state_path.write_text(json.dumps(old))
+    st = _status(project)
+    assert st["state"] == "interrupted" and st["next"] == f"dsadapt abort {REF1}" and "older dsadapt" in st["detail"], st
+    for cmd in ("continue", "skip", "apply"):
+        r = project.run(cmd, REF1)
+        assert r.rc == 4 and f"dsadapt abort {REF1}" in r.err, (cmd, r)
+    r = project.run("abort", REF1)
+    assert r.rc == 0, r
+    assert git(co, "rev-parse", "HEAD") == head and git(co, "symbolic-ref", "HEAD") == f"refs/heads/dsadapt/{TAG1}"
+    assert (co / "vllm" / "util.py").read_text() == "# my work\n" and (co / "notes.txt").read_text() == "mine\n"
+    assert json.loads(state_path.read_text())["schema"] == 2 and json.loads(state_path.read_text())["op"] is None
+    assert "legacy_op" not in json.loads(state_path.read_text())
+
+
 # ---------------------------------------------------------------- start-up
 
 
 def test_help_imports_no_command_module_and_its_lines_are_the_commands_own():
     code = ("import sys; from patcher.cli.main import main; rc = main(['--help']); "
             "print(sorted(m for m in sys.modules if (m.startswith('patcher.cli.commands.') and m != 'patcher.cli.commands.common')"
-            " or m in ('git', 'rich', 'patcher.stack.workspace', 'patcher.stack.transaction')))")
+            " or m in ('git', 'rich', 'patcher.stack.apply', 'patcher.stack.materialize', 'patcher.stack.transaction')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 0, r.stderr

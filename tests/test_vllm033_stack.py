@@ -116,7 +116,7 @@ def vllm033_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shared_envs import pinned_wheel, real_lock, shared_config
 
     from patcher.formats.pinref import PinRef
-    from patcher.stack.workspace import apply_stack
+    from patcher.stack.apply import apply_stack
 
     pinned_wheel("vllm@v0.3.3")  # skips with the reason when it cannot be had
     work = tmp_path_factory.mktemp("vllm033")

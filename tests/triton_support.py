@@ -256,7 +256,7 @@ def apply_stack(mirror: Path, tag: str, dest: Path) -> Path:
     from shared_envs import real_lock, shared_config
 
     from patcher.formats.pinref import PinRef
-    from patcher.stack.workspace import apply_stack as dsadapt_apply
+    from patcher.stack.apply import apply_stack as dsadapt_apply
 
     cfg = replace(shared_config(), workdir=Path(dest), sources=("mirror",), mirrors={"triton": (Path(mirror),)})
     dsadapt_apply(cfg, real_lock(), PinRef("triton", tag))

@@ -42,6 +42,23 @@ class GitError(DsadaptError):
     pass
 
 
+def signal_words(rc: int) -> tuple[str, str]:
+    """(what happened, what to do) for a git process that a signal stopped (rc < 0), in words: git
+    itself says nothing then."""
+    import signal
+
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    if name == "SIGXFSZ":
+        return (f"stopped by {name}: a file it wrote grew past the file-size limit (ulimit -f)",
+                "raise the limit (`ulimit -f unlimited`) or free space, then run the command again")
+    if name == "SIGKILL":
+        return f"stopped by {name} (out of memory, or another process)", "run the command again"
+    return f"stopped by {name}", "run the command again"
+
+
 # Trees dsadapt handles (release artifacts, mirrors, upstream commits) are data: nothing in them
 # or next to them may make git run a program or change how git reads them. Every git command
 # runs with hooks off, no fsmonitor, no signing, no submodule recursion, only these transports,
@@ -133,8 +150,12 @@ class Git:
     def _raise(self, args: tuple[str, ...], rc: int, text: str) -> None:
         msg = text.strip().splitlines()
         words = [a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "-c")]
-        raise GitError(f"git {' '.join(words[:2])} failed in {self.path}: {msg[-1] if msg else rc}",
-                       hint="see the git message above; the repository was left as git left it")
+        what = f"git {' '.join(words[:2])}"
+        if rc < 0 and not msg:  # killed by a signal: git said nothing
+            words_, fix = signal_words(rc)
+            raise GitError(f"{what} was {words_} in {self.path}", hint=f"{fix}; the repository was left as git left it")
+        raise GitError(f"{what} failed in {self.path}: {msg[-1] if msg else rc}",
+                       hint="that is git's own last line; the repository was left as git left it")
 
     def out(self, *args: str, **kw) -> str:
         return self.run(*args, **kw).out.strip()
@@ -381,6 +402,12 @@ def _commit_object(g: Git, tree: str, parents: tuple[str, ...], message: str) ->
     body = f"tree {tree}\n" + "".join(f"parent {p}\n" for p in parents) + \
         f"author {ident}\ncommitter {ident}\n\n{message}"
     return g.write_object("commit", body.encode("utf-8"))
+
+
+def keeping_commit(g: Git, commits: list[str], message: str) -> str:
+    """A commit (empty tree) whose parents are `commits`: one ref on it keeps them all reachable
+    (`git log <ref>^@` lists them). Written without starting git."""
+    return _commit_object(g, EMPTY_TREE, tuple(commits), f"{message}\n")
 
 
 def snapshot_commit(g: Git, snap: WorkSnapshot, message: str) -> str:

@@ -23,6 +23,7 @@ TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)(?:-.*)?$")
 LEGACY_TMP_RE = re.compile(r"^\.(?P<name>series|upstream\.lock|.+\.patch|.+\.md|.+\.json|state\.json)\.[a-z0-9_]{8}$")
 DOWNLOAD_RE = re.compile(r"^\.download-(?P<pid>\d+)-")
 SCRATCH_RE = re.compile(r"^(?:index|blob)-(?P<pid>\d+)-")
+SCRATCH_DIR_RE = re.compile(r"^verify-(?P<pid>\d+)-")  # verify's own object dir and index (work dir tmp/)
 AGE_S = 3600  # a leftover without a pid is only taken when older than this
 
 
@@ -111,6 +112,11 @@ def find(cfg, *, sizes: bool = False) -> list[Leftover]:
                 out.append(Leftover(str(entry), "download", "partial download of an interrupted run (older dsadapt)"))
             elif TMP_RE.match(entry.name) and _pid_dead(TMP_RE.match(entry.name)):
                 out.append(Leftover(str(entry), "download", "temporary file of a dead run"))
+    if (wd / "tmp").is_dir():
+        for entry in sorted((wd / "tmp").iterdir()):
+            m = SCRATCH_DIR_RE.match(entry.name)
+            if m and not pid_alive(int(m.group("pid"))):
+                out.append(Leftover(str(entry), "scratch", f"verify's scratch objects of a dead run (pid {m.group('pid')})"))
     if wd.is_dir():
         for entry in sorted(wd.glob("bench-*")):
             if entry.is_dir() and _old(entry):
@@ -194,3 +200,30 @@ def clean_tmp_files(d: Path) -> None:
         return
     for lo in _scan_tmp(d, "temp file"):
         Path(lo.path).unlink(missing_ok=True)
+
+
+def clean_downloads(d: Path) -> None:
+    """Remove partial downloads and temporary files of dead runs in an artifact directory (about to
+    receive a download)."""
+    import shutil
+
+    if not d.is_dir():
+        return
+    for entry in d.iterdir():
+        dead = _pid_dead(DOWNLOAD_RE.match(entry.name)) or _pid_dead(TMP_RE.match(entry.name))
+        if dead:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def clean_scratch(d: Path) -> None:
+    """Remove scratch directories of dead runs (`verify-PID-…`) in the work dir's tmp/."""
+    import shutil
+
+    if not d.is_dir():
+        return
+    for entry in d.iterdir():
+        if _pid_dead(SCRATCH_DIR_RE.match(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)

@@ -9,7 +9,10 @@ made with git itself (`fast-import` commits on the base, exported with dsadapt's
 - apply: `dsadapt apply PIN` re-applying a stack of N patches over the previous one (the
   checkout exists, the branch holds another stack); anchor: `git am -3` of the same N patch
   files onto the same base in a clone (the clone is reset outside the timing).
-- verify: `dsadapt verify PIN`; anchor: the same `git am -3`.
+- verify: `dsadapt verify PIN` run again on the same blobs (its compile memory warm: what a
+  verify of an unchanged or slightly changed stack costs), and cold (the memory removed first,
+  its compile time stated); anchor: one `git apply --cached` of the whole stack in a temporary
+  index and object directory (`read-tree` of the base before, `write-tree` after).
 - refresh: `dsadapt refresh PIN` of the applied branch; anchor: `git format-patch` of the same
   commits into a directory.
 Every dsadapt time is a whole command (a new Python process), medians are reported. Start-up:
@@ -34,7 +37,7 @@ from patcher.formats.lock import Lock, format_lock, version_key
 
 SIZES = (1, 10, 100, 500, 1000)
 ANCHOR_ENV = {**os.environ, "LC_ALL": "C", "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.org"}
-TARGETS = {"apply": "≤ 2× anchor from N = 100", "verify": "≤ 2× anchor from N = 100",
+TARGETS = {"apply": "≤ 2× anchor from N = 100", "verify": "≤ 2× anchor from N = 100", "verify cold": "stated",
            "refresh": "≤ 3× anchor", "rebase": "≤ 1.5 s", "verify all": "≤ 2 s", "start-up": "≤ 0.12 s"}
 
 
@@ -123,6 +126,35 @@ def make_patches(co_path: Path, base: str, n: int) -> str:
     return _git(co_path, "rev-parse", "refs/heads/bench-gen")
 
 
+def _apply_anchor(co_path: Path, base: str, files: list[Path], scratch: Path) -> float:
+    """One temporary-index `git apply --cached` of the whole stack onto the base (read-tree before,
+    write-tree after), in a temporary object directory: what verify's own apply step is."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    (scratch / "objects").mkdir(parents=True)
+    env = {**ANCHOR_ENV, "GIT_INDEX_FILE": str(scratch / "index"), "GIT_OBJECT_DIRECTORY": str(scratch / "objects"),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(co_path / ".git" / "objects")}
+    t0 = time.perf_counter()
+    for argv in (["read-tree", base], ["apply", "--cached", *map(str, files)], ["write-tree"]):
+        subprocess.run(["git", "-C", str(co_path), *argv], env=env, check=True, capture_output=True)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(scratch, ignore_errors=True)
+    return dt
+
+
+def _verify_cold(argv: list[str], env: dict[str, str], work: Path) -> tuple[float, float, int]:
+    """verify with its compile memory removed first: (seconds, of them compiling, files compiled)."""
+    import json
+
+    shutil.rmtree(work / "compiled", ignore_errors=True)
+    t0 = time.perf_counter()
+    r = subprocess.run(argv + ["--json"], env=env, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(argv[:4])} exited {r.returncode}: {r.stderr.strip()[-200:]}")
+    st = (json.loads(r.stdout).get("stacks") or [{}])[0]
+    return dt, float(st.get("compile_s") or 0.0), int(st.get("compiled_now") or 0)
+
+
 def _scratch_project(cfg: Config, lock: Lock, pins: list[str], root: Path, stacks: bool) -> tuple[Path, dict]:
     """A project dir with only `pins` (and their engines), its own work dir, the user's cache."""
     proj = root / "project"
@@ -169,7 +201,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
     """Rows for the stack-operations table and facts about the tree (files, source)."""
     from patcher.base.config import load_config
     from patcher.formats.pinref import parse_pinref
-    from patcher.stack.workspace import Checkout
+    from patcher.stack.materialize import Checkout
 
     if pin is None:
         pin, rebase_to = default_stack_pin(lock)
@@ -205,7 +237,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
         head = make_patches(co.path, base, nmax)
         from patcher.base.gitutil import Git
         from patcher.formats.stackfiles import write_stack
-        from patcher.stack.workspace import export_commits
+        from patcher.stack.refresh import export_commits
 
         patches = export_commits(Git(co.path), base, head)
         _git(co.path, "update-ref", "-d", "refs/heads/bench-gen")
@@ -222,12 +254,19 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
                 stacks.append(vp)
             write_stack(d, stacks[1])
             _timed(dsa + ["apply", pin], env)  # the checkout now holds the other stack: each apply re-applies
+            _timed(dsa + ["verify", pin], env, ok=(0, 1))  # the stack's blobs compiled once (untimed)
             apply_runs, am_runs, verify_runs, refresh_runs, fp_runs = [], [], [], [], []
+            cold_runs, compile_runs, anchor_runs = [], [], []
+            compiled = 0
             for r in range(repeat):
                 write_stack(d, stacks[r % 2])
                 files = [d / name for name in sorted(p.name for p in d.glob("*.patch"))]
                 apply_runs.append(_timed(dsa + ["apply", pin], env))
                 verify_runs.append(_timed(dsa + ["verify", pin], env, ok=(0, 1)))
+                cold, comp, compiled = _verify_cold(dsa + ["verify", pin], env, root / "work")
+                cold_runs.append(cold)
+                compile_runs.append(comp)
+                anchor_runs.append(_apply_anchor(co.path, base, files, root / "anchor-index"))
                 refresh_runs.append(_timed(dsa + ["refresh", pin], env))
                 _git(anchor, "checkout", "-q", "-f", "--detach", base)
                 am_runs.append(_timed(["git", "-C", str(anchor), "am", "-3", "-q", *map(str, files)], ANCHOR_ENV))
@@ -239,8 +278,15 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
             am = _median(am_runs)
             rows.append(OpRow("apply", n, _median(apply_runs), am, "git am -3 of the same files", runs_s=apply_runs,
                               anchor_runs_s=am_runs))
-            rows.append(OpRow("verify", n, _median(verify_runs), am, "git am -3 of the same files",
-                              runs_s=verify_runs, anchor_runs_s=am_runs))
+            apply_anchor = _median(anchor_runs)
+            rows.append(OpRow("verify", n, _median(verify_runs), apply_anchor,
+                              "one temp-index git apply --cached of the whole stack",
+                              note="run again on the same blobs: compiles nothing", runs_s=verify_runs,
+                              anchor_runs_s=anchor_runs))
+            rows.append(OpRow("verify cold", n, _median(cold_runs), apply_anchor,
+                              "one temp-index git apply --cached of the whole stack",
+                              note=f"compile memory empty: {_median(compile_runs):.2f} s of it compile {compiled} "
+                                   f"file(s)", runs_s=cold_runs, anchor_runs_s=anchor_runs))
             rows.append(OpRow("refresh", n, _median(refresh_runs), _median(fp_runs), "git format-patch of the same commits",
                               runs_s=refresh_runs, anchor_runs_s=fp_runs))
         if rebase_to:

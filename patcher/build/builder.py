@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from patcher.base import leftovers
 from patcher.base.config import Config
 from patcher.base.errors import (
     BuildError,
@@ -30,9 +31,10 @@ from patcher.base.errors import (
     LockError,
     RefusedToClobber,
     ToolchainMissing,
+    UnsafeArtifact,
     VerificationError,
 )
-from patcher.base.fsutil import git_blob_id, sha256_file
+from patcher.base.fsutil import fsync_dir, git_blob_id, sha256_file
 from patcher.engines import engine
 from patcher.engines.base import BuildKind, BuildResult, Engine, Progress, Tree, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
@@ -40,9 +42,9 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.sourcetree import left_out as _left_out
 from patcher.formats.stackfiles import Stack, expected_preimages, load_stack
 from patcher.formats.wheel import format_record, new_member, parse_record, read_raw_members, record_hash, write_members
-from patcher.stack.trees import checkout_tree
-from patcher.stack.workspace import Checkout, apply_stack
-from patcher.upstream.sources import fetch_artifact
+from patcher.stack.apply import apply_stack, checkout_tree
+from patcher.stack.materialize import Checkout
+from patcher.upstream.sources import check_members, fetch_artifact
 
 __all__ = ["BuildHost", "BuildResult", "build_pin", "buildable_here", "full_build", "overlay_build",
            "overlay_version", "unpatched_build", "unpatched_version"]
@@ -67,18 +69,25 @@ def _wheel_parts(filename: str) -> tuple[str, str, str]:
 
 
 def patched_files(co: Checkout, stack: Stack) -> dict[str, bytes | None]:
-    """Final content of every path the stack touches, read from the applied branch (None = deleted)."""
+    """Final content of every path the stack touches, read from the applied branch (None = deleted).
+    A path the stack leaves as a symbolic link is refused: a wheel ships files, and a link's bytes
+    are only its target's name."""
     head = f"refs/heads/{co.branch}"
-    out: dict[str, bytes | None] = {}
-    for path in stack.touched_paths():
-        blob = co.git.blob_at(head, path)
-        out[path] = None if blob is None else _cat_blob(co, blob)
-    return out
-
-
-def _cat_blob(co: Checkout, blob: str) -> bytes:
-    r = subprocess.run(["git", "cat-file", "blob", blob], cwd=co.path, capture_output=True, check=True)
-    return r.stdout
+    paths = list(stack.touched_paths())
+    found: dict[str, str] = {}
+    if paths:  # one ls-tree for every path (mode and blob), one cat-file for their bytes
+        for rec in co.git.run("ls-tree", "-z", head, "--", *paths).out.split("\0"):
+            meta, _, path = rec.partition("\t")
+            if not path:
+                continue
+            mode, kind, oid = meta.split()
+            if mode == "120000":
+                raise UnsafeArtifact(f"{co.ref}: the stack leaves {path} as a symbolic link; a built wheel ships files",
+                                     hint="make the patch change the file itself, not turn it into a link")
+            if kind == "blob":
+                found[path] = oid
+    blobs = co.git.cat_blobs(sorted(set(found.values())))
+    return {p: (blobs.get(found[p]) if p in found else None) for p in paths}
 
 
 def _shipped(ad: Engine, path: str) -> bool:
@@ -100,8 +109,9 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: V
         progress(f"overlaying {len(files)} file(s) onto {art.file}")
     members, z = read_raw_members(wheel_path)
     try:
+        check_members(wheel_path, z.infolist())  # no link, device or path out of the tree goes into a build
         by_name = {m.name: m for m in members}
-        expected, chain = expected_preimages(stack.patches)
+        expected, _post, chain = expected_preimages(stack.patches)
         if chain:
             raise VerificationError(f"{entry}: stack is inconsistent: {chain[0]}", hint="refresh the stack")
         not_shipped = sorted(p for p in files if not _shipped(ad, p))
@@ -156,6 +166,7 @@ def unpatched_build(cfg: Config, entry: LockEntry, spec: VariantSpec, out_dir: P
         progress(f"dropping the {spec.name} variant's leave-out from {art.file} (unpatched)")
     members, z = read_raw_members(wheel_path)
     try:
+        check_members(wheel_path, z.infolist())
         new_version = unpatched_version(_wheel_parts(art.file)[1], spec.name)
         provenance = {"pin": str(entry.ref), "variant": spec.name, "base_artifact": art.file,
                       "base_sha256": art.sha256, "unpatched": True, "stack_hash": None, "patches": []}
@@ -243,6 +254,7 @@ def _rewrite_wheel(z, members, art, spec: VariantSpec, files: dict[str, bytes | 
     new_rows.append([f"{new_di}/RECORD", "", ""])
     record = new_member(f"{new_di}/RECORD", format_record(new_rows).encode("utf-8"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    leftovers.clean_tmp_files(out_dir)  # what killed builds left where this one writes
     out_name = f"{name}-{new_version}-{tags}.whl"
     tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
     write_members(tmp, out_members + di_members + [record])
@@ -252,13 +264,19 @@ def _rewrite_wheel(z, members, art, spec: VariantSpec, files: dict[str, bytes | 
 
 
 def _install_output(tmp: Path, final: Path) -> None:
-    """Move a finished build into place; never over a different file of the same name."""
+    """Move a finished build into place, durably (the bytes are on disk before the name is, and the
+    rename is); never over a different file of the same name."""
     try:
-        if final.exists() and sha256_file(final) != sha256_file(tmp):
-            raise RefusedToClobber(f"{final} exists with other content than this build",
-                                   hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
-                                        f"different file in {final.parent.name}/")
+        if final.exists():
+            if sha256_file(final) != sha256_file(tmp):
+                raise RefusedToClobber(f"{final} exists with other content than this build",
+                                       hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
+                                            f"different file in {final.parent.name}/")
+            return  # the same bytes are in place already (made, and synced, by an earlier build)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -48,6 +48,10 @@ class FileChange:
     new_blob: str | None
     binary: bool = False
     mode: str | None = None  # the new mode when the patch states one (100644, 100755, 120000 = symlink)
+    old_mode: str | None = None   # the old mode when the patch states one
+    copy: bool = False            # a copy: old_path stays
+    content: bool = False         # the patch changes the bytes (hunks or a binary patch), not only name or mode
+    link_target: str | None = None  # the whole post-image when the diff gives it (what a symbolic link points at)
 
     @property
     def path(self) -> str:
@@ -237,6 +241,7 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
     files: list[FileChange] = []
     cur: dict | None = None
     old_left = new_left = 0
+    last = ""  # the side of the last hunk line: " " both, "-" old, "+" new
 
     def close() -> None:
         if cur is not None:
@@ -246,14 +251,21 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
         if old_left > 0 or new_left > 0:  # inside a hunk: content, whatever it looks like
             if line.startswith(" ") or line == "":
                 old_left, new_left = old_left - 1, new_left - 1
+                if cur is not None:
+                    cur["new_side"].append(line[1:])
+                last = " "
             elif line.startswith("-"):
                 old_left -= 1
+                last = "-"
             elif line.startswith("+"):
                 new_left -= 1
                 if cur is not None:
                     cur["plus_lines"].append(line[1:])
+                    cur["new_side"].append(line[1:])
+                last = "+"
             elif line.startswith("\\"):
-                pass
+                if cur is not None and last in (" ", "+"):
+                    cur["new_eof"] = True
             else:
                 raise _bad(where, f"diff line {n}: a hunk ends before its header says ({show(line, 40)!r})")
             if old_left < 0 or new_left < 0:
@@ -267,13 +279,16 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
             cur = {"a": names[0] if names else None, "b": names[1] if names else None, "new": False,
                    "deleted": False, "index": None, "binary": False, "rename_from": None, "rename_to": None,
                    "copy_from": None, "copy_to": None, "minus": None, "plus": None, "hunks": 0,
-                   "old_mode": None, "new_mode": None, "plus_lines": [], "line": n}
+                   "old_mode": None, "new_mode": None, "plus_lines": [], "line": n, "new_side": [],
+                   "new_start": None, "new_eof": False}
             continue
         if cur is None:
             if line.strip():
                 raise _bad(where, f"diff line {n}: text before the first `diff --git` header")
             continue
         if line.startswith("\\"):  # "\ No newline at end of file" after a hunk's last line
+            if last in (" ", "+"):
+                cur["new_eof"] = True
             continue
         if line.startswith("@@"):
             m = _HUNK_RE.match(line)
@@ -282,6 +297,9 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
             old_left = int(m.group(2)) if m.group(2) is not None else 1
             new_left = int(m.group(4)) if m.group(4) is not None else 1
             cur["hunks"] += 1
+            if cur["new_start"] is None:
+                cur["new_start"] = int(m.group(3))
+            last = ""
             continue
         if cur["binary"]:
             continue  # base85 lines, literal/delta headers and blank separators
@@ -294,7 +312,7 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
         elif line.startswith("new file mode "):
             cur["new"], cur["new_mode"] = True, line.split()[-1]
         elif line.startswith("deleted file mode "):
-            cur["deleted"] = True
+            cur["deleted"], cur["old_mode"] = True, line.split()[-1]
         elif line.startswith("old mode "):
             cur["old_mode"] = line.split()[-1]
         elif line.startswith("new mode "):
@@ -309,6 +327,7 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
             cur["index"] = (im.group(1), im.group(2))
             if im.group(3):
                 cur["new_mode"] = cur["new_mode"] or im.group(3)
+                cur["old_mode"] = cur["old_mode"] or im.group(3)
         elif line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
             cur["binary"] = True
     close()
@@ -358,12 +377,17 @@ def _file_change(cur: dict, where: str) -> FileChange:
                               f"{show(new_name, 60)!r}")
     if _GITLINK_MODE in (cur["new_mode"], cur["old_mode"]):
         raise _bad(where, f"{new_name}: a submodule (gitlink) change", hint="a stack patches files, not submodules")
+    # the whole post-image, when the diff gives it: one hunk from the first line to an end without
+    # a newline (a symbolic link's blob is its target, with no newline), or an empty new file
+    target = None
+    if cur["hunks"] == 1 and cur["new_start"] in (0, 1) and cur["new_eof"]:
+        target = "\n".join(cur["new_side"])
     if cur["new_mode"] == _SYMLINK_MODE and not cur["deleted"]:
         if cur["binary"]:
             raise _bad(where, f"{new_name}: a symbolic link given as a binary patch")
-        if cur["plus_lines"]:
-            why = symlink_target_error(new_name, cur["plus_lines"][-1] if len(cur["plus_lines"]) == 1
-                                       else "\n".join(cur["plus_lines"]))
+        if cur["hunks"]:
+            why = symlink_target_error(new_name, target) if target is not None else \
+                "has a target the patch does not give whole"
             if why:
                 raise PatchFormatError(f"{where}: symbolic link {show(new_name, 60)!r} {why}",
                                        hint="a patch may create symbolic links only to files inside the tree")
@@ -374,7 +398,8 @@ def _file_change(cur: dict, where: str) -> FileChange:
         old_path=None if cur["new"] else old_name,
         new_path=None if cur["deleted"] else new_name,
         old_blob=old_blob, new_blob=new_blob, binary=cur["binary"],
-        mode=cur["new_mode"],
+        mode=cur["new_mode"], old_mode=cur["old_mode"], copy=bool(cur["copy_from"] or cur["copy_to"]),
+        content=bool(cur["hunks"] or cur["binary"]), link_target=target,
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +62,12 @@ def stack_dir(patches_root: Path, ref: PinRef) -> Path:
     return patches_root / ref.engine / ref.tag
 
 
+_NOT_PLAIN = re.compile(r"[/\\\s\x00-\x1f\x7f]")
+
+
 def series_name_error(name: str) -> str | None:
     """Why a series line is not a plain patch file name of the stack's own directory."""
-    if "/" in name or "\\" in name or name.startswith(".") or any(c.isspace() or ord(c) < 0x20 or c == "\x7f"
-                                                                   for c in name):
+    if name.startswith(".") or _NOT_PLAIN.search(name):
         return "is not a plain patch file name"
     if len(name) > 200:
         return "is longer than 200 characters"
@@ -86,10 +90,18 @@ def parse_series(text: str, where: str = "series") -> list[str]:
     return names
 
 
-def _regular_file(path: Path, what: str) -> None:
-    if path.is_symlink():
+def _regular_file(path: Path, what: str) -> bool:
+    """Whether a regular file is there (one lstat); a symbolic link is refused."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
         raise StackError(f"{path}: the {what} is a symbolic link",
                          hint="a stack holds regular files only; replace the link with the file it points to")
+    return stat.S_ISREG(mode)
 
 
 def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
@@ -105,15 +117,28 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
     entries = []
     for name in names:
         f = d / name
-        _regular_file(f, "patch file")
-        if not f.is_file():
+        if not _regular_file(f, "patch file"):
             raise StackError(f"{series}: names {name}, which does not exist",
                              hint=f"restore {f} or remove its line from series")
         # bytes as they are: a CRLF patch stays CRLF, and the format check refuses it
         text = read_text(f, PatchFormatError, where=str(f),
                          hint="a patch is UTF-8 text; regenerate it with `dsadapt refresh` or `git format-patch`")
         entries.append(StackEntry(name, parse_patch(text, where=str(f)), text))
-    return Stack(ref, d, tuple(entries))
+    stack = Stack(ref, d, tuple(entries))
+    refuse_unsafe_links(stack, None)  # what the stack's own links do (the base's: once it is known)
+    return stack
+
+
+def refuse_unsafe_links(stack: Stack, base_links: dict[str, str] | None) -> None:
+    """Raise (exit 2) when the stack makes a symbolic link lead outside the tree (`symlink_problems`)."""
+    if not touches_links(stack.patches):
+        return
+    problems = symlink_problems(stack.patches, base_links)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PatchFormatError(f"{stack.dir}: {problems[0]}{more}",
+                               hint="a stack may create, move or retarget symbolic links only to files inside the "
+                                    "tree; fix or drop that patch")
 
 
 def lint_stack(stack: Stack) -> list[str]:
@@ -177,12 +202,13 @@ def write_stack(d: Path, patches: list[Patch]) -> list[str]:
     return names
 
 
-def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list[str]]:
-    """What the base tree must hold for the stack to apply byte-exactly.
+def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], dict[str, str | None], list[str]]:
+    """What the base tree must hold for the stack to apply byte-exactly, and what it leaves.
 
-    Returns ({path: (blob id or None for 'absent', index of first patch touching it)}, problems),
-    where problems are inconsistencies inside the stack (a patch whose pre-image is not what
-    the previous patch of the same file produced).
+    Returns (base, post, problems): base is {path: (blob id or None for 'absent', index of the
+    first patch touching it)}; post is {path: blob id the last patch touching it leaves, or None
+    where it leaves the path absent}; problems are inconsistencies inside the stack (a patch whose
+    pre-image is not what the previous patch of the same file produced).
     """
     from patcher.formats.patchfile import ZERO_ID
 
@@ -205,7 +231,90 @@ def expected_preimages(patches) -> tuple[dict[str, tuple[str | None, int]], list
                 current[f.old_path] = None
             if f.new_path is not None:
                 current[f.new_path] = f.new_blob if f.new_blob != ZERO_ID else None
-    return base, problems
+    return base, current, problems
+
+
+SYMLINK_MODE = "120000"
+
+
+def touches_links(patches) -> bool:
+    """Whether any patch could create, move, copy or retarget a symbolic link: a link mode, a rename
+    or copy, or a change that states no mode (it keeps whatever the tree has, a link included)."""
+    for p in patches:
+        for f in p.files:
+            if SYMLINK_MODE in (f.mode, f.old_mode):
+                return True
+            if f.old_path and f.new_path and (f.old_path != f.new_path or f.copy):
+                return True
+            if f.old_path and f.new_path and f.mode is None:
+                return True
+    return False
+
+
+def symlink_problems(patches, base_links: dict[str, str] | None) -> list[str]:
+    """Symbolic links the stack creates, renames, copies or retargets that lead outside the tree or
+    into .git, after any patch: each link is followed through every link the tree holds at that
+    point (`paths.resolve_in_tree`), so chains, links made by one patch and moved by another, and
+    retargets by a change without a mode are all seen. `base_links` ({path: target}) are the base
+    tree's links; None when the base is not known yet (then only what the stack itself makes is
+    followed). A base link nobody touches is upstream's business and is not judged."""
+    from patcher.base.paths import resolve_in_tree
+
+    known = base_links is not None
+    links: dict[str, str] = dict(base_links or {})
+    touched: set[str] = set()
+    reported: set[str] = set()
+    problems: list[str] = []
+    for i, p in enumerate(patches, 1):
+        changed = False
+        for f in p.files:
+            old, new = f.old_path, f.new_path
+            src = links.get(old) if old else None
+            if old and old != new and not f.copy and old in links:
+                del links[old]  # renamed away or deleted
+                changed = True
+            if new is None:
+                continue
+            mode = f.mode or (SYMLINK_MODE if src is not None else None)
+            if mode is None and not known and old is not None and old not in touched:
+                continue  # a path of the base: whether it is a link is told by the base pass
+            if mode == SYMLINK_MODE:
+                target = f.link_target if f.content else src
+                if target is None:
+                    problems.append(f"patch {i} ({p.subject}): {new} becomes a symbolic link whose target the "
+                                    "patch does not give")
+                    continue
+                if links.get(new) != target or new not in links:
+                    links[new] = target
+                    changed = True
+                touched.add(new)
+            elif new in links:
+                del links[new]
+                changed = True
+        if not changed:
+            continue
+        for path in sorted(links):
+            if path in reported:
+                continue
+            why, used = resolve_in_tree(path, links)
+            if why and (path in touched or used & touched):
+                reported.add(path)
+                problems.append(f"patch {i} ({p.subject}): symbolic link {path} -> {links[path]} {why}")
+    return problems
+
+
+def tree_link_problems(base_links: dict[str, str], links: dict[str, str]) -> list[str]:
+    """The links of a finished tree (`links`) that lead outside it or into .git, where the stack made,
+    moved or retargeted them or one they go through (the base's own, untouched, are not judged)."""
+    from patcher.base.paths import resolve_in_tree
+
+    touched = {p for p, t in links.items() if base_links.get(p) != t}
+    out = []
+    for path in sorted(links):
+        why, used = resolve_in_tree(path, links)
+        if why and (path in touched or used & touched):
+            out.append(f"symbolic link {path} -> {links[path]} {why}")
+    return out
 
 
 def preimage_mismatches(expected: dict[str, tuple[str | None, int]], actual: dict[str, str | None],

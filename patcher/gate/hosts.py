@@ -12,12 +12,12 @@ import contextlib
 from pathlib import Path
 
 from patcher.base.config import Config
+from patcher.base.workdir import workdir_lock
 from patcher.build.venvs import install_plan
 from patcher.engines.base import EngineEnv, EnvPlan, Progress, Tree
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef
-from patcher.stack.trees import checkout_tree
-from patcher.stack.workspace import workdir_lock
+from patcher.stack.apply import checkout_tree
 
 
 class RunHost:

@@ -27,7 +27,6 @@ Phases of an op (each one recorded before its step runs)::
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -35,234 +34,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from patcher.base.errors import ConflictStop, WorkspaceError
+from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, git_blob_id, remove_tree
 from patcher.base.gitutil import (
     FIXED_DATE,
     Git,
     WorkSnapshot,
     clear_stale_locks,
+    keeping_commit,
+    signal_words,
     snapshot_commit,
     work_fingerprint,
     work_snapshot,
 )
+from patcher.stack.materialize import OP_PREFIX, STACK_REF, Checkout, Progress, changed_links, tree_links
+from patcher.stack.state import SCHEMA, AmRun, Applied, Op, PatchOutcome, State
 
-SCHEMA = 2
-BASE_REF = "refs/dsadapt/base"
-STACK_REF = "refs/dsadapt/stack"          # the stack files (series + patches) last applied or exported
-BACKUP_PREFIX = "refs/dsadapt/backup/"
-OP_PREFIX = "refs/dsadapt/op/"            # (refs of ops recorded by earlier versions; cleaned up)
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 FIXED_MAIL_DATE = "Tue, 14 Nov 2023 22:13:20 -0000"  # RFC 2822 form of gitutil.FIXED_DATE (email.utils.formatdate)
-
-Progress = Callable[[str], None]
-
-
-def branch_name(tag: str) -> str:
-    return f"dsadapt/{tag}"
-
-
-# ---------------------------------------------------------------- the record (plain data)
-
-
-@dataclass
-class PatchMeta:
-    name: str
-    subject: str
-
-
-@dataclass
-class PatchOutcome:
-    index: int
-    name: str
-    subject: str
-    outcome: str  # clean | merged | changed | skipped | upstream (rebase only)
-    commit: str | None = None
-
-
-@dataclass
-class Orig:
-    """Where the checkout was before the op: what `abort` returns to."""
-
-    branch: str | None         # the branch HEAD was on (None: detached)
-    head: str | None           # HEAD's commit
-    branch_head: str | None    # refs/heads/dsadapt/<tag> (None: the branch did not exist)
-    stack_ref: str | None      # refs/dsadapt/stack
-    dirty: bool                # uncommitted or untracked work (saved in saves["work"])
-    print: str | None = None   # its work_fingerprint: `abort` checks the work is back exactly
-
-
-@dataclass
-class AmRun:
-    """One `git am` sequence: the patches it was given, in order, and where it started."""
-
-    start: str                  # HEAD when it started
-    indices: list[int]          # 1-based stack positions, in am's order
-    mbox: str                   # file in the op dir
-    head_at_stop: str | None = None
-    stop_print: str | None = None    # work_fingerprint when it stopped: any other state is the user's doing
-    resolution: str | None = None    # commit the user made by hand for the stopped patch
-
-
-@dataclass
-class Op:
-    kind: str
-    ref: str
-    stack_hash: str
-    patches: list[PatchMeta]
-    orig: Orig
-    phase: str = "save"
-    saves: dict[str, str] = field(default_factory=dict)   # what -> backup ref (planned names)
-    outcomes: dict[int, PatchOutcome] = field(default_factory=dict)
-    am: AmRun | None = None
-    stopped: int | None = None
-    abort_from: str | None = None
-    abort_saved: bool = False
-    restored: bool = False
-    snapshot: str | None = None      # commit holding the stack's files as this op read them
-    started: float = 0.0
-    extra: dict = field(default_factory=dict)   # the kind's own data
-    schema: int = SCHEMA
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["outcomes"] = [asdict(o) for _, o in sorted(self.outcomes.items())]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> Op:
-        d = dict(d)
-        d["patches"] = [PatchMeta(**p) for p in d.get("patches", [])]
-        d["orig"] = Orig(**d["orig"])
-        d["outcomes"] = {o["index"]: PatchOutcome(**o) for o in d.get("outcomes", [])}
-        d["am"] = AmRun(**d["am"]) if d.get("am") else None
-        return cls(**d)
-
-    @property
-    def total(self) -> int:
-        return len(self.patches)
-
-    def meta(self, index: int) -> PatchMeta:
-        return self.patches[index - 1]
-
-    def done_count(self) -> int:
-        return len(self.outcomes)
-
-
-@dataclass
-class Applied:
-    stack_hash: str
-    head: str | None
-    needs_refresh: list[str] = field(default_factory=list)
-    snapshot: str | None = None      # commit of the stack files this head corresponds to
-    snapshot_tree: str | None = None
-
-
-@dataclass
-class State:
-    ref: str
-    source: dict | None
-    base: str | None
-    applied: Applied | None = None
-    op: Op | None = None
-    legacy_op: dict | None = None    # an op recorded by dsadapt < schema 2 (only `abort` finishes it)
-    schema: int = SCHEMA
-
-    def to_json(self) -> dict:
-        return {"schema": SCHEMA, "ref": self.ref, "source": self.source, "base": self.base,
-                "applied": asdict(self.applied) if self.applied else None,
-                "op": self.op.to_json() if self.op else None,
-                **({"legacy_op": self.legacy_op} if self.legacy_op else {})}
-
-    @classmethod
-    def from_json(cls, d: dict) -> State:
-        schema = d.get("schema", 1)
-        if not isinstance(schema, int) or schema > SCHEMA:
-            raise ValueError(f"state schema {schema} is newer than this dsadapt ({SCHEMA})")
-        applied = d.get("applied")
-        if schema < 2:
-            ap = Applied(applied["stack_hash"], applied.get("head"), list(applied.get("needs_refresh") or [])) \
-                if applied else None
-            return cls(d["ref"], d.get("source"), d.get("base"), ap, None, d.get("op") or None)
-        return cls(d["ref"], d.get("source"), d.get("base"), Applied(**applied) if applied else None,
-                   Op.from_json(d["op"]) if d.get("op") else None, d.get("legacy_op"))
-
-
-# ---------------------------------------------------------------- a checkout
-
-
-class Checkout:
-    """One checkout directory (a normal git repository) and its dsadapt state."""
-
-    def __init__(self, cfg, ref):
-        self.cfg = cfg
-        self.ref = ref
-        self.path = cfg.checkout_dir(ref.engine, ref.tag)
-        self.git = Git(self.path)
-
-    @property
-    def exists(self) -> bool:
-        return (self.path / ".git").is_dir() and self.state_path.is_file()
-
-    @property
-    def state_path(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "state.json"
-
-    @property
-    def op_dir(self) -> Path:
-        return self.path / ".git" / "dsadapt" / "op"
-
-    @property
-    def am_dir(self) -> Path:
-        return self.path / ".git" / "rebase-apply"
-
-    @property
-    def branch(self) -> str:
-        return branch_name(self.ref.tag)
-
-    @property
-    def branch_ref(self) -> str:
-        return f"refs/heads/{self.branch}"
-
-    def load(self) -> State:
-        try:
-            return State.from_json(json.loads(self.state_path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise WorkspaceError(f"{self.path} has no dsadapt state", hint=f"run `dsadapt apply {self.ref}`") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise WorkspaceError(f"{self.path}: unreadable dsadapt state ({e.__class__.__name__}: {e})",
-                                 hint=f"move the directory away and run `dsadapt apply {self.ref}` again") from None
-
-    def load_state(self) -> dict:
-        """The state as JSON (what `.git/dsadapt/state.json` holds)."""
-        return self.load().to_json()
-
-    def save(self, state: State) -> None:
-        atomic_write_text(self.state_path, json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n")
-
-    def am_in_progress(self) -> bool:
-        return self.am_dir.exists()
-
-    def base(self) -> str:
-        """refs/dsadapt/base (it never moves once the checkout exists: read once)."""
-        b = getattr(self, "_base", None) or self.git.rev(BASE_REF)
-        if not b:
-            raise WorkspaceError(f"{self.path}: {BASE_REF} is missing", hint="the checkout is damaged; move it away and re-apply")
-        self._base = b
-        return b
-
-    def backups(self) -> list[str]:
-        return [r for r, _ in self.git.refs(BACKUP_PREFIX)]
-
-    def next_backup_names(self, n: int) -> list[str]:
-        taken = {r.removeprefix(BACKUP_PREFIX) for r in self.backups()}
-        out: list[str] = []
-        i = 1
-        while len(out) < n:
-            if str(i) not in taken:
-                out.append(f"{BACKUP_PREFIX}{i}")
-            i += 1
-        return out
 
 
 # ---------------------------------------------------------------- op kinds (registration)
@@ -292,8 +81,13 @@ class OpKind(Protocol):
     def undo(self, tx: Transaction) -> None:
         """Idempotently undo what prepare/finish did outside the checkout's branch and work tree."""
 
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        """(state, detail, next command) of an interrupted op of this kind, where the kind has its own
+        words for it (refresh: patches/ half written); None: the transaction's words for its phase."""
+
 
 KINDS: dict[str, OpKind] = {}
+OPS_GROUP = "dsadapt.ops"
 
 
 def register(kind: OpKind) -> OpKind:
@@ -301,13 +95,32 @@ def register(kind: OpKind) -> OpKind:
     return kind
 
 
-def kind_of(name: str) -> OpKind:
-    if name not in KINDS:  # kinds living in other modules register themselves on import (entry points)
-        from importlib.metadata import entry_points
+def _declared_kinds() -> dict[str, str]:
+    """Op kinds by name -> module: the `dsadapt.ops` entry points, and dsadapt's own declaration in
+    pyproject.toml where its installed metadata predates a kind (a source tree)."""
+    from importlib.metadata import entry_points
 
-        for ep in entry_points(group="dsadapt.ops"):
-            if ep.name == name:
-                ep.load()
+    found = {ep.name: ep.value for ep in entry_points(group=OPS_GROUP)}
+    try:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        if data.get("project", {}).get("name") == "dsadapt":
+            for k, v in data["project"].get("entry-points", {}).get(OPS_GROUP, {}).items():
+                found.setdefault(k, v)
+    except (OSError, ValueError, KeyError):
+        pass
+    return found
+
+
+def kind_of(name: str) -> OpKind:
+    if name not in KINDS:  # kinds register themselves when their module is imported (entry points)
+        import importlib
+
+        module = _declared_kinds().get(name)
+        if module:
+            importlib.import_module(module.partition(":")[0].strip())
     if name not in KINDS:
         raise WorkspaceError(f"unknown operation kind {name!r} in the checkout's state",
                              hint="it was started by another dsadapt version; `dsadapt abort` undoes it")
@@ -343,8 +156,10 @@ def with_fixed_date(text: str) -> str:
     ignores GIT_AUTHOR_DATE, so without it the same stack gives new commit ids on every run."""
     first, sep, rest = text.partition("\n")
     if first.startswith("From ") and not first.startswith("From:"):
-        return f"{first}{sep}Date: {FIXED_MAIL_DATE}\n{rest}"
-    return f"Date: {FIXED_MAIL_DATE}\n{text}"
+        text = rest  # a patch as `git format-patch` wrote it: the mbox separator is ours to write
+    head, sep, body = text.partition("\n\n")
+    kept = [l for l in head.split("\n") if not l.lower().startswith("date:")]  # one Date: ours
+    return f"Date: {FIXED_MAIL_DATE}\n" + "\n".join(kept) + sep + body
 
 
 def mbox(texts: list[str]) -> str:
@@ -506,9 +321,39 @@ class Transaction:
 
     # ------------------------------------------------------------ running an op to its end or a stop
 
+    def refuse(self) -> None:
+        """Raise: an op is in progress that the command at hand does not finish (what it is, what does)."""
+        co = self.co
+        state, detail, _nxt = describe_op(co, self.op)
+        what = "stopped on a conflict" if state == "stopped" else state
+        article = "an" if self.op.kind[:1] in "aeiou" else "a"
+        raise WorkspaceError(f"{co.ref}: {article} {self.op.kind} is in progress in {co.path} ({what})", hint=detail)
+
+    def finish_interrupted(self, kinds: tuple[str, ...]) -> Transaction:
+        """Roll an interrupted op of one of `kinds` forward (a rerun of the command that died) and
+        return the transaction to go on with; refuse anything else in progress."""
+        if self.state.op is None:
+            return self
+        op = self.op
+        if op.kind in kinds and op.phase not in ("stopped", "abort", "legacy"):
+            if self.progress:
+                self.progress(f"finishing the interrupted {op.kind} first")
+            self.run()
+            tx = Transaction.open(self.co, self.on_patch, self.progress)
+            tx.notes = self.notes
+            return tx
+        self.refuse()
+        return self  # pragma: no cover
+
+    def _refuse_legacy(self) -> None:
+        if self.op.phase == "legacy":
+            raise WorkspaceError(f"{self.co.ref}: an apply recorded by an older dsadapt is in progress in {self.co.path}",
+                                 hint=f"run `dsadapt abort {self.co.ref}`, then apply again")
+
     def run(self) -> StackResult:
         """Drive the op from whatever phase it is in (also after a kill) to its end, or raise ConflictStop."""
         op = self.op
+        self._refuse_legacy()
         if op.phase == "abort":
             raise WorkspaceError(f"{self.co.ref}: an abort was interrupted",
                                  hint=f"run `dsadapt abort {self.co.ref}` to finish it")
@@ -517,11 +362,13 @@ class Transaction:
         if op.phase == "reset":
             self._reset()
         if op.phase == "stopped":
+            self._adopt_stop()
+        if op.phase == "stopped":
             at = self._settle()
             self.report_new()
             if at is not None and at == op.stopped and self.co.am_in_progress():
                 raise self._conflict(at)
-            op.phase = "replay"  # the stop went away behind our back: carry on from what git shows
+            op.phase = "replay"
         if op.phase in ("replay", "continue", "skip"):
             self._replay()
         return self.kind.finish(self)  # recorded outcomes + git say it is done; finish is idempotent
@@ -539,6 +386,13 @@ class Transaction:
         branch = op.saves.get("branch")
         if branch and branch not in existing and op.orig.branch_head:
             g.update_ref(branch, op.orig.branch_head, why=f"{self.co.branch} before {op.kind}")
+        head = op.saves.get("head")  # a detached HEAD's own commits, which nothing else reaches
+        if head and head not in existing and op.orig.head:
+            g.update_ref(head, op.orig.head, why=f"detached HEAD before {op.kind}")
+        kept = op.saves.get("reflog")  # the user's commits only git's reflog still reaches
+        if kept and kept not in existing and op.extra.get("reflog"):
+            g.update_ref(kept, keeping_commit(g, op.extra["reflog"], "dsadapt: commits only the reflog held"),
+                         why=f"commits only the reflog held before {op.kind}")
         self.set_phase("reset")
 
     def _reset(self) -> None:
@@ -793,6 +647,13 @@ class Transaction:
         op = self.op
         at = self._settle(_am_blocks(out), first_pos)
         self.report_new()
+        if rc < 0 and at is not None:  # a signal stopped am (a file-size limit, the OOM killer): no stop of
+            op.phase = "replay"        # a patch, whatever its state looks like; it said nothing
+            self.write()
+            what, fix = signal_words(rc)
+            raise WorkspaceError(f"{self.co.ref}: git am was {what}",
+                                 hint=f"{fix}: `dsadapt continue {self.co.ref}` finishes the {self.kind.verb} "
+                                      f"(or `dsadapt abort {self.co.ref}` undoes it)")
         while at is not None and self.co.am_in_progress() and self._am_pos() is not None:
             am = op.am
             assert am is not None
@@ -846,6 +707,43 @@ class Transaction:
             files = sorted(self._junk_paths(self.op.stopped))
         return files
 
+    # ------------------------------------------------------------ git by hand at a stop
+
+    def _adopt_stop(self) -> None:
+        """What the user did with git at the stop, read before anything acts on it: their own
+        `git am --continue` / `--skip` is taken as if dsadapt had run it (and a new stop it ran into
+        becomes the op's stop); an am aborted, quit or rewound by hand is refused with the command
+        that reconciles it. Nothing changes while am still stands on the stopped patch."""
+        op = self.op
+        am = op.am
+        if op.phase != "stopped" or am is None or not op.stopped:
+            return
+        seen = stop_seen(self.co, op)
+        if seen.how == "same":
+            return
+        if seen.how in ("rewound", "ended"):
+            raise WorkspaceError(f"{self.co.ref}: {seen.words(self.co, op)}",
+                                 hint=f"run `dsadapt abort {self.co.ref}` to go back to where the {self.kind.verb} "
+                                      f"started (what you made meanwhile is kept in a backup ref), then "
+                                      f"`dsadapt {self.kind.verb}` again")
+        later = [norm_subject(op.meta(i).subject) for i in am.indices[am.indices.index(op.stopped):]]
+        if seen.after and not am.resolution and norm_subject(seen.after[0][1]) not in later:
+            am.resolution = seen.after[0][0]  # the user's own commit for the stopped patch (any subject)
+        op.phase = "replay"
+        self.write()
+        at = self._settle()
+        self.report_new()
+        if at is not None and seen.how == "moved" and seen.at == at and self.co.am_in_progress():
+            op.stopped = at  # the user's `git am --continue` stopped on this one: it is the op's stop now
+            am.head_at_stop = self.git.head_commit()
+            am.stop_print = None  # not seen by dsadapt: whatever is dirty is kept before skip or abort
+            am.resolution = None
+            op.phase = "stopped"
+            self.write()
+            self.notes.append(f"took what you did with git am in {self.co.path} (stopped on {op.meta(at).name})")
+        else:
+            self.notes.append(f"took what you did with git am in {self.co.path}")
+
     # ------------------------------------------------------------ user commands at a stop
 
     def _at_stop(self) -> bool:
@@ -858,6 +756,8 @@ class Transaction:
 
     def user_continue(self) -> StackResult:
         op = self.op
+        self._refuse_legacy()
+        self._adopt_stop()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -900,6 +800,8 @@ class Transaction:
 
     def user_skip(self) -> StackResult:
         op = self.op
+        self._refuse_legacy()
+        self._adopt_stop()
         if self._at_stop():
             am = op.am
             assert am is not None
@@ -933,9 +835,30 @@ class Transaction:
             remove_tree(self.co.am_dir)
         remove_tree(self.co.op_dir)
 
+    def refuse_links_out_of_tree(self, head: str) -> None:
+        """The final tree, as git made it: when the stack left a symbolic link leading outside the tree
+        (which the check of the patches before the op should have refused), undo the whole op and
+        refuse. Costs one `diff-tree` when no link changed."""
+        from patcher.formats.stackfiles import tree_link_problems
+
+        base = self.co.base()
+        if not changed_links(self.git, base, head):
+            return
+        problems = tree_link_problems(tree_links(self.git, base), tree_links(self.git, head))
+        if problems:
+            self.abort()
+            raise PatchFormatError(f"{self.co.ref}: the stack leaves {problems[0]}; the {self.kind.verb} was undone",
+                                   hint="a stack may create, move or retarget symbolic links only to files inside "
+                                        "the tree; fix or drop that patch")
+
     def result(self, head: str | None, stack_hash: str, backup: str | None = None) -> StackResult:
         op = self.op
         self.report_new(all_of_them=True)
+        for what, words in (("head", "the commits of your detached HEAD are"),
+                            ("reflog", "your commits that only git's reflog held are")):
+            if op.saves.get(what):
+                self.notes.append(f"{words} kept in {op.saves[what]} (`git -C {self.co.path} log {op.saves[what]}"
+                                  f"{'^@' if what == 'reflog' else ''}`)")
         kept = [r for r in (op.saves.get("kept") or "").split(",") if r]
         return StackResult(str(self.co.ref), str(self.co.path), self.state.source, self.co.base(), head, stack_hash,
                            [op.outcomes[i] for i in sorted(op.outcomes)], backup_ref=backup or op.saves.get("branch"),
@@ -979,6 +902,10 @@ class Transaction:
         branch = op.saves.get("branch")
         if branch and g.rev(self.co.branch_ref) == g.rev(branch):
             g.delete_ref(branch)
+        if op.saves.get("head") and g.rev("HEAD") == g.rev(op.saves["head"]):
+            g.delete_ref(op.saves["head"])  # HEAD holds them again, as before the op
+        if op.saves.get("reflog") and g.rev(op.saves["reflog"]):  # kept: a reflog is no place for work
+            self.notes.append(f"your commits that only git's reflog held stay kept in {op.saves['reflog']}")
         if op.orig.stack_ref:
             if g.rev(STACK_REF) != op.orig.stack_ref:
                 g.update_ref(STACK_REF, op.orig.stack_ref)
@@ -1028,20 +955,104 @@ class Transaction:
 # ---------------------------------------------------------------- status of an op (read-only)
 
 
+@dataclass
+class StopSeen:
+    """What git shows of a recorded stop (read-only).
+
+    how: same     am still stands on the stopped patch (HEAD on top of the stop)
+         moved    am stands on a later patch: the user went on with `git am --continue / --skip`
+         done     no am any more, commits on top of the stop: the user's am ran to its end
+         ended    no am any more, nothing on top of the stop (`git am --quit`, or an abort of a stop
+                  on the first patch)
+         rewound  HEAD no longer holds the stop's commits (`git am --abort`, a reset, a checkout)
+    """
+
+    how: str
+    at: int | None = None                        # the stack index am stands on now
+    after: list[tuple[str, str, str]] = field(default_factory=list)  # commits on top of the stop
+
+    def words(self, co: Checkout, op: Op) -> str:
+        name = op.meta(op.stopped).name if op.stopped else "?"
+        if self.how == "rewound":
+            return (f"git am was aborted by hand (git am --abort, or a reset) at the stop on {name}: the branch "
+                    f"no longer holds the patches applied before it")
+        if self.how == "ended":
+            return f"the stop on {name} was ended by hand (git am --quit, or git am --abort): no git am is in progress"
+        if self.how == "done":
+            return f"git am was continued by hand past {name} and finished"
+        if self.how == "moved" and self.at:
+            return f"git am was continued by hand past {name}; it stopped on {op.meta(self.at).name}"
+        return f"stopped on {name}"
+
+
+def stop_seen(co: Checkout, op: Op) -> StopSeen:
+    am = op.am
+    assert am is not None and op.stopped
+    g = co.git
+    head = g.head_commit()
+    pos = None
+    if co.am_in_progress():
+        cur, last = _read_int(co.am_dir / "next"), _read_int(co.am_dir / "last")
+        pos = cur if cur is not None and last is not None and 1 <= cur <= len(am.indices) else None
+    at = am.indices[pos - 1] if pos is not None else None
+    after: list[tuple[str, str, str]] = []
+    if head != am.head_at_stop:
+        on_top = bool(head and am.head_at_stop) and \
+            g.run("merge-base", "--is-ancestor", am.head_at_stop or "", head or "", check=False).ok
+        if not on_top:
+            return StopSeen("rewound", at)
+        after = g.commits(f"{am.head_at_stop}..{head}")
+    if at == op.stopped:
+        return StopSeen("same", at, after)
+    if at is not None:
+        return StopSeen("moved", at, after)
+    return StopSeen("done" if after else "ended", None, after)
+
+
+def am_done(co: Checkout, op: Op) -> int:
+    """How many of the op's patches have an outcome or are behind a running (or killed) `git am`:
+    the recorded outcomes are written when a run stops, am's own counter moves per patch."""
+    done = set(op.outcomes)
+    if op.am is not None and co.am_in_progress():
+        cur = _read_int(co.am_dir / "next")
+        if cur is not None:
+            done |= set(op.am.indices[:max(cur - 1, 0)])
+    return len(done)
+
+
 def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, str | None]:
     """(state, detail, next command) of a checkout holding an op, without changing anything."""
     ref = co.ref
-    done = len(op.outcomes)
-    verb = "rebase" if op.kind == "rebase" else op.kind
+    done = am_done(co, op)
+    try:
+        kind: OpKind | None = kind_of(op.kind)
+    except WorkspaceError:
+        kind = None
+    verb = kind.verb if kind is not None else op.kind
     if running:
         return "running", f"a dsadapt {verb} is running now ({done}/{op.total} patches done)", None
+    if op.phase == "legacy":
+        return "interrupted", (f"an {verb} recorded by an older dsadapt is in progress; run `dsadapt abort {ref}`, "
+                               "then apply again"), f"dsadapt abort {ref}"
     if op.phase == "abort":
         return "interrupted", f"an abort of the {verb} was interrupted; run `dsadapt abort {ref}` to finish it", \
             f"dsadapt abort {ref}"
-    if op.kind == "refresh":
-        return "interrupted", (f"a refresh was interrupted while writing patches/; run `dsadapt refresh {ref}` "
-                               f"to finish it or `dsadapt abort {ref}` to put patches/ back"), f"dsadapt refresh {ref}"
+    own = kind.describe(co, op) if kind is not None else None
+    if own is not None:
+        return own
     name = op.meta(op.stopped).name if op.stopped and op.stopped <= op.total else None
+    if op.phase == "stopped" and name and op.am is not None:
+        seen = stop_seen(co, op)
+        if seen.how in ("rewound", "ended"):
+            return "interrupted", (f"{seen.words(co, op)}; run `dsadapt abort {ref}` to go back to where the {verb} "
+                                   f"started, then {verb} again"), f"dsadapt abort {ref}"
+        if seen.how == "moved" and seen.at:
+            return "stopped", (f"{done}/{op.total} patches done; {seen.words(co, op)} (a conflict): resolve, "
+                               f"`git add`, then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / "
+                               f"`dsadapt abort {ref}`)"), f"dsadapt continue {ref}"
+        if seen.how == "done":
+            return "interrupted", (f"{seen.words(co, op)}; run `dsadapt continue {ref}` to record it (or "
+                                   f"`dsadapt abort {ref}` to undo the whole {verb})"), f"dsadapt continue {ref}"
     if op.phase == "stopped" and name:
         return "stopped", (f"{done}/{op.total} patches done; stopped on a conflict in {name}: resolve, `git add`, "
                            f"then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / `dsadapt abort {ref}`)"), \
@@ -1063,6 +1074,5 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
         f"dsadapt continue {ref}"
 
 
-__all__ = ["Applied", "AmRun", "BACKUP_PREFIX", "BASE_REF", "Checkout", "KINDS", "Op", "OpKind", "Orig",
-           "PatchMeta", "PatchOutcome", "STACK_REF", "StackResult", "State", "Transaction", "branch_name",
-           "describe_op", "kind_of", "register"]
+__all__ = ["KINDS", "OpKind", "StackResult", "Transaction", "describe_op", "files_commit", "flat_tree_id", "kind_of",
+           "register"]

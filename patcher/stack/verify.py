@@ -1,18 +1,45 @@
-"""verify: lint a stack and prove it applies cleanly onto the pinned tree, without touching
-the user's checkout (the work happens in a temporary index: `read-tree` of the base, `git apply
---cached` of the stack, `write-tree`, and `cat-file --batch` for the files that must compile)."""
+"""verify: lint a stack and prove it applies cleanly onto the pinned tree, in a place of its own.
+
+The work happens in a scratch directory of the work dir (`tmp/verify-PID-…`): a temporary index
+and a temporary object directory that borrows the checkout's objects as an alternate
+(GIT_OBJECT_DIRECTORY, GIT_ALTERNATE_OBJECT_DIRECTORIES, GIT_INDEX_FILE), so `read-tree` of the
+base, one `git apply --cached` of the whole stack and `write-tree` write nothing into the
+checkout's `.git`, whatever the outcome. The patched `.py` files are compiled once per distinct
+blob id: the ids that compiled are remembered in the work dir (`compiled/<python>.txt`), so a
+verify of an unchanged or slightly changed stack compiles only what changed; a missing or
+damaged file of ids only costs the compiles.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from patcher.base import leftovers
 from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, SourceError
+from patcher.base.gitutil import Git
 from patcher.formats.lock import Lock
 from patcher.formats.patchfile import ZERO_ID
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import expected_preimages, lint_stack, load_stack, preimage_mismatches
-from patcher.stack.workspace import ensure_checkout
+from patcher.formats.stackfiles import (
+    SYMLINK_MODE,
+    Stack,
+    expected_preimages,
+    lint_stack,
+    load_stack,
+    preimage_mismatches,
+    symlink_problems,
+    touches_links,
+    tree_link_problems,
+)
+from patcher.stack.materialize import ensure_checkout, tree_links
+
+CACHE_LIMIT = 200_000  # ids kept in a compile cache file; past that it starts again from the newest half
 
 
 @dataclass
@@ -21,7 +48,9 @@ class VerifyResult:
     patches: int
     problems: list[str] = field(default_factory=list)
     applied: bool = False
-    compiled: int = 0
+    compiled: int = 0        # patched .py files that compile (fresh or remembered)
+    compiled_now: int = 0    # of them, compiled in this run (the rest: by blob id, from an earlier run)
+    compile_s: float = 0.0   # the time those compiles took
     source: str | None = None
     unverifiable: str | None = None  # no source could provide the pinned tree here
 
@@ -33,18 +62,17 @@ class VerifyResult:
         return {**asdict(self), "ok": self.ok}
 
 
-def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyResult:
+def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Stack | None = None) -> VerifyResult:
     entry = lock.pin(ref)
-    try:
-        stack = load_stack(cfg.patches_root, ref)
-    except DsadaptError as broken:
-        return VerifyResult(str(ref), 0, [broken.message])
+    if stack is None:
+        try:
+            stack = load_stack(cfg.patches_root, ref)
+        except DsadaptError as broken:
+            return VerifyResult(str(ref), 0, [broken.message])
     res = VerifyResult(str(ref), len(stack))
     res.problems += lint_stack(stack)
-    from patcher.engines import adapter
-
-    ad = adapter(ref.engine)
-    allowed = {ad.name, *ad.pypi}
+    decl = lock.engine(ref.engine)  # the engine's PyPI names as the project declares them (no adapter loaded)
+    allowed = {decl.name, *decl.pypi}
     for e in stack.entries:
         for spec in e.patch.trailer_values("Drop-When"):
             name = spec.split("<")[0].split(">")[0].split("=")[0].split("!")[0].split("~")[0].strip()
@@ -55,47 +83,149 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None) -> VerifyR
     except SourceError as unreachable:  # lint results stand; applying needs the tree
         res.unverifiable = unreachable.message
         return res
-    state = co.load_state()
-    res.source = f"{state['source']['kind']} {state['source']['origin']}"
+    state = co.load()
+    src = state.source or {}
+    res.source = f"{src.get('kind')} {src.get('origin')}"
     base = co.base()
-    expected, chain = expected_preimages(stack.patches)
+    expected, _post, chain = expected_preimages(stack.patches)
     res.problems += chain
-    if state["source"]["kind"] == "pypi":
+    if src.get("kind") == "pypi":
         res.problems += [f"pre-image: {m}" for m in
                          preimage_mismatches(expected, co.git.blobs_at(base, sorted(expected)), stack)]
-    res.applied, tree = _apply_in_temp_index(co, stack, base, res.problems)
-    if res.applied and tree:
-        paths = sorted({f.new_path for e in stack.entries for f in e.patch.files
-                        if f.new_path and f.new_path.endswith(".py") and f.new_blob != ZERO_ID})
-        blobs = co.git.cat_blobs([f"{tree}:{p}" for p in paths])
-        owner = {f.new_path: e.name for e in stack.entries for f in e.patch.files if f.new_path}
-        for p in paths:
-            src = blobs.get(f"{tree}:{p}")
-            if src is None:
-                continue
-            try:
-                compile(src, p, "exec", dont_inherit=True)
-                res.compiled += 1
-            except SyntaxError as err:
-                res.problems.append(f"{owner.get(p, '?')}: {p}:{err.lineno}: does not compile: {err.msg}")
+    with scratch_git(cfg, co.git) as g:
+        base_links = tree_links(g, base) if touches_links(stack.patches) else None
+        if base_links is not None:  # links the stack makes, moves or retargets, after each patch
+            res.problems += symlink_problems(stack.patches, base_links)
+        res.applied, tree = _apply_in_temp_index(g, stack, base, res.problems)
+        named = any("symbolic link" in p for p in res.problems)
+        if res.applied and tree:
+            changed = _changed(g, base, tree)  # one diff-tree: new blob ids and modes, as git made them
+            if not named and any(SYMLINK_MODE in modes for modes, _oid in changed.values()):
+                res.problems += tree_link_problems(tree_links(g, base) if base_links is None else base_links,
+                                                   tree_links(g, tree))
+            _compile(cfg, g, stack, {p: oid for p, (modes, oid) in changed.items()
+                                     if oid != ZERO_ID and modes[1] in ("100644", "100755")}, res)
     return res
 
 
-def _apply_in_temp_index(co, stack, base: str, problems: list[str]) -> tuple[bool, str | None]:
-    """Apply the whole stack onto the base in a temporary index (no work tree, no worktree): one
-    `git apply --cached` of all patches; on failure, one patch at a time to name the first that fails."""
+class scratch_git:
+    """A Git of the checkout that writes nowhere in it: a private index and object directory in the
+    work dir's tmp/ (the checkout's objects lent as an alternate), removed on the way out. Scratch
+    dirs of dead runs are removed when the next one is made."""
+
+    def __init__(self, cfg: Config, git: Git):
+        self.root = cfg.workdir / "tmp"
+        self.git = git
+        self.dir: Path | None = None
+
+    def __enter__(self) -> Git:
+        self.root.mkdir(parents=True, exist_ok=True)
+        leftovers.clean_scratch(self.root)
+        self.dir = self.root / f"verify-{os.getpid()}-{time.monotonic_ns()}"
+        (self.dir / "objects").mkdir(parents=True)
+        objects = self.git.git_dir() / "objects"
+        return self.git.with_env(GIT_OBJECT_DIRECTORY=str(self.dir / "objects"),
+                                 GIT_ALTERNATE_OBJECT_DIRECTORIES=str(objects.resolve()),
+                                 GIT_INDEX_FILE=str(self.dir / "index"))
+
+    def __exit__(self, *exc) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _changed(g: Git, base: str, tree: str) -> dict[str, tuple[tuple[str, str], str]]:
+    """{path: ((old mode, new mode), new blob id)} of every path that differs between two trees."""
+    out = g.run_bytes("diff-tree", "-r", "--raw", "--no-renames", "-z", base, tree)[1].decode("utf-8", "surrogateescape")
+    recs = out.split("\0")
+    got: dict[str, tuple[tuple[str, str], str]] = {}
+    for meta, path in zip(recs[0::2], recs[1::2]):
+        if meta.startswith(":"):
+            f = meta[1:].split(" ")
+            got[path] = ((f[0], f[1]), f[3])
+    return got
+
+
+def _apply_in_temp_index(g: Git, stack: Stack, base: str, problems: list[str]) -> tuple[bool, str | None]:
+    """Apply the whole stack onto the base in the scratch index (no work tree): one `git apply
+    --cached` of all patches; on failure, one patch at a time to name the first that fails."""
     if not stack.entries:
-        return True, co.git.tree_of(base)
-    with co.git.temp_index(base) as t:
-        whole = "".join(e.text if e.text.endswith("\n") else e.text + "\n" for e in stack.entries)
-        if t.run("apply", "--cached", input=whole, check=False).ok:
-            return True, t.out("write-tree")
-    with co.git.temp_index(base) as t:
-        for e in stack.entries:
-            r = t.run("apply", "--cached", input=e.text, check=False)
-            if not r.ok:
-                msg = [l for l in (r.out + r.err).splitlines() if l.startswith(("error:", "Patch failed"))]
-                problems.append(f"{e.name}: does not apply cleanly onto {base[:12]}" + (f" ({msg[0]})" if msg else ""))
-                return False, None
+        return True, g.tree_of(base)
+    whole = "".join(e.text if e.text.endswith("\n") else e.text + "\n" for e in stack.entries)
+    g.run("read-tree", base)
+    if g.run("apply", "--cached", input=whole, check=False).ok:
+        return True, g.out("write-tree")
+    g.run("read-tree", base)
+    for e in stack.entries:
+        r = g.run("apply", "--cached", input=e.text, check=False)
+        if not r.ok:
+            msg = [l for l in (r.out + r.err).splitlines() if l.startswith(("error:", "Patch failed"))]
+            problems.append(f"{e.name}: does not apply cleanly onto {base[:12]}" + (f" ({msg[0]})" if msg else ""))
+            return False, None
     problems.append(f"the stack does not apply as a whole onto {base[:12]} (each patch does, in order)")
     return False, None
+
+
+# ---------------------------------------------------------------- the syntax check, once per blob
+
+
+def compile_cache_path(cfg: Config) -> Path:
+    impl = sys.implementation.name
+    return cfg.workdir / "compiled" / f"{impl}-{sys.version_info[0]}.{sys.version_info[1]}.txt"
+
+
+def _read_ids(path: Path) -> set[str]:
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return set()
+    return {l for l in text.split("\n") if len(l) == 40 and all(c in "0123456789abcdef" for c in l)}
+
+
+def _remember(path: Path, known: set[str], new: list[str]) -> None:
+    """Add ids that compiled (appended: a kill leaves at most a partial last line, which is ignored)."""
+    if not new:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if len(known) + len(new) > CACHE_LIMIT:
+            from patcher.base.fsutil import atomic_write_text
+
+            keep = sorted(known)[-CACHE_LIMIT // 2:]
+            atomic_write_text(path, "".join(i + "\n" for i in [*keep, *new]))
+            return
+        with open(path, "a", encoding="ascii") as f:
+            f.write("".join(i + "\n" for i in new))
+    except OSError:
+        pass  # a cache that cannot be written only costs the compiles next time
+
+
+def _compile(cfg: Config, g: Git, stack: Stack, blobs_of: dict[str, str], res: VerifyResult) -> None:
+    """Compile every patched .py file of the result tree (`blobs_of`: path -> blob id of what the
+    stack changed), skipping blob ids that compiled before."""
+    owner = {f.new_path: e.name for e in stack.entries for f in e.patch.files if f.new_path}
+    ids = {p: oid for p, oid in blobs_of.items() if p.endswith(".py") and p in owner}
+    cache = compile_cache_path(cfg)
+    known = _read_ids(cache)
+    todo = sorted({oid for oid in ids.values() if oid not in known})
+    t0 = time.perf_counter()
+    blobs = g.cat_blobs(todo)
+    good: set[str] = set()
+    bad: dict[str, SyntaxError] = {}
+    for oid in todo:
+        src = blobs.get(oid)
+        if src is None:
+            continue
+        try:
+            compile(src, oid, "exec", dont_inherit=True)
+            good.add(oid)
+        except (SyntaxError, ValueError) as err:
+            bad[oid] = err if isinstance(err, SyntaxError) else SyntaxError(str(err))
+    for p, oid in sorted(ids.items()):
+        if oid in known or oid in good:
+            res.compiled += 1
+        elif oid in bad:
+            why = bad[oid]
+            res.problems.append(f"{owner.get(p, '?')}: {p}:{why.lineno}: does not compile: {why.msg}")
+    res.compiled_now = len(good) + len(bad)
+    res.compile_s = round(time.perf_counter() - t0, 3)
+    _remember(cache, known, sorted(good))

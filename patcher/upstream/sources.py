@@ -19,6 +19,7 @@ import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from patcher.base import leftovers
 from patcher.base.config import Config
 from patcher.base.errors import LockError, MachineError, SourceError, UnsafeArtifact, VerificationError, show
 from patcher.base.fsutil import sha256_file
@@ -203,8 +204,16 @@ def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> Non
 
 def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) -> Path:
     """The verified local path of a pinned artifact (cache, artifact dirs, then PyPI via pip)."""
+    leftovers.clean_downloads(cfg.cache / "artifacts")  # what killed downloads left where this one works
     local = find_local_artifact(cfg, art)
     if local is None:
+        listed = _listed_sha256(art)  # a wrong sha256 in the lock is said before the slow download
+        if listed and listed != art.sha256:
+            raise VerificationError(f"{entry}: PyPI lists {art.file} with sha256 {listed[:16]}…, the lock pins "
+                                    f"{art.sha256[:16]}…",
+                                    hint="the lock's sha256 is wrong, or PyPI serves other bytes than were pinned: "
+                                         "find out which, then re-pin with `dsadapt pin`")
+        need_space(_mkdir(cfg.cache / "artifacts"), (art.size or 0) * 2, f"downloading {art.file}")
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
         # pid in the name: a partial download of a dead run is told apart from a live one (leftovers.py)
@@ -221,6 +230,34 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
             return final
     _check_sha(local, art, entry)
     return local
+
+
+def _listed_sha256(art: Artifact) -> str | None:
+    """The sha256 PyPI's index lists for the artifact's file (None: not listed, or no index here)."""
+    try:
+        files = pypi_files(art.dist, timeout=10)
+    except Unreachable:
+        return None
+    for f in files:
+        if f.get("filename") == art.file:
+            return (f.get("hashes") or {}).get("sha256")
+    return None
+
+
+def need_space(where: Path, nbytes: int, what: str) -> None:
+    """Refuse (exit 7, before any progress line) when the file system of `where` has less than
+    `nbytes` (plus a small margin) free."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    margin = 16 << 20
+    if nbytes and free < nbytes + margin:
+        raise MachineError(f"no space left on the device: {what} needs about {(nbytes + margin) / 1e6:.1f} MB, "
+                           f"{free / 1e6:.1f} MB are free on the disk of {where}", hint="free some space (`dsadapt gc` removes leftovers of killed "
+                                                        "runs), or point DSADAPT_WORKDIR / DSADAPT_CACHE elsewhere")
 
 
 def _mkdir(p: Path) -> Path:
@@ -300,11 +337,15 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
         raise Unreachable(f"{entry} has no release artifact in the lock")
     path = fetch_artifact(cfg, entry, art, progress)
     check_wheel(path)  # an unsafe artifact is refused before anything is said or written
-    if progress:
-        progress(f"unpacking {art.file}")
     from patcher.engines import engine
 
-    n, skipped = unpack_artifact(path, checkout.path, engine(decl.name).tree_rules)
+    rules = engine(decl.name).tree_rules
+    with zipfile.ZipFile(path) as z:  # a full disk too is answered before the slow step: the files, their objects
+        need_space(checkout.path, 2 * sum(i.file_size for i in z.infolist() if is_tree_member(i.filename, rules)),
+                   f"unpacking {art.file}")
+    if progress:
+        progress(f"unpacking {art.file}")
+    n, skipped = unpack_artifact(path, checkout.path, rules)
     checkout.run("add", "-A", "-f", ".")
     msg = (f"{decl.name} {entry.version}: upstream tree from {art.file}\n\n"
            f"Unpacked by dsadapt's pypi source; {n} files. Left out: {len(skipped)} "
@@ -332,10 +373,8 @@ def materialize(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, 
             else:
                 res = from_pypi(cfg, decl, entry, checkout, progress)
             return replace(res, passed_over=tuple(reasons))
-        except Unreachable as e:
-            reasons.append(f"{kind}: {e.message}")
-            if progress:
-                progress(f"source {kind} passed over: {e.message}")
+        except Unreachable as e:  # said in the result (passed_over) or in the error: no line now, so a
+            reasons.append(f"{kind}: {e.message}")  # bad input found by the next source is still answered first
     raise SourceError(f"no source could provide {entry}: " + "; ".join(reasons),
                       hint="configure a mirror (DSADAPT_MIRRORS), allow PyPI, or check the network")
 

@@ -47,7 +47,7 @@ def _op_ref(ctx: Context, pin):
     outlive its pin: a rebase killed before pinning NEW, an abort killed after unpinning it)."""
     ref = to_ref(pin)
     if ref is not None and str(ref) not in ctx.lock.pins:
-        from patcher.stack.workspace import has_op
+        from patcher.stack.materialize import has_op
 
         if not has_op(ctx.cfg, ref):
             ctx.lock.pin(ref)  # the usual "not pinned" error
@@ -65,15 +65,16 @@ def _on_patch(as_json: bool):
 @pass_ctx
 def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     """Materialize + verify the pinned checkout, then apply the stack as commits."""
+    from patcher.base.workdir import workdir_lock
     from patcher.formats.stackfiles import load_stack
-    from patcher.stack import workspace
+    from patcher.stack.apply import apply_stack
 
     ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
-    load_stack(ctx.cfg.patches_root, ref)
-    with workspace.workdir_lock(ctx.cfg):
-        res = workspace.apply_stack(ctx.cfg, ctx.lock, ref, force=force,
-                                    progress=progress_printer(not as_json), on_patch=_on_patch(as_json))
+    stack = load_stack(ctx.cfg.patches_root, ref)  # parsed once, here: apply_stack takes it as it is
+    with workdir_lock(ctx.cfg):
+        res = apply_stack(ctx.cfg, ctx.lock, ref, force=force, stack=stack,
+                          progress=progress_printer(not as_json), on_patch=_on_patch(as_json))
     _report(res, as_json, "applied")
 
 
@@ -83,12 +84,13 @@ def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
 @pass_ctx
 def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run)."""
-    from patcher.stack import workspace
+    from patcher.base.workdir import workdir_lock
+    from patcher.stack.apply import continue_apply
 
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
-    with workspace.workdir_lock(ctx.cfg):
-        res = workspace.continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                                       progress=progress_printer(not as_json))
+    with workdir_lock(ctx.cfg):
+        res = continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
+                             progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
 
@@ -98,12 +100,13 @@ def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 @pass_ctx
 def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Drop the patch that stopped the apply and go on with the rest."""
-    from patcher.stack import workspace
+    from patcher.base.workdir import workdir_lock
+    from patcher.stack.apply import skip_patch
 
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
-    with workspace.workdir_lock(ctx.cfg):
-        res = workspace.skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                                   progress=progress_printer(not as_json))
+    with workdir_lock(ctx.cfg):
+        res = skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
+                         progress=progress_printer(not as_json))
     _report(res, as_json, "applied")
 
 
@@ -113,11 +116,12 @@ def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 @pass_ctx
 def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Undo the whole apply (or rebase, or refresh): branches, HEAD, work tree and patches/ as they were."""
-    from patcher.stack import workspace
+    from patcher.base.workdir import workdir_lock
+    from patcher.stack.apply import abort_apply
 
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
-    with workspace.workdir_lock(ctx.cfg):
-        co = workspace.abort_apply(ctx.cfg, ref, progress=progress_printer(not as_json))
+    with workdir_lock(ctx.cfg):
+        co = abort_apply(ctx.cfg, ref, progress=progress_printer(not as_json))
     notes = getattr(co, "notes", [])
     if as_json:
         emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from patcher.base.errors import CheckFailed, DsadaptError, EngineUnavailable
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
@@ -26,7 +27,6 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines import engine
 from patcher.gate.check import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
-from patcher.stack.workspace import workdir_lock
 
 
 def _num(x, spec=".3g") -> str:

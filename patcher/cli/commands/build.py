@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from patcher.base.errors import DsadaptError, SourceError, UsageError
+from patcher.base.workdir import workdir_lock
 from patcher.build.builder import build_pin, buildable_here
 from patcher.build.venvs import install_plan
 from patcher.cli.commands.common import (
@@ -23,7 +24,6 @@ from patcher.cli.commands.common import (
     table,
 )
 from patcher.engines import engine
-from patcher.stack.workspace import workdir_lock
 
 
 @click.command("build")

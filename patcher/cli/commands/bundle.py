@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -18,7 +19,6 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines import engine
 from patcher.offline.pack import make_bundle, parse_size, parse_stacks
-from patcher.stack.workspace import workdir_lock
 
 
 @click.command("bundle", short_help="One folder (or .tar) with everything an offline machine needs to run `dsadapt check PIN` there.")

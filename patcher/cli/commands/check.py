@@ -11,6 +11,7 @@ import click
 
 from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
 from patcher.base.textfile import read_text
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -38,7 +39,6 @@ from patcher.gate.check import (
     preflight,
     run_check,
 )
-from patcher.stack.workspace import workdir_lock
 
 BUILTIN_MODELS = ("v3", "v2-lite", "v2")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from patcher.base.errors import UsageError
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
@@ -25,7 +26,6 @@ from patcher.cli.commands.common import (
     to_ref,
 )
 from patcher.rules.speed import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, build_workload, parse_int_list
-from patcher.stack.workspace import workdir_lock
 
 
 def _f(x, spec: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -15,7 +16,6 @@ from patcher.cli.commands.common import (
     say,
 )
 from patcher.formats.lock import write_lock
-from patcher.stack.workspace import workdir_lock
 from patcher.upstream.resolve import resolve_pin
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from patcher.base.errors import DsadaptError, UsageError
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -18,7 +19,6 @@ from patcher.cli.commands.common import (
     table,
 )
 from patcher.formats.pinref import check_tag, parse_pinref
-from patcher.stack import workspace
 from patcher.stack.rebase import load_report, rebase_stack, report_paths
 from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
 from patcher.upstream.tags import upstream_tags
@@ -71,7 +71,7 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
         raise UsageError(f"--onto {new_tag} is the tag {old} is already on", hint="name the newer upstream tag to carry the stack onto")
     ctx.lock.pin(old)  # an unpinned OLD fails before anything (even the work-dir lock file) is created
     on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
-    with workspace.workdir_lock(ctx.cfg):
+    with workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(not as_json),
                                   on_patch=on_patch)
     report = load_report(ctx.cfg, old.engine, old.tag, new_tag)

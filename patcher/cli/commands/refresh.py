@@ -18,12 +18,13 @@ def refresh_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
 
     Refuses (exit 4) when a file there changed since the stack was applied and the branch does
     not hold that change (a pull, a hand edit); --force overwrites it and keeps the old files."""
-    from patcher.stack import workspace
+    from patcher.base.workdir import workdir_lock
+    from patcher.stack.refresh import refresh_stack
 
     ref = ref_of(pin)
     ctx.lock.pin(ref)
-    with workspace.workdir_lock(ctx.cfg):
-        res = workspace.refresh_stack(ctx.cfg, ctx.lock, ref, force=force)
+    with workdir_lock(ctx.cfg):
+        res = refresh_stack(ctx.cfg, ctx.lock, ref, force=force)
     if as_json:
         emit_json({"ref": str(ref), "changed": res.changed, "removed": res.removed, "backup": res.backup,
                    "notes": res.notes})

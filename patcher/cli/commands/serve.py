@@ -7,12 +7,12 @@ import threading
 
 import click
 
+from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import Context, PinRefParam, pass_ctx, progress_printer, ref_of, say
 from patcher.engines import engine
 from patcher.engines.base import GateRun, NotSupported
 from patcher.gate.check import resolve_model, served_engine_of
 from patcher.gate.hosts import RunHost
-from patcher.stack.workspace import workdir_lock
 
 
 @click.command("serve")

@@ -8,8 +8,8 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 
 
 def checkout_status(cfg, lock, entry, running=None):
-    """One pin's status (workspace.checkout_status, imported when a status is asked for)."""
-    from patcher.stack.workspace import checkout_status as status_of
+    """One pin's status (stack.status.checkout_status, imported when a status is asked for)."""
+    from patcher.stack.status import checkout_status as status_of
 
     return status_of(cfg, lock, entry, running)
 
@@ -72,7 +72,7 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
     """Where each checkout stands (not fetched, clean base, stack applied, stack outdated, dirty, diverged;
     stopped on a conflict, interrupted, running) and the command that moves it on."""
     from patcher.base import leftovers
-    from patcher.stack.workspace import status_all
+    from patcher.stack.status import status_all
 
     sts = status_all(ctx.cfg, ctx.lock, checkout_status)
     left = leftovers.find(ctx.cfg)

@@ -33,7 +33,17 @@ from patcher.engines import adapter
 from patcher.formats.lock import Lock, format_lock, load_lock, parse_lock, write_lock
 from patcher.formats.patchfile import Patch, drop_when_satisfied, parse_patch
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack, stack_dir, stack_hash
+from patcher.formats.stackfiles import load_stack, refuse_unsafe_links, stack_dir, touches_links
+from patcher.stack.materialize import (
+    BASE_REF,
+    STACK_REF,
+    Checkout,
+    Progress,
+    ensure_checkout,
+    head_state,
+    stack_files,
+    tree_links,
+)
 from patcher.stack.rebase.report import (
     CARRIED,
     PatchReport,
@@ -42,30 +52,9 @@ from patcher.stack.rebase.report import (
     report_stem,
     split_range_diff,
 )
-from patcher.stack.transaction import (
-    BASE_REF,
-    STACK_REF,
-    Applied,
-    Checkout,
-    Op,
-    Orig,
-    PatchMeta,
-    PatchOutcome,
-    StackResult,
-    Transaction,
-    describe_op,
-    flat_tree_id,
-    register,
-)
-from patcher.stack.workspace import (
-    Progress,
-    _series_names,
-    ensure_checkout,
-    export_commits,
-    exported_files,
-    stack_files,
-    sync_stack_dir,
-)
+from patcher.stack.refresh import export_commits, exported_files, files_hash, series_names, sync_stack_dir
+from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
+from patcher.stack.transaction import StackResult, Transaction, flat_tree_id, register
 from patcher.upstream.resolve import resolve_pin
 
 FROM_BASE = "refs/dsadapt/rebase-from/base"
@@ -235,15 +224,16 @@ class RebaseKind:
         cfg = co.cfg
         base, head = co.base(), g.rev("HEAD")
         assert head
+        tx.refuse_links_out_of_tree(head)
         d = cfg.project / ex["stack_dir"]
         cur_series = (d / "series").read_text(encoding="utf-8") if (d / "series").is_file() else None
         files, names = exported_files(export_commits(g, base, head), cur_series)
         if "written" not in ex:
             ex["written"] = names
-            ex["names_before"] = _series_names(cur_series.encode("utf-8")) if cur_series else []
+            ex["names_before"] = series_names(cur_series.encode("utf-8")) if cur_series else []
             tx.write()
         sync_stack_dir(d, files, ex["names_before"])
-        new_hash = stack_hash([_Entry(n, files[n].decode("utf-8")) for n in names])
+        new_hash = files_hash(files, names)
         md, js = report_paths(cfg, co.ref.engine, ex["from"].split("@", 1)[1], co.ref.tag)
         if "reports_before" not in ex:
             ex["reports_before"] = {_portable(cfg, p): (p.read_text(encoding="utf-8") if p.is_file() else None)
@@ -278,7 +268,7 @@ class RebaseKind:
         else:
             written = set(ex.get("written") or [])
             if d.is_dir():
-                cur = _series_names((d / "series").read_bytes()) if (d / "series").is_file() else []
+                cur = series_names((d / "series").read_bytes()) if (d / "series").is_file() else []
                 for name in sorted(written | set(cur)):
                     remove_file(d / name)
                 remove_file(d / "series")
@@ -286,6 +276,10 @@ class RebaseKind:
                     d.rmdir()
         if ex.get("lock_before") is not None:
             _unpin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(co.ref))
+
+
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        return None
 
 
 register(RebaseKind())
@@ -454,11 +448,6 @@ def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, b
     return blocks
 
 
-class _Entry:
-    def __init__(self, name: str, text: str):
-        self.name, self.text = name, text
-
-
 def _source_words(src: dict | None) -> str:
     return f"{src.get('kind')} {src.get('origin')}" if src else "unknown"
 
@@ -472,10 +461,11 @@ def load_report(cfg: Config, engine: str, old: str, new: str) -> dict:
 
 def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
     """Refuse a NEW checkout that holds work; returns its branch head (None if absent)."""
-    if tx.state.op is not None or tx.state.legacy_op:
-        _, detail, nxt = describe_op(co, tx.op) if tx.state.op else ("", "", f"dsadapt abort {new_ref}")
-        raise WorkspaceError(f"{new_ref}: an apply or rebase is in progress in {co.path}",
-                             hint=f"finish it with `dsadapt continue {new_ref}` or `dsadapt abort {new_ref}`")
+    if tx.state.op is not None:
+        tx.refuse()
+    off = head_state(co).problem(co)
+    if off:
+        raise WorkspaceError(f"{new_ref}: {off[0]} in {co.path}", hint=off[1])
     if co.git.is_dirty():
         raise WorkspaceError(f"{new_ref}: {co.path} has uncommitted changes",
                              hint="commit them and `dsadapt refresh`, or discard them, then rebase")
@@ -499,6 +489,15 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
     old_stack = load_stack(cfg.patches_root, old_ref)  # parse everything before touching anything
     identity = new_ref == old_ref
     new_dir = stack_dir(cfg.patches_root, new_ref)
+    new_co = Checkout(cfg, new_ref)
+    if new_co.exists and new_co.has_op():  # before anything slow: a rerun after a kill, or a stop
+        tx = Transaction.open(new_co, on_patch, progress)
+        op = tx.op
+        if op.kind == "rebase" and op.extra.get("from") == str(old_ref) and op.phase not in ("stopped", "abort", "legacy"):
+            if progress:
+                progress(f"finishing the interrupted rebase of {old_ref} onto {new_ref} first")
+            return tx.run(), ["finished the interrupted rebase", *tx.notes]
+        tx.refuse()
     if not identity and (new_dir / "series").exists():
         raise WorkspaceError(f"{new_ref} already has a stack ({new_dir / 'series'})",
                              hint=f"a rebase writes a new stack; apply that one, or move {new_dir} away first")
@@ -520,6 +519,8 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
     tx = Transaction.open(co, on_patch, progress)
     head_branch = _check_target(co, tx, new_ref)
     base = co.base()
+    if touches_links(old_stack.patches):  # OLD's patches onto NEW's tree: NEW's links count
+        refuse_unsafe_links(old_stack, tree_links(co.git, base))
     g = co.git
     if progress:
         progress(f"replaying {old_ref}'s {len(old_stack)} patch(es) onto {new_ref}")

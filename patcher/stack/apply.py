@@ -1,0 +1,175 @@
+"""apply: put a stack onto its pinned checkout as commits (the apply op kind), and the commands
+that move an op on at a stop: continue, skip, abort. Also the pin's tree as engines see it.
+
+Everything goes through a `Transaction` (transaction.py); this module says what an apply is:
+what it saves, what it refuses, how it finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from patcher.base.config import Config
+from patcher.base.errors import WorkspaceError
+from patcher.base.gitutil import work_fingerprint
+from patcher.engines.base import Tree
+from patcher.formats.lock import Lock
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, touches_links
+from patcher.stack.materialize import (
+    BACKUP_PREFIX,
+    BASE_REF,
+    STACK_REF,
+    Checkout,
+    Progress,
+    branch_lag,
+    check_preimages,
+    ensure_checkout,
+    head_state,
+    in_progress,
+    reflog_only,
+    stack_files,
+    tree_links,
+)
+from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
+from patcher.stack.transaction import StackResult, Transaction, register
+
+__all__ = ["ApplyKind", "abort_apply", "apply_stack", "checkout_tree", "continue_apply", "skip_patch"]
+
+
+class ApplyKind:
+    name = "apply"
+    verb = "apply"
+    touches_checkout = True
+
+    def prepare(self, tx: Transaction) -> None:
+        return None
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        return None
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        if commit is None:
+            return "skipped", "no changes: the tree already has them"
+        return ("merged" if merged else "clean"), None
+
+    def finish(self, tx: Transaction) -> StackResult:
+        op, g = tx.op, tx.git
+        head = g.head_commit()
+        assert head
+        tx.refuse_links_out_of_tree(head)
+        edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in ("changed", "skipped")]
+        if op.snapshot:
+            g.update_ref(STACK_REF, op.snapshot)
+        res = tx.result(head, op.stack_hash)
+        tx.close(Applied(op.stack_hash, head, edited, op.snapshot, op.extra.get("snapshot_tree")))
+        return res
+
+    def undo(self, tx: Transaction) -> None:
+        return None
+
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        return None
+
+
+register(ApplyKind())
+
+
+def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, progress: Progress | None = None,
+                on_patch: Callable[[PatchOutcome], None] | None = None, stack: Stack | None = None) -> StackResult:
+    """Apply the pin's stack onto its checkout (`stack`: already loaded by the caller, parsed once)."""
+    entry = lock.pin(ref)
+    if stack is None:
+        stack = load_stack(cfg.patches_root, ref)  # parse everything before touching anything
+    co, _created = ensure_checkout(cfg, lock, entry, progress)
+    tx = Transaction.open(co, on_patch, progress).finish_interrupted(("apply", "refresh"))
+    state, g = tx.state, co.git
+    hs = head_state(co)
+    cur_branch, head, refs = hs.branch, hs.head, hs.refs
+    base = refs.get(BASE_REF) or co.base()
+    co._base = base
+    head_branch = hs.branch_head
+    applied = state.applied
+    dirty = g.dirty_files()
+    if (not dirty and applied and not applied.needs_refresh and applied.stack_hash == stack.hash
+            and head_branch == applied.head and cur_branch == co.branch):
+        return StackResult(str(ref), str(co.path), state.source, base, head_branch, stack.hash, noop=True,
+                           notes=tx.notes)
+    off = hs.problem(co)
+    if off and not force:
+        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}", hint=off[1])
+    if dirty and not force:
+        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(dirty[:3])}"
+                             f"{'…' if len(dirty) > 3 else ''})",
+                             hint="commit them and run `dsadapt refresh`, or pass --force (they are kept in a backup ref)")
+    expected_head = applied.head if applied else base
+    if applied and applied.needs_refresh and head_branch == applied.head and not force:
+        raise WorkspaceError(f"{ref}: {co.branch} holds conflict resolutions or skips not exported to the stack "
+                             f"({', '.join(applied.needs_refresh)})",
+                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
+    if head_branch and head_branch != expected_head and not force:
+        ahead, behind = branch_lag(g, expected_head, head_branch)
+        if ahead == 0 and behind:
+            raise WorkspaceError(f"{ref}: branch {co.branch} was moved back by hand: it lacks {behind} commit(s) of "
+                                 "the applied stack",
+                                 hint=f"`dsadapt refresh {ref}` drops their patches from the stack; `dsadapt apply "
+                                      f"{ref} --force` applies patches/ again (the branch is kept in a backup ref)")
+        raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead if ahead is not None else '?'} commit(s) not "
+                             "exported to the stack",
+                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
+    if (state.source or {}).get("kind") == "pypi":
+        check_preimages(co, stack, base)
+    if touches_links(stack.patches):  # the links the base holds count as well: chains, renames, retargets
+        refuse_unsafe_links(stack, tree_links(g, base))
+    only_reflog = reflog_only(g)  # what the user left behind by hand: kept before anything moves
+    want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base)),
+                              ("head", bool(hs.only_head)), ("reflog", bool(only_reflog))) if cond]
+    names = co.next_backup_names(len(want), {r for r in refs if r.startswith(BACKUP_PREFIX)})
+    saves = dict(zip(want, names))
+    op = Op(kind="apply", ref=str(ref), stack_hash=stack.hash,
+            patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
+            orig=Orig(cur_branch, head, head_branch, refs.get(STACK_REF), bool(dirty),
+                      work_fingerprint(g) if dirty else None), saves=saves,
+            extra={"reflog": only_reflog} if only_reflog else {})
+    tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
+    return tx.run()
+
+
+def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
+    tx = Transaction.open(in_progress(cfg, ref), on_patch, progress)
+    return tx.user_continue()
+
+
+def skip_patch(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
+    tx = Transaction.open(in_progress(cfg, ref), on_patch, progress)
+    return tx.user_skip()
+
+
+def abort_apply(cfg: Config, ref: PinRef | None = None, progress=None) -> Checkout:
+    """Return the checkout exactly to where it was before the operation (branches, HEAD, work tree,
+    uncommitted and untracked work). Notes about kept work are in `co.notes`."""
+    co = in_progress(cfg, ref)
+    tx = Transaction.open(co, None, progress)
+    kind = tx.op.kind
+    tx.abort()
+    co.notes = tx.notes  # type: ignore[attr-defined]
+    co.kind = kind  # type: ignore[attr-defined]
+    return co
+
+
+def checkout_tree(cfg: Config, lock: Lock, ref: PinRef, *, patched: bool = True,
+                  progress: Progress | None = None) -> Tree:
+    """The pin's tree as engines see it (`engines.base.Tree`): the checkout of `ref` with its stack
+    applied (a no-op when it already is), or, with `patched` false, the checkout's verified
+    upstream base (the checkout is left as it is)."""
+    if patched:
+        apply_stack(cfg, lock, ref, progress=progress)
+        co = Checkout(cfg, ref)
+        head = co.git.rev(co.branch_ref)
+        assert head, f"{ref}: the applied branch {co.branch} is missing"
+        return Tree(ref, co.path, head, True)
+    co, _ = ensure_checkout(cfg, lock, lock.pin(ref), progress)
+    return Tree(ref, co.path, co.base(), False)

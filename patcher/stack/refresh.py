@@ -1,0 +1,272 @@
+"""refresh: write the checkout branch's commits back into patches/<engine>/<tag>/ (the refresh op
+kind), and the export both refresh and rebase use (one `git format-patch` for a range).
+
+A refresh never touches the checkout; its op records the stack files before and after (as commits
+in the checkout's repository), so a killed refresh is finished by `dsadapt refresh` or undone byte
+for byte by `dsadapt abort`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patcher.base import leftovers
+from patcher.base.config import Config
+from patcher.base.errors import DsadaptError, RefusedToClobber, WorkspaceError
+from patcher.base.fsutil import atomic_write_bytes, remove_file
+from patcher.base.gitutil import Git
+from patcher.formats.lock import Lock
+from patcher.formats.patchfile import Patch, parse_patch
+from patcher.formats.pinref import PinRef
+from patcher.formats.stackfiles import format_series, parse_series, stack_dir, stack_hash
+from patcher.stack.materialize import STACK_REF, Checkout, head_state
+from patcher.stack.state import Applied, Op, Orig
+from patcher.stack.transaction import MBOX_FROM, StackResult, Transaction, flat_tree_id, register
+
+__all__ = ["RefreshKind", "RefreshResult", "export_commits", "exported_files", "read_stack_files", "refresh_stack",
+           "series_names", "sync_stack_dir"]
+
+
+# ---------------------------------------------------------------- export (refresh, rebase)
+
+FORMAT_PATCH = ("-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "format.signature=",
+                "-c", "diff.algorithm=myers", "-c", "diff.context=3", "-c", "diff.renames=false",
+                "format-patch", "--stdout", "--full-index", "--binary", "--no-signature", "--no-stat",
+                "--zero-commit", "--no-numbered", "--subject-prefix=PATCH", "--no-renames", "--no-color",
+                "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter")
+
+
+def export_commits(git: Git, base: str, head: str) -> list[Patch]:
+    """Commits base..head as normalized Patch objects: one `git format-patch` for all of them."""
+    lines = git.out("rev-list", "--reverse", "--parents", f"{base}..{head}").splitlines()
+    merges = [l.split()[0] for l in lines if len(l.split()) > 2]
+    if merges:
+        raise WorkspaceError(f"merge commit {merges[0][:12]} in the stack branch",
+                             hint="a stack is linear: rebase the branch onto the base without merges")
+    commits = [l.split()[0] for l in lines]
+    if not commits:
+        return []
+    text = git.run(*FORMAT_PATCH, f"{base}..{head}").out  # not git.out: stripping would eat a last " " line
+    pieces = text.split(MBOX_FROM)[1:]
+    if len(pieces) != len(commits):  # e.g. an empty commit format-patch leaves out: one at a time
+        pieces = [git.run(*FORMAT_PATCH, "-1", c).out.split(MBOX_FROM, 1)[-1] for c in commits]
+    return [parse_patch(MBOX_FROM + p, where=f"commit {c[:12]}") for c, p in zip(commits, pieces)]
+
+
+def exported_files(patches: list[Patch], old_series: str | None) -> tuple[dict[str, bytes], list[str]]:
+    """The stack files `write_stack` would write for these patches: ({name: bytes}, patch names)."""
+    from patcher.formats.patchfile import format_patch, patch_filename
+
+    files: dict[str, bytes] = {}
+    names = []
+    for i, p in enumerate(patches, 1):
+        name = patch_filename(i, p.subject)
+        files[name] = format_patch(p).encode("utf-8")
+        names.append(name)
+    files["series"] = format_series(names, old_series).encode("utf-8")
+    return files, names
+
+
+def sync_stack_dir(d: Path, files: dict[str, bytes], old_names: list[str]) -> tuple[list[str], list[str]]:
+    """Make the stack dir hold exactly `files` (series written last), removing `old_names` that are not
+    among them. Idempotent; unchanged files are not rewritten. Returns (changed, removed)."""
+    d.mkdir(parents=True, exist_ok=True)
+    leftovers.clean_tmp_files(d)
+    changed, removed = [], []
+    for name in sorted(n for n in files if n != "series"):
+        f = d / name
+        if not f.is_file() or f.read_bytes() != files[name]:
+            atomic_write_bytes(f, files[name])
+            changed.append(name)
+    for name in old_names:
+        if name not in files and name != "series" and remove_file(d / name):
+            removed.append(name)
+    if "series" in files:
+        f = d / "series"
+        if not f.is_file() or f.read_bytes() != files["series"]:
+            atomic_write_bytes(f, files["series"])
+            changed.append("series")
+    return changed, removed
+
+
+def read_stack_files(d: Path, names: list[str]) -> dict[str, bytes]:
+    out = {}
+    for n in ["series", *names]:
+        f = d / n
+        if f.is_file():
+            out[n] = f.read_bytes()
+    return out
+
+
+def series_names(data: bytes | None) -> list[str]:
+    """The patch names of a series file's bytes ([] for none, or for one that does not parse)."""
+    if not data:
+        return []
+    try:
+        return parse_series(data.decode("utf-8"))
+    except (DsadaptError, UnicodeDecodeError):
+        return []
+
+
+@dataclass(frozen=True)
+class NamedText:
+    """A stack file as `stack_hash` reads it."""
+
+    name: str
+    text: str
+
+
+def files_hash(files: dict[str, bytes], names: list[str]) -> str:
+    """The stack hash of the patch files `names` among `files`."""
+    return stack_hash([NamedText(n, files.get(n, b"").decode("utf-8", "replace")) for n in names])
+
+
+# ---------------------------------------------------------------- the op kind
+
+
+@dataclass
+class RefreshResult:
+    ref: str
+    changed: list[str]
+    removed: list[str]
+    backup: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class RefreshKind:
+    """Writing patches/ from the branch. The checkout itself is not touched; the op records the
+    stack files before and after, so a killed refresh is finished or undone byte for byte."""
+
+    name = "refresh"
+    verb = "refresh"
+    touches_checkout = False
+
+    def prepare(self, tx: Transaction) -> None:
+        return None
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        return None
+
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+        return "clean", None
+
+    def finish(self, tx: Transaction) -> StackResult:
+        op, g = tx.op, tx.git
+        ex = op.extra
+        d = tx.co.cfg.project / ex["stack_dir"]
+        backup = ex.get("backup")
+        if backup and g.rev(backup) != ex["before"]:  # the files about to be overwritten, kept first
+            g.update_ref(backup, ex["before"], why="refresh --force")
+        files = tx.read_files(ex["after"])
+        changed, removed = sync_stack_dir(d, files, ex["names_before"])
+        ex["changed"] = sorted(set(ex.get("changed", [])) | set(changed))
+        ex["removed"] = sorted(set(ex.get("removed", [])) | set(removed))
+        if g.rev(STACK_REF) != ex["after"]:
+            g.update_ref(STACK_REF, ex["after"])
+        res = StackResult(str(tx.co.ref), str(tx.co.path), tx.state.source, tx.co.base(), ex["head"], op.stack_hash,
+                          backup_ref=ex.get("backup"), notes=tx.notes)
+        tx.close(Applied(op.stack_hash, ex["head"], [], ex["after"], flat_tree_id(files)))
+        res.changed, res.removed = ex["changed"], ex["removed"]  # type: ignore[attr-defined]
+        return res
+
+    def undo(self, tx: Transaction) -> None:
+        ex = tx.op.extra
+        d = tx.co.cfg.project / ex["stack_dir"]
+        before = tx.read_files(ex["before"])
+        after_names = series_names(tx.read_files(ex["after"]).get("series"))
+        sync_stack_dir(d, before, after_names)
+        if tx.git.rev(STACK_REF) != tx.op.orig.stack_ref and tx.op.orig.stack_ref:
+            tx.git.update_ref(STACK_REF, tx.op.orig.stack_ref)
+        if ex.get("backup") and read_stack_files(d, series_names(before.get("series"))) == before:
+            tx.git.delete_ref(ex["backup"])  # the files it kept are back in patches/
+
+    def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
+        ref = co.ref
+        return "interrupted", (f"a refresh was interrupted while writing patches/; run `dsadapt refresh {ref}` "
+                               f"to finish it or `dsadapt abort {ref}` to put patches/ back"), f"dsadapt refresh {ref}"
+
+
+register(RefreshKind())
+
+
+def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) -> RefreshResult:
+    """Export the checkout branch's commits back into patches/<engine>/<tag>/.
+
+    Refuses (exit 4) to overwrite patches/ files that changed since the stack was applied or last
+    refreshed when the branch does not hold that change; `force` overwrites them and keeps the
+    previous files in a backup ref. An unchanged stack changes zero bytes."""
+    lock.pin(ref)
+    co = Checkout(cfg, ref)
+    if not co.exists:
+        raise WorkspaceError(f"{ref}: no checkout at {co.path}", hint=f"run `dsadapt apply {ref}` first")
+    tx = Transaction.open(co)
+    if tx.state.op is not None and tx.op.kind == "refresh" and tx.op.phase not in ("abort", "legacy"):
+        res = tx.run()  # a refresh that was killed: finish writing what it recorded
+        return RefreshResult(str(ref), res.changed, res.removed, res.backup_ref,  # type: ignore[attr-defined]
+                             ["finished the interrupted refresh", *tx.notes])
+    if tx.state.op is not None:
+        tx.refuse()
+    g = co.git
+    dirty = g.dirty_files()
+    if dirty:
+        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes; refresh exports commits only",
+                             hint=f"commit them on {co.branch} (git commit, or git commit --fixup + rebase), then refresh")
+    hs = head_state(co)
+    off = hs.problem(co)
+    if off:  # work that is not on the branch refresh exports: never report "unchanged" over it
+        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}; refresh exports branch {co.branch}", hint=off[1])
+    head = hs.branch_head
+    if not head:
+        raise WorkspaceError(f"{ref}: branch {co.branch} is missing", hint=f"run `dsadapt apply {ref}`")
+    base = co.base()
+    d = stack_dir(cfg.patches_root, ref)
+    rel = str(d.relative_to(cfg.project))
+    cur_series = (d / "series").read_bytes() if (d / "series").is_file() else None
+    cur_names = series_names(cur_series)
+    patches = export_commits(g, base, head)
+    target, names = exported_files(patches, cur_series.decode("utf-8", "replace") if cur_series else None)
+    cur = read_stack_files(d, sorted(set(cur_names) | set(names)))
+    new_hash = files_hash(target, names)
+    applied = tx.state.applied
+    if cur == target and applied and applied.head == head and applied.stack_hash == new_hash \
+            and not applied.needs_refresh:
+        return RefreshResult(str(ref), [], [], None, tx.notes)  # nothing to write, nothing to record
+    # (when only the record lags behind the branch, the op below writes no file: the same files before and after)
+    # What patches/ held when the branch was last in step with it (the apply, or the last refresh)
+    if applied and applied.snapshot:
+        rec: dict[str, bytes] | None = tx.read_files(applied.snapshot)
+    elif applied and files_hash(cur, cur_names) == applied.stack_hash:
+        rec = cur
+    else:
+        rec = None
+    newer = [n for n in sorted(set(cur) | set(rec or {}) | set(target))
+             if (rec is None or cur.get(n) != rec.get(n)) and cur.get(n) != target.get(n)
+             and (n in cur or (rec is not None and n in rec))]
+    backup = None
+    if newer and not force:
+        what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
+        more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
+        raise RefusedToClobber(f"{ref}: {rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that change; "
+                      "refresh would overwrite it",
+                      hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept in a "
+                           f"backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the current files "
+                           "are kept in a backup ref)")
+    before = tx.files_commit(cur) if cur else tx.files_commit({})
+    if newer:
+        backup = co.next_backup_names(1)[0]
+    after = tx.files_commit(target)
+    op = Op(kind="refresh", ref=str(ref), stack_hash=new_hash, patches=[],
+            orig=Orig(g.current_branch(), g.rev("HEAD"), head, g.rev(STACK_REF), False), phase="finish",
+            saves={"backup": backup} if backup else {},
+            extra={"stack_dir": rel, "before": before, "after": after, "head": head, "backup": backup,
+                   "names_before": cur_names})
+    tx.begin(op, [], None)
+    if backup:
+        tx.notes.append(f"the previous files of {rel} are kept in {backup} "
+                        f"(`git -C {co.path} show {backup}:<file>`)")
+    res = tx.run()
+    return RefreshResult(str(ref), res.changed, res.removed, backup, tx.notes)  # type: ignore[attr-defined]
