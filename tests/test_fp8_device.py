@@ -16,7 +16,7 @@ def test_the_planted_fp8_patch_is_a_stack_patch():
     text = (REPO_ROOT / PATCH).read_text()
     patch = parse_patch(text, PATCH)
     assert (patch.upstream_status or "").startswith("Inappropriate") and patch.trailer_values("Covered-By")
-    assert patch.touched_paths == ["lmdeploy/pytorch/nn/linear/blocked_fp8.py"]
+    assert list(patch.touched_paths) == ["lmdeploy/pytorch/nn/linear/blocked_fp8.py"]
     changed = [ln for ln in text.splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
     assert 2 <= len(changed) <= 8
     assert "DSADAPT_PLANTED_FP8_BUG" in text and "'transposed'" in text and "'inverse'" in text

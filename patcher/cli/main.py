@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "matrix": ("rebase", "matrix_cmd",
             'The CI matrix: one cell per (pin, variant) and per newer upstream tag not yet pinned.'),
     "model": ("model", "model",
-            'Built-in tiny DeepSeek test models for the equivalence gate.'),
+            'Checkpoints for the equivalence gate: built-in tiny models, DeepSeek\'s released layouts, slices.'),
     "perf": ("perf", "perf_cmd",
             'Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.'),
     "pin": ("pin", "pin_cmd",
