@@ -112,7 +112,7 @@ def reference_python(cfg: Config, progress=None) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     from patcher.build.envlocks import file_digest, find_lock, reference_spec
-    from patcher.build.venvs import _pip
+    from patcher.build.venvs import install_lock
 
     lock_file = find_lock(reference_spec().name)
     digest = file_digest(lock_file)
@@ -129,7 +129,7 @@ def reference_python(cfg: Config, progress=None) -> Path:
         if r.returncode != 0:
             raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}",
                              hint="check python3-venv is installed")
-        _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=False, progress=progress)
+        install_lock(py, venv, lock_file, stream=False, progress=progress)
         ok.write_text(digest + "\n")
     return py
 
