@@ -247,6 +247,8 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
             if shown.returncode == 0:
                 _pip(py, "uninstall", "-y", name, stream=False)
                 removed.append(name)
+    if progress is not None and hasattr(progress, "end"):
+        progress.end()
     (venv / MARKER).write_text(json.dumps({**(marker or {}), **(details or {}), "artifact": str(wheel), "sha256": sha256,
                                            "post": list(post), "deps_lock": deps,
                                            "deps_lock_file": lock_file.name if lock_file else None,

@@ -15,8 +15,12 @@ from pathlib import Path
 
 import click
 
-from patcher import __version__
 from patcher.base.errors import UsageError
+from patcher.cli.options import add_output_options, output_options
+
+#: click's completion protocol: `_DSADAPT_COMPLETE=bash_source dsadapt` prints the bash script
+#: (zsh_source, fish_source likewise); docs/user-guide.md#shell-completion
+COMPLETE_VAR = "_DSADAPT_COMPLETE"
 
 # name -> (module under patcher.cli.commands, attribute, short help shown by `dsadapt --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -82,6 +86,8 @@ def _load(name: str) -> click.Command | None:
     cmd = getattr(mod, attr, None)
     if cmd is None:  # the attribute was renamed: find the command by name
         cmd = next((c for c in getattr(mod, "COMMANDS", []) if c.name == name), None)
+    if cmd is not None:
+        add_output_options(cmd)
     return cmd
 
 
@@ -108,7 +114,7 @@ class LazyCommands(MutableMapping):
         return self._loaded[name]
 
     def __setitem__(self, name: str, cmd: click.Command) -> None:
-        self._extra[name] = cmd
+        self._extra[name] = add_output_options(cmd)
 
     def __delitem__(self, name: str) -> None:
         self._extra.pop(name, None)
@@ -161,8 +167,33 @@ class LazyGroup(click.Group):
 
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`dsadapt --version`: dsadapt's version and where it runs (the environment, its Python, the
+    source it was imported from, the versions of the packages the gate relies on); with --json
+    (before or after) one document, schema dsadapt.version/1."""
+    if not value or ctx.resilient_parsing:
+        return
+    from patcher.cli.commands.common import emit_json, out, version_info
+
+    info = version_info()
+    if _JSON_ASKED[0]:
+        emit_json(info)
+    else:
+        pk = ", ".join(f"{n} {v}" for n, v in info["packages"].items() if v)
+        out(f"dsadapt {info['dsadapt']} (Python {info['python']} {info['implementation']}, environment "
+            f"{info['environment']}{' (a venv)' if info['venv'] else ''}; source {info['source']})")
+        if pk:
+            out(f"  {pk}")
+    ctx.exit(0)
+
+
+#: whether the command line asks for --json anywhere (read by eager options such as --version)
+_JSON_ASKED = [False]
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="dsadapt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show dsadapt's version and the environment it runs in (--json: as a document), and exit.")
 @click.option("--project", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Project root (default: nearest directory upward with upstream.lock).")
 @click.option("--json", "as_json", is_flag=True,
@@ -187,6 +218,7 @@ def cli(click_ctx: click.Context, project: Path | None, as_json: bool, report_di
 
 
 cli.commands = LazyCommands()
+cli.params += output_options()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     as_json = wants_json(args)
     reset_output()
+    _JSON_ASKED[0] = as_json
+    import os
+
+    if os.environ.get(COMPLETE_VAR):  # shell completion: `eval "$(_DSADAPT_COMPLETE=bash_source dsadapt)"`
+        from click.shell_completion import shell_complete
+
+        return shell_complete(cli, {}, "dsadapt", COMPLETE_VAR, os.environ[COMPLETE_VAR])
     _scrub_git_environment()
     previous = _terminate_like_interrupt()
     try:

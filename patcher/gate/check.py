@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -235,9 +236,11 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
               dtype: str = "float32", variant: str | None = None, unpatched: bool = False, want_explain: bool = True,
               progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
               on_line=None, unpatched_engine: bool = False, reference_on: str = "auto",
-              bisect: str | None = None) -> CheckResult:
+              bisect: str | None = None, host: RunHost | None = None) -> CheckResult:
     """The gate for one pin and dtype. `bisect` ("on-fail" or "always", see `patcher.gate.bisect`)
-    adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
+    adds the per-module comparison; low-precision checks always run it (part of their verdict).
+    `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is
+    built and installed once."""
     t_start = time.monotonic()
     entry, spec = preflight(lock, ref, variant, command, dtype)
     ref_device = reference_device(reference_on, spec)
@@ -259,7 +262,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
     t0 = time.monotonic()
     installed: dict = {}
     run = GateRun(entry, spec, dtype, model_dir, unpatched=unpatched, unpatched_engine=unpatched_engine)
-    host = RunHost(cfg, lock, progress, stream)
+    host = host or RunHost(cfg, lock, progress, stream)
     bisect_mode = bisect_run.wanted(dtype, bisect)
     table = bisect_run.table_for(eng) if bisect_mode else None
     # capture in the gate's own engine run (one engine start) unless the engine says where else
@@ -279,6 +282,8 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
                                 MAX_TOKENS, work / "engine.json", env=session.env, fingerprint=fingerprint,
                                 on_line=on_line)
             timings["engine_s"] = round(time.monotonic() - t0, 2)
+        if progress is not None and hasattr(progress, "end"):
+            progress.end()  # its time is said before the verdict, not after it
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
@@ -302,10 +307,7 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
                            out, ref, inline_capture, progress, on_line, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
     explanation = explain(comparison, config, bisected) if want_explain else []
-    reasons = list(comparison.reasons)
-    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected["passed"] is False:
-        # low precision: a module beyond its calibrated noise fails the check (docs/equivalence.md)
-        reasons += [f"per-module comparison ({dtype}): {r}" for r in bisected["reasons"][:1]]
+    reasons = verdict_reasons(comparison.reasons, dtype, bisected)
     verdict = "pass" if not reasons else "fail"
     provenance = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -345,7 +347,160 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None
-    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    save_inputs(out, reference, report, ENGINE_TOP_K)
+    result.provenance["inputs"] = inputs_path(out).name
+    out.write_text(json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def verdict_reasons(logit_reasons: list[str], dtype: str, bisected: dict | None) -> list[str]:
+    """Why a check fails (empty: it passes): the logit rule's reasons and, in low precision, a module
+    beyond its calibrated noise (docs/equivalence.md)."""
+    reasons = list(logit_reasons)
+    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected.get("passed") is False:
+        reasons += [f"per-module comparison ({dtype}): {r}" for r in (bisected.get("reasons") or [])[:1]]
+    return reasons
+
+
+# ---------------------------------------------------------------- rescoring
+
+
+REPORT_SCHEMA = "dsadapt.check-report/1"
+INPUTS_SCHEMA = "dsadapt.check-inputs/1"
+
+
+def inputs_path(report: Path) -> Path:
+    """Where a check report's inputs are kept: the two logit reports the rule compared
+    (<report>.inputs.json.gz), so that `check --rescore` can apply a later rule to them."""
+    return report.with_name(report.stem + ".inputs.json.gz")
+
+
+def save_inputs(report: Path, reference: LogitReport, engine_report: LogitReport, top_k: int) -> Path:
+    import gzip
+
+    path = inputs_path(report)
+    doc = {"schema": INPUTS_SCHEMA, "top_k": top_k, "reference": reference.to_json(), "engine": engine_report.to_json()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    tmp.replace(path)
+    return path
+
+
+def load_inputs(report: Path) -> tuple[LogitReport, LogitReport, int] | None:
+    """The recorded inputs of a check report, or None when it has none (made before they were kept)."""
+    import gzip
+
+    path = inputs_path(report)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, EOFError, ValueError) as e:
+        raise UsageError(f"{path}: not readable ({e})", hint="rerun the check to record them again") from None
+    if not isinstance(doc, dict) or doc.get("schema") != INPUTS_SCHEMA:
+        raise UsageError(f"{path}: not a {INPUTS_SCHEMA} document", hint="rerun the check to record them again")
+    return LogitReport.from_json(doc["reference"]), LogitReport.from_json(doc["engine"]), int(doc["top_k"])
+
+
+def current_rule(dtype: str) -> dict:
+    """The rule the gate applies today to an engine in `dtype`, as the rule itself states it:
+    {"rule", "tolerance", "thresholds"} of `compare` on a one-position pair (so a change of the rule's
+    parameters in patcher/rules is seen here without a copy of them)."""
+    from patcher.rules.logits import PositionLogprobs, PromptResult
+
+    def side(d: str) -> LogitReport:
+        top = {t: -1.0 - t for t in range(REFERENCE_TOP_K)}
+        pos = PositionLogprobs(0, -1.0, top)
+        return LogitReport("probe", "probe", "0", d, REFERENCE_TOP_K, 1,
+                           [PromptResult("p", None, [0, 0], [None, pos], [0], [pos])])
+
+    c = compare(side("float32"), side(dtype), ENGINE_TOP_K)
+    return {"rule": c.rule, "tolerance": c.tolerance, "thresholds": c.thresholds}
+
+
+def rule_drift(doc: dict, path: Path | None) -> str | None:
+    """Pure but for reading the report's inputs: why a check report's verdict may not be what the
+    current rule gives, or None. With recorded inputs the current rule is applied to them (the
+    verdict it gives, when it differs); without, the parameters the report was scored with
+    (rule, tolerance, thresholds) are compared with the current rule's."""
+    comp = doc.get("comparison") or {}
+    dtype = doc.get("dtype")
+    if not comp.get("rule") or dtype not in (*LOW_PRECISION_DTYPES, "float32", "float64"):
+        return None  # the engine produced no logits: no rule was applied
+    inputs = None
+    if path is not None:
+        try:
+            inputs = load_inputs(path)
+        except DsadaptError as e:
+            return f"its recorded inputs are unreadable ({e.message})"
+    if inputs is not None:
+        ref, eng, k = inputs
+        now = compare(ref, eng, k)
+        verdict = "pass" if not verdict_reasons(now.reasons, dtype, doc.get("bisect")) else "fail"
+        if verdict != doc.get("verdict"):
+            return f"the current rule says {verdict}: `dsadapt check --rescore {path}`"
+        return None
+    rule = current_rule(dtype)
+    then = {"rule": comp.get("rule"), "tolerance": comp.get("tolerance"), "thresholds": comp.get("thresholds")}
+    if then != rule:
+        changed = [k for k in rule if then.get(k) != rule[k]]
+        return (f"scored by an older rule ({', '.join(changed)} differ) and has no recorded inputs to rescore: "
+                f"rerun `{(doc.get('provenance') or {}).get('command') or 'dsadapt check'}`")
+    return None
+
+
+def rescore_check(path: Path) -> CheckResult:
+    """Apply the current rule to a check report's recorded inputs: a new verdict, reasons and plot,
+    written back into the report (`provenance.rescored` says when, and what it was before).
+    The per-module part of a low-precision verdict is kept as recorded (its captures are not)."""
+    from patcher.rules.plots import plot_deltas
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--rescore {path}: not a readable JSON report ({e})", hint="name a check report (.json)") from None
+    if not isinstance(doc, dict) or doc.get("schema") != REPORT_SCHEMA:
+        raise UsageError(f"--rescore {path}: not a check report (schema {doc.get('schema') if isinstance(doc, dict) else None!r})",
+                         hint="name a report `dsadapt check` wrote (reports/<engine>/<tag>/<model>-<style>-<dtype>.json); "
+                              "speed-gate reports: `dsadapt perf --rescore`")
+    prov = doc.get("provenance") or {}
+    if not (doc.get("comparison") or {}).get("rule"):
+        raise UsageError(f"--rescore {path}: the engine produced no logits in that run: there is nothing to rescore",
+                         hint=f"rerun `{prov.get('command') or 'dsadapt check'}`")
+    inputs = load_inputs(Path(path))
+    if inputs is None:
+        raise UsageError(f"--rescore {path}: the report has no recorded inputs ({inputs_path(Path(path)).name}; it "
+                         "predates them), so no rule can be applied to it again",
+                         hint=f"rerun `{prov.get('command') or 'dsadapt check'}` to score it under the current rule")
+    ref, eng, k = inputs
+    comparison = compare(ref, eng, k)
+    dtype = doc["dtype"]
+    reasons = verdict_reasons(comparison.reasons, dtype, doc.get("bisect"))
+    config = None
+    model_dir = prov.get("model_dir")
+    if model_dir and (Path(model_dir) / "config.json").is_file():
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    fields = {f.name for f in dataclasses.fields(CheckResult)}
+    result = CheckResult(**{k2: v for k2, v in doc.items() if k2 in fields})
+    result.provenance = {**prov, "rescored": {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                              "dsadapt": _dsadapt_version(), "previous_verdict": doc.get("verdict"),
+                                              "previous_reasons": doc.get("reasons"),
+                                              "per_module": "as recorded" if doc.get("bisect") else None}}
+    result.comparison, result.reasons = comparison.to_json(), reasons
+    result.verdict = "pass" if not reasons else "fail"
+    result.report_path = str(path)
+    if config is not None:
+        result.explanation = explain(comparison, config, doc.get("bisect"))
+    try:
+        png = Path(path).with_suffix(".png")
+        plot_deltas(comparison, png, title=f"{result.pin} {result.model} {result.config_style or ''} {dtype} (rescored)")
+        result.plot_path = str(png)
+    except ImportError:
+        pass
+    from patcher.base.fsutil import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
 
 
@@ -421,7 +576,7 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         comparison={"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".png").unlink(missing_ok=True)
-    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    out.write_text(json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
     return result
 
 

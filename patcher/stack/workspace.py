@@ -267,17 +267,30 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     return tx.run()
 
 
+def _op_kind(co: Checkout) -> str:
+    try:
+        st = co.load()
+    except DsadaptError:
+        return "operation"
+    return st.op.kind if st.op else "apply"
+
+
 def _in_progress(cfg: Config, ref: PinRef | None) -> Checkout:
+    found = [co for co in all_checkouts(cfg) if _has_op(co)]
     if ref is not None:
         co = Checkout(cfg, ref)
         if co.exists:
             st = co.load()
             if st.op or st.legacy_op:
                 return co
-        raise WorkspaceError(f"{ref}: no apply in progress", hint="nothing to continue, skip or abort")
-    found = [co for co in all_checkouts(cfg) if _has_op(co)]
+        elsewhere = [c for c in found if c.ref != ref]
+        if elsewhere:  # a rebase stops in the NEW tag's checkout: name it, never "nothing in progress"
+            c = elsewhere[0]
+            raise WorkspaceError(f"{ref}: nothing in progress in its checkout; the {_op_kind(c)} stopped in "
+                                 f"{c.ref}'s checkout", hint=f"`dsadapt continue {c.ref}` (or skip, abort)")
+        raise WorkspaceError(f"{ref}: no apply, rebase or refresh in progress", hint="nothing to continue, skip or abort")
     if not found:
-        raise WorkspaceError("no apply in progress", hint="nothing to continue, skip or abort")
+        raise WorkspaceError("no apply, rebase or refresh in progress", hint="nothing to continue, skip or abort")
     if len(found) > 1:
         raise WorkspaceError(f"{len(found)} operations in progress: {', '.join(str(c.ref) for c in found)}",
                              hint="name one, e.g. `dsadapt continue vllm@v0.32.0`")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table
+from patcher.cli.commands import common
+from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, table
 
 
 @click.command("bench")
@@ -41,7 +42,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
                                                 "rebase_to": rebase_to or None}
     with workdir_lock(ctx.cfg):
-        report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(not as_json),
+        report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(),
                            builds_too=only != "stack-ops", stack_ops=stack_ops)
     path = out or ctx.cfg.project / "docs" / "benchmarks.md"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         table(f"stack operations ({report.stack_facts.get('pin')})", STACK_COLUMNS, stack_table(report.stack_ops))
     if report.checks:
         table("check wall time", CHECK_COLUMNS, check_table(report))
-    say(f"wrote {path}")
+    common.out(f"wrote {path}")
 
 
 COMMANDS = [bench_cmd]

@@ -16,9 +16,9 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     progress_printer,
-    say,
     table,
     to_ref,
 )
@@ -49,11 +49,11 @@ def render(res: CheckResult, report: dict | None) -> None:
               f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
               f"{b.get('rule')} rule", ["layer", "point", "error", "limit", "ref noise", "rows", "status"], rows)
     for line in b.get("explanation") or b.get("reasons") or []:
-        say(f"  {line}")
-    say(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
+        out(f"  {line}")
+    out(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
     if b.get("report_path"):
-        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
-    say(f"check report: {res.report_path}")
+        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+    out(f"check report: {res.report_path}")
 
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
@@ -81,7 +81,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")
     dtype = dtype or check_dtypes(ctx.lock, ref, variant)[0]
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
         res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from patcher.cli.commands import common
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -14,7 +15,6 @@ from patcher.cli.commands.common import (
     pinref_arg,
     progress_printer,
     ref_of,
-    say,
 )
 from patcher.engines import engine
 from patcher.offline.pack import make_bundle, parse_size
@@ -56,22 +56,22 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
     with workdir_lock(ctx.cfg):
         res = make_bundle(ctx.cfg, ctx.lock, ref, variant=variant, python=python, platform=platform, out=out,
                           tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
-                          progress=progress_printer(not as_json))
+                          progress=progress_printer())
     if as_json:
         emit_json(res.to_json())
         return
     click.echo(res.path)
-    say(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
+    common.out(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
         f"{res.files} files, {res.seconds:.0f} s")
     for side, b in res.builds.items():
-        say(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
+        common.out(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
     for name, part in res.parts.items():
-        say(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
+        common.out(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
         if part["left_out"]:
-            say(f"  {'':9} left out: {', '.join(part['left_out'])}")
-    say("on the target, in the bundle's folder:")
+            common.out(f"  {'':9} left out: {', '.join(part['left_out'])}")
+    common.out("on the target, in the bundle's folder:")
     for c in res.commands:
-        say(f"  {c}")
+        common.out(f"  {c}")
 
 
 COMMANDS = [bundle_cmd]

@@ -16,10 +16,10 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     progress_printer,
     publish_option,
-    say,
     table,
     to_ref,
 )
@@ -96,18 +96,19 @@ def render(res: CheckResult) -> None:
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
              f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
     if not rows:
-        say(f"{res.pin}: the engine produced no logits")
+        out(f"{res.pin}: the engine produced no logits")
     else:
         table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
                       "verdict"], rows)
     if res.bisect:
         render_bisect_summary(res.bisect)
-    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
+        verdict=res.verdict.upper())
     for line in res.explanation if not res.passed else []:
-        say(f"  explain: {line}")
-    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+        out(f"  explain: {line}")
+    out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
     if not res.passed and not (res.bisect and res.bisect.get("report_path")):
-        say(f"localize it: {bisect_command(res)}")
+        out(f"localize it: {bisect_command(res)}")
 
 
 def render_bisect_summary(b: dict) -> None:
@@ -115,15 +116,15 @@ def render_bisect_summary(b: dict) -> None:
     if b.get("first"):
         f = b["first"]
         where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}); "
+        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}); "
             f"{len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
     elif b.get("passed"):
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
+        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
     else:
         for r in b.get("reasons") or []:
-            say(f"per-module: {r}")
+            out(f"per-module: {r}")
     if b.get("report_path"):
-        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
 
 
 @click.command("check")
@@ -144,17 +145,35 @@ def render_bisect_summary(b: dict) -> None:
 @click.option("--bisect", "bisect", is_flag=True,
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
+@click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Apply the current rule to a saved check report's recorded inputs instead of running anything; "
+                   "rewrites the report and its plot (a report made before inputs were kept cannot be rescored: "
+                   "it says which command reruns it).")
 @publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, as_json) -> None:
+              reference_device, bisect, rescore_path, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
+    if rescore_path is not None:
+        if pin or all_pins:
+            raise UsageError("pass --rescore REPORT or a pin (or --all), not both",
+                             hint="the report names its pin; e.g. dsadapt check --rescore reports/vllm/v0.32.0/"
+                                  "v3-transformers-float32.json")
+        from patcher.gate.check import rescore_check
+
+        res = rescore_check(rescore_path)
+        if as_json:
+            emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
+        else:
+            render(res)
+        check_or_raise(res)
+        return
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
     _check_model(model)
     command = command_line(click.get_current_context())
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     on_line = progress.note if progress is not None else None
     mode = "on-fail" if bisect else None
     if not all_pins:
@@ -169,22 +188,25 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         where_reference(reference_device, spec)
         dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant)
         done: list[CheckResult] = []
+        from patcher.gate.hosts import RunHost
+
+        host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
                 res = run_check(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dt,
                                 variant=variant, unpatched=unpatched, progress=progress, stream=not as_json,
                                 command=command, unpatched_engine=unpatched_engine, on_line=on_line,
-                                reference_on=reference_device, bisect=mode)
+                                reference_on=reference_device, bisect=mode, host=host)
                 done.append(res)
                 if not as_json:
                     render(res)
                     if explain and res.passed:
-                        say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+                        out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
         if as_json:
             emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done))
         elif len(done) > 1:
-            say(f"overall: {'PASS' if all(r.passed for r in done) else 'FAIL'} ("
-                + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")")
+            word = "PASS" if all(r.passed for r in done) else "FAIL"
+            out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
         failed_runs = [r for r in done if not r.passed]
         if failed_runs and len(done) > 1:
             first = failed_runs[0]
@@ -243,7 +265,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     else:
         table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'})",
               ["pin", "verdict", "detail"], rows)
-        say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
+        out(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
             f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
     if failed:
         sys.exit(ExitCode.FAILED)

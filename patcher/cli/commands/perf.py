@@ -15,10 +15,10 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     progress_printer,
     publish_option,
-    say,
     table,
     to_ref,
 )
@@ -53,11 +53,12 @@ def render(res) -> None:
         table(f"{res.pin} ({res.variant}) {res.model} {res.config_style or ''} {res.dtype}: concurrency "
               f"{p['concurrency']}, {p['sides'][a]['rounds']} rounds",
               ["metric", a, b, f"{a}/{b} (95% CI; <1 = {a} slower)", ""], rows)
-    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
+        verdict=res.verdict.upper())
     if res.band:
-        say(f"  gated ratios: estimates {res.band['estimate_min']:.3f}-{res.band['estimate_max']:.3f}, lowest CI "
+        out(f"  gated ratios: estimates {res.band['estimate_min']:.3f}-{res.band['estimate_max']:.3f}, lowest CI "
             f"upper end {res.band['ci_hi_min']:.3f} (threshold {res.threshold:g})")
-    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+    out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
 
 
 @click.command("perf")
@@ -127,7 +128,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
                    concurrency=conc, rounds=rounds, requests=requests, warmup_rounds=warmup)
     preflight(ctx.lock, ref, variant, dtype)  # unknown pin/variant, cannot run here, no recipe: before anything is made
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     with workdir_lock(ctx.cfg):
         res = run_perf(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                        concurrency=conc, input_lens=ins, output_lens=outs, rounds=rounds, requests=requests,

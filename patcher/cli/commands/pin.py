@@ -8,11 +8,11 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     pinref_arg,
     progress_printer,
     ref_of,
-    say,
 )
 from patcher.formats.lock import write_lock
 from patcher.stack.workspace import workdir_lock
@@ -28,7 +28,7 @@ def pin_cmd(ctx: Context, pin: str, update: bool, as_json: bool) -> None:
     """Resolve the tag (git where reachable) and hash its release artifacts (PyPI) into upstream.lock."""
     ref = ref_of(pin)
     with workdir_lock(ctx.cfg):
-        entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=progress_printer(not as_json))
+        entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=progress_printer())
         old = ctx.lock.pins.get(str(ref))
         changed = old != entry
         if changed:
@@ -39,8 +39,8 @@ def pin_cmd(ctx: Context, pin: str, update: bool, as_json: bool) -> None:
                              "artifacts": [a.__dict__ for a in entry.artifacts]}})
         return
     for n in notes:
-        say(f"  {n}")
-    say(f"{ref}: {'pinned' if old is None else ('updated' if changed else 'unchanged')} in upstream.lock")
+        out(f"  {n}")
+    out(f"{ref}: {'pinned' if old is None else ('updated' if changed else 'unchanged')} in upstream.lock")
 
 
 COMMANDS = [pin_cmd]

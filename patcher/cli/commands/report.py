@@ -1,21 +1,31 @@
-"""report: one table over all pins (stack, Upstream-Status, last check, last perf, drop candidates)."""
+"""report: one table over all pins (stack, Upstream-Status, the gates' verdicts, drop candidates),
+then the newest verdict of each configuration the pins' current stacks were judged in."""
 
 from __future__ import annotations
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, table
-from patcher.gate.summary import build_report
+from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, table
+from patcher.gate.summary import SCHEMA, build_report
 
 
 @click.command("report")
+@click.option("--configs/--no-configs", "configs", default=True, show_default=True,
+              help="Also list the newest verdict of every configuration (variant, model, config style, dtype, "
+                   "parallel config) behind each pin's verdict.")
 @json_option
 @pass_ctx
-def report_cmd(ctx: Context, as_json: bool) -> None:
-    """Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop."""
+def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
+    """Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop.
+
+    A pin's check verdict is the worst of the newest verdict per configuration (variant, model,
+    config style, dtype, parallel config) of its current stack; the speed gate's is its
+    calibrated runs' (a quicker run is shown next to it). A verdict the current rule would not
+    give is flagged (`dsadapt check --rescore REPORT`). Exit 0 whatever the verdicts say: the
+    report is the result."""
     rows = build_report(ctx.cfg, ctx.lock)
     if as_json:
-        emit_json({"pins": [r.to_json() for r in rows]})
+        emit_json({"schema": SCHEMA, "pins": [r.to_json() for r in rows]})
         return
     table("dsadapt report", ["pin", "patches", "upstream status", "last check", "last perf", "drop candidates"],
           [[r.pin,
@@ -25,6 +35,19 @@ def report_cmd(ctx: Context, as_json: bool) -> None:
             r.perf,
             _drops(r.drop_candidates)]
            for r in rows])
+    if not configs:
+        return
+    lines = [[r.pin, c["config"], "check", c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
+              c["file"]] for r in rows for c in r.checks]
+    lines += [[r.pin, c["config"], "perf" + ("" if c["workload"] == "calibrated" else " (quick)"), c["verdict"],
+               c["date"][:10], c["file"]] for r in rows for c in r.perfs]
+    if lines:
+        table("verdicts of the current stacks, newest per configuration",
+              ["pin", "configuration", "gate", "verdict", "date", "report"], lines)
+    for r in rows:
+        for c in r.checks:
+            if c.get("stale"):
+                out(f"  {r.pin} {c['config']}: {c['stale']}")
 
 
 COMMANDS = [report_cmd]

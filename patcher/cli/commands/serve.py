@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from patcher.cli.commands.common import Context, PinRefParam, pass_ctx, progress_printer, ref_of, say
+from patcher.cli.commands.common import Context, PinRefParam, note, out, pass_ctx, progress_printer, ref_of
 from patcher.engines import engine
 from patcher.engines.base import GateRun, NotSupported
 from patcher.gate.check import resolve_model
@@ -44,21 +44,21 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
     try:
         # each preparation step takes the work-dir lock for itself; the server runs without it
         with eng.serve(run, RunHost(ctx.cfg, ctx.lock, progress, locked=True), port=port) as served:
-            say(f"{ref}: serving {label} ({served.installed.get('served') or ref}, "
+            out(f"{ref}: serving {label} ({served.installed.get('served') or ref}, "
                 f"{served.installed.get('artifact')}) at {served.url}")
-            say(f"  model: {served.model}   log: {served.log_path}")
+            out(f"  model: {served.model}   log: {served.log_path}")
             for line in served.usage:
-                say(f"  {line}")
-            say("Ctrl-C to stop.")
+                out(f"  {line}")
+            note("Ctrl-C to stop.")
             try:
                 while not stop.wait(0.5):
                     pass
             except KeyboardInterrupt:
                 pass
-            say(f"stopping the {ref.engine} server …")
+            note(f"stopping the {ref.engine} server …")
     finally:
         signal.signal(signal.SIGTERM, previous)
-    say("stopped.")
+    note("stopped.")
 
 
 def _serving_engines() -> list[str]:

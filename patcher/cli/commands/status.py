@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, plural, say, table
+from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table
 
 
 def checkout_status(cfg, lock, entry, running=None):
@@ -35,6 +35,7 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     from patcher.engines import engine
 
     rows, data = [], []
+    probed: dict[str, str | None] = {}
     for name in sorted(ctx.lock.engines):
         ad = engine(name)
         for entry in ctx.lock.pins_of(name):
@@ -44,6 +45,9 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
             # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
             variants = ad.pinned_variants(entry)
             blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
+            if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
+                src = _source_blocker(ctx, entry, probed)
+                blockers = {v: b or src for v, b in blockers.items()}
             runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
             d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
                  "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
@@ -59,6 +63,17 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
                    "pins": data})
     else:
         table("dsadapt pins", ["pin", "patches", "build", "variants", "runs here"], rows)
+
+
+def _source_blocker(ctx: Context, entry, probed: dict[str, str | None]) -> str | None:
+    """Why no source can provide the pin's tree here (one probe of a git remote per command)."""
+    from patcher.upstream.sources import source_blocker
+
+    decl = ctx.lock.engine(entry.engine)
+    key = f"{entry.engine}@{entry.tag}" if entry.source_artifact() is not None else decl.git or entry.engine
+    if key not in probed:
+        probed[key] = source_blocker(ctx.cfg, decl, entry)
+    return probed[key]
 
 
 @click.command("status")
@@ -82,7 +97,7 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
         rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail])
     table("checkouts", ["pin", "state", "source", "detail"], rows)
     if left:
-        say(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
+        note(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
             f"{' …' if len(left) > 3 else ''}; `dsadapt gc` removes them")
 
 
@@ -106,15 +121,15 @@ def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
                    "failed": [lo.path for lo in failed], "bytes": freed})
         return
     if not found:
-        say("nothing to remove")
+        out("nothing to remove")
         return
     verb = "would remove" if dry_run else "removed"
     for lo in found:
         if lo not in failed:
-            say(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
+            out(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
     for lo in failed:
-        say(f"  could not remove {lo.path}")
-    say(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
+        out(f"  could not remove {lo.path}")
+    out(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
 
 
 COMMANDS = [list_cmd, status_cmd, gc_cmd]
