@@ -280,7 +280,7 @@ def install_lock(py: Path, venv: Path, lock_file: Path, pip_args: Sequence[str] 
     text = lock_file.read_text(encoding="utf-8")
     main, cuda = split_sections(text)
     n_locked = len(locked_packages(main))
-    extra = index_args(pip_args)
+    extra = index_args(pip_args) if cuda.strip() else []  # only a lock that takes either torch build
     if progress:
         progress(f"installing the {n_locked} locked dependencies of {venv.name} ({lock_file.name}, --require-hashes"
                  f"{', ' + ' '.join(extra) if extra else ''}; minutes on first run)")

@@ -8,6 +8,7 @@ keeps the help lines equal to the commands' own). Errors are rendered exactly on
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import MutableMapping
@@ -63,7 +64,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("report", "report_cmd",
             'Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop.'),
     "serve": ("serve", "serve_cmd",
-            'Build and install the pin, start its server with the model, print how to query it (triton@TAG today).'),
+            'Build and install the pin, start its server with the model, print how to query it; Ctrl-C stops it.'),
     "skip": ("apply", "skip_cmd",
             'Drop the patch that stopped the apply and go on with the rest.'),
     "status": ("status", "status_cmd",
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         err = to_error(e, args)
         close_progress()
         render_error(err, e, as_json=as_json)
+        _annotate(err, args, as_json)
         return int(err.exit_code)
     finally:
         close_progress()
@@ -273,6 +275,20 @@ _GIT_LEAKS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTOR
               "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_TEMPLATE_DIR",
               "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
               "GIT_GRAFT_FILE", "GIT_ATTR_SOURCE")
+
+
+def _annotate(err, args: list[str], as_json: bool) -> None:
+    """On GitHub Actions, the error once more as an `::error` annotation (the run's page lists it)."""
+    from patcher.base.errors import ExitCode, one_line
+    from patcher.cli.ci import annotate
+
+    if err.exit_code in (ExitCode.INTERRUPTED, ExitCode.BROKEN_PIPE):
+        return
+    words = [a for a in args if not a.startswith("-")][:2]
+    title = "dsadapt " + " ".join(words) if words else "dsadapt"
+    with contextlib.suppress(OSError, ValueError):
+        annotate("error", title, one_line(err.message) + (f" (hint: {one_line(err.hint)})" if err.hint else ""),
+                 json_out=as_json)
 
 
 def _terminate_like_interrupt():

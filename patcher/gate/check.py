@@ -349,8 +349,64 @@ def run_check(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config
         result.plot_path = None
     save_inputs(out, reference, report, ENGINE_TOP_K)
     result.provenance["inputs"] = inputs_path(out).name
-    out.write_text(json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    write_report(result, out)
     return result
+
+
+def check_markdown(result: CheckResult) -> str:
+    """Pure: the human-readable check report written next to the JSON (<report>.md): the verdict,
+    why, one row per prompt, and where it ran."""
+    c = result.comparison or {}
+    prov = result.provenance or {}
+
+    def f(x, spec: str = ".2g") -> str:
+        return "-" if x is None else format(x, spec)
+
+    title = (f"# {result.pin} ({result.variant}{', unpatched' if result.unpatched else ''}) vs HF transformers: "
+             f"{result.verdict.upper()}")
+    lines = [title, "",
+             f"Model {result.model}" + (f" ({result.config_style} config)" if result.config_style else "")
+             + f", {result.dtype}, {c.get('rule') or 'no'} rule" + (f", tolerance {c['tolerance']:g}" if c.get("tolerance") else "")
+             + (f", thresholds {c['thresholds']}" if c.get("thresholds") else "") + ".", ""]
+    if result.reasons:
+        lines += ["**Why it fails**", "", *(f"- {r}" for r in result.reasons[:20]), ""]
+    rows = c.get("rows") or []
+    if rows:
+        lines += ["| prompt | positions | max \\|Δ\\| | mean \\|Δ\\| | top-1 agree | greedy | 1st divergence | verdict |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            greedy = {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match"))
+            first = "-" if r.get("first_divergence") is None else str(r["first_divergence"])
+            lines.append(f"| {r['id']} | {r.get('positions', '')} | {f(r.get('max_abs'))} | {f(r.get('mean_abs'))} | "
+                         f"{f(r.get('top1_agreement'), '.3f')} | {greedy} | {first} | "
+                         f"{'pass' if r.get('passed') else 'FAIL'} |")
+        lines.append("")
+    if result.bisect and result.bisect.get("report_path"):
+        lines += [f"Per-module comparison: `{Path(result.bisect['report_path']).name}`"
+                  + (f", heat map `{Path(result.bisect['plot_path']).name}`" if result.bisect.get("plot_path") else ""), ""]
+    if result.explanation and not result.passed:
+        lines += ["**Where it points**", "", *(f"- {e}" for e in result.explanation), ""]
+    if result.plot_path:
+        lines += [f"![per-position |Δ logprob|]({Path(result.plot_path).name})", ""]
+    lines += ["| provenance | |", "| --- | --- |",
+              f"| date | {prov.get('date', '-')} |", f"| device | {prov.get('device', '-')} |",
+              f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({len(prov.get('patches') or [])} patches) |",
+              f"| engine | {prov.get('engine_version') or '-'} ({(prov.get('installed') or {}).get('artifact', '-')}) |",
+              f"| reference | transformers {(prov.get('reference_versions') or {}).get('transformers', '-')} on "
+              f"{prov.get('reference_device', '-')} |",
+              f"| command | `{prov.get('command', '-')}` |"]
+    if prov.get("rescored"):
+        lines.append(f"| rescored | {prov['rescored'].get('date')} (was {prov['rescored'].get('previous_verdict')}) |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: CheckResult, out: Path) -> None:
+    """The check report: JSON (schema dsadapt.check-report/1) and its Markdown twin, each written whole."""
+    from patcher.base.fsutil import atomic_write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out.with_suffix(".md"), check_markdown(result))
 
 
 def verdict_reasons(logit_reasons: list[str], dtype: str, bisected: dict | None) -> list[str]:
@@ -498,9 +554,7 @@ def rescore_check(path: Path) -> CheckResult:
         result.plot_path = str(png)
     except ImportError:
         pass
-    from patcher.base.fsutil import atomic_write_text
-
-    atomic_write_text(Path(path), json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    write_report(result, Path(path))
     return result
 
 
@@ -576,7 +630,8 @@ def _engine_failed(cfg, ref, spec, label, style, dtype, unpatched, unpatched_eng
         comparison={"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".png").unlink(missing_ok=True)
-    out.write_text(json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    inputs_path(out).unlink(missing_ok=True)  # an earlier run's inputs are not this run's
+    write_report(result, out)
     return result
 
 

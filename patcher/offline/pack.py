@@ -45,6 +45,7 @@ from pathlib import Path
 from patcher.base.config import Config
 from patcher.base.errors import (
     BuildError,
+    DsadaptError,
     EngineUnavailable,
     MachineError,
     RefusedToClobber,
@@ -291,8 +292,10 @@ def _version(v: str):
 
 
 def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
+    from patcher.build.venvs import pip_cause
+
     note = getattr(progress, "note", None)
-    tail: list[str] = []
+    lines: list[str] = []
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
         f.write("$ " + " ".join(args) + "\n")
@@ -300,16 +303,22 @@ def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             f.write(line)
-            line = line.strip()
-            if line and not line.startswith("WARNING: "):
-                tail = (tail + [line])[-3:]
-                if note:
+            line = line.rstrip()
+            if line:
+                lines = (lines + [line])[-400:]
+                if note and not line.startswith("WARNING: "):
                     note(f"pip: {line}")
         rc = proc.wait()
     if rc != 0:
-        raise EngineUnavailable(f"{what} failed: {' | '.join(tail)[-400:]}",
-                                hint=f"see {log}; a bundle is made on a machine that reaches PyPI (or set "
-                                     f"PIP_FIND_LINKS/PIP_NO_INDEX to a wheel folder)")
+        cause, fix = pip_cause(lines)
+        # no wheel of a locked version for the target: this bundle cannot be made (6); anything else is
+        # the machine's (the network, a proxy, the disk: 7)
+        unfit = "No matching distribution" in cause or "requires a different Python" in cause
+        err = EngineUnavailable if unfit else MachineError
+        raise err(f"{what} failed: {cause}",
+                  hint=(f"{fix}; " if fix and not unfit else "") + f"the whole output is in {log}"
+                       + ("; the environment's lock has no wheel of that version for the target's Python and "
+                          "platform: check it (`make check-env-locks`) or pass --platform" if unfit else ""))
 
 
 # ---------------------------------------------------------------- the rule: what to carry
@@ -530,8 +539,11 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
     blocker = eng.bundle_blocker(entry, spec)
     if blocker:
         raise EngineUnavailable(f"{ref} ({spec.name}): {blocker}", hint=f"see {eng.docs_page or 'the engine docs'}")
-    target = Target(parse_python(python, (entry.python or "").split(",")[0].strip() or
-                                 f"{sys.version_info.major}.{sys.version_info.minor}"), parse_platform(platform))
+    py = parse_python(python, (entry.python or "").split(",")[0].strip() or
+                      f"{sys.version_info.major}.{sys.version_info.minor}")
+    if platform is None:  # the platform the environment's lock was made for (its wheels exist there)
+        platform = _lock_platform(eng, entry, spec, lock, py)
+    target = Target(py, parse_platform(platform))
     if entry.python and target.python not in [p.strip() for p in entry.python.split(",")]:
         raise UsageError(f"{ref} runs on Python {entry.python}, not {target.python}",
                          hint=f"pass --python {entry.python.split(',')[0].strip()}")
@@ -632,6 +644,23 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
                         target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
                         {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
                         {k: v.__dict__ for k, v in builds.items()}, host_packages, commands)
+
+
+def _lock_platform(eng, entry, spec, lock: Lock, python: str) -> str | None:
+    """The pip platform tag of the engine environment's committed lock (`x86_64-manylinux_2_31` ->
+    `manylinux_2_31_x86_64`), or None (no lock, or none for that Python)."""
+    from patcher.build.envlocks import lock_path, lock_platform
+
+    try:
+        plan = eng.env_plan(entry, spec, lock)
+        path = lock_path(plan_env_name(plan), python)
+        declared = lock_platform(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, DsadaptError):
+        return None
+    if declared is None:
+        return None
+    arch, _, plat = declared[1].partition("-")
+    return f"{plat}_{arch}"
 
 
 def _refuse_clobber(final: Path, tar: bool) -> None:

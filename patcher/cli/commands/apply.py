@@ -26,7 +26,7 @@ def _line(o) -> str:
 
 def _report(res, as_json: bool, verb: str) -> None:
     if as_json:
-        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()})
+        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()}, schema="dsadapt.apply/1")
         return
     for n in res.notes:
         out(f"  note: {n}")
@@ -156,7 +156,8 @@ def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
         co = workspace.abort_apply(ctx.cfg, ref, progress=progress_printer())
     notes = getattr(co, "notes", [])
     if as_json:
-        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})
+        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes},
+                  schema="dsadapt.abort/1")
     else:
         out(f"{co.ref}: aborted; {co.path} is back where it was")
         for n in notes:

@@ -52,7 +52,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     old = path.read_text(encoding="utf-8") if path.is_file() else None
     path.write_text(format_markdown(report, command, old, ctx.cfg.published_reports) + "\n")
     if as_json:
-        emit_json({**report.to_json(), "written": str(path)})
+        emit_json({**report.to_json(), "written": str(path)}, schema="dsadapt.bench/1")
         return
     m = report.machine
     if report.builds is not None:

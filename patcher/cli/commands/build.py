@@ -40,7 +40,7 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
     with workdir_lock(ctx.cfg):
         res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer())
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.build/1")
         return
     click.echo(res.artifact)
     out(f"  sha256 {res.sha256}")
@@ -93,7 +93,7 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     with workdir_lock(ctx.cfg):
         res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(), stream=not as_json)
     if as_json:
-        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None})
+        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None}, schema="dsadapt.install/1")
         return
     out(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
     if plan.note:
@@ -130,7 +130,7 @@ def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle:
         res = install_offline(ctx.cfg, ctx.lock, directory, system_site_packages=system_site_packages,
                               progress=progress, stream=not as_json)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.install-offline/1")
         return
     out(f"{res.pin} ({res.variant}) installed from {res.bundle}")
     for side, env in res.environments.items():
@@ -176,7 +176,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                              f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", str(row["status"]),
                              str(note)])
     if as_json:
-        emit_json({"builds": data, "ok": not failed})
+        emit_json({"builds": data, "ok": not failed}, schema="dsadapt.build-all/1")
     else:
         table("build-all", ["pin", "variant", "kind", "artifact", "s", "status", "note"], rows)
     if failed:

@@ -27,7 +27,8 @@ from patcher.stack.workspace import workdir_lock
 @click.option("--python", "python", default=None, metavar="X.Y",
               help="The target's Python (default: the pin's, else this one).")
 @click.option("--platform", default=None, metavar="TAG",
-              help="The target's platform tag (default manylinux_2_28_x86_64: glibc >= 2.28, x86-64).")
+              help="The target's platform tag (default: the one the environment's lock was made for, e.g. "
+                   "manylinux_2_31_x86_64 for vLLM 0.32; manylinux_2_28_x86_64 without a lock).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the bundle goes (default dist/bundle-ENGINE-TAG-VARIANT-pyX.Y).")
 @click.option("--tar", is_flag=True, help="Write one .tar file (OUT.tar) instead of a folder.")
@@ -58,7 +59,7 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
                           tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
                           progress=progress_printer())
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.bundle/1")
         return
     click.echo(res.path)
     common.out(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "

@@ -16,6 +16,7 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    junit_option,
     out,
     pass_ctx,
     progress_printer,
@@ -149,11 +150,12 @@ def render_bisect_summary(b: dict) -> None:
               help="Apply the current rule to a saved check report's recorded inputs instead of running anything; "
                    "rewrites the report and its plot (a report made before inputs were kept cannot be rescored: "
                    "it says which command reruns it).")
+@junit_option
 @publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, rescore_path, as_json) -> None:
+              reference_device, bisect, rescore_path, junit, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass."""
     if rescore_path is not None:
         if pin or all_pins:
@@ -167,6 +169,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
             emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
         else:
             render(res)
+        report_ci([res], junit)
         check_or_raise(res)
         return
     if bool(pin) == all_pins:
@@ -203,10 +206,12 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                     if explain and res.passed:
                         out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
         if as_json:
-            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done))
+            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done),
+                      schema="dsadapt.check-report/1")
         elif len(done) > 1:
             word = "PASS" if all(r.passed for r in done) else "FAIL"
             out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
+        report_ci(done, junit)
         failed_runs = [r for r in done if not r.passed]
         if failed_runs and len(done) > 1:
             first = failed_runs[0]
@@ -220,7 +225,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         return
     results: list[dict[str, object]] = []
     rows: list[list[str]] = []
+    all_runs: list[CheckResult] = []
     failed = False
+    from patcher.gate.hosts import RunHost
     with workdir_lock(ctx.cfg):
         for entry in ctx.lock.sorted_pins():
             eng = engine(entry.engine)
@@ -235,10 +242,12 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 rows.append([str(entry.ref), "not run", blocker])
                 continue
             try:
+                host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)
                 runs = [run_check(ctx.cfg, ctx.lock, entry.ref, model=model, config_style=config_style, dtype=dt,
                                   progress=progress, stream=not as_json, command=command, on_line=on_line,
-                                  reference_on=reference_device, bisect=mode)
+                                  reference_on=reference_device, bisect=mode, host=host)
                         for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref))]
+                all_runs += runs
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
                 results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
@@ -260,8 +269,10 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 rows.append([str(entry.ref), "error", e.message])
                 failed = True
     ran = [r for r in results if r["verdict"] in ("pass", "fail")]
+    report_ci(all_runs, junit, [(str(r["pin"]), str(r["reason"]), r["verdict"] == "error") for r in results
+                                if r["verdict"] in ("not run", "error")])
     if as_json:
-        emit_json({"results": results, "ok": bool(ran) and not failed})
+        emit_json({"results": results, "ok": bool(ran) and not failed}, schema="dsadapt.check-all/1")
     else:
         table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'})",
               ["pin", "verdict", "detail"], rows)
@@ -271,6 +282,29 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         sys.exit(ExitCode.FAILED)
     if not ran:
         sys.exit(ExitCode.CANNOT_RUN)
+
+
+def report_ci(results: list[CheckResult], junit, not_run: list[tuple[str, str, bool]] = ()) -> None:
+    """The verdicts for CI: JUnit XML (--junit FILE) and, on GitHub Actions, a table in the job's
+    summary (failures become `::error` annotations at the error edge)."""
+    from patcher.cli.ci import Case, md_table, step_summary, write_junit
+
+    def label(r: CheckResult) -> str:
+        return " ".join(x for x in (r.variant, r.model, r.config_style, r.dtype) if x) + (" unpatched" if r.unpatched else "")
+
+    cases = [Case(f"{r.pin} {label(r)}", f"dsadapt.check.{r.engine}", float(r.timings.get("total_s") or 0),
+                  failure=None if r.passed else ("\n".join(r.reasons) or "fail"),
+                  output=f"report: {r.report_path}", properties={"stack": r.provenance.get("stack_hash") or "",
+                                                                 "device": r.provenance.get("device") or ""})
+             for r in results]
+    cases += [Case(pin, "dsadapt.check", failure=why if error else None, skipped=None if error else why)
+              for pin, why, error in not_run]
+    write_junit(junit, "dsadapt check", cases)
+    rows = [[r.pin, label(r), r.verdict.upper(), _fmt((r.comparison.get("summary") or {}).get("max_abs")),
+             "; ".join(r.reasons[:2]) or "-", Path(r.report_path).name] for r in results]
+    rows += [[pin, "-", "ERROR" if error else "not run", "-", why, "-"] for pin, why, error in not_run]
+    step_summary("### dsadapt check\n\n" + md_table(["pin", "configuration", "verdict", "max |Δ|", "why", "report"],
+                                                       rows))
 
 
 def overall_json(pin: str, results: list[CheckResult]) -> dict:

@@ -99,6 +99,11 @@ class PinRefParam(click.ParamType):
         return ref
 
 
+junit_option = click.option(
+    "--junit", "junit", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+    help="Also write the verdicts as JUnit XML to FILE (one test case per pin and configuration; CI test reports).")
+
+
 def _publish(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
     obj = ctx.find_object(Context)
     if value and obj is not None:
@@ -148,9 +153,12 @@ def verdict_word(word: str) -> str:
     return f"\x1b[{code};1m{word}\x1b[0m" if code and color_enabled() else word
 
 
-def emit_json(data) -> None:
-    """The command's one JSON document on stdout."""
+def emit_json(data, schema: str | None = None) -> None:
+    """The command's one JSON document on stdout. Every document names its `schema`
+    ("dsadapt.<what>/<version>", docs/json.md): a document that carries none gets `schema`."""
     global _emitted_json
+    if isinstance(data, dict) and schema and "schema" not in data:
+        data = {"schema": schema, **data}
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     _emitted_json = True
 

@@ -29,7 +29,7 @@ def make_cmd(variant: str, config_style: str, seed: int, out: Path, as_json: boo
     info = tinymodel.make_model(out, variant=variant, config_style=config_style, seed=seed)
     data = info.to_json()
     if as_json:
-        emit_json(data)
+        emit_json(data, schema="dsadapt.model/1")
     else:
         click.echo(
             f"{data['path']}: {variant} ({config_style} config), seed {seed}, "

@@ -15,6 +15,7 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    junit_option,
     out,
     pass_ctx,
     progress_printer,
@@ -87,11 +88,12 @@ def render(res) -> None:
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
                    "--threshold if given) instead of measuring; rewrites the report and its plot.")
+@junit_option
 @publish_option
 @json_option
 @pass_ctx
 def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency, input_len, output_len, requests,
-             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, as_json) -> None:
+             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, junit, as_json) -> None:
     """Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.
 
     Both builds are served on 127.0.0.1 at once and loaded in alternating rounds by the
@@ -106,9 +108,10 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
         given = click.get_current_context().get_parameter_source("threshold") != click.core.ParameterSource.DEFAULT
         res = rescore(rescore_path, threshold if given else None, pin=str(to_ref(pin)) if pin else None)
         if as_json:
-            emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
+            emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
         else:
             render(res)
+        report_ci(res, junit)
         perf_or_raise(res)
         return
     if not pin:
@@ -135,10 +138,35 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
                        warmup_rounds=warmup, max_model_len=max_model_len, threshold=threshold, aa=aa, cpus=cpu_list,
                        time_limit_s=time_limit, progress=progress, stream=not as_json, command=command)
     if as_json:
-        emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
+        emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
     else:
         render(res)
+    report_ci(res, junit)
     perf_or_raise(res)
+
+
+def report_ci(res, junit) -> None:
+    """The verdict for CI: JUnit XML (--junit FILE) and, on GitHub Actions, the gated ratios in the
+    job's summary."""
+    from patcher.cli.ci import Case, md_table, step_summary, write_junit
+
+    name = f"{res.pin} {res.variant} {res.model} {res.config_style or ''} {res.dtype}".replace("  ", " ")
+    write_junit(junit, "dsadapt perf", [Case(name, f"dsadapt.perf.{res.engine}", float(res.timings.get("total_s") or 0),
+                                             failure=None if res.passed else ("\n".join(res.reasons) or "fail"),
+                                             output=f"report: {res.report_path}")])
+    a, b = res.sides
+    rows = []
+    for p in res.points:
+        for m in METRICS:
+            r = p["ratios"][m.name]
+            if m.gated:
+                rows.append([p["concurrency"], m.label, "-" if r["estimate"] is None else f"{r['estimate']:.3f}",
+                             "-" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]",
+                             "SLOWER" if r["hi"] is not None and r["hi"] < res.threshold else "ok"])
+    step_summary(f"### dsadapt perf {name}: {res.verdict.upper()}\n\n{a}/{b} ratios (< 1: {a} slower; fails when "
+                 f"a whole interval is below {res.threshold:g})\n\n"
+                 + md_table(["concurrency", "metric", "ratio", "95% CI", ""], rows)
+                 + ("".join(f"\n- {r}" for r in res.reasons) if res.reasons else ""))
 
 
 COMMANDS = [perf_cmd]

@@ -34,7 +34,7 @@ def pin_cmd(ctx: Context, pin: str, update: bool, as_json: bool) -> None:
         if changed:
             write_lock(ctx.lock.with_pin(entry), ctx.cfg.lock_path)
     if as_json:
-        emit_json({"ref": str(ref), "changed": changed, "notes": notes,
+        emit_json(schema="dsadapt.pin/1", data={"ref": str(ref), "changed": changed, "notes": notes,
                    "entry": {"version": entry.version, "commit": entry.commit, "tree": entry.tree,
                              "artifacts": [a.__dict__ for a in entry.artifacts]}})
         return

@@ -10,6 +10,7 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    note,
     out,
     pass_ctx,
     pinref_arg,
@@ -35,10 +36,13 @@ def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
     """Upstream release tags newer than ENGINE's newest stack, each marked pinned / unpinned."""
     res = upstream_tags(ctx.cfg, ctx.lock, engine, pre=pre)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.tags/1")
         return
     for p in res.passed_over:
-        out(f"  passed over: {p}")
+        note(f"  passed over: {p}")
+    if not res.tags:
+        out(f"{engine}: nothing newer than {res.baseline or '(no pin)'} (asked {res.source})")
+        return
     out(f"{engine}: {len(res.tags)} tag(s) newer than {res.baseline or '(no pin)'}, from {res.source}")
     table(None, ["tag", "version", "state", "seen on"],
           [[t.tag, t.version, "pinned" if t.pinned else "unpinned",
@@ -92,8 +96,17 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
     report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
     md, js = report_paths(ctx.cfg, old.engine, old.tag, new_tag)
     if as_json:
-        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report})
+        from patcher.cli.ci import step_summary
+
+        if md.is_file():
+            step_summary(md.read_text(encoding="utf-8"))
+        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report},
+                  schema="dsadapt.rebase/1")
         return
+    from patcher.cli.ci import step_summary
+
+    if md.is_file():
+        step_summary(md.read_text(encoding="utf-8"))
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
     out(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
     out(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
@@ -127,7 +140,7 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
                 warn(f"  {engine}: no new-tag cells ({e.message})")
     cells = build_matrix(ctx.cfg, ctx.lock, tags, only)
     if as_json:
-        emit_json(github_matrix(cells))
+        emit_json(github_matrix(cells), schema="dsadapt.matrix/1")
         return
     table("CI matrix", ["cell", "runs on", "python", "steps", "skipped", "check here"],
           [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps), "; ".join(c.skip) or "-",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table
@@ -59,7 +61,7 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
             rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
                          kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
     if as_json:
-        emit_json({"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
+        emit_json(schema="dsadapt.list/1", data={"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
                    "pins": data})
     else:
         table("dsadapt pins", ["pin", "patches", "build", "variants", "runs here"], rows)
@@ -88,7 +90,8 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
     sts = status_all(ctx.cfg, ctx.lock, checkout_status)
     left = leftovers.find(ctx.cfg)
     if as_json:
-        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]})
+        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]},
+                  schema="dsadapt.status/1")
         return
     rows = []
     for s in sts:
@@ -103,21 +106,30 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
 
 @click.command("gc")
 @click.option("--dry-run", "-n", is_flag=True, help="Only list what would be removed.")
+@click.option("--runs", is_flag=True, help="Also remove the work files of every past run (runs/: engine logs, "
+                                           "captures); the reports keep what the verdicts rest on.")
+@click.option("--leftovers-only", is_flag=True, help="Only what killed runs left behind, nothing that is merely unused.")
 @json_option
 @pass_ctx
-def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
-    """Remove what killed runs left behind: half-made checkouts, partial downloads, temporary
-    files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups."""
+def gc_cmd(ctx: Context, dry_run: bool, runs: bool, leftovers_only: bool, as_json: bool) -> None:
+    """Remove what killed runs left behind (half-made checkouts, partial downloads, temporary files,
+    stale temporary worktrees) and derived data no pin uses (engine environments, dist/ wheels of
+    other stacks, runs/ of unpinned pins). Never your work, reports or backups."""
     from patcher.base import leftovers
     from patcher.base.workdir import workdir_lock
+    from patcher.build.prune import find_unused
 
-    ctx.lock  # noqa: B018 - a broken project (malformed lock) is refused before anything is removed
+    lock = ctx.lock  # a broken project (malformed lock) is refused before anything is removed
     with workdir_lock(ctx.cfg):
-        found = leftovers.find(ctx.cfg, sizes=True)
+        found = leftovers.find(ctx.cfg)
+        if not leftovers_only:
+            found += find_unused(ctx.cfg, lock, runs=runs)
+        for lo in found:
+            lo.bytes = leftovers.disk_bytes(Path(lo.path))
         failed = [] if dry_run else leftovers.remove(found)
     freed = sum(lo.bytes or 0 for lo in found if lo not in failed)
     if as_json:
-        emit_json({"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
+        emit_json(schema="dsadapt.gc/1", data={"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
                    "failed": [lo.path for lo in failed], "bytes": freed})
         return
     if not found:
@@ -129,7 +141,7 @@ def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
             out(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
     for lo in failed:
         out(f"  could not remove {lo.path}")
-    out(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
+    out(f"{verb} {len(found) - len(failed)} item(s), {freed / 1e6:.1f} MB")
 
 
 COMMANDS = [list_cmd, status_cmd, gc_cmd]

@@ -10,6 +10,7 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    junit_option,
     out,
     pass_ctx,
     pinref_arg,
@@ -27,9 +28,10 @@ MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-Wh
 @click.option("--fetch", is_flag=True,
               help="Without ENGINE@TAG: also fetch the pinned tree of every pin that has no checkout here yet "
                    "(downloads release artifacts, creates checkouts), so that every stack is applied.")
+@junit_option
 @json_option
 @pass_ctx
-def verify_cmd(ctx: Context, pin: str | None, fetch: bool, as_json: bool) -> None:
+def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool) -> None:
     """Lint one stack (or every pinned stack) and apply it in a temporary index.
 
     Without ENGINE@TAG every stack is linted, and applied where its pinned tree is here (a
@@ -59,6 +61,12 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, as_json: bool) -> Non
             res.unverifiable = (f"no checkout of its pinned tree here (`dsadapt verify {ref}` or `dsadapt verify "
                                 "--fetch` fetches it)")
             results.append(res)
+    from patcher.cli.ci import Case, write_junit
+
+    write_junit(junit, "dsadapt verify", [
+        Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
+             skipped=r.unverifiable if r.unverifiable and not r.problems else None,
+             output=f"{r.patches} patches, applies: {r.applied}, source {r.source or '-'}") for r in results])
     if as_json:
         emit_json({"schema": "dsadapt.verify/1", "ok": all(r.ok for r in results) if pin else
                    not any(r.problems for r in results) and any(r.ok for r in results),
