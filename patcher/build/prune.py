@@ -114,7 +114,7 @@ def unused_wheels(cfg: Config, lock: Lock) -> list[Leftover]:
         prov = _wheel_provenance(whl)
         if prov is None or whl.name in held:
             continue  # not a dsadapt build (kept), or an environment holds it
-        ref, variant = prov.get("pin"), prov.get("variant")
+        ref, variant = str(prov.get("pin")), prov.get("variant")
         if ref not in pins:
             why = f"a build of {ref}, which is no longer pinned"
         elif variant and pins[ref] and variant not in pins[ref]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -284,7 +285,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         sys.exit(ExitCode.CANNOT_RUN)
 
 
-def report_ci(results: list[CheckResult], junit, not_run: list[tuple[str, str, bool]] = ()) -> None:
+def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, str, bool]] = ()) -> None:
     """The verdicts for CI: JUnit XML (--junit FILE) and, on GitHub Actions, a table in the job's
     summary (failures become `::error` annotations at the error edge)."""
     from patcher.cli.ci import Case, md_table, step_summary, write_junit
