@@ -212,8 +212,10 @@ def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, fai
 def test_engine_load_failure_human_output(proj, model_dir, failing_engine):
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32", "--explain")
     assert rc == 1
-    assert "the engine produced no logits" in err and "verdict: FAIL" in err and KEY_ERROR in err
-    assert "explain: the engine did not produce logits" in err
+    # the verdict is the result (stdout), the error line and its hint stderr
+    assert "the engine produced no logits" in out and "verdict: FAIL" in out and KEY_ERROR in out
+    assert "explain: the engine did not produce logits" in out and "verdict:" not in err
+    assert KEY_ERROR in err and err.count("error: ") == 1
 
 
 # ---------------------------------------------------------------- pins that cannot run here
@@ -242,7 +244,7 @@ def test_check_all_with_nothing_runnable_exits_6(proj):
     proj.drop_pins("vllm@v0.32.0", "triton@r26.01")
     rc, out, err = proj.run("check", "--all")
     assert rc == 6, err
-    assert "0 passed, 0 failed, 5 not run here (never counted as passes)" in err
+    assert "0 passed, 0 failed, 5 not run here (never counted as passes)" in out
     rc, out, err = proj.run("check", "--all", "--json")
     assert rc == 6
     doc = json.loads(out)

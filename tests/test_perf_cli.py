@@ -163,8 +163,8 @@ def test_a_slower_patched_build_fails_with_exit_1(proj, model_dir, fake_engine):
     fake_engine["A"] = (0.04, 0.008)
     rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), *SMALL)
     assert rc == 1, err
-    assert "verdict: FAIL" in err and "failed the speed gate" in err
-    assert "TPOT mean patched/unpatched" in err
+    assert "verdict: FAIL" in out and "failed the speed gate" in err
+    assert "TPOT mean patched/unpatched" in out + err  # the verdict line says it (stdout), the error too
     rep = json.loads(proj.report().read_text())
     assert rep["verdict"] == "fail" and rep["reasons"]
 

@@ -484,6 +484,9 @@ def rule_drift(doc: dict, path: Path | None) -> str | None:
     dtype = doc.get("dtype")
     if not comp.get("rule") or dtype not in (*LOW_PRECISION_DTYPES, "float32", "float64"):
         return None  # the engine produced no logits: no rule was applied
+    module = module_rule_drift(doc, path)
+    if module:
+        return module
     inputs = None
     if path is not None:
         try:
@@ -503,6 +506,37 @@ def rule_drift(doc: dict, path: Path | None) -> str | None:
         changed = [k for k in rule if then.get(k) != rule[k]]
         return (f"scored by an older rule ({', '.join(changed)} differ) and has no recorded inputs to rescore: "
                 f"rerun `{(doc.get('provenance') or {}).get('command') or 'dsadapt check'}`")
+    return None
+
+
+def current_module_rule(dtype: str) -> dict:
+    """The per-module rule's parameters for `dtype` as patcher.rules.modules states them today
+    (what a bisect report records as `thresholds`)."""
+    from patcher.rules import modules
+
+    if dtype in modules.STRICT_DTYPES:
+        return dataclasses.asdict(modules.STRICT_RULE)
+    rules = modules.LOW_PRECISION_POINT_RULES
+    return dataclasses.asdict(rules.get(dtype) or rules["bfloat16"])
+
+
+def module_rule_drift(doc: dict, path: Path | None) -> str | None:
+    """Why the per-module part of a low-precision verdict may not be today's: its bisect report
+    (next to the check report) was judged with other per-module thresholds. Its captures are not
+    kept, so this part is flagged, never rescored."""
+    b = doc.get("bisect") or {}
+    dtype = doc.get("dtype")
+    if not b or dtype not in LOW_PRECISION_DTYPES or path is None:
+        return None
+    report = bisect_run.report_paths(Path(path))[0]
+    try:
+        then = json.loads(report.read_text(encoding="utf-8")).get("thresholds")
+    except (OSError, ValueError):
+        return None  # no per-module report to compare: the check's verdict stands as recorded
+    if then is not None and then != current_module_rule(dtype):
+        cmd = (doc.get("provenance") or {}).get("command") or "dsadapt check"
+        return (f"its per-module part was judged with other thresholds than today's per-module rule "
+                f"({report.name}); the captures are not kept: rerun `{cmd}`")
     return None
 
 
@@ -539,10 +573,12 @@ def rescore_check(path: Path) -> CheckResult:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     fields = {f.name for f in dataclasses.fields(CheckResult)}
     result = CheckResult(**{k2: v for k2, v in doc.items() if k2 in fields})
+    module = module_rule_drift(doc, Path(path))
     result.provenance = {**prov, "rescored": {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                                               "dsadapt": _dsadapt_version(), "previous_verdict": doc.get("verdict"),
                                               "previous_reasons": doc.get("reasons"),
-                                              "per_module": "as recorded" if doc.get("bisect") else None}}
+                                              "per_module": ("as recorded" + (f"; {module}" if module else ""))
+                                              if doc.get("bisect") else None}}
     result.comparison, result.reasons = comparison.to_json(), reasons
     result.verdict = "pass" if not reasons else "fail"
     result.report_path = str(path)

@@ -102,7 +102,7 @@ def apply_cmd(ctx: Context, pin: str, force: bool, op_continue: bool, op_skip: b
               {"op_continue": op_continue, "op_skip": op_skip, "op_abort": op_abort}, "apply"):
         return
     if not pin:
-        raise UsageError("name the pin to apply (ENGINE@TAG)", hint="e.g. dsadapt apply vllm@v0.32.0; "
+        raise UsageError("missing argument 'ENGINE@TAG': the pin to apply", hint="e.g. dsadapt apply vllm@v0.32.0; "
                                                                     "`dsadapt apply --continue` goes on after a conflict")
     ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created

@@ -133,7 +133,9 @@ def render_bisect_summary(b: dict) -> None:
 @click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek "
+                   "(DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows (config_style "
+                   "with --json) and its page in docs/engines/ states under \"Default config style\".")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
                    "bfloat16, float16 — one verdict each and one overall).")

@@ -244,7 +244,8 @@ def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     if width is not None:
         gaps = 2 * (len(columns) - 1)
-        floor = [max(min(len(columns[i]), 12), 6) for i in range(len(columns))]
+        # columns of short values (pins, verdicts, dates) keep their width; long text wraps
+        floor = [min(widths[i], max(len(columns[i]), 18)) for i in range(len(columns))]
         while sum(widths) + gaps > width:
             i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
             if widths[i] <= floor[i]:

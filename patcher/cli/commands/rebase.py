@@ -81,7 +81,7 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
               {"op_continue": op_continue, "op_skip": op_skip, "op_abort": op_abort}, "rebase"):
         return
     if not pin or not onto:
-        raise UsageError("name the stack to carry and the tag: ENGINE@OLD --onto NEW",
+        raise UsageError("missing argument 'ENGINE@TAG' or option '--onto': the stack to carry and the tag to carry it onto",
                          hint="e.g. dsadapt rebase vllm@v0.32.0 --onto v0.33.0; after a conflict: "
                               "dsadapt rebase --continue")
     old = ref_of(pin)

@@ -27,20 +27,20 @@ def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
     if as_json:
         emit_json({"schema": SCHEMA, "pins": [r.to_json() for r in rows]})
         return
-    table("dsadapt report", ["pin", "patches", "upstream status", "last check", "last perf", "drop candidates"],
+    table("dsadapt report", ["pin", "patches", "upstream status", "check", "perf", "drop candidates"],
           [[r.pin,
             str(r.patches) if r.stack_exists else "no stack",
             ", ".join(f"{k} {n}" for k, n in r.upstream_status.items()) or "-",
-            r.error or r.check,
-            r.perf,
+            r.error or _short_check(r),
+            _short_perf(r),
             _drops(r.drop_candidates)]
            for r in rows])
     if not configs:
         return
     lines = [[r.pin, c["config"], "check", c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
-              c["file"]] for r in rows for c in r.checks]
+              Path(c["file"]).name] for r in rows for c in r.checks]
     lines += [[r.pin, c["config"], "perf" + ("" if c["workload"] == "calibrated" else " (quick)"), c["verdict"],
-               c["date"][:10], c["file"]] for r in rows for c in r.perfs]
+               c["date"][:10], Path(c["file"]).name] for r in rows for c in r.perfs]
     if lines:
         table("verdicts of the current stacks, newest per configuration",
               ["pin", "configuration", "gate", "verdict", "date", "report"], lines)
@@ -51,6 +51,42 @@ def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
 
 
 COMMANDS = [report_cmd]
+
+
+def _where(v: dict) -> str:
+    from patcher.gate.summary import _GPU_RE
+
+    return "GPU" if _GPU_RE.search(v.get("device") or "") else "CPU"
+
+
+def _short_check(r) -> str:
+    """The table's cell: the worst configuration's verdict and date, how many configurations, what
+    is stale (the words in full: --json's `check`, and the configurations table below)."""
+    v = r.last_check
+    if not v:
+        return r.check
+    n, bad = len(r.checks), sum(c["verdict"] != "pass" for c in r.checks)
+    word = "GPU-verified" if v["verdict"] == "pass" and _where(v) == "GPU" else v["verdict"]
+    cell = f"{word} {v['date'][:10]} ({_where(v)})"
+    if n > 1:
+        cell += f", {bad} of {n} configs fail" if bad else f", {n} configs"
+    if r.stale:
+        cell += f", {r.stale} stale"
+    if "stack changed since" in r.check:
+        cell += ", stack changed since"
+    return cell
+
+
+def _short_perf(r) -> str:
+    v = r.last_perf
+    if not v:
+        return r.perf
+    cell = f"{v['verdict']} {v['date'][:10]} ({_where(v)})"
+    if v.get("workload") != "calibrated":
+        cell += ", quick run only"
+    elif "newer quick run" in r.perf:
+        cell += ", newer quick run: " + r.perf.split("newer quick run ", 1)[1].split(": ", 1)[1].split(" (")[0]
+    return cell
 
 
 def _drops(cands) -> str:

@@ -56,7 +56,8 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
                  "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
                  "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
                  "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
-                 "run_blockers": {v: b for v, b in blockers.items() if b}, "serves": entry.serves, "error": err}
+                 "run_blockers": {v: b for v, b in blockers.items() if b}, "serves": entry.serves, "error": err,
+                 "config_style": ad.model_config_style}
             data.append(d)
             rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
                          kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
