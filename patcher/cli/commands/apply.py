@@ -68,7 +68,7 @@ def op_flags(f):
 
 def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], command: str) -> bool:
     """Run the operation a --continue/--skip/--abort flag names (True), or nothing (False)."""
-    chosen = [n for n, on in flags.items() if on]
+    chosen = [n.removeprefix("op_") for n, on in flags.items() if on]
     if not chosen:
         return False
     if len(chosen) > 1:
@@ -79,7 +79,7 @@ def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], 
     if extra:
         raise UsageError(f"--{chosen[0]} takes only [ENGINE@TAG] (and --json), not --{extra[0].replace('_', '-')}",
                          hint=f"dsadapt {command} --{chosen[0]} [ENGINE@TAG]")
-    target = {"continue": continue_cmd, "skip": skip_cmd, "abort": abort_cmd}[chosen[0].removeprefix("op_")]
+    target = {"continue": continue_cmd, "skip": skip_cmd, "abort": abort_cmd}[chosen[0]]
     click_ctx.invoke(target, pin=pin, as_json=click_ctx.params.get("as_json", False))
     return True
 

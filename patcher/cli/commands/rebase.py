@@ -93,6 +93,7 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
     with workspace.workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(),
                                   on_patch=on_patch, force=force)
+    notes = [*notes, *[n for n in getattr(res, "notes", []) if n not in notes]]
     report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
     md, js = report_paths(ctx.cfg, old.engine, old.tag, new_tag)
     if as_json:

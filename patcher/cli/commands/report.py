@@ -3,6 +3,8 @@ then the newest verdict of each configuration the pins' current stacks were judg
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, table

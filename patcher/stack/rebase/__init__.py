@@ -255,6 +255,12 @@ class RebaseKind:
         snap = tx.files_commit(files)
         if g.rev(STACK_REF) != snap:
             g.update_ref(STACK_REF, snap)
+        kept = op.saves.get("stack") if ex.get("replaces_stack") else None
+        if kept and g.rev(kept):
+            note = (f"the stack it replaced in {ex['stack_dir']}/ is kept as {kept} "
+                    f"(git -C {co.path} show {kept}:series)")
+            if note not in tx.notes:
+                tx.notes.append(note)
         res = tx.result(head, new_hash)
         tx.close(Applied(new_hash, head, [], snap, flat_tree_id(files)))
         return res
@@ -549,7 +555,5 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
     tx.begin(op, [e.text for e in old_stack.entries],
              stack_files(old_stack) if identity else stack_files(replaced) if replaced is not None else None)
     if replaced is not None and op.snapshot:  # the stack it replaces, kept before anything changes
-        g.update_ref(saves["stack"], op.snapshot)
-        notes.append(f"the previous patches/{new_ref.engine}/{new_tag}/ is kept as {saves['stack']} "
-                     f"(git -C {co.path} show {saves['stack']}:series)")
+        g.update_ref(saves["stack"], op.snapshot)  # the result's notes name it (finish)
     return tx.run(), notes
