@@ -98,7 +98,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     if b.get("report_path") and Path(b["report_path"]).is_file():
         report = json.loads(Path(b["report_path"]).read_text())
     if as_json:
-        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b})
+        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b}, schema="dsadapt.bisect-report/1")
     else:
         render(res, report)
     if b.get("passed") is False:

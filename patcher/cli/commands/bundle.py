@@ -59,7 +59,7 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
                           tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
                           progress=progress_printer())
     if as_json:
-        emit_json(res.to_json(), schema="dsadapt.bundle/1")
+        emit_json(res.to_json(), schema="dsadapt.bundle-result/1")
         return
     click.echo(res.path)
     common.out(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
