@@ -3,7 +3,8 @@
 All of it is made again on demand (an environment from its lock, a wheel by `dsadapt build`, a
 run's files by the next check), so pruning never loses work; it only frees disk:
 
-- **engine environments** (the venvs root): one whose pin is no longer in upstream.lock, whose
+- **engine environments** (the venvs root, when it is the work dir's own; a DSADAPT_VENVS elsewhere
+  may be shared by several projects and is left alone): one whose pin is no longer in upstream.lock, whose
   variant the pin no longer has, a reference environment of another transformers version than
   the gate's, or one that was never finished (no install record) and is older than an hour;
 - **dist/ wheels** dsadapt built (their `dsadapt.json` says for which pin, variant and stack): one
@@ -54,8 +55,8 @@ def unused_environments(cfg: Config, lock: Lock) -> list[Leftover]:
     from patcher.rules.logits import REFERENCE_TRANSFORMERS
 
     root = cfg.venvs_root
-    if not root.is_dir():
-        return []
+    if not root.is_dir() or not root.resolve().is_relative_to(cfg.workdir.resolve()):
+        return []  # DSADAPT_VENVS elsewhere may be shared with other projects: their pins are not ours to judge
     pins = _pins(lock)
     out = []
     for venv in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
