@@ -555,6 +555,19 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
                                 hint=f"see {eng.docs_page}")
     lock_file = None if plan.recipe.host_packages else find_lock(plan_env_name(plan), target.python)
+    heavy = torch_to_carry(lock_file, target, host, spec.device) if lock_file else None
+    if heavy is not None:  # said before anything is built or downloaded
+        version, names, size = heavy
+        what = (f"torch=={version} ({'its CUDA build' if spec.device == 'cuda' else 'PyPI build'})"
+                + (f" and {len(names) - 1} CUDA librar{'y' if len(names) == 2 else 'ies'}" if len(names) > 1 else "")
+                + (f", {size / 2**30:.1f} GiB" if size else ""))
+        if max_size is not None and size and size > max_size:
+            raise UsageError(f"{ref} ({spec.name}) needs {what} on the target, and --have does not say it has torch; "
+                             f"carried, the bundle would exceed --max-size {max_size / 2**20:.0f} MiB",
+                             hint=f"say what the target has: --have torch=={version} (or --have FILE.json, the "
+                                  f"target's `pip list --format=json`); or raise --max-size to carry it")
+        if progress:
+            progress(f"the target brings no torch (--have): carrying {what}; --have torch=={version} uses the target's")
     out = (out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
     final = out.with_name(out.name + ".tar") if tar else out
     _refuse_clobber(final, tar)
@@ -596,6 +609,8 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         d_roots = [(r, dsadapt_wheel.name) for r in root_requirements(wheel_requires(dsadapt_wheel)[2], ("models",),
                                                                         target)]
         d_roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
+        if "torch" in engine_res.carried:  # one torch for both parts, not a second (newer) build for dsadapt's
+            d_roots.append((f"torch=={engine_res.carried['torch'].version}", "the engine environment's torch"))
         d_lock = _LazyLock(target, [r for r, _ in d_roots], work, progress)
         dsadapt_res = resolve(d_roots, target, host, d_lock.get, fetcher, dict(excluded), "dsadapt's environment")
         dsadapt_part = _write_part(work, "dsadapt", dsadapt_res, d_lock.name,
@@ -644,6 +659,37 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
                         target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
                         {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
                         {k: v.__dict__ for k, v in builds.items()}, host_packages, commands)
+
+
+def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
+                   device: str) -> tuple[str, list[str], int | None] | None:
+    """(torch version, the torch-and-CUDA-library names, their size in bytes on PyPI for the target,
+    None when PyPI cannot be asked) the bundle would carry because the target does not say it has
+    torch; None when it says so, or the environment's lock holds no torch."""
+    from packaging.utils import canonicalize_name
+
+    from patcher.build.envlocks import locked_hashes
+
+    if "torch" in host:
+        return None
+    locked = locked_hashes(lock_file.read_text(encoding="utf-8"))
+    if "torch" not in locked:
+        return None
+    names = ["torch"] + sorted(n for n in locked if n.startswith(("nvidia-", "cuda-")) or
+                               (device == "cuda" and n == "triton"))
+    names = [n for n in names if str(canonicalize_name(n)) not in host]
+    size: int | None = 0
+    try:
+        from patcher.upstream.sources import pypi_files
+
+        for n in names:
+            version, hashes = locked[n]
+            fits = [f for f in pypi_files(n, timeout=20) if (f.get("hashes") or {}).get("sha256") in hashes
+                    and f["filename"].endswith(".whl") and target.supports(f["filename"])]
+            size = (size or 0) + max((int(f.get("size") or 0) for f in fits), default=0)
+    except Exception:  # noqa: BLE001 - no index to ask: the size is unknown, the message says less
+        size = None
+    return locked["torch"][0], names, size
 
 
 def _lock_platform(eng, entry, spec, lock: Lock, python: str) -> str | None:
