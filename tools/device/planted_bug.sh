@@ -1,5 +1,5 @@
 #!/bin/bash
-# Bisect's GPU evidence (issue 14): LMDeploy with a planted one-line bug, through the product only.
+# Bisect's GPU evidence: LMDeploy with a planted one-line bug, through the product only.
 #
 # Here (host, with network once for the wheel):
 #   bash tools/device/planted_bug.sh prepare        # -> .carry/eps (a bundle of the planted stack, ~18 MiB)

@@ -16,8 +16,9 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file to write (default: docs/benchmarks.md in the project).")
 @click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
-@click.option("--only", type=click.Choice(["builds", "stack-ops"]), default=None,
-              help="Measure only builds, or only stack operations (the other section of the file is kept).")
+@click.option("--only", type=click.Choice(["builds", "stack-ops", "reports"]), default=None,
+              help="Measure only builds, or only stack operations (the other section of the file is kept); "
+                   "reports: measure nothing, only rewrite the sections made from the committed reports.")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
 @click.option("--stack-pin", default="vllm@v0.32.0", show_default=True, metavar="ENGINE@TAG",
@@ -39,11 +40,11 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         raise UsageError(f"--sizes {sizes!r} is not a comma list of numbers", hint="e.g. --sizes 1,10,100") from None
     if not ns or min(ns) < 1 or max(ns) > 5000:
         raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
-    stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
-                                                "rebase_to": rebase_to or None}
+    stack_ops = None if only in ("builds", "reports") else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
+                                                            "rebase_to": rebase_to or None}
     with workdir_lock(ctx.cfg):
         report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(),
-                           builds_too=only != "stack-ops", stack_ops=stack_ops)
+                           builds_too=only not in ("stack-ops", "reports"), stack_ops=stack_ops)
     path = out or ctx.cfg.project / "docs" / "benchmarks.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
