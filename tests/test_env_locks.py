@@ -283,3 +283,26 @@ def test_every_committed_lock_installs_from_pypi_on_the_platform_it_declares(cap
     """What `make check-env-locks` and CI's lint job check: each locked package has a PyPI wheel
     for the lock's Python and platform among its hashes (no sdist to build, no CPU-only torch)."""
     assert envlocks.check_locks(real_specs()) == 0, capsys.readouterr().out
+
+
+def test_the_cpu_torch_hash_is_checked_against_the_torch_index_when_one_is_named(tmp_path, monkeypatch):
+    """CI names PyTorch's CPU index: the CPU build's hash in a lock is then looked up there (PEP 503
+    links with #sha256= fragments), so a lock made from a local copy of the wheel is checked too."""
+    import io
+    import urllib.request
+
+    page = ('<a href="/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl#sha256=' + "4" * 64
+            + '">torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl</a>')
+    asked = []
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=30: asked.append(url) or io.BytesIO(page.encode()))
+    monkeypatch.setenv("DSADAPT_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+    monkeypatch.delenv("DSADAPT_LOCK_FIND_LINKS", raising=False)
+    files = envlocks.extra_sources()("torch")
+    assert asked == ["https://download.pytorch.org/whl/cpu/torch/"]
+    assert files == [{"filename": "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "hashes": {"sha256": "4" * 64}}]
+    lock = tmp_path / "x-py3.11.txt"
+    lock.write_text("# x (Python 3.11, x86_64-manylinux_2_28): t\ntorch==2.13.0 \\\n    --hash=sha256:" + "3" * 64
+                    + " \\\n    --hash=sha256:" + "4" * 64 + "\n")
+    pypi = {"torch": [{"filename": "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", "hashes": {"sha256": "3" * 64}}]}
+    res = envlocks.check_platform(lock, pypi.__getitem__, envlocks.extra_sources())
+    assert res.problems == [] and res.notes == []

@@ -554,6 +554,54 @@ def local_files(folders: tuple[str, ...]) -> Callable[[str], list[dict]]:
     return files_of
 
 
+def index_files(index: str, timeout: float = 30) -> Callable[[str], list[dict]]:
+    """A `files_of` over a PEP 503 simple index (PyTorch's CPU index): each link's file name and
+    the sha256 of its `#sha256=` fragment."""
+    import html
+    import urllib.request
+
+    cache: dict[str, list[dict]] = {}
+
+    def files_of(name: str) -> list[dict]:
+        if name not in cache:
+            with urllib.request.urlopen(f"{index.rstrip('/')}/{name}/", timeout=timeout) as r:
+                page = r.read().decode("utf-8", "replace")
+            out = []
+            for href in re.findall(r'href="([^"]+)"', page):
+                href = html.unescape(href)
+                file, _, frag = href.rsplit("/", 1)[-1].partition("#")
+                m = re.search(r"sha256=([0-9a-f]{64})", frag)
+                if m:
+                    out.append({"filename": urllib.request.unquote(file), "hashes": {"sha256": m.group(1)}})
+            cache[name] = out
+        return cache[name]
+
+    return files_of
+
+
+def extra_sources() -> Callable[[str], list[dict]] | None:
+    """Where the CPU torch build's hashes are checked: the wheel folders of DSADAPT_LOCK_FIND_LINKS
+    and the index of DSADAPT_TORCH_INDEX, whichever are named (None: neither)."""
+    folders = tuple(x for x in os.environ.get(FIND_LINKS_VAR, "").split(":") if x and Path(x).is_dir())
+    index = os.environ.get(TORCH_INDEX_VAR, "").strip()
+    sources = ([local_files(folders)] if folders else []) + ([index_files(index)] if index else [])
+    if not sources:
+        return None
+
+    def files_of(name: str) -> list[dict]:
+        out, errors = [], []
+        for src in sources:
+            try:
+                out += src(name)
+            except Exception as e:  # noqa: BLE001 - one unreachable source; the other may answer
+                errors.append(e)
+        if errors and not out:
+            raise errors[0]
+        return out
+
+    return files_of
+
+
 def pypi_files_cached(workers: int = 16) -> Callable[[str], list[dict]]:
     """PyPI's file lists, fetched once per name (threads prefetch on first use of `prefetch`)."""
     from patcher.upstream.sources import pypi_files
@@ -614,8 +662,7 @@ def check_locks(specs: list[EnvSpec], *, offline: bool = False, out=None) -> int
     if files_of is not None:
         names = [n for s in specs if s.path.is_file() for n, _, _ in lock_blocks(s.path.read_text())]
         files_of.prefetch(names)  # type: ignore[attr-defined]
-    folders = tuple(x for x in os.environ.get(FIND_LINKS_VAR, "").split(":") if x and Path(x).is_dir())
-    extra = local_files(folders) if folders else None
+    extra = extra_sources()
     for spec in specs:
         if not spec.path.is_file():
             print(f"MISSING {spec.path.name}: run `make lock-envs`", file=out)
