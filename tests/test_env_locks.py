@@ -146,11 +146,18 @@ def test_no_lock_for_this_python_cannot_run_here():
     assert "make lock-envs" in e.value.hint
 
 
-def _fake_env(tmp_path, monkeypatch, torch_version):
+def _fake_env(tmp_path, monkeypatch, torch_version, cpu_served=True):
+    from patcher.base.errors import BuildError
     from patcher.build import venvs
 
     calls = []
-    monkeypatch.setattr(venvs, "_pip", lambda py, *args, **kw: calls.append(args))
+
+    def pip(py, *args, **kw):
+        calls.append(args)
+        if not cpu_served and str(args[-1]).endswith("-torch.txt"):
+            raise BuildError("pip install failed in env: No matching distribution found for torch==2.13.0+cpu")
+
+    monkeypatch.setattr(venvs, "_pip", pip)
     monkeypatch.setattr(venvs, "installed_version", lambda py, dist: torch_version)
 
     def fake_venv(cmd, **kw):
@@ -171,28 +178,35 @@ def _fake_env(tmp_path, monkeypatch, torch_version):
 @pytest.mark.parametrize("torch_version,build", [("2.13.0+cpu", "cpu"), ("2.13.0", "pypi")])
 def test_ensure_env_installs_the_lock_with_require_hashes_then_the_wheel_without_deps(tmp_path, monkeypatch,
                                                                                       torch_version, build):
-    """The lock's common part first; its CUDA section only when pip took PyPI's torch build (where
-    the CPU build is served, by DSADAPT_TORCH_INDEX or a configured wheel folder, none of it)."""
+    """The CPU build of torch first, asked for by its own version (pip would otherwise prefer PyPI's,
+    whose hash its index states, over an unhashed wheel folder's file); where no index serves it,
+    PyPI's build; then the lock's common part, and its CUDA section only with PyPI's build."""
     from patcher.build import venvs
 
     monkeypatch.setenv("DSADAPT_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
-    calls, wheel = _fake_env(tmp_path, monkeypatch, torch_version)
+    calls, wheel = _fake_env(tmp_path, monkeypatch, torch_version, cpu_served=build == "cpu")
     reused, _ = venvs.ensure_env(tmp_path / "env", wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")
     lock = envlocks.lock_path("vllm-v0.32.0-cpu", "3.11")
     idx = ("--extra-index-url", "https://download.pytorch.org/whl/cpu")
-    common = str(tmp_path / "env" / "dsadapt-vllm-v0.32.0-cpu-py3.11-common.txt")
-    cuda = str(tmp_path / "env" / "dsadapt-vllm-v0.32.0-cpu-py3.11-cuda.txt")
+    env = tmp_path / "env"
+    first = str(env / "dsadapt-vllm-v0.32.0-cpu-py3.11-torch.txt")
+    common = str(env / "dsadapt-vllm-v0.32.0-cpu-py3.11-common.txt")
+    cuda = str(env / "dsadapt-vllm-v0.32.0-cpu-py3.11-cuda.txt")
     assert not reused
-    assert calls == [("install", *idx, "--require-hashes", "--no-deps", "-r", common),
+    assert calls == [("install", *idx, "--require-hashes", "--no-deps", "-r", first),
+                     ("install", *idx, "--require-hashes", "--no-deps", "-r", common),
                      *([("install", *idx, "--require-hashes", "--no-deps", "-r", cuda)] if build == "pypi" else []),
                      ("install", "--force-reinstall", "--no-deps", str(wheel))]
     main, cuda_part = envlocks.split_sections(lock.read_text())
     assert Path(common).read_text() == main
-    marker = venvs.installed_marker(tmp_path / "env")
+    torch_line = Path(first).read_text()
+    assert torch_line.startswith("torch==2.13.0+cpu --hash=sha256:")
+    assert set(h.strip() for h in torch_line.split("--hash=sha256:")[1:]) == set(envlocks.locked_hashes(main)["torch"][1])
+    marker = venvs.installed_marker(env)
     assert marker["deps_lock"] == envlocks.file_digest(lock) and marker["sha256"] == "ab" * 32
     assert marker["torch_build"] == build
     # the same build again: reused
-    assert venvs.ensure_env(tmp_path / "env", wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")[0]
+    assert venvs.ensure_env(env, wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")[0]
 
 
 def test_a_lock_without_a_torch_choice_is_installed_whole(tmp_path, monkeypatch):

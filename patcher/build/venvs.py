@@ -27,7 +27,7 @@ from patcher.base.config import Config
 from patcher.base.errors import BuildError, EngineUnavailable, VerificationError
 from patcher.base.fsutil import link_tree
 from patcher.build.builder import BuildResult, build_pin, unpatched_build
-from patcher.build.envlocks import file_digest, find_lock, locked_packages, plan_env_name
+from patcher.build.envlocks import file_digest, find_lock, locked_hashes, locked_packages, plan_env_name
 from patcher.engines import engine
 from patcher.engines.base import EnvPlan
 from patcher.formats.bundle import OfflineRecord, find_record
@@ -288,12 +288,31 @@ def install_lock(py: Path, venv: Path, lock_file: Path, pip_args: Sequence[str] 
         _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(lock_file), stream=stream,
              progress=progress)
         return None
+    cpu_build = cpu_torch_build(text)
+    if cpu_build:
+        # the CPU build first, where an index or wheel folder pip is configured with serves it: asked
+        # for by its own version, since pip otherwise prefers a build whose hash its index states
+        # (PyPI's) over an unhashed file of a wheel folder
+        hashes = locked_hashes(main).get("torch", ("", ()))[1]
+        part = venv / f"dsadapt-{lock_file.stem}-torch.txt"
+        part.write_text(f"torch=={cpu_build} " + " ".join(f"--hash=sha256:{h}" for h in hashes) + "\n",
+                        encoding="utf-8")
+        if progress:
+            progress(f"installing torch=={cpu_build} (the CPU build), where pip finds it")
+        try:
+            _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
+                 progress=progress)
+        except BuildError as e:
+            if "No matching distribution" not in e.message:
+                raise
+            if progress:
+                progress(f"torch=={cpu_build} is not served here (PyPI has no CPU build): taking PyPI's build")
     part = venv / f"dsadapt-{lock_file.stem}-common.txt"
     part.write_text(main, encoding="utf-8")
     _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
          progress=progress)
     version = installed_version(py, "torch")
-    if version is not None and "+cpu" in version:
+    if version is not None and "+" in version and version.split("+", 1)[1].startswith("cpu"):
         return "cpu"
     part = venv / f"dsadapt-{lock_file.stem}-cuda.txt"
     part.write_text(CUDA_TORCH_SECTION + "\n" + cuda, encoding="utf-8")
@@ -303,6 +322,15 @@ def install_lock(py: Path, venv: Path, lock_file: Path, pip_args: Sequence[str] 
     _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
          progress=progress)
     return "pypi"
+
+
+def cpu_torch_build(lock_text: str) -> str | None:
+    """Pure: the CPU build of torch a lock accepts besides PyPI's (`2.13.0+cpu`), as its header
+    says, or None."""
+    import re
+
+    m = re.search(r"^# torch==\S+: .*the CPU build torch==(\S+)", lock_text, re.M)
+    return m.group(1) if m else None
 
 
 def installed_version(py: Path, dist: str) -> str | None:

@@ -259,7 +259,19 @@ class WheelFetcher:
             else:
                 missing[name] = (version, hashes)
         if missing:
-            self._download(missing)
+            try:
+                self._download(missing)
+            except EngineUnavailable:
+                # a local build (torch==2.13.0+cpu) no index here serves: the lock also takes the public
+                # version's build (PyPI's), whose own requirements then bring what it needs
+                local = {n: (v.split("+", 1)[0], h) for n, (v, h) in missing.items() if "+" in v}
+                if not local:
+                    raise
+                if self.progress:
+                    self.progress(f"not served here: {', '.join(f'{n}=={missing[n][0]}' for n in local)}; "
+                                  "taking PyPI's build of the same version")
+                missing.update(local)
+                self._download({n: missing[n] for n in missing if self._cached(n, *missing[n]) is None})
             for name, (version, hashes) in missing.items():
                 hit = self._cached(name, version, hashes)
                 if hit is None:
@@ -411,7 +423,8 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                                      f"{host.packages[name]} nor the locked {locked[0]} fits both",
                                      hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
                                           "--have)")
-            to_fetch[name] = locked
+            local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
+            to_fetch[name] = (local, locked[1]) if local else locked  # the build asked for, where it is served
             res.carried[name] = Carried(name, locked[0], Path(), "", [by])
             walk.append((name, extras))
         if to_fetch:
