@@ -333,6 +333,6 @@ def test_serve_starts_what_perf_serves_and_stops_it(proj, model_dir, fake_engine
         assert group_members(pgid)
     assert not group_members(pgid)
     assert fake_engine["asked"] == [(PIN, "cpu", False)]
-    with pytest.raises(Exception, match="serves float32, not bfloat16"):
-        with serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype="bfloat16"):
-            pass
+    with pytest.raises(Exception, match="serves float32, not bfloat16"), \
+            serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype="bfloat16"):
+        pass

@@ -373,21 +373,22 @@ def compile_lock(spec: EnvSpec, find_links: tuple[str, ...] | None = None, out: 
     if progress:
         progress(f"locking {spec.name} (Python {spec.python}): {' '.join(spec.requirements)}")
     failure: _Unresolvable | None = None
+    resolved: tuple[str, str, str] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for platform in PLATFORMS:
             try:
-                main, cuda, note = _resolve(spec, platform, Path(tmp), prefer, sources)
+                resolved = _resolve(spec, platform, Path(tmp), prefer, sources)
                 break
             except _Unresolvable as e:
                 failure = e
                 if not e.wheels:
                     break
-        else:
-            main = ""
-        if failure is not None and not main:
+        if resolved is None:
+            assert failure is not None
             raise EngineUnavailable(f"uv could not lock {spec.name} for {', '.join(PLATFORMS)}: {failure.tail}",
                                     hint=f"check the network (PyPI) and, for the CPU torch build, {TORCH_INDEX_VAR} "
                                          f"or {FIND_LINKS_VAR}")
+    main, cuda, note = resolved
     header = (f"# {spec.name} (Python {spec.python}, {platform}): {spec.note}\n"
               f"# Requirements: {' '.join(spec.requirements)}"
               + (f"; overriding the engine's own: {' '.join(spec.overrides)}" if spec.overrides else "")

@@ -44,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "continue": ("apply", "continue_cmd",
             'Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run).'),
     "gc": ("status", "gc_cmd",
-            'Remove what killed runs left behind: half-made checkouts, partial downloads, temporary files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups.'),
+            'Remove what killed runs left behind (half-made checkouts, partial downloads, temporary files, stale temporary worktrees) and derived data no pin uses (engine environments, dist/ wheels of other stacks, runs/ of unpinned pins). Never your work, reports or backups.'),
     "install": ("build", "install_cmd",
             'Create (or reuse) the environment the pin runs in and install the patched engine there.'),
     "list": ("status", "list_cmd",

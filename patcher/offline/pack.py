@@ -648,10 +648,17 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         d_roots = [(r, dsadapt_wheel.name) for r in root_requirements(wheel_requires(dsadapt_wheel)[2], ("models",),
                                                                         target)]
         d_roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
-        if "torch" in engine_res.carried:  # one torch for both parts, not a second (newer) build for dsadapt's
-            d_roots.append((f"torch=={engine_res.carried['torch'].version}", "the engine environment's torch"))
+        torch_build = engine_res.carried["torch"].version if "torch" in engine_res.carried else None
+        if torch_build:  # one torch for both parts, not a second (newer) build for dsadapt's; either build of it
+            d_roots.append((f"torch=={torch_build.split('+', 1)[0]}", "the engine environment's torch"))
         d_lock = _LazyLock(target, [r for r, _ in d_roots], work, progress)
-        dsadapt_res = resolve(d_roots, target, host, d_lock.get, fetcher, dict(excluded), "dsadapt's environment")
+        # torch as the engine's lock has it (either build's hashes): the wheel the engine part carries
+        def d_versions(n: str) -> tuple[str, tuple[str, ...]] | None:
+            if n == "torch" and torch_build:
+                return torch_build, locked["torch"][1]
+            return d_lock.get(n)
+
+        dsadapt_res = resolve(d_roots, target, host, d_versions, fetcher, dict(excluded), "dsadapt's environment")
         dsadapt_part = _write_part(work, "dsadapt", dsadapt_res, d_lock.name,
                                    own=(dsadapt_wheel, "dsadapt", _dsadapt_version()))
         plugin = _engine_plugin(ref.engine)
@@ -714,8 +721,7 @@ def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
     locked = locked_hashes(lock_file.read_text(encoding="utf-8"))
     if "torch" not in locked:
         return None
-    names = ["torch"] + sorted(n for n in locked if n.startswith(("nvidia-", "cuda-")) or
-                               (device == "cuda" and n == "triton"))
+    names = ["torch"] + sorted(n for n in locked if n.startswith(("nvidia-", "cuda-")))
     names = [n for n in names if str(canonicalize_name(n)) not in host]
     size: int | None = 0
     try:
