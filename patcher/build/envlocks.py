@@ -559,6 +559,7 @@ def index_files(index: str, timeout: float = 30) -> Callable[[str], list[dict]]:
     """A `files_of` over a PEP 503 simple index (PyTorch's CPU index): each link's file name and
     the sha256 of its `#sha256=` fragment."""
     import html
+    import urllib.parse
     import urllib.request
 
     cache: dict[str, list[dict]] = {}
@@ -573,7 +574,7 @@ def index_files(index: str, timeout: float = 30) -> Callable[[str], list[dict]]:
                 file, _, frag = href.rsplit("/", 1)[-1].partition("#")
                 m = re.search(r"sha256=([0-9a-f]{64})", frag)
                 if m:
-                    out.append({"filename": urllib.request.unquote(file), "hashes": {"sha256": m.group(1)}})
+                    out.append({"filename": urllib.parse.unquote(file), "hashes": {"sha256": m.group(1)}})
             cache[name] = out
         return cache[name]
 
