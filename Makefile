@@ -2,9 +2,12 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-# The CPU build of torch (this machine's pip config serves it from a local wheel folder;
-# elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu).
+# torch 2.13.0: PyPI serves its CUDA build (several GB with its CUDA libraries; it runs on the CPU
+# too). For the small CPU build name PyTorch's CPU index, the one variable dsadapt's own installs
+# read as well: `make setup DSADAPT_TORCH_INDEX=https://download.pytorch.org/whl/cpu` (or export it).
 TORCH   ?= torch==2.13.0
+DSADAPT_TORCH_INDEX ?=
+export DSADAPT_TORCH_INDEX
 # The gate's reference version (patcher/rules/logits.py REFERENCE_TRANSFORMERS): with it in dsadapt's
 # own environment the reference runs there instead of in an extra venv.
 TRANSFORMERS ?= transformers==5.24.0
@@ -18,7 +21,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	@echo "… installing $(TORCH) and $(TRANSFORMERS) (pip shows each download; about 2 min the first time)"
-	$(BIN)/python -m pip install --disable-pip-version-check --progress-bar off "$(TORCH)" "$(TRANSFORMERS)"
+	$(BIN)/python -m pip install --disable-pip-version-check --progress-bar off \
+	  $(if $(DSADAPT_TORCH_INDEX),--extra-index-url $(DSADAPT_TORCH_INDEX)) "$(TORCH)" "$(TRANSFORMERS)"
 	@echo "… installing dsadapt and its extras"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[models,test,triton,dev]'
 	$(BIN)/python -m compileall -q patcher
@@ -45,11 +49,15 @@ lint: setup
 	$(BIN)/lint-imports
 
 ## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
-## `uv pip compile --generate-hashes` from the recipes in patcher/build/envlocks.py (docs/environments.md).
-## Needs PyPI; the CPU torch build comes from DSADAPT_LOCK_FIND_LINKS (default /opt/wheels).
+## `uv pip compile --generate-hashes --no-build` from the recipes in patcher/build/envlocks.py
+## (docs/environments.md), each then checked as check-env-locks does. Needs PyPI; the CPU torch
+## build comes from DSADAPT_TORCH_INDEX (default PyTorch's CPU index) or the wheel folders in
+## DSADAPT_LOCK_FIND_LINKS.
 lock-envs: setup
 	$(BIN)/python -m patcher.build.envlocks
 
+## Every environment has a lock, and every locked package has a PyPI wheel for the Python and
+## platform its lock declares (asks PyPI; exit 6 when it cannot; `--offline`: the format only).
 check-env-locks: setup
 	$(BIN)/python -m patcher.build.envlocks --check
 

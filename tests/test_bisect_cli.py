@@ -46,7 +46,7 @@ def test_check_runs_every_dtype_the_engine_serves_by_default(proj, model_dir, fa
 def test_failed_check_prints_the_bisect_command_in_its_own_dtype(proj, model_dir, failing_all_dtypes):
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16")
     assert rc == 1
-    assert f"localize it: dsadapt bisect {PIN} --model {model_dir} --dtype bfloat16" in err
+    assert f"localize it: dsadapt bisect {PIN} --model {model_dir} --dtype bfloat16" in out
     assert f"`dsadapt bisect {PIN} --model {model_dir} --dtype bfloat16`" in err  # the error's hint too
 
 
@@ -54,7 +54,7 @@ def test_failed_check_prints_the_bisect_command_in_its_own_dtype(proj, model_dir
 def test_check_human_output_gives_one_verdict_per_dtype_and_one_overall(proj, model_dir, failing_all_dtypes):
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir))
     assert rc == 1
-    assert "overall: FAIL (float32 fail, bfloat16 fail, float16 fail)" in err
+    assert "overall: FAIL (float32 fail, bfloat16 fail, float16 fail)" in out
 
 
 def test_check_dtypes_follow_the_engines_runner(proj):

@@ -56,7 +56,7 @@ def test_bench_table_prints_and_defaults_to_docs(project):
     pin_wheel(project)
     r = project.run("bench", "--repeat", "1", "--no-alternative")
     assert r.rc == 0, r
-    assert r.out.startswith("builds (") and "wrote " in r.err
+    assert r.out.startswith("builds (") and "wrote " in r.out
     md = (project.root / "docs" / "benchmarks.md").read_text()
     assert "`dsadapt bench --repeat 1 --no-alternative`" in md and "No check report" in md
 

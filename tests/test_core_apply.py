@@ -26,7 +26,7 @@ def _am_tree(project, texts, tmp, base=TAG1) -> str:
 def test_apply_git_source_one_line_per_patch_and_same_tree_as_git_am(project, clean_stack, tmp_path):
     r = project.run("apply", REF1)
     assert r.rc == 0, r
-    lines = [l for l in r.err.splitlines() if l.strip().startswith(("1 ", "2 ", "3 "))]
+    lines = [l for l in r.out.splitlines() if l.strip().startswith(("1 ", "2 ", "3 "))]
     assert len(lines) == 3 and all("clean" in l for l in lines), r.err
     names = sorted(p.name for p in project.stack_dir().glob("*.patch"))
     for name, line in zip(names, lines):
@@ -53,7 +53,7 @@ def test_apply_twice_is_a_noop_that_says_so(project, clean_stack):
     co = project.checkout()
     before = refs_snapshot(co)
     r = project.run("apply", REF1)
-    assert r.rc == 0 and "already applied" in r.err and "nothing to do" in r.err, r
+    assert r.rc == 0 and "already applied" in r.out and "nothing to do" in r.out, r
     assert refs_snapshot(co) == before
     rj = project.run("apply", REF1, "--json")
     assert rj.json()["status"] == "noop" and rj.json()["noop"] is True
@@ -125,7 +125,7 @@ def test_a_resolution_must_be_refreshed_before_apply_runs_again(project):
     assert project.run("refresh", REF1).rc == 0
     st = {s["ref"]: s for s in project.run("status", "--json").json()["checkouts"]}[REF1]
     assert st["state"] == "stack applied"
-    assert "already applied" in project.run("apply", REF1).err
+    assert "already applied" in project.run("apply", REF1).out
 
 
 def test_skip_drops_the_patch(project):

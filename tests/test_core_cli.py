@@ -50,7 +50,7 @@ def test_bad_input_one_error_line_hint_exit_code_no_change_on_disk(project, clea
         r = project.run(*args)
         if args[0] == "verify" and name in ("series names a missing file", "../ path in a patch"):
             # verify reports a broken stack as a problem of that stack (exit 1), not as a crash
-            assert r.rc == 1 and needle in r.err and "FAILED" in r.err, r
+            assert r.rc == 1 and needle in r.out and "FAILED" in r.out and r.err == "", r
             assert files_snapshot(project.root, project.workdir, ignore=("lock",)) == before
             continue
         assert r.rc == code, (args, r)
@@ -103,7 +103,8 @@ def test_json_outputs_parse(project, clean_stack):
     assert v.rc == 0 and v.json()["ok"] is True and v.json()["stacks"][0]["source"].startswith("git ")
 
     rf = project.run("refresh", REF1, "--json")
-    assert rf.rc == 0 and rf.json() == {"ref": REF1, "changed": [], "removed": [], "backup": None, "notes": []}
+    assert rf.rc == 0 and rf.json() == {"schema": "dsadapt.refresh/1", "ref": REF1, "changed": [], "removed": [],
+                                        "backup": None, "notes": [], "warnings": []}
 
     # nothing but JSON on stdout, even for a conflict stop (error lines go to stderr)
     for res in (lst, ap, v, rf):
@@ -135,6 +136,6 @@ def test_nothing_in_progress(project, clean_stack, cmd):
     assert project.run("apply", REF1).rc == 0
     r = project.run(cmd)
     lines = r.err.strip().split("\n")
-    assert r.rc == 4 and lines[0] == "error: no apply in progress" and lines[1].startswith("hint: "), r
+    assert r.rc == 4 and lines[0] == "error: no apply, rebase or refresh in progress" and lines[1].startswith("hint: "), r
     r = project.run(cmd, REF1)
-    assert r.rc == 4 and "no apply in progress" in r.err, r
+    assert r.rc == 4 and "no apply, rebase or refresh in progress" in r.err, r

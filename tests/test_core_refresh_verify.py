@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from conftest import MOD_V1, REF1, TAG1, commit_msg, edit, files_snapshot, git, make_patches, refs_snapshot
+from conftest import (
+    MOD_V1,
+    REF1,
+    TAG1,
+    clean_stack_edits,
+    commit_msg,
+    edit,
+    files_snapshot,
+    git,
+    make_patches,
+    refs_snapshot,
+)
 
 from patcher.formats.patchfile import format_patch, parse_patch
 
@@ -21,10 +32,11 @@ def test_refresh_of_unchanged_stack_changes_zero_bytes(project, clean_stack):
     d = project.stack_dir()
     before = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in d.iterdir()}
     r = project.run("refresh", REF1)
-    assert r.rc == 0 and "stack unchanged" in r.err, r
+    assert r.rc == 0 and "stack unchanged" in r.out, r
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in d.iterdir()} == before
     rj = project.run("refresh", REF1, "--json")
-    assert rj.json() == {"ref": REF1, "changed": [], "removed": [], "backup": None, "notes": []}
+    assert rj.json() == {"schema": "dsadapt.refresh/1", "ref": REF1, "changed": [], "removed": [], "backup": None,
+                         "notes": [], "warnings": []}
 
 
 def test_refresh_writes_normalized_patches_for_new_and_amended_commits(project, clean_stack):
@@ -45,7 +57,7 @@ def test_refresh_writes_normalized_patches_for_new_and_amended_commits(project, 
     assert project.stack_dir().joinpath("series").read_text().startswith("# fixture stack\n")
     # the refreshed stack is what the checkout holds: apply is now a no-op, verify is clean
     again = project.run("apply", REF1)
-    assert again.rc == 0 and "already applied" in again.err, again
+    assert again.rc == 0 and "already applied" in again.out, again
     v = project.run("verify", REF1, "--json")
     assert v.rc == 0 and v.json()["ok"], v
 
@@ -130,7 +142,7 @@ def _one(project, msg: str, files: dict) -> list[str]:
 def test_verify_unlisted_patch_file(project, clean_stack):
     (project.stack_dir() / "0009-stray.patch").write_text(clean_stack[0])
     r = project.run("verify", REF1)
-    assert r.rc == 1 and "0009-stray.patch: not listed in series" in r.err, r
+    assert r.rc == 1 and "0009-stray.patch: not listed in series" in r.out, r
 
 
 def test_verify_non_normalized_patch(project):
@@ -177,9 +189,41 @@ def test_verify_patched_python_that_does_not_compile(project):
 
 
 def test_verify_all_pinned_stacks_without_argument(project, clean_stack):
+    """Without a pin, verify fetches nothing and creates no checkout: it lints every stack and
+    applies those whose tree is here; the rest are NOT VERIFIED (exit 6 when none could be)."""
     r = project.run("verify", "--json")
-    assert r.rc == 0, r
+    assert r.rc == 6, r
     assert [s["ref"] for s in r.json()["stacks"]] == [REF1]  # v1.1.0 has no series: skipped
+    assert r.json()["unverifiable"] == [REF1] and "--fetch" in r.json()["stacks"][0]["unverifiable"]
+    assert not project.checkout().exists()  # nothing fetched, nothing for `status` to list
+    st = project.run("status", "--json").json()
+    assert [c["state"] for c in st["checkouts"]] == ["not fetched", "not fetched"]
+    r = project.run("verify")
+    assert r.rc == 6 and "NOT VERIFIED" in r.out and "lint clean" in r.out, r
+    # --fetch fetches the tree (and so makes the checkout); then a plain verify applies it
+    r = project.run("verify", "--fetch", "--json")
+    assert r.rc == 0 and r.json()["ok"] is True and project.checkout().exists(), r
+    r = project.run("verify", "--json")
+    assert r.rc == 0 and r.json()["stacks"][0]["applied"] is True, r
+
+
+def test_verify_without_argument_reports_an_unfetchable_pin_without_failing_the_others(project, clean_stack):
+    """One pin verified here, another whose tree no source provides: the second is NOT VERIFIED,
+    the exit code is the first's (0), and a broken stack still fails (1)."""
+    from conftest import TAG2
+
+    assert project.run("apply", REF1).rc == 0
+    texts = make_patches(project.upstream, project.tmp / "mk2", TAG2, clean_stack_edits()[:1])
+    project.write_stack(texts, tag=TAG2)
+    r = project.run("verify", env={"DSADAPT_SOURCES": "mirror"})
+    assert r.rc == 0, r
+    assert f"{REF1}: ok" in r.out and f"vllm@{TAG2}: NOT VERIFIED" in r.out, r
+    assert not project.checkout(TAG2).exists()
+    (project.stack_dir(TAG2) / "0009-stray.patch").write_text("x")
+    r = project.run("verify", "--junit", str(project.tmp / "verify.xml"), env={"DSADAPT_SOURCES": "mirror"})
+    assert r.rc == 1 and "0009-stray.patch: not listed in series" in r.out, r
+    xml = (project.tmp / "verify.xml").read_text()
+    assert 'tests="2" failures="1"' in xml and "not listed in series" in xml
 
 
 def test_verify_without_a_source_says_not_verified_never_ok(project, clean_stack, upstream, tmp_path):
@@ -189,6 +233,6 @@ def test_verify_without_a_source_says_not_verified_never_ok(project, clean_stack
     project.write_lock(lock_text(upstream, git_url=str(tmp_path / "no-such-upstream")))
     r = project.run("verify", REF1, env={"DSADAPT_SOURCES": "git,mirror"})
     assert r.rc == 6, r
-    assert "NOT VERIFIED" in r.err and "no source could provide" in r.err
+    assert "NOT VERIFIED" in r.out and "no source could provide" in r.out
     j = project.run("verify", REF1, "--json", env={"DSADAPT_SOURCES": "git,mirror"})
     assert j.rc == 6 and j.json()["ok"] is False and j.json()["unverifiable"] == [REF1]

@@ -386,7 +386,7 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
                                                        "post_norm", "router.logits"))]
     assert len(upstream) == 22 and all(p["status"] == "ok" for p in upstream), upstream
     assert any("scoring_func" in ln for ln in doc["explanation"])
-    assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.err
+    assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.out + run.err
 
 
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
@@ -428,7 +428,7 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     assert c["rule"] == "strict" and (c["summary"]["max_abs"] is None or c["summary"]["max_abs"] > 10 * TOL)
     firsts = [r["first_divergence"] for r in c["rows"] if r["first_divergence"] is not None]
     assert firsts, c["rows"]
-    explained = [ln for ln in res.err.splitlines() if "explain:" in ln]  # human output: stderr
+    explained = [ln for ln in res.out.splitlines() if "explain:" in ln]  # the result: stdout
     _log(f"bug {bug}: max |Δ| {c['summary']['max_abs'] or float('inf'):.3g}, first divergence {min(firsts)}; "
          + " | ".join(rep["explanation"]))
     assert explained, res

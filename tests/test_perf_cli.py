@@ -160,8 +160,8 @@ def test_a_slower_patched_build_fails_with_exit_1(proj, model_dir, fake_engine):
     fake_engine["A"] = (0.04, 0.008)
     rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), *SMALL)
     assert rc == 1, err
-    assert "verdict: FAIL" in err and "failed the speed gate" in err
-    assert "TPOT mean patched/unpatched" in err
+    assert "verdict: FAIL" in out and "failed the speed gate" in err
+    assert "TPOT mean patched/unpatched" in out + err  # the verdict line says it (stdout), the error too
     rep = json.loads(proj.report().read_text())
     assert rep["verdict"] == "fail" and rep["reasons"]
 
@@ -302,3 +302,34 @@ def test_benchmarks_section_comes_from_the_committed_perf_reports(tmp_path):
     assert read_check_timings(tmp_path / "reports") == []
     committed = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
     assert md.strip() in committed  # the committed page is what the reports say (regenerate: make bench)
+
+
+# ---------------------------------------------------------------- serve: what perf serves
+
+
+@needs_cpu_only
+def test_serve_starts_what_perf_serves_and_stops_it(proj, model_dir, fake_engine):
+    """An engine without a serving recipe of its own (vLLM) is served by its speed-gate recipe:
+    the pin's environment, 127.0.0.1, ready when the recipe's ready path answers, and every
+    process gone when the context ends."""
+    import urllib.request
+
+    from patcher.base.config import load_config
+    from patcher.base.procs import group_members
+    from patcher.formats.lock import load_lock
+    from patcher.formats.pinref import parse_pinref
+    from patcher.gate.serve import serve_recipe
+
+    cfg = load_config(proj.root, env={"DSADAPT_WORKDIR": str(proj.work)})
+    lock = load_lock(proj.root / "upstream.lock")
+    with serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype=None) as served:
+        assert served.url.startswith("http://127.0.0.1:") and served.installed["served"] == PIN
+        with urllib.request.urlopen(served.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        pgid = served.pid
+        assert group_members(pgid)
+    assert not group_members(pgid)
+    assert fake_engine["asked"] == [(PIN, "cpu", False)]
+    with pytest.raises(Exception, match="serves float32, not bfloat16"), \
+            serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype="bfloat16"):
+        pass

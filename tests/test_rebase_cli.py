@@ -37,6 +37,7 @@ def test_tags_from_git_marks_pinned_and_hides_prereleases(proj, capsys):
         "v1.1.0", "v1.2.0rc1", "v1.2.0"]
     # a pin without a stack is listed as pinned; the baseline stays the newest stacked pin
     assert main(["--project", str(proj), "pin", "vllm@v1.2.0"]) == 0
+    assert "pinned in upstream.lock" in capsys.readouterr().out  # pin's result is on stdout
     res = _json(capsys, "--project", str(proj), "tags", "vllm", "--json")
     assert [(t["tag"], t["pinned"]) for t in res["tags"]] == [("v1.1.0", False), ("v1.2.0", True)]
 

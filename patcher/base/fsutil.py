@@ -128,3 +128,33 @@ def git_blob_id(data: bytes) -> str:
     h.update(b"blob %d\0" % len(data))
     h.update(data)
     return h.hexdigest()
+
+
+def link_tree(src: Path, dst: Path, *, link_under: tuple[str, ...] = ("lib",)) -> tuple[int, int]:
+    """Copy the directory `src` to `dst` with the files under `link_under` (relative folders)
+    hard-linked instead of copied (one copy on disk for both); every other file is copied, so
+    writing one in place never changes the other tree. Symlinks stay symlinks. Hard links are
+    safe for trees whose files are only ever replaced, never rewritten in place (pip installs and
+    uninstalls by unlink and rename). Falls back to copying where the file system refuses links.
+    Returns (files linked, bytes copied)."""
+    import shutil
+
+    linked = copied = 0
+    roots = tuple(src / p for p in link_under)
+
+    def copy(s: str, d: str) -> str:
+        nonlocal linked, copied
+        if any(Path(s).is_relative_to(r) for r in roots):
+            try:
+                os.link(s, d)
+                linked += 1
+                return d
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                    raise
+        shutil.copy2(s, d)
+        copied += os.path.getsize(d)
+        return d
+
+    shutil.copytree(src, dst, symlinks=True, copy_function=copy)
+    return linked, copied

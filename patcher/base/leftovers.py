@@ -63,6 +63,27 @@ def _size(p: Path) -> int:
         return 0
 
 
+def disk_bytes(p: Path) -> int:
+    """What removing `p` frees: its files' sizes, a file hard-linked elsewhere (an environment
+    sharing site-packages with another) not counted."""
+    try:
+        if p.is_symlink():
+            return 0
+        if p.is_file():
+            st = p.stat()
+            return st.st_size if st.st_nlink == 1 else 0
+        total = 0
+        for dirpath, _dirs, files in os.walk(p):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(dirpath, f))
+                    if st.st_nlink == 1:
+                        total += st.st_size
+        return total
+    except OSError:
+        return 0
+
+
 def _scan_tmp(d: Path, kind: str, recursive: bool = False) -> list[Leftover]:
     out: list[Leftover] = []
     if not d.is_dir():

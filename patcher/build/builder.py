@@ -132,6 +132,8 @@ def overlay_build(cfg: Config, lock: Lock, entry: LockEntry, ad: Engine, spec: V
                                                                    new_version, provenance, out_dir)
     finally:
         z.close()
+    if progress is not None and hasattr(progress, "end"):
+        progress.end()  # the overlay is done: no "still overlaying" while the caller goes on
     return BuildResult(
         ref=str(entry.ref), variant=spec.name, kind="overlay", artifact=str(final), sha256=sha256_file(final),
         size=final.stat().st_size, seconds=round(time.monotonic() - t0, 2), stack_hash=stack.hash,

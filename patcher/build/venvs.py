@@ -19,15 +19,15 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, EngineUnavailable, VerificationError
+from patcher.base.fsutil import link_tree
 from patcher.build.builder import BuildResult, build_pin, unpatched_build
-from patcher.build.envlocks import file_digest, find_lock, locked_packages, plan_env_name
+from patcher.build.envlocks import file_digest, find_lock, locked_hashes, locked_packages, plan_env_name
 from patcher.engines import engine
 from patcher.engines.base import EnvPlan
 from patcher.formats.bundle import OfflineRecord, find_record
@@ -75,13 +75,14 @@ def pip_command(py: Path) -> list[str]:
 
 def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | None = None) -> None:
     """pip in the environment; its output goes to <venv>/dsadapt-pip.log and, line by line, to the
-    progress display (what the install is waiting on), never as a flood on the terminal."""
+    progress display (what the install is waiting on), never as a flood on the terminal. A failure
+    is one line quoting pip's cause (`pip_cause`), the log named in the hint."""
     quiet = ["--progress-bar", "off"] if args and args[0] in ("install", "download") else []
     cmd = [*pip_command(py), "--disable-pip-version-check", "--no-input", *args[:1], *quiet, *args[1:]]
     venv = py.parent.parent
     log_path = log_path or venv / "dsadapt-pip.log"
     note = getattr(progress, "note", None)
-    tail: deque[str] = deque(maxlen=3)
+    lines: list[str] = []
     with open(log_path, "a", encoding="utf-8") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -91,13 +92,58 @@ def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | Non
             log.write(line)
             line = line.rstrip()
             if line:
-                tail.append(line)
+                lines.append(line)
+                del lines[:-400]
                 if note and not line.startswith("WARNING: "):  # pip's config warnings are not progress
                     note(f"pip: {line}")
         rc = proc.wait()
     if rc != 0:
-        raise BuildError(f"pip {' '.join(args[:2])} failed in {venv}: {' | '.join(tail)}",
-                         hint=f"see {log_path}; delete {venv} to start over")
+        cause, fix = pip_cause(lines)
+        raise BuildError(f"pip {' '.join(args[:2])} failed in {venv}: {cause}",
+                         hint=(f"{fix}; " if fix else "") + f"the whole output is in {log_path}; delete {venv} to start over")
+
+
+#: pip's lines that say why an install failed, most telling first (a regular expression each, and
+#: what to do about it)
+_PIP_CAUSES: tuple[tuple[str, str], ...] = (
+    (r"No matching distribution found for (\S+)",
+     "the package index this machine reaches does not serve it (for the CPU torch build: set "
+     "DSADAPT_TORCH_INDEX=https://download.pytorch.org/whl/cpu, docs/environments.md)"),
+    (r"THESE PACKAGES DO NOT MATCH THE HASHES", "a downloaded file is not the one the lock names: a proxy or mirror "
+                                                "serves other bytes; fix that source, never the lock"),
+    (r"ResolutionImpossible|Cannot install .* because these package versions have conflicting dependencies|"
+     r"conflict is caused by|requested \(constraint\)", "a pip constraint or requirement of this machine "
+                                                         "(PIP_CONSTRAINT, pip.conf) conflicts with the locked versions"),
+    (r"No space left on device", "free disk space (`dsadapt gc`, old environments under .dsadapt/venvs)"),
+    (r"Could not install packages due to an OSError", "fix the file-system problem it names"),
+    (r"Failed to establish a new connection|Max retries exceeded|Network is unreachable|Temporary failure in name "
+     r"resolution|Could not fetch URL|ReadTimeoutError|ConnectTimeoutError|SSLError",
+     "check the network or the proxy (pip's own configuration applies: pip config list)"),
+    (r"Failed building wheel for (\S+)|subprocess-exited-with-error", "a package had to be built from source here"),
+    (r"Hashes are required in --require-hashes mode", "a requirement without a hash reached pip: regenerate the lock"),
+    (r"requires a different Python", "this Python is not one the package supports"),
+)
+
+
+def pip_cause(lines: list[str]) -> tuple[str, str | None]:
+    """Pure: (why pip failed, in its own words, one line; what to do) from pip's output. pip's most
+    telling line is often not its first ERROR line ("Ignored the following versions that require
+    a different python version" comes before "No matching distribution found for torch==…")."""
+    import re
+
+    for pattern, fix in _PIP_CAUSES:
+        for line in lines:
+            if re.search(pattern, line):
+                text = line.strip().removeprefix("ERROR: ").strip()
+                if "DO NOT MATCH THE HASHES" in line:
+                    pkg = next((x.strip() for x in lines[lines.index(line) + 1:]
+                                if re.match(r"\s*\S+==\S+ from ", x)), None)
+                    text = "hash mismatch" + (f": {pkg.split(' from ')[0]}" if pkg else "")
+                return text[:300], fix
+    errors = [x.strip().removeprefix("ERROR: ") for x in lines if x.startswith("ERROR:")]
+    if errors:
+        return errors[-1][:300], None
+    return (lines[-1].strip()[:300] if lines else "no output"), None
 
 
 def make_venv(venv: Path, *, host_packages: bool = False) -> None:
@@ -166,22 +212,22 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
             # Same engine, same dependencies: a copy plus a swapped engine package takes
             # seconds where a fresh resolve and install of torch and friends takes minutes.
             if progress:
-                progress(f"creating {venv} from {seed.name} (same engine dependencies)")
-            shutil.copytree(seed, venv, symlinks=True)
+                progress(f"creating {venv} from {seed.name} (same engine dependencies, site-packages hard-linked)")
+            link_tree(seed, venv)
+            retarget_scripts(venv, seed)
             old = installed_marker(venv)
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
         make_venv(venv, host_packages=host_packages)
     removed: list[str] = []
+    torch_build = None
     if lock_file is not None:
         n_locked = len(locked_packages(lock_file.read_text()))
         if not old and n_locked:
-            if progress:
-                progress(f"installing the {n_locked} locked dependencies of "
-                         f"{venv.name} ({lock_file.name}, --require-hashes; minutes on first run)")
-            _pip(py, "install", *pip_args, "--require-hashes", "--no-deps", "-r", str(lock_file), stream=stream,
-                 progress=progress)
+            torch_build = install_lock(py, venv, lock_file, pip_args, stream=stream, progress=progress)
+        elif old:
+            torch_build = old.get("torch_build")
         if progress:
             progress(f"installing {wheel.name} into {venv} (--no-deps; sha256 {sha256[:12]}… checked by dsadapt)")
         _pip(py, "install", *pip_args, "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
@@ -202,12 +248,117 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
             if shown.returncode == 0:
                 _pip(py, "uninstall", "-y", name, stream=False)
                 removed.append(name)
+    if progress is not None and hasattr(progress, "end"):
+        progress.end()
     (venv / MARKER).write_text(json.dumps({**(marker or {}), **(details or {}), "artifact": str(wheel), "sha256": sha256,
                                            "post": list(post), "deps_lock": deps,
                                            "deps_lock_file": lock_file.name if lock_file else None,
-                                           "host_packages": host_packages},
+                                           "torch_build": torch_build, "host_packages": host_packages},
                                           indent=2, sort_keys=True) + "\n")
     return False, removed
+
+
+def index_args(pip_args: Sequence[str] = ()) -> list[str]:
+    """`--extra-index-url $DSADAPT_TORCH_INDEX` (PyPI does not serve PyTorch's CPU build) unless pip
+    is kept off every index (an offline bundle's `--no-index`)."""
+    import os
+
+    from patcher.build.envlocks import TORCH_INDEX_VAR
+
+    url = os.environ.get(TORCH_INDEX_VAR, "").strip()
+    return ["--extra-index-url", url] if url and "--no-index" not in pip_args else []
+
+
+def install_lock(py: Path, venv: Path, lock_file: Path, pip_args: Sequence[str] = (), *, stream: bool = True,
+                 progress=None) -> str | None:
+    """Install a hash lock (`--require-hashes --no-deps`). A CPU environment's lock accepts two
+    builds of torch (envlocks: PyPI's, a CUDA build, and the CPU build, which pip takes where an
+    index or wheel folder it is configured with serves it): its last section, the CUDA libraries
+    PyPI's build loads, is installed only when pip took PyPI's build. Returns which build of torch
+    was installed ('cpu', 'pypi'; None for a lock without that choice)."""
+    from patcher.build.envlocks import CUDA_TORCH_SECTION, split_sections
+
+    text = lock_file.read_text(encoding="utf-8")
+    main, cuda = split_sections(text)
+    n_locked = len(locked_packages(main))
+    extra = index_args(pip_args) if cuda.strip() else []  # only a lock that takes either torch build
+    if progress:
+        progress(f"installing the {n_locked} locked dependencies of {venv.name} ({lock_file.name}, --require-hashes"
+                 f"{', ' + ' '.join(extra) if extra else ''}; minutes on first run)")
+    if not cuda.strip():
+        _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(lock_file), stream=stream,
+             progress=progress)
+        return None
+    cpu_build = cpu_torch_build(text)
+    if cpu_build:
+        # the CPU build first, where an index or wheel folder pip is configured with serves it: asked
+        # for by its own version, since pip otherwise prefers a build whose hash its index states
+        # (PyPI's) over an unhashed file of a wheel folder
+        hashes = locked_hashes(main).get("torch", ("", ()))[1]
+        part = venv / f"dsadapt-{lock_file.stem}-torch.txt"
+        part.write_text(f"torch=={cpu_build} " + " ".join(f"--hash=sha256:{h}" for h in hashes) + "\n",
+                        encoding="utf-8")
+        if progress:
+            progress(f"installing torch=={cpu_build} (the CPU build), where pip finds it")
+        try:
+            _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
+                 progress=progress)
+        except BuildError as e:
+            if "No matching distribution" not in e.message:
+                raise
+            if progress:
+                progress(f"torch=={cpu_build} is not served here (PyPI has no CPU build): taking PyPI's build")
+    part = venv / f"dsadapt-{lock_file.stem}-common.txt"
+    part.write_text(main, encoding="utf-8")
+    _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
+         progress=progress)
+    version = installed_version(py, "torch")
+    if version is not None and "+" in version and version.split("+", 1)[1].startswith("cpu"):
+        return "cpu"
+    part = venv / f"dsadapt-{lock_file.stem}-cuda.txt"
+    part.write_text(CUDA_TORCH_SECTION + "\n" + cuda, encoding="utf-8")
+    if progress:
+        progress(f"installing the {len(locked_packages(cuda))} CUDA libraries PyPI's torch {version} loads "
+                 f"(the CPU build needs none: DSADAPT_TORCH_INDEX, docs/environments.md)")
+    _pip(py, "install", *pip_args, *extra, "--require-hashes", "--no-deps", "-r", str(part), stream=stream,
+         progress=progress)
+    return "pypi"
+
+
+def cpu_torch_build(lock_text: str) -> str | None:
+    """Pure: the CPU build of torch a lock accepts besides PyPI's (`2.13.0+cpu`), as its header
+    says, or None."""
+    import re
+
+    m = re.search(r"^# torch==\S+: .*the CPU build torch==(\S+)", lock_text, re.M)
+    return m.group(1) if m else None
+
+
+def installed_version(py: Path, dist: str) -> str | None:
+    """The version of `dist` installed in the environment of `py` (read from its metadata)."""
+    r = subprocess.run([str(py), "-c", "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))", dist],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
+def retarget_scripts(venv: Path, seed: Path) -> int:
+    """Point the scripts of an environment copied from `seed` (their #! lines, activate's
+    VIRTUAL_ENV) at the copy; each rewritten file is replaced, never edited in place."""
+    import os
+
+    n = 0
+    old, new = str(seed).encode(), str(venv).encode()
+    for f in sorted((venv / "bin").iterdir()) if (venv / "bin").is_dir() else []:
+        if f.is_symlink() or not f.is_file() or f.stat().st_size > 1 << 20:
+            continue
+        data = f.read_bytes()
+        if old in data and b"\0" not in data[:4096]:
+            tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data.replace(old, new))
+            shutil.copymode(f, tmp)
+            os.replace(tmp, f)
+            n += 1
+    return n
 
 
 HOST_PTH = "dsadapt-host-packages.pth"

@@ -8,6 +8,7 @@ keeps the help lines equal to the commands' own). Errors are rendered exactly on
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import MutableMapping
@@ -15,8 +16,12 @@ from pathlib import Path
 
 import click
 
-from patcher import __version__
 from patcher.base.errors import UsageError
+from patcher.cli.options import add_output_options, output_options
+
+#: click's completion protocol: `_DSADAPT_COMPLETE=bash_source dsadapt` prints the bash script
+#: (zsh_source, fish_source likewise); docs/user-guide.md#shell-completion
+COMPLETE_VAR = "_DSADAPT_COMPLETE"
 
 # name -> (module under patcher.cli.commands, attribute, short help shown by `dsadapt --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -39,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "continue": ("apply", "continue_cmd",
             'Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run).'),
     "gc": ("status", "gc_cmd",
-            'Remove what killed runs left behind: half-made checkouts, partial downloads, temporary files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups.'),
+            'Remove what killed runs left behind (half-made checkouts, partial downloads, temporary files, stale temporary worktrees) and derived data no pin uses (engine environments, dist/ wheels of other stacks, runs/ of unpinned pins). Never your work, reports or backups.'),
     "install": ("build", "install_cmd",
             'Create (or reuse) the environment the pin runs in and install the patched engine there.'),
     "list": ("status", "list_cmd",
@@ -59,7 +64,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("report", "report_cmd",
             'Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop.'),
     "serve": ("serve", "serve_cmd",
-            'Build and install the pin, start its server with the model, print how to query it (triton@TAG today).'),
+            'Build and install the pin, start its server with the model, print how to query it; Ctrl-C stops it.'),
     "skip": ("apply", "skip_cmd",
             'Drop the patch that stopped the apply and go on with the rest.'),
     "status": ("status", "status_cmd",
@@ -82,6 +87,8 @@ def _load(name: str) -> click.Command | None:
     cmd = getattr(mod, attr, None)
     if cmd is None:  # the attribute was renamed: find the command by name
         cmd = next((c for c in getattr(mod, "COMMANDS", []) if c.name == name), None)
+    if cmd is not None:
+        add_output_options(cmd)
     return cmd
 
 
@@ -108,7 +115,7 @@ class LazyCommands(MutableMapping):
         return self._loaded[name]
 
     def __setitem__(self, name: str, cmd: click.Command) -> None:
-        self._extra[name] = cmd
+        self._extra[name] = add_output_options(cmd)
 
     def __delitem__(self, name: str) -> None:
         self._extra.pop(name, None)
@@ -161,8 +168,33 @@ class LazyGroup(click.Group):
 
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`dsadapt --version`: dsadapt's version and where it runs (the environment, its Python, the
+    source it was imported from, the versions of the packages the gate relies on); with --json
+    (before or after) one document, schema dsadapt.version/1."""
+    if not value or ctx.resilient_parsing:
+        return
+    from patcher.cli.commands.common import emit_json, out, version_info
+
+    info = version_info()
+    if _JSON_ASKED[0]:
+        emit_json(info)
+    else:
+        pk = ", ".join(f"{n} {v}" for n, v in info["packages"].items() if v)
+        out(f"dsadapt {info['dsadapt']} (Python {info['python']} {info['implementation']}, environment "
+            f"{info['environment']}{' (a venv)' if info['venv'] else ''}; source {info['source']})")
+        if pk:
+            out(f"  {pk}")
+    ctx.exit(0)
+
+
+#: whether the command line asks for --json anywhere (read by eager options such as --version)
+_JSON_ASKED = [False]
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="dsadapt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show dsadapt's version and the environment it runs in (--json: as a document), and exit.")
 @click.option("--project", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Project root (default: nearest directory upward with upstream.lock).")
 @click.option("--json", "as_json", is_flag=True,
@@ -187,6 +219,7 @@ def cli(click_ctx: click.Context, project: Path | None, as_json: bool, report_di
 
 
 cli.commands = LazyCommands()
+cli.params += output_options()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     as_json = wants_json(args)
     reset_output()
+    _JSON_ASKED[0] = as_json
+    import os
+
+    if os.environ.get(COMPLETE_VAR):  # shell completion: `eval "$(_DSADAPT_COMPLETE=bash_source dsadapt)"`
+        from click.shell_completion import shell_complete
+
+        return shell_complete(cli, {}, "dsadapt", COMPLETE_VAR, os.environ[COMPLETE_VAR])
     _scrub_git_environment()
     previous = _terminate_like_interrupt()
     try:
@@ -218,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         err = to_error(e, args)
         close_progress()
         render_error(err, e, as_json=as_json)
+        _annotate(err, args, as_json)
         return int(err.exit_code)
     finally:
         close_progress()
@@ -234,6 +275,20 @@ _GIT_LEAKS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTOR
               "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "GIT_TEMPLATE_DIR",
               "GIT_QUARANTINE_PATH", "GIT_REPLACE_REF_BASE", "GIT_SHALLOW_FILE",
               "GIT_GRAFT_FILE", "GIT_ATTR_SOURCE")
+
+
+def _annotate(err, args: list[str], as_json: bool) -> None:
+    """On GitHub Actions, the error once more as an `::error` annotation (the run's page lists it)."""
+    from patcher.base.errors import ExitCode, one_line
+    from patcher.cli.ci import annotate
+
+    if err.exit_code in (ExitCode.INTERRUPTED, ExitCode.BROKEN_PIPE):
+        return
+    words = [a for a in args if not a.startswith("-")][:2]
+    title = "dsadapt " + " ".join(words) if words else "dsadapt"
+    with contextlib.suppress(OSError, ValueError):
+        annotate("error", title, one_line(err.message) + (f" (hint: {one_line(err.hint)})" if err.hint else ""),
+                 json_out=as_json)
 
 
 def _terminate_like_interrupt():

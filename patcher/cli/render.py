@@ -8,8 +8,8 @@ Human form (stderr, plain text, never markup)::
 With --json (a command's or the global one), stdout also gets one JSON document unless the
 command already printed its own::
 
-    {"ok": false, "error": {"code": "usage", "exit_code": 2, "type": "LockError",
-                            "message": "...", "hint": "..."}}
+    {"schema": "dsadapt.error/1", "ok": false,
+     "error": {"code": "usage", "exit_code": 2, "type": "LockError", "message": "...", "hint": "..."}}
 
 DSADAPT_DEBUG=1 prints the traceback above the error (stderr); without it no traceback is ever
 shown, also not for a bug (exit 8), which says how to get one.
@@ -165,7 +165,7 @@ def render_error(err: DsadaptError, cause: BaseException | None = None, *, as_js
     except (OSError, ValueError):
         pass
     if as_json and not json_emitted():
-        doc = {"ok": False, "error": {"code": code.label if code is not None else "error",
+        doc = {"schema": "dsadapt.error/1", "ok": False, "error": {"code": code.label if code is not None else "error",
                                       "exit_code": int(err.exit_code), "type": type(err).__name__,
                                       "message": message, "hint": hint_line}}
         try:

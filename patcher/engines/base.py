@@ -350,12 +350,12 @@ class Engine(Protocol):
     # -- bench: what the alternative to dsadapt's build is (bench.py)
     full_build_doc: tuple[str, str] | None  # (what upstream documents for a compiling build, source URL)
     compile_note: str | None         # set when there is nothing to compile (bench says this instead)
-    # -- bisect (issue 14): the engine's capture table (its name mapping to HF transformers, per
+    # -- bisect: the engine's capture table (its name mapping to HF transformers, per
     #    compared point: patcher.rules.modules.CaptureTable; None: the engine cannot be bisected), and
     #    module_map, the same as HF point -> engine module name
     bisect_table: Any
     module_map: Mapping[str, str]
-    # -- serving (issue 15): what a pin served by `serve` speaks; None: dsadapt cannot serve it
+    # -- serving: what a pin served by `serve` speaks; None: dsadapt cannot serve it
     serve_api: str | None
 
     def tag_to_version(self, tag: str) -> str: ...
@@ -390,7 +390,7 @@ class Engine(Protocol):
     # -- offline hosts: `dsadapt bundle` (its environment plan, builds and `VariantSpec.unused_deps`)
     def bundle_blocker(self, entry: LockEntry, spec: VariantSpec) -> str | None: ...
 
-    # -- serving and speed (issue 15)
+    # -- serving and speed
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]: ...
     def benchmark(self, served: Served, workload: Mapping[str, Any], svc: RunServices) -> dict: ...
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> PerfRecipe | None: ...
@@ -559,7 +559,7 @@ class EngineBase:
         wheels: an engine whose build is something else says so here."""
         return f"{self.name} is not built as a wheel; dsadapt cannot bundle it for an offline host"
 
-    # -- serving and speed (issue 15: `dsadapt perf` plugs in here)
+    # -- serving and speed (`dsadapt perf` plugs in here)
 
     def serve(self, run: GateRun, svc: RunServices, port: int | None = None) -> AbstractContextManager[Served]:
         """Start a server of the pin (patched, or `run.unpatched`) on 127.0.0.1; yield it; always stop it."""

@@ -2,6 +2,7 @@
 
 `dsadapt check` (check: reference cache, the engine's gate session, the report), `dsadapt bisect`'s
 captures (bisect), `dsadapt perf` (perf: both builds side by side), what an engine is lent at run
-time (hosts) and the per-pin summary of every verdict (summary, `dsadapt report`). The judgements
+time (hosts), `dsadapt serve` of an engine through its speed-gate recipe (serve) and the per-pin
+summary of every verdict (summary, `dsadapt report`). The judgements
 themselves live in `patcher.rules`. May import build and below; never offline.
 """

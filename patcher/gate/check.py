@@ -8,11 +8,13 @@ written under reports/<engine>/<tag>/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +35,14 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack
 from patcher.gate import bisect as bisect_run
 from patcher.gate.hosts import RunHost
-from patcher.rules.logits import LOW_PRECISION_DTYPES, REFERENCE_TRANSFORMERS, LogitReport, compare, explain
+from patcher.rules.logits import (
+    LOW_PRECISION_DTYPES,
+    REFERENCE_TRANSFORMERS,
+    Comparison,
+    LogitReport,
+    compare,
+    explain,
+)
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
 from patcher.rules.verdicts import check_margins
 from patcher.runners import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
@@ -151,7 +160,7 @@ def reference_python(cfg: Config, progress=None) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     from patcher.build.envlocks import file_digest, find_lock, reference_spec
-    from patcher.build.venvs import _pip
+    from patcher.build.venvs import install_lock
 
     lock_file = find_lock(reference_spec().name)
     digest = file_digest(lock_file)
@@ -168,7 +177,7 @@ def reference_python(cfg: Config, progress=None) -> Path:
         if r.returncode != 0:
             raise BuildError(f"could not create {venv}: {r.stderr.strip()[-200:]}",
                              hint="check python3-venv is installed")
-        _pip(py, "install", "--require-hashes", "--no-deps", "-r", str(lock_file), stream=False, progress=progress)
+        install_lock(py, venv, lock_file, stream=False, progress=progress)
         ok.write_text(digest + "\n")
     return py
 
@@ -464,7 +473,8 @@ class _Run:
             parallel=self.req.parallel.to_json())
 
 
-def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line) -> _Run:
+def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line,
+             host: RunHost | None = None) -> _Run:
     t_start = time.monotonic()
     entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine,
                             req.parallel)
@@ -485,14 +495,18 @@ def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool,
     return _Run(req=req, cfg=cfg, entry=entry, spec=spec, eng=eng, stack=stack, model_dir=model_dir, label=label,
                 style=style, fingerprint=fp.sha256, config=ckpt.config, checkpoint=ckpt, model_files=fp.files,
                 out=out, work=work, gate=gate,
-                host=RunHost(cfg, lock, progress, stream), progress=progress, on_line=on_line, t_start=t_start)
+                host=host or RunHost(cfg, lock, progress, stream), progress=progress, on_line=on_line,
+                t_start=t_start)
 
 
 def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[[str], None] | None = None,
-              stream: bool = True, on_line: Callable[[str], None] | None = None) -> CheckResult:
+              stream: bool = True, on_line: Callable[[str], None] | None = None,
+              host: RunHost | None = None) -> CheckResult:
     """The gate for one pin and dtype. `req.bisect` ("on-fail" or "always", see `patcher.gate.bisect`)
-    adds the per-module comparison; low-precision checks always run it (part of their verdict)."""
-    r = _prepare(cfg, lock, req, progress, stream, on_line)
+    adds the per-module comparison; low-precision checks always run it (part of their verdict).
+    `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is
+    built and installed once."""
+    r = _prepare(cfg, lock, req, progress, stream, on_line, host)
     ref_device = reference_device(req.reference_on, r.spec)
     dtype = req.dtype
     prompts = build_prompt_set(r.model_dir, MAX_TOKENS)
@@ -529,6 +543,8 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
                                 MAX_TOKENS, r.work / "engine.json", env=session.env, fingerprint=r.fingerprint,
                                 on_line=on_line, timeout=run_time_limit(r.checkpoint))
             timings["engine_s"] = round(time.monotonic() - t0, 2)
+        if progress is not None and hasattr(progress, "end"):
+            progress.end()  # its time is said before the verdict, not after it
     except EngineRunFailed as e:
         # The engine could not load or run the model: that is a verdict, not an accident.
         timings["engine_s"] = round(time.monotonic() - t0, 2)
@@ -551,10 +567,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
     explanation = explain(comparison, r.config, bisected) if req.explain else []
-    reasons = list(comparison.reasons)
-    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected["passed"] is False:
-        # low precision: a module beyond its calibrated noise fails the check (docs/equivalence.md)
-        reasons += [f"per-module comparison ({dtype}): {x}" for x in bisected["reasons"][:1]]
+    reasons = verdict_reasons(comparison.reasons, dtype, bisected)
     provenance = {
         **r.provenance(installed),
         "engine_version": report.engine_version, "engine_versions": report.versions,
@@ -579,7 +592,9 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None
-    _write_report(r.out, result)
+    save_inputs(r.out, reference, report, noise, ENGINE_TOP_K)
+    result.provenance["inputs"] = inputs_path(r.out).name
+    write_report(result, r.out)
     return result
 
 
@@ -594,8 +609,228 @@ def _check_parallel(req: CheckRequest, settings: dict | None) -> None:
                                                      "page in docs/engines/")
 
 
-def _write_report(out: Path, result: CheckResult) -> None:
-    out.write_text(json.dumps({"schema": "dsadapt.check-report/1", **result.to_json()}, indent=2, sort_keys=True) + "\n")
+def check_markdown(result: CheckResult) -> str:
+    """Pure: the human-readable check report written next to the JSON (<report>.md): the verdict,
+    why, its margin, one row per prompt, and where it ran."""
+    c = result.comparison or {}
+    prov = result.provenance or {}
+
+    def f(x, spec: str = ".2g") -> str:
+        return "-" if x is None else format(x, spec)
+
+    par = result.parallel or {}
+    title = (f"# {result.pin} ({result.variant}{', unpatched' if result.unpatched else ''}"
+             f"{', ' + str(par.get('label')) if int(par.get('tp') or 1) > 1 else ''}) vs HF transformers: "
+             f"{result.verdict.upper()}")
+    lines = [title, "",
+             f"Model {result.model}" + (f" ({result.config_style} config)" if result.config_style else "")
+             + f", {result.dtype}, {c.get('rule') or 'no'} rule" + (f", tolerance {c['tolerance']:g}" if c.get("tolerance") else "")
+             + ".", ""]
+    if result.reasons:
+        lines += ["**Why it fails**", "", *(f"- {r}" for r in result.reasons[:20]), ""]
+    if result.margins and result.margins.get("words"):
+        lines += [f"**Margin**: {result.margins['words']}", ""]
+    rows = c.get("rows") or []
+    if rows:
+        lines += ["| prompt | positions | max \\|Δ\\| | mean \\|Δ\\| | top-1 agree | greedy | 1st divergence | verdict |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            greedy = {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match"))
+            first = "-" if r.get("first_divergence") is None else str(r["first_divergence"])
+            lines.append(f"| {r['id']} | {r.get('positions', '')} | {f(r.get('max_abs'))} | {f(r.get('mean_abs'))} | "
+                         f"{f(r.get('top1_agreement'), '.3f')} | {greedy} | {first} | "
+                         f"{'pass' if r.get('passed') else 'FAIL'} |")
+        lines.append("")
+    if result.bisect and result.bisect.get("report_path"):
+        lines += [f"Per-module comparison: `{Path(result.bisect['report_path']).name}`"
+                  + (f", heat map `{Path(result.bisect['plot_path']).name}`" if result.bisect.get("plot_path") else ""), ""]
+    if result.explanation and not result.passed:
+        lines += ["**Where it points**", "", *(f"- {e}" for e in result.explanation), ""]
+    if result.plot_path:
+        lines += [f"![per-position |Δ logprob|]({Path(result.plot_path).name})", ""]
+    lines += ["| provenance | |", "| --- | --- |",
+              f"| date | {prov.get('date', '-')} |", f"| device | {prov.get('device', '-')} |",
+              f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({len(prov.get('patches') or [])} patches) |",
+              f"| engine | {prov.get('engine_version') or '-'} ({(prov.get('installed') or {}).get('artifact', '-')}) |",
+              f"| reference | transformers {(prov.get('reference_versions') or {}).get('transformers', '-')} on "
+              f"{prov.get('reference_device', '-')} |",
+              f"| command | `{prov.get('command', '-')}` |"]
+    if prov.get("rescored"):
+        lines.append(f"| rescored | {prov['rescored'].get('date')} (was {prov['rescored'].get('previous_verdict')}) |")
+    return "\n".join(lines) + "\n"
+
+
+REPORT_SCHEMA = "dsadapt.check-report/1"
+INPUTS_SCHEMA = "dsadapt.check-inputs/1"
+
+
+def write_report(result: CheckResult, out: Path) -> None:
+    """The check report: JSON (schema dsadapt.check-report/1) and its Markdown twin, each written whole."""
+    from patcher.base.fsutil import atomic_write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out.with_suffix(".md"), check_markdown(result))
+
+
+def verdict_reasons(logit_reasons: list[str], dtype: str, bisected: dict | None) -> list[str]:
+    """Why a check fails (empty: it passes): the logit rule's reasons and, in low precision, a module
+    beyond its limit (docs/equivalence.md)."""
+    reasons = list(logit_reasons)
+    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected.get("passed") is False:
+        reasons += [f"per-module comparison ({dtype}): {r}" for r in (bisected.get("reasons") or [])[:1]]
+    return reasons
+
+
+# ---------------------------------------------------------------- rescoring
+
+
+def inputs_path(report: Path) -> Path:
+    """Where a check report's inputs are kept: the logit reports the rule compared (the reference,
+    the engine, and in low precision the reference's own run in that dtype), as
+    <report>.inputs.json.gz, so that `check --rescore` can apply a later rule to them."""
+    return report.with_name(report.stem + ".inputs.json.gz")
+
+
+def save_inputs(report: Path, reference: LogitReport, engine_report: LogitReport, noise: LogitReport | None,
+                top_k: int) -> Path:
+    import gzip
+
+    path = inputs_path(report)
+    doc = {"schema": INPUTS_SCHEMA, "top_k": top_k, "reference": reference.to_json(), "engine": engine_report.to_json(),
+           "noise": None if noise is None else noise.to_json()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    tmp.replace(path)
+    return path
+
+
+def load_inputs(report: Path) -> tuple[LogitReport, LogitReport, LogitReport | None, int] | None:
+    """The recorded inputs of a check report, or None when it has none (made before they were kept)."""
+    import gzip
+
+    path = inputs_path(report)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, EOFError, ValueError) as e:
+        raise UsageError(f"{path}: not readable ({e})", hint="rerun the check to record them again") from None
+    if not isinstance(doc, dict) or doc.get("schema") != INPUTS_SCHEMA:
+        raise UsageError(f"{path}: not a {INPUTS_SCHEMA} document", hint="rerun the check to record them again")
+    noise = LogitReport.from_json(doc["noise"]) if doc.get("noise") else None
+    return LogitReport.from_json(doc["reference"]), LogitReport.from_json(doc["engine"]), noise, int(doc["top_k"])
+
+
+@dataclass
+class Rejudged:
+    """A stored check re-judged under today's rule (`rejudge`)."""
+
+    verdict: str | None              # None: the stored report lacks what today's rule needs
+    reasons: list[str]
+    logits: Comparison | None        # today's comparison, when the logits could be compared again
+    bisect: dict | None              # today's per-module summary (as the check report keeps it), or None
+    missing: list[str]               # what today's rule needs that the report does not keep
+
+
+def rejudge(doc: dict, path: Path | None) -> Rejudged:
+    """Re-judge a stored check report under the rule as it is now: the logits from the recorded
+    inputs (<report>.inputs.json.gz) when there are any, else from the stored comparison
+    (`patcher.rules.verdicts.rescore`); the per-module part from the bisect report next to it."""
+    from patcher.rules.verdicts import rescore
+
+    dtype = str(doc.get("dtype") or "")
+    bisect_doc = None
+    if path is not None:
+        bpath = bisect_run.report_paths(Path(path))[0]
+        with contextlib.suppress(OSError, ValueError):
+            bisect_doc = json.loads(bpath.read_text(encoding="utf-8"))
+    stored = rescore(doc, bisect_doc)
+    inputs = None
+    if path is not None:
+        inputs = load_inputs(Path(path))
+    if inputs is None:
+        return Rejudged(stored["verdict"], stored["reasons"], None, None, list(stored.get("cannot_judge") or []))
+    ref, eng, noise, k = inputs
+    comparison = compare(ref, eng, k, noise=noise)
+    module_reasons = [x for x in stored["reasons"] if x.startswith("per-module comparison")]
+    reasons = list(comparison.reasons) + module_reasons
+    missing = [m for m in (stored.get("cannot_judge") or []) if "per-module" in m or "bisect" in m]
+    bisect = None
+    if bisect_doc is not None and doc.get("bisect"):
+        bisect = {**doc["bisect"], "passed": not module_reasons}
+    if dtype not in LOW_PRECISION_DTYPES:
+        missing = []
+    return Rejudged(None if missing else ("pass" if not reasons else "fail"), reasons, comparison, bisect, missing)
+
+
+def rule_drift(doc: dict, path: Path | None) -> str | None:
+    """Why a check report's verdict may not be what the current rule gives, or None: today's rule
+    gives another verdict (`dsadapt check --rescore REPORT` rewrites it), or the report lacks what
+    today's rule needs (rerun its command)."""
+    if not (doc.get("comparison") or {}).get("rule"):
+        return None  # the engine produced no logits: no rule was applied
+    try:
+        now = rejudge(doc, path)
+    except DsadaptError as e:
+        return f"its recorded inputs are unreadable ({e.message})"
+    if now.verdict is None:
+        return (f"scored by an older rule; today's needs {', '.join(now.missing)}: rerun "
+                f"`{(doc.get('provenance') or {}).get('command') or 'dsadapt check'}`")
+    if now.verdict != doc.get("verdict"):
+        return f"the current rule says {now.verdict}: `dsadapt check --rescore {path}`"
+    return None
+
+
+def rescore_check(path: Path) -> CheckResult:
+    """Apply the current rule to a stored check report (`rejudge`): a new verdict, reasons, margins
+    and plot, written back into the report (`provenance.rescored` says when, and what it was before)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--rescore {path}: not a readable JSON report ({e})", hint="name a check report (.json)") from None
+    if not isinstance(doc, dict) or doc.get("schema") != REPORT_SCHEMA:
+        raise UsageError(f"--rescore {path}: not a check report (schema {doc.get('schema') if isinstance(doc, dict) else None!r})",
+                         hint="name a report `dsadapt check` wrote (reports/<engine>/<tag>/<model>-<style>-<dtype>.json); "
+                              "speed-gate reports: `dsadapt perf --rescore`")
+    prov = doc.get("provenance") or {}
+    cmd = prov.get("command") or "dsadapt check"
+    if not (doc.get("comparison") or {}).get("rule"):
+        raise UsageError(f"--rescore {path}: the engine produced no logits in that run: there is nothing to rescore",
+                         hint=f"rerun `{cmd}`")
+    now = rejudge(doc, Path(path))
+    if now.verdict is None:
+        raise UsageError(f"--rescore {path}: today's rule needs {', '.join(now.missing)}, which the report does not keep",
+                         hint=f"rerun `{cmd}` to score it under the current rule")
+    fields = {f.name for f in dataclasses.fields(CheckResult)}
+    result = CheckResult(**{k: v for k, v in doc.items() if k in fields})
+    result.provenance = {**prov, "rescored": {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                              "dsadapt": _dsadapt_version(), "previous_verdict": doc.get("verdict"),
+                                              "previous_reasons": doc.get("reasons")}}
+    if now.logits is not None:
+        result.comparison = now.logits.to_json()
+    if now.bisect is not None:
+        result.bisect = now.bisect
+    result.reasons, result.verdict = now.reasons, now.verdict
+    result.margins = check_margins(result.comparison, result.bisect)
+    result.report_path = str(path)
+    model_dir = prov.get("model_dir")
+    if now.logits is not None and model_dir and (Path(model_dir) / "config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            result.explanation = explain(now.logits, config, result.bisect) if not result.passed else []
+        try:
+            from patcher.rules.plots import plot_deltas
+
+            png = Path(path).with_suffix(".png")
+            plot_deltas(now.logits, png, title=f"{result.pin} {result.model} {result.config_style or ''} "
+                                               f"{result.dtype} (rescored)")
+            result.plot_path = str(png)
+        except ImportError:  # matplotlib is optional
+            pass
+    write_report(result, Path(path))
+    return result
 
 
 def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None) -> dict:
@@ -668,7 +903,8 @@ def _engine_failed(r: _Run, err: EngineRunFailed, installed: dict) -> CheckResul
         provenance, {"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
     r.out.parent.mkdir(parents=True, exist_ok=True)
     r.out.with_suffix(".png").unlink(missing_ok=True)
-    _write_report(r.out, result)
+    inputs_path(r.out).unlink(missing_ok=True)  # an earlier run's inputs are not this run's
+    write_report(result, r.out)
     return result
 
 

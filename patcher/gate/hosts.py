@@ -24,6 +24,9 @@ class RunHost:
     def __init__(self, cfg: Config, lock: Lock, progress: Progress | None = None, stream: bool = True,
                  locked: bool = False):
         self.cfg, self.lock, self.progress, self.stream, self.locked = cfg, lock, progress, stream, locked
+        # environments made (or found) by this host: a check over several dtypes, or a check and its
+        # bisect, build and install each once per command, not once per run
+        self._envs: dict[tuple, EngineEnv] = {}
 
     def _guard(self):
         return workdir_lock(self.cfg) if self.locked else contextlib.nullcontext()
@@ -33,8 +36,17 @@ class RunHost:
             return checkout_tree(self.cfg, self.lock, ref, patched=patched, progress=self.progress)
 
     def environment(self, plan: EnvPlan, *, unpatched: bool = False) -> EngineEnv:
+        try:
+            key: tuple | None = (plan, unpatched)
+            if key in self._envs:
+                return self._envs[key]
+        except TypeError:  # a plan that cannot be a key (an engine's own mutable recipe): made each time
+            key = None
         with self._guard():
             res = install_plan(self.cfg, self.lock, plan, unpatched=unpatched, progress=self.progress,
                                stream=self.stream)
-        return EngineEnv(Path(res.python), Path(res.venv), Path(res.artifact).name, res.sha256, res.reused,
-                         tuple(res.removed), dict(res.details))
+        env = EngineEnv(Path(res.python), Path(res.venv), Path(res.artifact).name, res.sha256, res.reused,
+                        tuple(res.removed), dict(res.details))
+        if key is not None:
+            self._envs[key] = env
+        return env

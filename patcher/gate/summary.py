@@ -1,18 +1,32 @@
-"""report: one row per pin: stack size, patches by Upstream-Status, the last check verdict, and
-patches whose Drop-When a newer pin already satisfies (candidates to drop).
+"""report: one row per pin: stack size, patches by Upstream-Status, what the gates say of the
+current stack, and patches whose Drop-When a newer pin already satisfies (candidates to drop).
 
-Check verdicts come from the JSON reports under the project's committed reports/ and under this
+Verdicts come from the JSON reports under the project's committed reports/ and under this
 machine's scratch reports (the work dir's reports/, where `dsadapt check` writes
-<engine>/<tag>/<model>-<dtype>.json unless `--publish` sends it to reports/), any depth, that
-state `pin` and `verdict`, with `date`, `device` and `stack_hash` at the top level or under
-`provenance`; the newest by date wins. Other JSON (e.g. reports/rebase/) and unpatched control
-runs are not verdicts.
-Speed-gate reports (`dsadapt perf`, schema dsadapt.perf-report/1) give the "last perf"
-column the same way; A/A calibration runs are not verdicts.
+<engine>/<tag>/<model>-<style>-<dtype>.json unless `--publish` sends it to reports/), any depth,
+that state `pin` and `verdict`, with `date`, `device` and `stack_hash` at the top level or under
+`provenance`. Other JSON (e.g. reports/rebase/) and unpatched control runs are not verdicts.
+
+**Which verdicts count.** A pin's verdicts are those of its current stack (its stack hash); only
+when the current stack was never checked, those of any stack ("stack changed since"). Each
+verdict belongs to a *configuration*: (variant, model, config style, dtype, parallel config: the
+tensor-parallel size a report states, 1 when it states none). Per configuration the newest
+verdict wins; the pin's verdict is the worst of its configurations, so a passing float32 run of
+one model never hides a failing float16 run of another.
+
+**Speed gate** (`dsadapt perf`, schema dsadapt.perf-report/1) the same way, with the workload as
+part of the configuration: a *calibrated* run (the default workload, threshold and at least the
+default rounds; docs/speed.md) is the verdict; a quicker run is shown next to it, never in its
+place. A/A calibration runs are not verdicts.
+
+**Rules change.** A check report scored by another rule than today's is flagged (`stale`):
+`patcher.gate.check.rule_drift` applies the current rule to the report's recorded inputs, or, for a
+report without them, compares the rule's parameters; `dsadapt check --rescore REPORT` rescores one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections import Counter
@@ -26,6 +40,7 @@ from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.patchfile import drop_when_satisfied
 from patcher.formats.stackfiles import Stack, load_stack
 
+SCHEMA = "dsadapt.report/1"
 _GPU_RE = re.compile(r"\bgpu\b|cuda|nvidia|rocm", re.IGNORECASE)
 _VERDICT_KEYS = ("pin", "verdict", "date", "device", "stack_hash")
 
@@ -38,12 +53,29 @@ class Verdict:
     date: str
     device: str
     stack_hash: str
+    variant: str = ""
+    model: str = ""
+    config_style: str = ""
+    dtype: str = ""
+    parallel: str = "1"
+    workload: str = ""          # perf: "calibrated", or what makes a run quicker than the calibrated one
+    stale: str | None = None    # why the verdict may not be what the current rule gives
     #: how far the check's worst judged quantity is from its limit, in words ("" when unknown)
     margin: str = ""
 
     @property
     def gpu(self) -> bool:
         return bool(_GPU_RE.search(self.device))
+
+    @property
+    def config(self) -> tuple[str, str, str, str, str]:
+        """The configuration this verdict is about (one newest verdict each)."""
+        return (self.variant, self.model, self.config_style, self.dtype, self.parallel)
+
+    @property
+    def label(self) -> str:
+        parts = [x for x in (self.variant, self.model, self.config_style, self.dtype) if x]
+        return " ".join(parts + ([f"tp{self.parallel}"] if self.parallel not in ("", "1") else []))
 
 
 @dataclass(frozen=True)
@@ -60,36 +92,55 @@ class PinReport:
     stack_exists: bool
     stack_hash: str | None
     upstream_status: dict[str, int]
-    check: str                 # never checked | pass <date> | GPU-verified <date> | fail <date> (+ stale)
+    check: str                 # never checked | pass <date> | GPU-verified <date> | fail <date> (+ how many configs)
     last_check: dict | None = None
     drop_candidates: list[DropCandidate] = field(default_factory=list)
     error: str | None = None
-    perf: str = "never measured"   # the speed gate's last verdict, in the same words
+    perf: str = "never measured"   # the speed gate's verdict, in the same words
     last_perf: dict | None = None
+    #: the newest verdict per configuration, worst first (what `check` and `perf` summarize)
+    checks: list[dict] = field(default_factory=list)
+    perfs: list[dict] = field(default_factory=list)
+    verdict: str = "never checked"   # pass | fail | never checked: the worst configuration's
+    stale: int = 0                   # verdicts in `checks` scored by another rule than today's
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def verdict_of(data, file: str) -> Verdict | None:
-    """Pure: the verdict a check report states, or None if the JSON is not a check report.
+def _fields(data: dict) -> dict | None:
+    raw_prov = data.get("provenance")
+    prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
+    fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
+    if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
+        return None
+    raw_settings = prov.get("engine_settings")
+    settings: dict = raw_settings if isinstance(raw_settings, dict) else {}
+    parallel = data.get("parallel", prov.get("parallel", settings.get("tensor_parallel_size", settings.get("tp"))))
+    return {"pin": str(fields["pin"]), "verdict": str(fields["verdict"]), "date": str(fields["date"]),
+            "device": str(fields["device"]), "stack_hash": str(fields["stack_hash"] or ""),
+            "variant": str(data.get("variant") or ""), "model": str(data.get("model") or ""),
+            "config_style": str(data.get("config_style") or ""), "dtype": str(data.get("dtype") or ""),
+            "parallel": str(parallel or 1)}
+
+
+def verdict_of(data, file: str, *, stale=None) -> Verdict | None:
+    """Pure (but for `stale`): the verdict a check report states, or None if the JSON is not a check report.
 
     Accepts `pin`/`verdict` at the top level with `date`/`device`/`stack_hash` either at the top
     level or under `provenance` (where `dsadapt check` puts them). Reports of the unpatched
-    engine (`"unpatched": true`, a control run) are not the stack's verdict.
-    """
+    engine (`"unpatched": true`, a control run) are not the stack's verdict. `stale(data, file)`
+    says why the verdict may not be the current rule's (None: it is)."""
     if not isinstance(data, dict) or data.get("unpatched") or _is_perf(data):
         return None
     raw_prov = data.get("provenance")
     prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
     if prov.get("unpatched_engine"):  # Triton served with the pristine engine: a control run too
         return None
-    fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
-    if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
+    fields = _fields(data)
+    if fields is None:
         return None
-    return Verdict(file, str(fields["pin"]), str(fields["verdict"]), str(fields["date"]), str(fields["device"]),
-                   str(fields["stack_hash"] or ""), margin_of(data))
-
+    return Verdict(file, **fields, stale=stale(data, file) if stale else None, margin=margin_of(data))
 
 def margin_of(data: dict) -> str:
     """Pure: a check report's margin in a few words: 'margin 1.63x' (a pass: the worst point is at
@@ -116,18 +167,42 @@ def _is_perf(data: dict) -> bool:
     return str(data.get("schema", "")).startswith("dsadapt.perf-report/")
 
 
+def perf_workload(data: dict) -> str:
+    """Pure: "calibrated" for a speed-gate run of the default workload (levels, mixes, requests,
+    at least the default rounds and warm-up, the default threshold: what docs/speed.md calibrated),
+    else what makes it quicker or different ("3 rounds", "concurrency 4", ...)."""
+    from patcher.rules.speed import DEFAULT_CONCURRENCY, DEFAULT_ROUNDS, DEFAULT_THRESHOLD
+
+    raw = data.get("workload")
+    w: dict = raw if isinstance(raw, dict) else {}
+    diffs = []
+    rounds = w.get("rounds")
+    if not isinstance(rounds, int) or rounds < DEFAULT_ROUNDS:
+        diffs.append(f"{rounds} rounds")
+    conc = list(w.get("concurrency") or [])
+    if conc != list(DEFAULT_CONCURRENCY):
+        diffs.append("concurrency " + ",".join(map(str, conc)))
+    mixes = [m.get("name") for m in w.get("mixes") or [] if isinstance(m, dict)]
+    if mixes != ["short", "medium", "long"]:
+        diffs.append("mixes " + ",".join(str(m) for m in mixes))
+    if (w.get("requests_per_run") or 0) < max(12, 2 * max(DEFAULT_CONCURRENCY)):
+        diffs.append(f"{w.get('requests_per_run')} requests per run")
+    if not (w.get("warmup_rounds") or 0) >= 1:
+        diffs.append("no warm-up")
+    if data.get("threshold") not in (None, DEFAULT_THRESHOLD):
+        diffs.append(f"threshold {data.get('threshold')}")
+    return "calibrated" if not diffs else ", ".join(diffs)
+
+
 def perf_verdict_of(data, file: str) -> Verdict | None:
     """Pure: the verdict a speed-gate report states, or None (not a perf report, an A/A
     calibration run, or a report without date/device)."""
     if not isinstance(data, dict) or not _is_perf(data) or data.get("mode") != "patched-vs-unpatched":
         return None
-    raw_prov = data.get("provenance")
-    prov: dict = raw_prov if isinstance(raw_prov, dict) else {}
-    fields = {k: data.get(k, prov.get(k)) for k in _VERDICT_KEYS}
-    if any(fields[k] is None for k in ("pin", "verdict", "date", "device")):
+    fields = _fields(data)
+    if fields is None:
         return None
-    return Verdict(file, str(fields["pin"]), str(fields["verdict"]), str(fields["date"]), str(fields["device"]),
-                   str(fields["stack_hash"] or ""))
+    return Verdict(file, **fields, workload=perf_workload(data))
 
 
 def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
@@ -147,23 +222,72 @@ def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
     return out
 
 
-def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked") -> tuple[str, Verdict | None]:
-    """Pure: the last verdict in words: the newest check of the current stack; only when the
-    current stack was never checked, the newest of any (and "stack changed since"). A newer check
+def _severity(v: Verdict) -> int:
+    """0 the worst: a failure, then anything else that is not a pass, then a stale pass, then a pass."""
+    return 0 if v.verdict == "fail" else 1 if v.verdict != "pass" else 2 if v.stale else 3
+
+
+def newest_per_config(verdicts: list[Verdict], stack_hash: str | None) -> tuple[list[Verdict], bool]:
+    """Pure: the newest verdict of each configuration, worst first, of the current stack (only when
+    the current stack has none: of any stack, and True for "stack changed since"). A newer check
     of another stack (a planted-bug copy, an older branch) never hides the current stack's."""
-    if not verdicts:
-        return never, None
     current = [v for v in verdicts if stack_hash and v.stack_hash == stack_hash]
-    last = max(current or verdicts, key=lambda v: (v.date, v.file))
-    if last.verdict == "pass":
-        words = f"GPU-verified {last.date}" if last.gpu else f"pass {last.date} ({last.device})"
+    pool = current or verdicts
+    newest: dict[tuple, Verdict] = {}
+    for v in sorted(pool, key=lambda v: (v.date, v.file)):
+        newest[v.config] = v
+    rows = sorted(newest.values(), key=lambda v: (_severity(v), v.label))
+    return rows, bool(verdicts) and not current and bool(stack_hash)
+
+
+def _words(v: Verdict) -> str:
+    if v.verdict == "pass":
+        words = f"GPU-verified {v.date}" if v.gpu else f"pass {v.date} ({v.device})"
     else:
-        words = f"{last.verdict} {last.date} ({last.device})"
-    if last.margin:
-        words += f", {last.margin}"
-    if stack_hash and last.stack_hash != stack_hash:
+        words = f"{v.verdict} {v.date} ({v.device})"
+    return words + (f", {v.margin}" if v.margin else "")
+
+
+def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked") -> tuple[str, Verdict | None]:
+    """Pure: the pin's verdict in words: the worst of the newest verdict per configuration
+    (`newest_per_config`), with how many configurations were judged; returns it and the verdict."""
+    rows, changed = newest_per_config(verdicts, stack_hash)
+    if not rows:
+        return never, None
+    worst = rows[0]
+    words = _words(worst)
+    if len(rows) > 1:
+        bad = [v for v in rows if v.verdict != "pass"]
+        words += (f"; {len(bad)} of {len(rows)} configs fail: " + ", ".join(v.label for v in bad[:3])
+                  + (" …" if len(bad) > 3 else "")) if bad else f"; {len(rows)} configs pass"
+    stale = [v for v in rows if v.stale]
+    if stale:
+        words += f"; {len(stale)} scored by an older rule (`dsadapt check --rescore REPORT`)"
+    if changed:
         words += "; stack changed since"
-    return words, last
+    return words, worst
+
+
+def perf_words(verdicts: list[Verdict], stack_hash: str | None) -> tuple[str, Verdict | None, list[Verdict]]:
+    """Pure: the speed gate's verdict in words: the worst calibrated configuration; quicker runs are
+    named next to it (never in its place), or stand alone, said to be quick, when there is no
+    calibrated run. Returns (words, the verdict, every configuration's newest run)."""
+    rows, changed = newest_per_config([v for v in verdicts if v.workload == "calibrated"], stack_hash)
+    quick, qchanged = newest_per_config([v for v in verdicts if v.workload != "calibrated"], stack_hash)
+    if not rows and not quick:
+        return "never measured", None, []
+    if rows:
+        words, worst = check_words([v for v in verdicts if v.workload == "calibrated"], stack_hash,
+                                   never="never measured")
+        newer = [q for q in quick if q.date > max(v.date for v in rows)]
+        if newer:
+            q = newer[0]
+            words += f"; newer quick run {q.date}: {q.verdict} ({q.workload})"
+        return words, worst, rows + quick
+    worst = quick[0]
+    words = f"{_words(worst)} (quick run: {worst.workload}; no calibrated run)" + \
+            ("; stack changed since" if qchanged else "")
+    return words, worst, quick
 
 
 def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...]) -> list[DropCandidate]:
@@ -184,9 +308,25 @@ def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dist
     return out
 
 
+def _row(v: Verdict, project: Path) -> dict:
+    d = asdict(v)
+    with contextlib.suppress(ValueError):
+        d["file"] = str(Path(v.file).relative_to(project))
+    d["config"] = v.label
+    return d
+
+
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
+    from patcher.gate.check import rule_drift
+
+    def stale(data: dict, file: str) -> str | None:
+        try:
+            return rule_drift(data, Path(file))
+        except DsadaptError as e:  # a report the rule cannot read is said to be so, never counted as current
+            return f"cannot be scored by the current rule ({e.message})"
+
     rows = []
-    verdicts = read_verdicts(*cfg.report_roots)
+    verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale))
     perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of)
     for engine in sorted(lock.engines):
         ad = adapter(engine)
@@ -198,13 +338,17 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
             except DsadaptError as e:
                 rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
                 continue
-            words, last = check_words(verdicts.get(str(entry.ref), []), stack.hash if stack.exists else None)
-            perf_words, last_perf = check_words(perfs.get(str(entry.ref), []), stack.hash if stack.exists else None,
-                                                never="never measured")
+            current = stack.hash if stack.exists else None
+            mine = verdicts.get(str(entry.ref), [])
+            words, last = check_words(mine, current)
+            checks, _ = newest_per_config(mine, current)
+            p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current)
             statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
             rows.append(PinReport(
-                str(entry.ref), len(stack), stack.exists, stack.hash if stack.exists else None,
+                str(entry.ref), len(stack), stack.exists, current,
                 dict(sorted(statuses.items())), words, asdict(last) if last else None,
-                drop_candidates(stack, entry, pins[i + 1:], dists), perf=perf_words,
-                last_perf=asdict(last_perf) if last_perf else None))
+                drop_candidates(stack, entry, pins[i + 1:], dists), perf=p_words,
+                last_perf=asdict(last_perf) if last_perf else None,
+                checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
+                verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks)))
     return rows

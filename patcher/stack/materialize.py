@@ -305,16 +305,29 @@ def has_op(cfg: Config, ref: PinRef) -> bool:
     return co.exists and co.has_op()
 
 
+def _op_kind(co: Checkout) -> str:
+    try:
+        st = co.load()
+    except DsadaptError:
+        return "operation"
+    return st.op.kind if st.op else "apply"
+
+
 def in_progress(cfg: Config, ref: PinRef | None) -> Checkout:
     """The checkout whose op `continue` / `skip` / `abort` mean: the named pin's, or the only one."""
+    found = [co for co in all_checkouts(cfg) if co.has_op()]
     if ref is not None:
         co = Checkout(cfg, ref)
         if co.exists and co.load().op is not None:
             return co
-        raise WorkspaceError(f"{ref}: no apply in progress", hint="nothing to continue, skip or abort")
-    found = [co for co in all_checkouts(cfg) if co.has_op()]
+        elsewhere = [c for c in found if c.ref != ref]
+        if elsewhere:  # a rebase stops in the NEW tag's checkout: name it, never "nothing in progress"
+            c = elsewhere[0]
+            raise WorkspaceError(f"{ref}: nothing in progress in its checkout; the {_op_kind(c)} stopped in "
+                                 f"{c.ref}'s checkout", hint=f"`dsadapt continue {c.ref}` (or skip, abort)")
+        raise WorkspaceError(f"{ref}: no apply, rebase or refresh in progress", hint="nothing to continue, skip or abort")
     if not found:
-        raise WorkspaceError("no apply in progress", hint="nothing to continue, skip or abort")
+        raise WorkspaceError("no apply, rebase or refresh in progress", hint="nothing to continue, skip or abort")
     if len(found) > 1:
         raise WorkspaceError(f"{len(found)} operations in progress: {', '.join(str(c.ref) for c in found)}",
                              hint=f"name one, e.g. `dsadapt continue {found[0].ref}`")

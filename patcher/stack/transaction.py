@@ -230,6 +230,24 @@ def _am_blocks(stdout: str) -> list[str]:
 # ---------------------------------------------------------------- the transaction
 
 
+def conflict_kinds(ls_files_u: str) -> dict[str, str]:
+    """Pure: each unmerged path of `git ls-files -u -z` and its conflict, in git's words (`git am
+    -3`: "ours" is the upstream tree at HEAD, "theirs" the patch): content, add/add, modify/delete."""
+    stages: dict[str, set[int]] = {}
+    for rec in ls_files_u.split("\0"):
+        if "\t" not in rec:
+            continue
+        meta, path = rec.split("\t", 1)
+        parts = meta.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            stages.setdefault(path, set()).add(int(parts[2]))
+    words = {frozenset({1, 2, 3}): "content", frozenset({2, 3}): "add/add",
+             frozenset({1, 2}): "modify/delete: the patch deletes it, upstream changed it",
+             frozenset({1, 3}): "modify/delete: upstream deleted it, the patch changes it",
+             frozenset({2}): "added upstream", frozenset({3}): "added by the patch"}
+    return {p: words.get(frozenset(st), "conflict") for p, st in stages.items()}
+
+
 class Transaction:
     """An op on one checkout: begin, run, stop, continue, skip, abort, recover."""
 
@@ -693,10 +711,12 @@ class Transaction:
     def _conflict(self, idx: int) -> ConflictStop:
         op, ref = self.op, self.co.ref
         files = self._conflicted_files()
+        kinds = conflict_kinds(self.git.run("ls-files", "-u", "-z", check=False).out)
         verb = self.kind.verb
         head = f"{op.extra.get('stop_prefix', '')}patch {idx}/{op.total} {op.meta(idx).name} does not apply"
+        named = [f"{f} ({kinds[f]})" if f in kinds else f for f in files]
         return ConflictStop(
-            f"{ref}: {head}; conflicts in: {', '.join(files) or '(see git status)'}",
+            f"{ref}: {head}; conflicts in: {', '.join(named) or '(see git status)'}",
             hint=f"resolve in {self.co.path}, `git add` the files, then `dsadapt continue {ref}`; "
                  f"or `dsadapt skip {ref}` to drop this patch, `dsadapt abort {ref}` to undo the whole {verb}")
 

@@ -21,7 +21,15 @@ from pathlib import Path
 
 from patcher.base import leftovers
 from patcher.base.config import Config
-from patcher.base.errors import LockError, MachineError, SourceError, UnsafeArtifact, VerificationError, show
+from patcher.base.errors import (
+    DsadaptError,
+    LockError,
+    MachineError,
+    SourceError,
+    UnsafeArtifact,
+    VerificationError,
+    show,
+)
 from patcher.base.fsutil import sha256_file
 from patcher.base.gitutil import ALLOWED_PROTOCOLS, Git, init_repo
 from patcher.base.paths import tree_path_error
@@ -377,6 +385,34 @@ def materialize(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, 
             reasons.append(f"{kind}: {e.message}")  # bad input found by the next source is still answered first
     raise SourceError(f"no source could provide {entry}: " + "; ".join(reasons),
                       hint="configure a mirror (DSADAPT_MIRRORS), allow PyPI, or check the network")
+
+
+def source_blocker(cfg: Config, decl: EngineDecl, entry: LockEntry, probe_timeout: float = 5.0) -> str | None:
+    """Why no configured source can provide the pin's tree here, or None (one can, as far as can
+    be told without fetching: a checkout or a fetched copy exists, PyPI holds its release artifact,
+    a mirror is configured, or its git remote answers `git ls-remote` within `probe_timeout`)."""
+    if (cfg.checkout_dir(entry.engine, entry.tag) / ".git").exists():
+        return None
+    cache = cfg.cache / "git" / f"{decl.name}.git"
+    if (cache / "refs" / "dsadapt" / "fetched" / entry.tag).is_file():
+        return None
+    reasons = []
+    for kind in cfg.sources:
+        if kind == "pypi":
+            if entry.source_artifact() is not None:
+                return None
+            reasons.append("pypi: no release artifact in the lock")
+        elif kind == "mirror":
+            if any(m.exists() for m in cfg.mirrors.get(decl.name, ())):
+                return None
+            reasons.append("mirror: none configured")
+        elif kind == "git" and decl.git:
+            try:
+                git_remote_tags(decl.git, probe_timeout)
+                return None
+            except (Unreachable, subprocess.TimeoutExpired, OSError, DsadaptError):
+                reasons.append(f"git: {decl.git} unreachable")
+    return "no source here for its tree (" + "; ".join(reasons) + ")" if reasons else "no source configured"
 
 
 # ---------------------------------------------------------------- PyPI index (for pin and tags)

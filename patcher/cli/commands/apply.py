@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import click
 
+from patcher.base.errors import UsageError
 from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     pinref_arg,
     plural,
     progress_printer,
     ref_of,
-    say,
     to_ref,
 )
 
@@ -25,21 +26,21 @@ def _line(o) -> str:
 
 def _report(res, as_json: bool, verb: str) -> None:
     if as_json:
-        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()})
+        emit_json({"status": "noop" if res.noop else "applied", **res.to_json()}, schema="dsadapt.apply/1")
         return
     for n in res.notes:
-        say(f"  note: {n}")
+        out(f"  note: {n}")
     if res.noop:
-        say(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
+        out(f"{res.ref}: already applied ({res.stack_hash[:10]}) at {res.head[:12] if res.head else '?'}; nothing to do")
         return
     src = res.source or {}
-    say(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
+    out(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
         f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
-    say(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
+    out(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
     if res.backup_ref:
-        say(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")
+        out(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")
     for b in res.backups:
-        say(f"  uncommitted work kept as {b} (git -C {res.checkout} stash apply {b})")
+        out(f"  uncommitted work kept as {b} (git -C {res.checkout} stash apply {b})")
 
 
 def _op_ref(ctx: Context, pin):
@@ -55,26 +56,61 @@ def _op_ref(ctx: Context, pin):
 
 
 def _on_patch(as_json: bool):
-    return None if as_json else (lambda o: say(_line(o)))
+    return None if as_json else (lambda o: out(_line(o)))
+
+
+def op_flags(f):
+    """--continue / --skip / --abort: `git am --continue` habits, the same as `dsadapt continue`..."""
+    for name, what in (("abort", "dsadapt abort"), ("skip", "dsadapt skip"), ("continue", "dsadapt continue")):
+        f = click.option(f"--{name}", f"op_{name}", is_flag=True, help=f"Same as `{what} [ENGINE@TAG]`.")(f)
+    return f
+
+
+def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], command: str) -> bool:
+    """Run the operation a --continue/--skip/--abort flag names (True), or nothing (False)."""
+    chosen = [n.removeprefix("op_") for n, on in flags.items() if on]
+    if not chosen:
+        return False
+    if len(chosen) > 1:
+        raise UsageError(f"pass one of --{', --'.join(chosen)}", hint=f"e.g. dsadapt {command} --continue")
+    extra = [p.name for p in click_ctx.command.params
+             if p.name not in ("pin", "as_json", *flags) and p.name is not None
+             and click_ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    if extra:
+        raise UsageError(f"--{chosen[0]} takes only [ENGINE@TAG] (and --json), not --{extra[0].replace('_', '-')}",
+                         hint=f"dsadapt {command} --{chosen[0]} [ENGINE@TAG]")
+    target = {"continue": continue_cmd, "skip": skip_cmd, "abort": abort_cmd}[chosen[0]]
+    click_ctx.invoke(target, pin=pin, as_json=click_ctx.params.get("as_json", False))
+    return True
 
 
 @click.command("apply")
-@pinref_arg()
+@pinref_arg(required=False, pinned=False)
 @click.option("--force", is_flag=True, help="Apply over uncommitted changes or unexported commits (kept in backup refs).")
+@op_flags
 @json_option
 @pass_ctx
-def apply_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
-    """Materialize + verify the pinned checkout, then apply the stack as commits."""
+def apply_cmd(ctx: Context, pin: str, force: bool, op_continue: bool, op_skip: bool, op_abort: bool,
+              as_json: bool) -> None:
+    """Materialize + verify the pinned checkout, then apply the stack as commits.
+
+    `apply --continue`, `--skip`, `--abort` are `dsadapt continue`, `skip`, `abort`."""
     from patcher.base.workdir import workdir_lock
     from patcher.formats.stackfiles import load_stack
     from patcher.stack.apply import apply_stack
 
+    if run_op(click.get_current_context(), ctx, pin,
+              {"op_continue": op_continue, "op_skip": op_skip, "op_abort": op_abort}, "apply"):
+        return
+    if not pin:
+        raise UsageError("missing argument 'ENGINE@TAG': the pin to apply", hint="e.g. dsadapt apply vllm@v0.32.0; "
+                                                                    "`dsadapt apply --continue` goes on after a conflict")
     ref = ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before anything (even the work-dir lock file) is created
     stack = load_stack(ctx.cfg.patches_root, ref)  # parsed once, here: apply_stack takes it as it is
     with workdir_lock(ctx.cfg):
         res = apply_stack(ctx.cfg, ctx.lock, ref, force=force, stack=stack,
-                          progress=progress_printer(not as_json), on_patch=_on_patch(as_json))
+                          progress=progress_printer(), on_patch=_on_patch(as_json))
     _report(res, as_json, "applied")
 
 
@@ -90,7 +126,7 @@ def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workdir_lock(ctx.cfg):
         res = continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                             progress=progress_printer(not as_json))
+                             progress=progress_printer())
     _report(res, as_json, "applied")
 
 
@@ -106,7 +142,7 @@ def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workdir_lock(ctx.cfg):
         res = skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                         progress=progress_printer(not as_json))
+                         progress=progress_printer())
     _report(res, as_json, "applied")
 
 
@@ -121,14 +157,15 @@ def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
 
     ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
     with workdir_lock(ctx.cfg):
-        co = abort_apply(ctx.cfg, ref, progress=progress_printer(not as_json))
+        co = abort_apply(ctx.cfg, ref, progress=progress_printer())
     notes = getattr(co, "notes", [])
     if as_json:
-        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes})
+        emit_json({"status": "aborted", "ref": str(co.ref), "checkout": str(co.path), "notes": notes},
+                  schema="dsadapt.abort/1")
     else:
-        say(f"{co.ref}: aborted; {co.path} is back where it was")
+        out(f"{co.ref}: aborted; {co.path} is back where it was")
         for n in notes:
-            say(f"  note: {n}")
+            out(f"  note: {n}")
 
 
 COMMANDS = [apply_cmd, continue_cmd, skip_cmd, abort_cmd]

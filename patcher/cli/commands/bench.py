@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, say, table
+from patcher.cli.commands import common
+from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, progress_printer, table
 
 
 @click.command("bench")
@@ -15,8 +16,9 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file to write (default: docs/benchmarks.md in the project).")
 @click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
-@click.option("--only", type=click.Choice(["builds", "stack-ops"]), default=None,
-              help="Measure only builds, or only stack operations (the other section of the file is kept).")
+@click.option("--only", type=click.Choice(["builds", "stack-ops", "reports"]), default=None,
+              help="Measure only builds, or only stack operations (the other section of the file is kept); "
+                   "reports: measure nothing, only rewrite the sections made from the committed reports.")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
 @click.option("--stack-pin", default=None, metavar="ENGINE@TAG",
@@ -45,11 +47,11 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
 
         stack_pin, default_to = default_stack_pin(ctx.lock)
         rebase_to = default_to if rebase_to is None else rebase_to
-    stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
-                                                "rebase_to": rebase_to or None}
+    stack_ops = None if only in ("builds", "reports") else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
+                                                            "rebase_to": rebase_to or None}
     with workdir_lock(ctx.cfg):
-        report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(not as_json),
-                           builds_too=only != "stack-ops", stack_ops=stack_ops)
+        report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(),
+                           builds_too=only not in ("stack-ops", "reports"), stack_ops=stack_ops)
     path = out or ctx.cfg.project / "docs" / "benchmarks.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
@@ -58,7 +60,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     old = path.read_text(encoding="utf-8") if path.is_file() else None
     path.write_text(format_markdown(report, command, old, ctx.cfg.published_reports) + "\n")
     if as_json:
-        emit_json({**report.to_json(), "written": str(path)})
+        emit_json({**report.to_json(), "written": str(path)}, schema="dsadapt.bench/1")
         return
     m = report.machine
     if report.builds is not None:
@@ -69,7 +71,7 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         table(f"stack operations ({report.stack_facts.get('pin')})", STACK_COLUMNS, stack_table(report.stack_ops))
     if report.checks:
         table("check wall time", CHECK_COLUMNS, check_table(report))
-    say(f"wrote {path}")
+    common.out(f"wrote {path}")
 
 
 COMMANDS = [bench_cmd]

@@ -17,10 +17,10 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    out,
     parallel_options,
     pass_ctx,
     progress_printer,
-    say,
     table,
     to_parallel,
     to_ref,
@@ -60,11 +60,11 @@ def render(res: CheckResult, report: dict | None) -> None:
               f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
               f"{b.get('rule')} rule", columns, rows)
     for line in b.get("explanation") or b.get("reasons") or []:
-        say(f"  {line}")
-    say(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
+        out(f"  {line}")
+    out(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
     if b.get("report_path"):
-        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
-    say(f"check report: {res.report_path}")
+        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+    out(f"check report: {res.report_path}")
 
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
@@ -98,7 +98,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
         raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
                                 hint="see docs/equivalence.md (Bisect) for the engines that can")
     dtype = dtype or check_dtypes(ctx.lock, ref, variant, config=model_config)[0]
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
         req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
@@ -116,7 +116,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     if b.get("report_path") and Path(b["report_path"]).is_file():
         report = json.loads(Path(b["report_path"]).read_text())
     if as_json:
-        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b})
+        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b}, schema="dsadapt.bisect-report/1")
     else:
         render(res, report)
     if b.get("passed") is False:

@@ -16,11 +16,11 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     pinref_arg,
     progress_printer,
     ref_of,
-    say,
     table,
 )
 from patcher.engines import engine
@@ -38,25 +38,25 @@ def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> Non
     if variant is not None:
         engine(ref.engine).variant(variant)
     with workdir_lock(ctx.cfg):
-        res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer(not as_json))
+        res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer())
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.build/1")
         return
     click.echo(res.artifact)
-    say(f"  sha256 {res.sha256}")
-    say(f"  {res.kind} build in {res.seconds:.1f} s: {res.how}")
+    out(f"  sha256 {res.sha256}")
+    out(f"  {res.kind} build in {res.seconds:.1f} s: {res.how}")
     for p in res.replaced:
-        say(f"  replaced {p}")
+        out(f"  replaced {p}")
     for p in res.added:
-        say(f"  added    {p}")
+        out(f"  added    {p}")
     for p in res.removed:
-        say(f"  removed  {p}")
+        out(f"  removed  {p}")
     if res.left_out:
-        say(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
+        out(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
     eng = engine(ref.engine)
     blocker = eng.run_blocker(ctx.lock.pin(ref), eng.variant(res.variant))
     if blocker:
-        say(f"  note: built here, but it cannot run here: {blocker}")
+        out(f"  note: built here, but it cannot run here: {blocker}")
 
 
 @click.command("install")
@@ -91,16 +91,16 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     eng = engine(ref.engine)
     plan = eng.env_plan(entry, eng.variant_for(entry, default_variant(ctx, ref, variant)), ctx.lock)
     with workdir_lock(ctx.cfg):
-        res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(not as_json), stream=not as_json)
+        res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(), stream=not as_json)
     if as_json:
-        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None})
+        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None}, schema="dsadapt.install/1")
         return
-    say(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    out(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
     if plan.note:
-        say(f"  {plan.note}")
+        out(f"  {plan.note}")
     if res.removed:
-        say(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
-    say(f"  activate: {res.activate}")
+        out(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
+    out(f"  activate: {res.activate}")
 
 
 def default_variant(ctx: Context, ref, variant: str | None) -> str | None:
@@ -118,7 +118,7 @@ def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle:
     from patcher.formats.bundle import read_manifest
     from patcher.offline.install import install_offline, open_bundle
 
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     with workdir_lock(ctx.cfg):
         directory = open_bundle(ctx.cfg, bundle, progress)
         m = read_manifest(directory)
@@ -130,16 +130,16 @@ def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle:
         res = install_offline(ctx.cfg, ctx.lock, directory, system_site_packages=system_site_packages,
                               progress=progress, stream=not as_json)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.install-offline/1")
         return
-    say(f"{res.pin} ({res.variant}) installed from {res.bundle}")
+    out(f"{res.pin} ({res.variant}) installed from {res.bundle}")
     for side, env in res.environments.items():
-        say(f"  {side:9} {env['venv']} ({'reused' if env['reused'] else 'installed'}, {env['artifact']})")
+        out(f"  {side:9} {env['venv']} ({'reused' if env['reused'] else 'installed'}, {env['artifact']})")
     if res.host_packages:
-        say("  from this host: " + ", ".join(f"{n} {v or '?'}" for n, v in sorted(res.host_packages.items())))
+        out("  from this host: " + ", ".join(f"{n} {v or '?'}" for n, v in sorted(res.host_packages.items())))
     for w in res.warnings:
-        say(f"  note: {w}")
-    say(f"next: dsadapt check {res.pin} --variant {res.variant} --model v3 --dtype {{bfloat16|float16|...}}"
+        out(f"  note: {w}")
+    out(f"next: dsadapt check {res.pin} --variant {res.variant} --model v3 --dtype {{bfloat16|float16|...}}"
         + (" [--unpatched]" if "unpatched" in res.environments else ""))
 
 
@@ -161,7 +161,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                        "status": "skipped", "reason": reason, "runs_here": runs is None, "run_blocker": runs}
                 if reason is None:
                     try:
-                        res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer(not as_json))
+                        res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer())
                         row.update(kind=res.kind, artifact=res.artifact, sha256=res.sha256,
                                    seconds=round(time.monotonic() - t0, 1), status="built")
                     except SourceError:  # no source reachable here: cannot be built here, not a failure
@@ -176,7 +176,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                              f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", str(row["status"]),
                              str(note)])
     if as_json:
-        emit_json({"builds": data, "ok": not failed})
+        emit_json({"builds": data, "ok": not failed}, schema="dsadapt.build-all/1")
     else:
         table("build-all", ["pin", "variant", "kind", "artifact", "s", "status", "note"], rows)
     if failed:

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from patcher.base.workdir import workdir_lock
+from patcher.cli.commands import common
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -15,7 +16,6 @@ from patcher.cli.commands.common import (
     pinref_arg,
     progress_printer,
     ref_of,
-    say,
 )
 from patcher.engines import engine
 from patcher.offline.pack import make_bundle, parse_size, parse_stacks
@@ -27,7 +27,8 @@ from patcher.offline.pack import make_bundle, parse_size, parse_stacks
 @click.option("--python", "python", default=None, metavar="X.Y",
               help="The target's Python (default: the pin's, else this one).")
 @click.option("--platform", default=None, metavar="TAG",
-              help="The target's platform tag (default manylinux_2_28_x86_64: glibc >= 2.28, x86-64).")
+              help="The target's platform tag (default: the one the environment's lock was made for, e.g. "
+                   "manylinux_2_31_x86_64 for vLLM 0.32; manylinux_2_28_x86_64 without a lock).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Where the bundle goes (default dist/bundle-ENGINE-TAG-VARIANT-pyX.Y).")
 @click.option("--tar", is_flag=True, help="Write one .tar file (OUT.tar) instead of a folder.")
@@ -61,25 +62,25 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
     with workdir_lock(ctx.cfg):
         res = make_bundle(ctx.cfg, ctx.lock, ref, variant=variant, python=python, platform=platform, out=out,
                           tar=tar, have=have, exclude=exclude, unpatched=not no_unpatched, max_size=limit,
-                          progress=progress_printer(not as_json), stacks=extra)
+                          progress=progress_printer(), stacks=extra)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.bundle-result/1")
         return
     click.echo(res.path)
-    say(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
+    common.out(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
         f"{res.files} files, {res.seconds:.0f} s")
     for side, b in res.builds.items():
-        say(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
+        common.out(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
     for name, st in res.stacks.items():
-        say(f"  stack {name}: {Path(st['file']).name} ({len(st['patches'])} patches, {st['stack_hash'][:8]}): "
+        common.out(f"  stack {name}: {Path(st['file']).name} ({len(st['patches'])} patches, {st['stack_hash'][:8]}): "
             f"project stacks/{name}/")
     for name, part in res.parts.items():
-        say(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
+        common.out(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")
         if part["left_out"]:
-            say(f"  {'':9} left out: {', '.join(part['left_out'])}")
-    say("on the target, in the bundle's folder:")
+            common.out(f"  {'':9} left out: {', '.join(part['left_out'])}")
+    common.out("on the target, in the bundle's folder:")
     for c in res.commands:
-        say(f"  {c}")
+        common.out(f"  {c}")
 
 
 COMMANDS = [bundle_cmd]

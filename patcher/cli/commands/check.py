@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -17,11 +18,12 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    junit_option,
+    out,
     parallel_options,
     pass_ctx,
     progress_printer,
     publish_option,
-    say,
     table,
     to_parallel,
     to_ref,
@@ -116,20 +118,21 @@ def render(res: CheckResult) -> None:
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
              f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
     if not rows:
-        say(f"{res.pin}: the engine produced no logits")
+        out(f"{res.pin}: the engine produced no logits")
     else:
         table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
                       "verdict"], rows)
     if res.bisect:
         render_bisect_summary(res.bisect)
-    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
+        verdict=res.verdict.upper())
     if res.margins and res.margins.get("words"):
-        say(f"margins: {res.margins['words']}")
+        out(f"margins: {res.margins['words']}")
     for line in res.explanation if not res.passed else []:
-        say(f"  explain: {line}")
-    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+        out(f"  explain: {line}")
+    out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
     if not res.passed and not (res.bisect and res.bisect.get("report_path")):
-        say(f"localize it: {bisect_command(res)}")
+        out(f"localize it: {bisect_command(res)}")
 
 
 def render_bisect_summary(b: dict) -> None:
@@ -143,22 +146,24 @@ def render_bisect_summary(b: dict) -> None:
             where += f" on rank {f['rank']}"
         phase = f", {f['phase']} rows" if f.get("phase") else ""
         ratio = f", {f['ratio']:.2f}x the reference's own error" if f.get("ratio") is not None else ""
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
+        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
             f"{phase}{ratio}); {len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
     elif b.get("passed"):
-        say(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
+        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
     else:
         for r in b.get("reasons") or []:
-            say(f"per-module: {r}")
+            out(f"per-module: {r}")
     if b.get("report_path"):
-        say(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
 
 
 @click.command("check")
 @click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
 @click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek "
+                   "(DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows (config_style "
+                   "with --json) and its page in docs/engines/ states under \"Default config style\".")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
                    "bfloat16, float16 — one verdict each and one overall; fp8, and only fp8, for a block-FP8 checkpoint).")
@@ -173,16 +178,36 @@ def render_bisect_summary(b: dict) -> None:
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
 @parallel_options
+@click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Apply the current rule to a saved check report's recorded inputs instead of running anything; "
+                   "rewrites the report and its plot (a report made before inputs were kept cannot be rescored: "
+                   "it says which command reruns it).")
+@junit_option
 @publish_option
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, tp, ep, as_json) -> None:
+              reference_device, bisect, tp, ep, rescore_path, junit, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass.
 
     With --tp N [--ep] the engine runs on N ranks and the same comparison runs against the
     one-process reference: the logits, and per module every rank's view (docs/equivalence.md,
     "Parallel runs"); its report is named for the configuration (…-tp2.json)."""
+    if rescore_path is not None:
+        if pin or all_pins:
+            raise UsageError("pass --rescore REPORT or a pin (or --all), not both",
+                             hint="the report names its pin; e.g. dsadapt check --rescore reports/vllm/v0.32.0/"
+                                  "v3-transformers-float32.json")
+        from patcher.gate.check import rescore_check
+
+        res = rescore_check(rescore_path)
+        if as_json:
+            emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
+        else:
+            render(res)
+        report_ci([res], junit)
+        check_or_raise(res)
+        return
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
     if all_pins and unpatched_engine:
@@ -192,7 +217,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     parallel = to_parallel(tp, ep)
     check_split(model, parallel)
     command = command_line(click.get_current_context())
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     on_line = progress.note if progress is not None else None
     mode = "on-fail" if bisect else None
     if not all_pins:
@@ -209,23 +234,28 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         where_reference(reference_device, spec)
         dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant, config=model_config)
         done: list[CheckResult] = []
+        from patcher.gate.hosts import RunHost
+
         req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
                            unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
                            command=command, tp=parallel.tp, ep=parallel.ep)
+        host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)  # one build and install for every dtype
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
                 res = run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
-                                on_line=on_line)
+                                on_line=on_line, host=host)
                 done.append(res)
                 if not as_json:
                     render(res)
                     if explain and res.passed:
-                        say(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+                        out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
         if as_json:
-            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done))
+            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done),
+                      schema="dsadapt.check-report/1")
         elif len(done) > 1:
-            say(f"overall: {'PASS' if all(r.passed for r in done) else 'FAIL'} ("
-                + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")")
+            word = "PASS" if all(r.passed for r in done) else "FAIL"
+            out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
+        report_ci(done, junit)
         failed_runs = [r for r in done if not r.passed]
         if failed_runs and len(done) > 1:
             first = failed_runs[0]
@@ -240,7 +270,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         return
     results: list[dict[str, object]] = []
     rows: list[list[str]] = []
+    all_runs: list[CheckResult] = []
     failed = False
+    from patcher.gate.hosts import RunHost
     with workdir_lock(ctx.cfg):
         for entry in ctx.lock.sorted_pins():
             eng = engine(entry.engine)
@@ -258,9 +290,11 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
             try:
                 req = CheckRequest(entry.ref, model=model, config_style=config_style, reference_on=reference_device,
                                    bisect=mode, command=command, tp=parallel.tp, ep=parallel.ep)
+                host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)
                 runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
-                                  on_line=on_line)
+                                  on_line=on_line, host=host)
                         for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref, config=model_config))]
+                all_runs += runs
                 ok = all(r.passed for r in runs)
                 bad = [r for r in runs if not r.passed]
                 results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
@@ -282,18 +316,43 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 rows.append([str(entry.ref), "error", e.message])
                 failed = True
     ran = [r for r in results if r["verdict"] in ("pass", "fail")]
+    report_ci(all_runs, junit, [(str(r["pin"]), str(r["reason"]), r["verdict"] == "error") for r in results
+                                if r["verdict"] in ("not run", "error")])
     if as_json:
-        emit_json({"results": results, "ok": bool(ran) and not failed})
+        emit_json({"results": results, "ok": bool(ran) and not failed}, schema="dsadapt.check-all/1")
     else:
         table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'}"
               f"{'' if parallel.single else ', ' + parallel.describe()})",
               ["pin", "verdict", "detail"], rows)
-        say(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
+        out(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
             f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
     if failed:
         sys.exit(ExitCode.FAILED)
     if not ran:
         sys.exit(ExitCode.CANNOT_RUN)
+
+
+def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, str, bool]] = ()) -> None:
+    """The verdicts for CI: JUnit XML (--junit FILE) and, on GitHub Actions, a table in the job's
+    summary (failures become `::error` annotations at the error edge)."""
+    from patcher.cli.ci import Case, md_table, step_summary, write_junit
+
+    def label(r: CheckResult) -> str:
+        return " ".join(x for x in (r.variant, r.model, r.config_style, r.dtype) if x) + (" unpatched" if r.unpatched else "")
+
+    cases = [Case(f"{r.pin} {label(r)}", f"dsadapt.check.{r.engine}", float(r.timings.get("total_s") or 0),
+                  failure=None if r.passed else ("\n".join(r.reasons) or "fail"),
+                  output=f"report: {r.report_path}", properties={"stack": r.provenance.get("stack_hash") or "",
+                                                                 "device": r.provenance.get("device") or ""})
+             for r in results]
+    cases += [Case(pin, "dsadapt.check", failure=why if error else None, skipped=None if error else why)
+              for pin, why, error in not_run]
+    write_junit(junit, "dsadapt check", cases)
+    rows = [[r.pin, label(r), r.verdict.upper(), _fmt((r.comparison.get("summary") or {}).get("max_abs")),
+             "; ".join(r.reasons[:2]) or "-", Path(r.report_path).name] for r in results]
+    rows += [[pin, "-", "ERROR" if error else "not run", "-", why, "-"] for pin, why, error in not_run]
+    step_summary("### dsadapt check\n\n" + md_table(["pin", "configuration", "verdict", "max |Δ|", "why", "report"],
+                                                       rows))
 
 
 def overall_json(pin: str, results: list[CheckResult]) -> dict:

@@ -1,8 +1,11 @@
 """What every command shares: the project context, output helpers, --json, progress.
 
-Output rules: stdout carries the result (a table, a path, or exactly one JSON document with
---json); everything for people (progress, notes, errors) goes to stderr as plain text. Text is
-never interpreted as markup: `[mirrors]` and `dsadapt[models]` print as written.
+Output rules: stdout carries the result (`out`: verdicts, what was applied or written, tables,
+or exactly one JSON document with --json, which every command takes); progress and notes
+(`note`, `Progress`) and errors go to stderr as plain text, with --json too. `-q` silences
+progress and notes (errors and warnings stay), `-v` adds each line the current step's tool
+prints (pip, the engine). Colour only on a terminal, never with NO_COLOR, or as `--color`
+says. Text is never interpreted as markup: `[mirrors]` and `dsadapt[models]` print as written.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import click
 
 from patcher.base.config import Config, load_config
 from patcher.base.errors import UsageError, escape_line, plural  # noqa: F401 - plural is for the commands
+from patcher.cli import options
+from patcher.cli.options import color_enabled, verbosity
 from patcher.formats.lock import Lock, load_lock
 from patcher.formats.pinref import PinRef, parse_pinref
 
@@ -73,6 +78,16 @@ class PinRefParam(click.ParamType):
     def __init__(self, pinned: bool = True):
         self.pinned = pinned
 
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str):
+        """Shell completion: the pins of upstream.lock (ENGINE@TAG) that start with what was typed."""
+        from click.shell_completion import CompletionItem
+
+        try:
+            lock = load_lock(load_config(None).lock_path)
+        except Exception:  # noqa: BLE001 - no project here: nothing to offer
+            return []
+        return [CompletionItem(p) for p in sorted(lock.pins) if p.startswith(incomplete)]
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> PinRef:
         if isinstance(value, PinRef):
             return value
@@ -82,6 +97,11 @@ class PinRefParam(click.ParamType):
             if obj is not None:
                 obj.lock.pin(ref)
         return ref
+
+
+junit_option = click.option(
+    "--junit", "junit", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+    help="Also write the verdicts as JUnit XML to FILE (one test case per pin and configuration; CI test reports).")
 
 
 def _publish(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
@@ -140,11 +160,25 @@ def ref_of(text: str | PinRef) -> PinRef:
 # ---------------------------------------------------------------- output
 
 _emitted_json = False
+#: off a terminal, table lines are kept within this many columns (COLUMNS overrides)
+PLAIN_WIDTH = 100
 
 
-def emit_json(data) -> None:
-    """The command's one JSON document on stdout."""
+_VERDICT_COLORS = {"PASS": "32", "OK": "32", "FAIL": "31", "FAILED": "31", "NOT VERIFIED": "33", "NOT RUN": "33"}
+
+
+def verdict_word(word: str) -> str:
+    """A verdict word (PASS, FAIL, ok, FAILED...), green or red where colour is on."""
+    code = _VERDICT_COLORS.get(word.upper())
+    return f"\x1b[{code};1m{word}\x1b[0m" if code and color_enabled() else word
+
+
+def emit_json(data, schema: str | None = None) -> None:
+    """The command's one JSON document on stdout. Every document names its `schema`
+    ("dsadapt.<what>/<version>", docs/json.md): a document that carries none gets `schema`."""
     global _emitted_json
+    if isinstance(data, dict) and schema and "schema" not in data:
+        data = {"schema": schema, **data}
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     _emitted_json = True
 
@@ -156,22 +190,43 @@ def json_emitted() -> bool:
 def reset_output() -> None:
     global _emitted_json
     _emitted_json = False
+    options.reset()
 
 
-def say(msg: str) -> None:
-    """Human progress/status lines go to stderr so stdout stays clean for --json and pipes."""
+def out(msg: str, *, verdict: str | None = None) -> None:
+    """A line of the command's result, on stdout (`dsadapt check ... > log` keeps the verdict).
+    `verdict`: the first occurrence of that word (PASS, FAIL, ok...) is coloured where colour is on."""
     _live_clear()
     msg = "\n".join(escape_line(line) for line in msg.split("\n"))  # data never drives the terminal
+    if verdict and verdict in msg:
+        msg = msg.replace(verdict, verdict_word(verdict), 1)
+    click.echo(msg)
+
+
+def note(msg: str) -> None:
+    """A note for people (progress aside), on stderr; silenced by -q."""
+    if verbosity() < 0:
+        return
+    warn(msg)
+
+
+def warn(msg: str) -> None:
+    """A warning, on stderr, even with -q."""
+    _live_clear()
+    msg = "\n".join(escape_line(line) for line in msg.split("\n"))
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
+
+
+
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A table on stdout: rich's box drawing on a terminal, plain aligned columns in pipes and logs
     (without importing rich, which would be most of a short command's start-up time)."""
-    if not sys.stdout.isatty():
+    if not sys.stdout.isatty() and options.color() != "always":
         _live_clear()
-        click.echo(plain_table(title, columns, rows))
+        click.echo(plain_table(title, columns, rows, width=plain_width()))
         return
     from rich.console import Console
     from rich.markup import escape
@@ -182,23 +237,56 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[obj
         t.add_column(escape(c), overflow="fold")
     for r in rows:  # cells are data (paths, error texts with [brackets]), never markup
         t.add_row(*[escape(str(x)) for x in r])
-    # Piped output (CI logs, `| less`) gets wide tables instead of rich's 80-column default.
+    # --color=always in a pipe: rich's table with colour, as wide as the plain one
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True, emoji=False,
-                      width=None if sys.stdout.isatty() else 160)
+                      width=None if sys.stdout.isatty() else plain_width(), no_color=not color_enabled(),
+                      force_terminal=True if options.color() == "always" else None)
     console.print(t)
 
 
-def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def plain_width() -> int:
+    """Columns a table may use off a terminal: COLUMNS when set, else PLAIN_WIDTH."""
+    import os
+
+    try:
+        return max(int(os.environ.get("COLUMNS", "")), 40)
+    except ValueError:
+        return PLAIN_WIDTH
+
+
+def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]],
+                width: int | None = None) -> str:
+    """Aligned columns for pipes and logs. With `width`, no line is longer: the widest columns are
+    narrowed and their cells wrapped (at spaces where they can be) onto continuation lines."""
+    import textwrap
+
     cells = [[escape_line(str(c)) for c in columns]] + [[escape_line(str(x)) for x in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    if width is not None:
+        gaps = 2 * (len(columns) - 1)
+        # columns of short values (pins, verdicts, dates) keep their width; long text wraps
+        floor = [min(widths[i], max(len(columns[i]), 18)) for i in range(len(columns))]
+        while sum(widths) + gaps > width:
+            i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
+            if widths[i] <= floor[i]:
+                break
+            widths[i] -= 1
 
-    def line(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    def wrap(text: str, w: int) -> list[str]:
+        if len(text) <= w:
+            return [text]
+        return textwrap.wrap(text, w, break_long_words=True, break_on_hyphens=False) or [""]
 
-    out = [escape_line(title)] if title else []
-    out += [line(cells[0]), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join(out)
+    def lines(r: list[str]) -> list[str]:
+        parts = [wrap(c, w) for c, w in zip(r, widths)]
+        return ["  ".join((p[n] if n < len(p) else "").ljust(w) for p, w in zip(parts, widths)).rstrip()
+                for n in range(max(len(p) for p in parts))]
+
+    text = [escape_line(title)] if title else []
+    text += lines(cells[0]) + ["  ".join("-" * w for w in widths)]
+    for r in cells[1:]:
+        text += lines(r)
+    return "\n".join(text)
 
 
 def isatty() -> bool:
@@ -218,14 +306,16 @@ class Progress:
     """
 
     def __init__(self, stream: TextIO | None = None, *, live: bool | None = None, heartbeat: float = 15.0,
-                 slow: float = 2.0):
+                 slow: float = 2.0, verbose: bool = False):
         self._stream = stream
+        self.verbose = verbose
         self.live = self.stream.isatty() if live is None else live
         self.heartbeat, self.slow = heartbeat, slow
         self.phase: str | None = None
         self.detail = ""
         self.t0 = self.started = time.monotonic()
-        self._last_beat = self.t0
+        self._last_beat = self._detail_at = self.t0
+        self._beat_detail = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -242,15 +332,29 @@ class Progress:
         with self._lock:
             self._end_phase()
             self.phase, self.detail = escape_line(msg), ""
-            self.t0 = self._last_beat = time.monotonic()
+            self.t0 = self._last_beat = self._detail_at = time.monotonic()
+            self._beat_detail = ""
             self._write(f"… {self.phase}\n")
         self._ensure_thread()
+
+    def end(self) -> None:
+        """The current step is over (its time is printed if it was slow); heartbeats stop until the next."""
+        with self._lock:
+            self._end_phase()
+            self.phase, self.detail = None, ""
 
     def note(self, line: str) -> None:
         """What the current phase is waiting on (shown live, or in the next heartbeat line)."""
         line = escape_line(line.strip())
         if line:
             self.detail = line[:160]
+            self._detail_at = time.monotonic()
+            if self.verbose:  # -v: every line, as it comes
+                with self._lock:
+                    if self._line_shown:
+                        self._write("\r\x1b[K")
+                        self._line_shown = False
+                    self._write(f"    | {line}\n")
 
     def close(self) -> None:
         """Stop the clock without a closing line: the command's result says how it ended."""
@@ -309,6 +413,9 @@ class Progress:
                     self._line_shown = True
                 elif now - self._last_beat >= self.heartbeat:
                     self._last_beat = now
+                    if self.detail and self.detail == self._beat_detail:  # said already: how long it is quiet
+                        waiting = f" — no new output for {now - self._detail_at:.0f} s"
+                    self._beat_detail = self.detail
                     self._write(f"  … still {self.phase} ({took:.0f} s){waiting}\n")
 
 
@@ -333,4 +440,26 @@ def close_progress() -> None:
 
 
 def progress_printer(enabled: bool = True) -> Progress | None:
-    return Progress() if enabled else None
+    """The command's progress on stderr (with --json too); None with -q or when not `enabled`."""
+    return Progress(verbose=verbosity() > 0) if enabled and verbosity() >= 0 else None
+
+
+def version_info() -> dict:
+    """What `dsadapt --version` says: dsadapt's version, the Python and environment it runs in,
+    where it was imported from, and the versions of the packages its gate relies on."""
+    import importlib.metadata as md
+    import platform
+
+    import patcher
+
+    def v(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"schema": "dsadapt.version/1", "dsadapt": patcher.__version__,
+            "python": platform.python_version(), "implementation": platform.python_implementation(),
+            "executable": sys.executable, "environment": sys.prefix, "venv": sys.prefix != sys.base_prefix,
+            "source": str(Path(patcher.__file__).resolve().parent),
+            "packages": {n: v(n) for n in ("torch", "transformers", "click", "GitPython", "uv")}}

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from patcher.checkpoints import tiny as tinymodel
-from patcher.cli.commands.common import Context, emit_json, json_option, progress_printer, say
+from patcher.cli.commands import common
+from patcher.cli.commands.common import Context, emit_json, json_option, progress_printer
 
 LIKE = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 
@@ -98,9 +99,9 @@ def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int
                      progress=progress)
     data = made.to_json()
     if as_json:
-        emit_json(data)
+        emit_json(data, schema="dsadapt.model/1")
     else:
-        say(f"{data['path']}: like {like}, {layers} layer(s)" + (f" + {made.mtp} MTP" if made.mtp else "")
+        common.out(f"{data['path']}: like {like}, {layers} layer(s)" + (f" + {made.mtp} MTP" if made.mtp else "")
             + f", seed {seed}, {made.params / 1e9:.2f} B params, {made.bytes / 2**30:.2f} GiB in {len(made.files)} "
             f"file(s), {made.seconds:.0f} s with {made.workers} worker(s)")
 
@@ -122,7 +123,7 @@ def slice_cmd(src: Path, layers: int, out: Path, as_json: bool) -> None:
     if as_json:
         emit_json(data)
     else:
-        say(f"{data['path']}: layers 0-{layers - 1} of {res.source_layers}"
+        common.out(f"{data['path']}: layers 0-{layers - 1} of {res.source_layers}"
             + (f" ({res.dropped_mtp} MTP module(s) dropped)" if res.dropped_mtp else "")
             + f", {res.tensors} tensors, {res.bytes / 2**30:.2f} GiB from {res.read_files} file(s), {res.seconds:.1f} s")
 

@@ -16,11 +16,12 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    junit_option,
+    out,
     parallel_options,
     pass_ctx,
     progress_printer,
     publish_option,
-    say,
     table,
     to_parallel,
     to_ref,
@@ -57,11 +58,12 @@ def render(res) -> None:
         table(f"{res.pin} ({res.variant}{label}) {res.model} {res.config_style or ''} {res.dtype}: concurrency "
               f"{p['concurrency']}, {p['sides'][a]['rounds']} rounds",
               ["metric", a, b, f"{a}/{b} (95% CI; <1 = {a} slower)", ""], rows)
-    say(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"))
+    out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
+        verdict=res.verdict.upper())
     if res.band:
-        say(f"  gated ratios: estimates {res.band['estimate_min']:.3f}-{res.band['estimate_max']:.3f}, lowest CI "
+        out(f"  gated ratios: estimates {res.band['estimate_min']:.3f}-{res.band['estimate_max']:.3f}, lowest CI "
             f"upper end {res.band['ci_hi_min']:.3f} (threshold {res.threshold:g})")
-    say(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+    out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
 
 
 @click.command("perf")
@@ -91,11 +93,13 @@ def render(res) -> None:
               help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
                    "--threshold if given) instead of measuring; rewrites the report and its plot.")
 @parallel_options
+@junit_option
 @publish_option
 @json_option
 @pass_ctx
 def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency, input_len, output_len, requests,
-             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, tp, ep, as_json) -> None:
+             rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, rescore_path, tp, ep, junit,
+             as_json) -> None:
     """Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.
 
     Both builds are served on 127.0.0.1 at once and loaded in alternating rounds by the
@@ -110,9 +114,10 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
         given = click.get_current_context().get_parameter_source("threshold") != click.core.ParameterSource.DEFAULT
         res = rescore(rescore_path, threshold if given else None, pin=str(to_ref(pin)) if pin else None)
         if as_json:
-            emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
+            emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
         else:
             render(res)
+        report_ci(res, junit)
         perf_or_raise(res)
         return
     if not pin:
@@ -137,7 +142,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     # unknown pin/variant, cannot run here (in this parallel configuration), no recipe: before anything is made
     preflight(ctx.lock, ref, variant, dtype, parallel=parallel, cpus=cpu_list)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    progress = progress_printer(not as_json)
+    progress = progress_printer()
     with workdir_lock(ctx.cfg):
         res = run_perf(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                        concurrency=conc, input_lens=ins, output_lens=outs, rounds=rounds, requests=requests,
@@ -145,10 +150,35 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
                        time_limit_s=time_limit, progress=progress, stream=not as_json, command=command,
                        parallel=parallel)
     if as_json:
-        emit_json({k: v for k, v in res.to_json().items() if k != "runs"})
+        emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
     else:
         render(res)
+    report_ci(res, junit)
     perf_or_raise(res)
+
+
+def report_ci(res, junit) -> None:
+    """The verdict for CI: JUnit XML (--junit FILE) and, on GitHub Actions, the gated ratios in the
+    job's summary."""
+    from patcher.cli.ci import Case, md_table, step_summary, write_junit
+
+    name = f"{res.pin} {res.variant} {res.model} {res.config_style or ''} {res.dtype}".replace("  ", " ")
+    write_junit(junit, "dsadapt perf", [Case(name, f"dsadapt.perf.{res.engine}", float(res.timings.get("total_s") or 0),
+                                             failure=None if res.passed else ("\n".join(res.reasons) or "fail"),
+                                             output=f"report: {res.report_path}")])
+    a, b = res.sides
+    rows = []
+    for p in res.points:
+        for m in METRICS:
+            r = p["ratios"][m.name]
+            if m.gated:
+                rows.append([p["concurrency"], m.label, "-" if r["estimate"] is None else f"{r['estimate']:.3f}",
+                             "-" if r["lo"] is None else f"[{r['lo']:.3f}, {r['hi']:.3f}]",
+                             "SLOWER" if r["hi"] is not None and r["hi"] < res.threshold else "ok"])
+    step_summary(f"### dsadapt perf {name}: {res.verdict.upper()}\n\n{a}/{b} ratios (< 1: {a} slower; fails when "
+                 f"a whole interval is below {res.threshold:g})\n\n"
+                 + md_table(["concurrency", "metric", "ratio", "95% CI", ""], rows)
+                 + ("".join(f"\n- {r}" for r in res.reasons) if res.reasons else ""))
 
 
 COMMANDS = [perf_cmd]

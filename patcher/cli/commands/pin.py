@@ -9,11 +9,11 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    out,
     pass_ctx,
     pinref_arg,
     progress_printer,
     ref_of,
-    say,
 )
 from patcher.formats.lock import write_lock
 from patcher.upstream.resolve import resolve_pin
@@ -28,19 +28,19 @@ def pin_cmd(ctx: Context, pin: str, update: bool, as_json: bool) -> None:
     """Resolve the tag (git where reachable) and hash its release artifacts (PyPI) into upstream.lock."""
     ref = ref_of(pin)
     with workdir_lock(ctx.cfg):
-        entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=progress_printer(not as_json))
+        entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=progress_printer())
         old = ctx.lock.pins.get(str(ref))
         changed = old != entry
         if changed:
             write_lock(ctx.lock.with_pin(entry), ctx.cfg.lock_path)
     if as_json:
-        emit_json({"ref": str(ref), "changed": changed, "notes": notes,
+        emit_json(schema="dsadapt.pin/1", data={"ref": str(ref), "changed": changed, "notes": notes,
                    "entry": {"version": entry.version, "commit": entry.commit, "tree": entry.tree,
                              "artifacts": [a.__dict__ for a in entry.artifacts]}})
         return
     for n in notes:
-        say(f"  {n}")
-    say(f"{ref}: {'pinned' if old is None else ('updated' if changed else 'unchanged')} in upstream.lock")
+        out(f"  {n}")
+    out(f"{ref}: {'pinned' if old is None else ('updated' if changed else 'unchanged')} in upstream.lock")
 
 
 COMMANDS = [pin_cmd]

@@ -6,17 +6,20 @@ import click
 
 from patcher.base.errors import DsadaptError, UsageError
 from patcher.base.workdir import workdir_lock
+from patcher.cli.commands.apply import op_flags, run_op
 from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    note,
+    out,
     pass_ctx,
     pinref_arg,
     progress_printer,
     publish_option,
     ref_of,
-    say,
     table,
+    warn,
 )
 from patcher.formats.pinref import check_tag, parse_pinref
 from patcher.stack.rebase import load_report, rebase_stack, report_paths
@@ -33,11 +36,14 @@ def tags_cmd(ctx: Context, engine: str, pre: bool, as_json: bool) -> None:
     """Upstream release tags newer than ENGINE's newest stack, each marked pinned / unpinned."""
     res = upstream_tags(ctx.cfg, ctx.lock, engine, pre=pre)
     if as_json:
-        emit_json(res.to_json())
+        emit_json(res.to_json(), schema="dsadapt.tags/1")
         return
     for p in res.passed_over:
-        say(f"  passed over: {p}")
-    say(f"{engine}: {len(res.tags)} tag(s) newer than {res.baseline or '(no pin)'}, from {res.source}")
+        note(f"  passed over: {p}")
+    if not res.tags:
+        out(f"{engine}: nothing newer than {res.baseline or '(no pin)'} (asked {res.source})")
+        return
+    out(f"{engine}: {len(res.tags)} tag(s) newer than {res.baseline or '(no pin)'}, from {res.source}")
     table(None, ["tag", "version", "state", "seen on"],
           [[t.tag, t.version, "pinned" if t.pinned else "unpinned",
             (t.commit or "")[:12] or ", ".join(t.dists)] for t in res.tags])
@@ -55,33 +61,58 @@ def _onto(engine: str, onto: str) -> str:
 
 
 @click.command("rebase")
-@pinref_arg()
-@click.option("--onto", "onto", required=True, metavar="TAG", help="The upstream tag to carry the stack onto.")
+@pinref_arg(required=False, pinned=False)
+@click.option("--onto", "onto", default=None, metavar="TAG", help="The upstream tag to carry the stack onto.")
+@click.option("--force", is_flag=True,
+              help="Replace patches/ENGINE/NEW when it exists already (the stack there is kept in a backup ref "
+                   "of the NEW checkout, named in the output).")
+@op_flags
 @publish_option
 @json_option
 @pass_ctx
-def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
+def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_continue: bool, op_skip: bool,
+               op_abort: bool, as_json: bool) -> None:
     """Carry ENGINE@OLD's stack onto --onto NEW: pin and fetch NEW, replay patch by patch (3-way),
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
-    On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
+    On a conflict it stops; resolve, then `dsadapt rebase --continue` (or `dsadapt continue`),
+    `--skip` or `--abort`, as for apply."""
+    if run_op(click.get_current_context(), ctx, pin,
+              {"op_continue": op_continue, "op_skip": op_skip, "op_abort": op_abort}, "rebase"):
+        return
+    if not pin or not onto:
+        raise UsageError("missing argument 'ENGINE@TAG' or option '--onto': the stack to carry and the tag to carry it onto",
+                         hint="e.g. dsadapt rebase vllm@v0.32.0 --onto v0.33.0; after a conflict: "
+                              "dsadapt rebase --continue")
     old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
     if new_tag == old.tag:
         raise UsageError(f"--onto {new_tag} is the tag {old} is already on", hint="name the newer upstream tag to carry the stack onto")
     ctx.lock.pin(old)  # an unpinned OLD fails before anything (even the work-dir lock file) is created
-    on_patch = None if as_json else (lambda o: say(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
+    on_patch = None if as_json else (lambda o: out(f"  {o.index:>3}  {o.outcome:<8} {o.name}"))
     with workdir_lock(ctx.cfg):
-        res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(not as_json),
-                                  on_patch=on_patch)
+        res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(),
+                                  on_patch=on_patch, force=force)
+    notes = [*notes, *[n for n in getattr(res, "notes", []) if n not in notes]]
     report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
     md, js = report_paths(ctx.cfg, old.engine, old.tag, new_tag)
     if as_json:
-        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report})
+        from patcher.cli.ci import step_summary
+
+        if md.is_file():
+            step_summary(md.read_text(encoding="utf-8"))
+        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report},
+                  schema="dsadapt.rebase/1")
         return
+    from patcher.cli.ci import step_summary
+
+    if md.is_file():
+        step_summary(md.read_text(encoding="utf-8"))
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
-    say(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
-    say(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
+    out(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
+    out(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
+    for n in notes:
+        out(f"  note: {n}")
 
 
 def _rel(path, root) -> str:
@@ -107,10 +138,10 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
             try:
                 tags[engine] = upstream_tags(ctx.cfg, ctx.lock, engine, pre=pre)
             except DsadaptError as e:  # no source answered: that engine gets no new-tag cells
-                say(f"  {engine}: no new-tag cells ({e.message})")
+                warn(f"  {engine}: no new-tag cells ({e.message})")
     cells = build_matrix(ctx.cfg, ctx.lock, tags, only)
     if as_json:
-        emit_json(github_matrix(cells))
+        emit_json(github_matrix(cells), schema="dsadapt.matrix/1")
         return
     table("CI matrix", ["cell", "runs on", "python", "steps", "parallel", "skipped", "check here"],
           [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, pinref_arg, ref_of, say
+from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, pinref_arg, ref_of, warn
 
 
 @click.command("refresh")
@@ -25,18 +25,40 @@ def refresh_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     ctx.lock.pin(ref)
     with workdir_lock(ctx.cfg):
         res = refresh_stack(ctx.cfg, ctx.lock, ref, force=force)
+    warnings = message_problems(ctx, ref)
     if as_json:
-        emit_json({"ref": str(ref), "changed": res.changed, "removed": res.removed, "backup": res.backup,
-                   "notes": res.notes})
+        emit_json({"schema": "dsadapt.refresh/1", "ref": str(ref), "changed": res.changed, "removed": res.removed,
+                   "backup": res.backup, "notes": res.notes, "warnings": warnings})
         return
     for n in res.notes:
-        say(f"  note: {n}")
+        out(f"  note: {n}")
     if not res.changed and not res.removed:
-        say(f"{ref}: stack unchanged")
+        out(f"{ref}: stack unchanged")
     for n in res.changed:
-        say(f"  wrote   patches/{ref.engine}/{ref.tag}/{n}")
+        out(f"  wrote   patches/{ref.engine}/{ref.tag}/{n}")
     for n in res.removed:
-        say(f"  removed patches/{ref.engine}/{ref.tag}/{n}")
+        out(f"  removed patches/{ref.engine}/{ref.tag}/{n}")
+    for w in warnings:
+        warn(f"warning: {w}")
+    if warnings:
+        warn(f"hint: reword the commit(s) in {ctx.cfg.checkout_dir(ref.engine, ref.tag)} (git rebase -i, `reword`): a "
+             f"body saying why, and the trailers docs/patch-format.md#trailers requires; then refresh again "
+             f"(`dsadapt verify {ref}` fails until then)")
+
+
+def message_problems(ctx: Context, ref) -> list[str]:
+    """What the patch format asks of each commit message that the refreshed stack lacks (no body,
+    missing or malformed trailers): `verify` fails on them, `refresh` warns."""
+    from patcher.base.errors import DsadaptError
+    from patcher.cli.commands.verify import MESSAGE_PROBLEMS
+    from patcher.formats.stackfiles import lint_stack, load_stack
+
+    try:
+        problems = lint_stack(load_stack(ctx.cfg.patches_root, ref, must_exist=False))
+    except DsadaptError as e:
+        return [e.message]
+    root = str(ctx.cfg.project) + "/"
+    return [p.removeprefix(root) for p in problems if any(k in p for k in MESSAGE_PROBLEMS)]
 
 
 COMMANDS = [refresh_cmd]

@@ -1,33 +1,94 @@
-"""report: one table over all pins (stack, Upstream-Status, last check, last perf, drop candidates)."""
+"""report: one table over all pins (stack, Upstream-Status, the gates' verdicts, drop candidates),
+then the newest verdict of each configuration the pins' current stacks were judged in."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, table
-from patcher.gate.summary import build_report
+from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, table
+from patcher.gate.summary import SCHEMA, build_report
 
 
 @click.command("report")
+@click.option("--configs/--no-configs", "configs", default=True, show_default=True,
+              help="Also list the newest verdict of every configuration (variant, model, config style, dtype, "
+                   "parallel config) behind each pin's verdict.")
 @json_option
 @pass_ctx
-def report_cmd(ctx: Context, as_json: bool) -> None:
-    """Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop."""
+def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
+    """Every pin: stack size, patches by Upstream-Status, last check and speed-gate verdicts, patches to drop.
+
+    A pin's check verdict is the worst of the newest verdict per configuration (variant, model,
+    config style, dtype, parallel config) of its current stack; the speed gate's is its
+    calibrated runs' (a quicker run is shown next to it). A verdict the current rule would not
+    give is flagged (`dsadapt check --rescore REPORT`). Exit 0 whatever the verdicts say: the
+    report is the result."""
     rows = build_report(ctx.cfg, ctx.lock)
     if as_json:
-        emit_json({"pins": [r.to_json() for r in rows]})
+        emit_json({"schema": SCHEMA, "pins": [r.to_json() for r in rows]})
         return
-    table("dsadapt report", ["pin", "patches", "upstream status", "last check", "last perf", "drop candidates"],
+    table("dsadapt report", ["pin", "patches", "upstream status", "check", "perf", "drop candidates"],
           [[r.pin,
             str(r.patches) if r.stack_exists else "no stack",
             ", ".join(f"{k} {n}" for k, n in r.upstream_status.items()) or "-",
-            r.error or r.check,
-            r.perf,
+            r.error or _short_check(r),
+            _short_perf(r),
             _drops(r.drop_candidates)]
            for r in rows])
+    if not configs:
+        return
+    lines = [[r.pin, c["config"], "check", c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
+              Path(c["file"]).name] for r in rows for c in r.checks]
+    lines += [[r.pin, c["config"], "perf" + ("" if c["workload"] == "calibrated" else " (quick)"), c["verdict"],
+               c["date"][:10], Path(c["file"]).name] for r in rows for c in r.perfs]
+    if lines:
+        table("verdicts of the current stacks, newest per configuration",
+              ["pin", "configuration", "gate", "verdict", "date", "report"], lines)
+    for r in rows:
+        for c in r.checks:
+            if c.get("stale"):
+                out(f"  {r.pin} {c['config']}: {c['stale']}")
 
 
 COMMANDS = [report_cmd]
+
+
+def _where(v: dict) -> str:
+    from patcher.gate.summary import _GPU_RE
+
+    return "GPU" if _GPU_RE.search(v.get("device") or "") else "CPU"
+
+
+def _short_check(r) -> str:
+    """The table's cell: the worst configuration's verdict and date, how many configurations, what
+    is stale (the words in full: --json's `check`, and the configurations table below)."""
+    v = r.last_check
+    if not v:
+        return r.check
+    n, bad = len(r.checks), sum(c["verdict"] != "pass" for c in r.checks)
+    word = "GPU-verified" if v["verdict"] == "pass" and _where(v) == "GPU" else v["verdict"]
+    cell = f"{word} {v['date'][:10]} ({_where(v)})"
+    if n > 1:
+        cell += f", {bad} of {n} configs fail" if bad else f", {n} configs"
+    if r.stale:
+        cell += f", {r.stale} stale"
+    if "stack changed since" in r.check:
+        cell += ", stack changed since"
+    return cell
+
+
+def _short_perf(r) -> str:
+    v = r.last_perf
+    if not v:
+        return r.perf
+    cell = f"{v['verdict']} {v['date'][:10]} ({_where(v)})"
+    if v.get("workload") != "calibrated":
+        cell += ", quick run only"
+    elif "newer quick run" in r.perf:
+        cell += ", newer quick run: " + r.perf.split("newer quick run ", 1)[1].split(": ", 1)[1].split(" (")[0]
+    return cell
 
 
 def _drops(cands) -> str:

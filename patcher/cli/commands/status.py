@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, pass_ctx, plural, say, table
+from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table
 
 
 def checkout_status(cfg, lock, entry, running=None):
@@ -35,6 +37,7 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     from patcher.engines import engine
 
     rows, data = [], []
+    probed: dict[str, str | None] = {}
     for name in sorted(ctx.lock.engines):
         ad = engine(name)
         for entry in ctx.lock.pins_of(name):
@@ -44,6 +47,9 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
             # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
             variants = ad.pinned_variants(entry)
             blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
+            if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
+                src = _source_blocker(ctx, entry, probed)
+                blockers = {v: b or src for v, b in blockers.items()}
             runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
             d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
                  "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
@@ -54,15 +60,27 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
                  # what each variant's gate runner offers in parallel (`Engine.parallel_support`)
                  "parallel": {v.name: {"tp": ad.parallel_support(entry, v).tp, "ep": ad.parallel_support(entry, v).ep,
                                        "unit": ad.parallel_support(entry, v).unit} for v in variants},
-                 "serves": entry.serves, "error": err}
+                 "serves": entry.serves, "error": err,
+                 "config_style": ad.model_config_style}
             data.append(d)
             rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
                          kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
     if as_json:
-        emit_json({"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
+        emit_json(schema="dsadapt.list/1", data={"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
                    "pins": data})
     else:
         table("dsadapt pins", ["pin", "patches", "build", "variants", "runs here"], rows)
+
+
+def _source_blocker(ctx: Context, entry, probed: dict[str, str | None]) -> str | None:
+    """Why no source can provide the pin's tree here (one probe of a git remote per command)."""
+    from patcher.upstream.sources import source_blocker
+
+    decl = ctx.lock.engine(entry.engine)
+    key = f"{entry.engine}@{entry.tag}" if entry.source_artifact() is not None else decl.git or entry.engine
+    if key not in probed:
+        probed[key] = source_blocker(ctx.cfg, decl, entry)
+    return probed[key]
 
 
 @click.command("status")
@@ -77,7 +95,8 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
     sts = status_all(ctx.cfg, ctx.lock, checkout_status)
     left = leftovers.find(ctx.cfg)
     if as_json:
-        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]})
+        emit_json({"checkouts": [s.to_json() for s in sts], "leftovers": [lo.to_json() for lo in left]},
+                  schema="dsadapt.status/1")
         return
     rows = []
     for s in sts:
@@ -86,39 +105,48 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
         rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail])
     table("checkouts", ["pin", "state", "source", "detail"], rows)
     if left:
-        say(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
+        note(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
             f"{' …' if len(left) > 3 else ''}; `dsadapt gc` removes them")
 
 
 @click.command("gc")
 @click.option("--dry-run", "-n", is_flag=True, help="Only list what would be removed.")
+@click.option("--runs", is_flag=True, help="Also remove the work files of every past run (runs/: engine logs, "
+                                           "captures); the reports keep what the verdicts rest on.")
+@click.option("--leftovers-only", is_flag=True, help="Only what killed runs left behind, nothing that is merely unused.")
 @json_option
 @pass_ctx
-def gc_cmd(ctx: Context, dry_run: bool, as_json: bool) -> None:
-    """Remove what killed runs left behind: half-made checkouts, partial downloads, temporary
-    files in patches/, reports/ and dist/, stale temporary worktrees. Never your work or backups."""
+def gc_cmd(ctx: Context, dry_run: bool, runs: bool, leftovers_only: bool, as_json: bool) -> None:
+    """Remove what killed runs left behind (half-made checkouts, partial downloads, temporary files,
+    stale temporary worktrees) and derived data no pin uses (engine environments, dist/ wheels of
+    other stacks, runs/ of unpinned pins). Never your work, reports or backups."""
     from patcher.base import leftovers
     from patcher.base.workdir import workdir_lock
+    from patcher.build.prune import find_unused
 
-    ctx.lock  # noqa: B018 - a broken project (malformed lock) is refused before anything is removed
+    lock = ctx.lock  # a broken project (malformed lock) is refused before anything is removed
     with workdir_lock(ctx.cfg):
-        found = leftovers.find(ctx.cfg, sizes=True)
+        found = leftovers.find(ctx.cfg)
+        if not leftovers_only:
+            found += find_unused(ctx.cfg, lock, runs=runs)
+        for lo in found:
+            lo.bytes = leftovers.disk_bytes(Path(lo.path))
         failed = [] if dry_run else leftovers.remove(found)
     freed = sum(lo.bytes or 0 for lo in found if lo not in failed)
     if as_json:
-        emit_json({"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
+        emit_json(schema="dsadapt.gc/1", data={"dry_run": dry_run, "leftovers": [lo.to_json() for lo in found],
                    "failed": [lo.path for lo in failed], "bytes": freed})
         return
     if not found:
-        say("nothing to remove")
+        out("nothing to remove")
         return
     verb = "would remove" if dry_run else "removed"
     for lo in found:
         if lo not in failed:
-            say(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
+            out(f"  {verb} {lo.path} ({lo.kind}, {(lo.bytes or 0) / 1e6:.1f} MB): {lo.why}")
     for lo in failed:
-        say(f"  could not remove {lo.path}")
-    say(f"{verb} {len(found) - len(failed)} leftover(s), {freed / 1e6:.1f} MB")
+        out(f"  could not remove {lo.path}")
+    out(f"{verb} {len(found) - len(failed)} item(s), {freed / 1e6:.1f} MB")
 
 
 COMMANDS = [list_cmd, status_cmd, gc_cmd]

@@ -3,7 +3,7 @@
 The server comes from the PyPI wheel ``nvidia-pytriton`` (0.7.0 ships Triton 2.51:
 ``pytriton/tritonserver/bin/tritonserver``, its python backend and one
 ``triton_python_backend_stub`` per Python version). What it takes to run it without
-a GPU (measured, see docs/engines/triton.md and NOTES.md):
+a GPU (measured, see docs/engines/triton.md):
 
 - a backend directory: ``python/`` = the wheel's python backend plus the stub built
   for the engine venv's Python, and one directory per python-based custom backend

@@ -33,7 +33,7 @@ from patcher.engines import adapter
 from patcher.formats.lock import Lock, format_lock, load_lock, parse_lock, write_lock
 from patcher.formats.patchfile import Patch, drop_when_satisfied, parse_patch
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack, refuse_unsafe_links, stack_dir, touches_links
+from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, stack_dir, touches_links
 from patcher.stack.materialize import (
     BASE_REF,
     STACK_REF,
@@ -245,6 +245,12 @@ class RebaseKind:
         snap = tx.files_commit(files)
         if g.rev(STACK_REF) != snap:
             g.update_ref(STACK_REF, snap)
+        kept = op.saves.get("stack") if ex.get("replaces_stack") else None
+        if kept and g.rev(kept):
+            note = (f"the stack it replaced in {ex['stack_dir']}/ is kept as {kept} "
+                    f"(git -C {co.path} show {kept}:series)")
+            if note not in tx.notes:
+                tx.notes.append(note)
         res = tx.result(head, new_hash)
         tx.close(Applied(new_hash, head, [], snap, flat_tree_id(files)))
         return res
@@ -262,9 +268,11 @@ class RebaseKind:
             elif not p.is_file() or p.read_text(encoding="utf-8") != text:
                 atomic_write_text(p, text)
         d = cfg.project / ex["stack_dir"]
-        if ex.get("identity"):
+        if ex.get("identity") or ex.get("replaces_stack"):
             before = tx.read_files(op.snapshot)
             sync_stack_dir(d, before, ex.get("written") or [])
+            if ex.get("replaces_stack") and op.saves.get("stack"):
+                g.delete_ref(op.saves["stack"])  # everything it held is back in patches/
         else:
             written = set(ex.get("written") or [])
             if d.is_dir():
@@ -479,9 +487,11 @@ def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
 
 
 def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, progress: Progress | None = None,
-                 on_patch=None) -> tuple[StackResult, list[str]]:
+                 on_patch=None, force: bool = False) -> tuple[StackResult, list[str]]:
     """Replay OLD's stack onto NEW (pinning NEW first if needed). Returns (result, notes).
 
+    A stack already in patches/ENGINE/NEW is refused, or with `force` replaced: its files are kept
+    in a backup ref of NEW's checkout (named in the notes) and put back by an abort.
     Raises ConflictStop when a patch needs the user; the op then waits in NEW's checkout.
     """
     old_entry = lock.pin(old_ref)
@@ -498,9 +508,14 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
                 progress(f"finishing the interrupted rebase of {old_ref} onto {new_ref} first")
             return tx.run(), ["finished the interrupted rebase", *tx.notes]
         tx.refuse()
+    replaced: Stack | None = None
     if not identity and (new_dir / "series").exists():
-        raise WorkspaceError(f"{new_ref} already has a stack ({new_dir / 'series'})",
-                             hint=f"a rebase writes a new stack; apply that one, or move {new_dir} away first")
+        if not force:
+            raise WorkspaceError(f"{new_ref} already has a stack ({new_dir.relative_to(cfg.project) if new_dir.is_relative_to(cfg.project) else new_dir}/series)",
+                                 hint=f"`dsadapt apply {new_ref}` uses it; `dsadapt rebase {old_ref} --onto {new_tag} "
+                                      f"--force` replaces it (the stack there is kept in a backup ref of "
+                                      f"{new_ref}'s checkout, and an abort puts it back)")
+        replaced = load_stack(cfg.patches_root, new_ref)  # parsed before anything changes
     notes: list[str] = []
     lock_before = lock_after = None
     if str(new_ref) not in lock.pins:
@@ -526,13 +541,20 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
         progress(f"replaying {old_ref}'s {len(old_stack)} patch(es) onto {new_ref}")
     ad = adapter(old_ref.engine)
     refs = g.revs("HEAD", STACK_REF)
-    saves = {"branch": co.next_backup_names(1)[0]} if head_branch and head_branch != base else {}
+    names = iter(co.next_backup_names(2))
+    saves = {"branch": next(names)} if head_branch and head_branch != base else {}
+    if replaced is not None:
+        saves["stack"] = next(names)
     op = Op(kind="rebase", ref=str(new_ref), stack_hash=old_stack.hash,
             patches=[PatchMeta(e.name, e.patch.subject) for e in old_stack.entries],
             orig=Orig(g.current_branch(), refs["HEAD"], head_branch, refs[STACK_REF], False), saves=saves,
             extra={"from": str(old_ref), "from_version": old_entry.version, "to_version": new_entry.version,
                    "from_source": _source_words(old_co.load().source), "dists": [ad.name, *ad.pypi],
                    "lock_before": lock_before, "lock_after": lock_after, "details": {}, "identity": identity,
-                   "stack_dir": str(new_dir.relative_to(cfg.project)), "stop_prefix": f"rebasing {old_ref}: "})
-    tx.begin(op, [e.text for e in old_stack.entries], stack_files(old_stack) if identity else None)
+                   "stack_dir": str(new_dir.relative_to(cfg.project)), "stop_prefix": f"rebasing {old_ref}: ",
+                   "replaces_stack": replaced is not None})
+    tx.begin(op, [e.text for e in old_stack.entries],
+             stack_files(old_stack) if identity else stack_files(replaced) if replaced is not None else None)
+    if replaced is not None and op.snapshot:  # the stack it replaces, kept before anything changes
+        g.update_ref(saves["stack"], op.snapshot)  # the result's notes name it (finish)
     return tx.run(), notes
