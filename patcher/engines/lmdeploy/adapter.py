@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from patcher.engines.base import COMPILED_DEFAULT, VariantSpec, WheelEngine
-from patcher.engines.lmdeploy.bisect_table import TABLE
-from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe, recipe
+from patcher.engines.base import COMPILED_DEFAULT, Deferred, VariantSpec, WheelEngine
 from patcher.formats.lock import LockEntry
 from patcher.runners import RunnerSpec
+
+if TYPE_CHECKING:
+    from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,9 +48,12 @@ class LmdeployEngine(WheelEngine):
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode.
     runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16"))
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
-    bisect_table = TABLE
-    module_map = TABLE.module_map()
+    # (both imported when first read: loading the adapter does not pay for the per-module rule)
+    bisect_table = Deferred("patcher.engines.lmdeploy.bisect_table:TABLE")
+    module_map = Deferred("patcher.engines.lmdeploy.bisect_table:TABLE", lambda table: table.module_map())
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
         # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only
+        from patcher.engines.lmdeploy.perf import recipe
+
         return recipe(entry.version, spec.device)
