@@ -7,10 +7,11 @@ never imports patcher).
 LMDeploy's serving benchmark (benchmark/profile_restful_api.py) lives in its repository, not in
 its wheel, and Triton's perf_analyzer is a separate C++ binary; this is the thin client that
 stands in for them. It speaks the recipe protocol of patcher/engines/serving.py: one JSON job
-per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done"}``, where
+per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done", "wakeup"?}``, where
 ``workload`` is a JSON file ``[{"mix", "input_len", "output_len", "input_ids"?, "text"?}, ...]``.
-Requests are offered all at once and run ``concurrency`` at a time (a thread each, as the
-seeds' concurrency tester does); per request it records when the response started streaming
+First ``wakeup`` copies of the first request are sent, untimed (the server is awake when it is
+measured); then the requests are offered all at once and run ``concurrency`` at a time (a thread
+each, as the seeds' concurrency tester does); per request it records when the response started streaming
 tokens (TTFT), when it ended (latency) and how many tokens came back. Protocols:
 
 - ``lmdeploy-generate``: LMDeploy api_server's ``POST /generate`` with token ids
@@ -124,6 +125,11 @@ def run_job(job: dict) -> None:
     with open(job["workload"]) as f:
         reqs = json.load(f)
     timeout = float(job.get("timeout_s", 600))
+    wakeup = int(job.get("wakeup") or 0)
+    if wakeup and reqs:  # untimed: the first request, `wakeup` times, at the run's concurrency
+        with ThreadPoolExecutor(min(wakeup, int(job["concurrency"]))) as pool:
+            list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout),
+                          [reqs[0]] * wakeup))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(int(job["concurrency"])) as pool:
         records = list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout), reqs))
