@@ -96,7 +96,7 @@ def test_each_run_is_one_progress_line_preceded_by_untimed_wakeup_requests(tmp_p
             for side in ("patched", "unpatched"):
                 hits = [ln for ln in lines if f"{label}, concurrency {c}, {side}" in ln]
                 assert len(hits) == 1 and "tok/s" in hits[0], (label, c, side, lines)
-    assert all(r.tool["wakeup"] == min(r.concurrency, 4) for r in m.runs)
+    assert all(r.tool["wakeup"] == 1 for r in m.runs)
     assert gone(groups)
 
 

@@ -64,8 +64,8 @@ class LoadJob:
     num_requests: int
     out_path: Path                      # where the load tool saves its result
     settings: ServeSettings
-    #: untimed requests the tool sends first, at the run's concurrency (the first workload request
-    #: repeated): the server is woken up before it is measured (`patcher.gate.perf.wakeup_requests`)
+    #: untimed requests the tool sends first (the first workload request, repeated, at most the run's
+    #: concurrency at once): the server is woken up before it is measured (`patcher.gate.perf.wakeup_requests`)
     wakeup: int = 0
 
 

@@ -384,11 +384,12 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
 
 
 def wakeup_requests(concurrency: int) -> int:
-    """Untimed requests sent to a server right before each of its runs (at the run's concurrency, up
-    to 4 at once): the server measured next has been idle while the other side ran, and its first
-    requests would otherwise pay for waking up (threads, caches, allocator) -- a cost the schedule
-    would hand to one side more than to the other."""
-    return min(concurrency, 4)
+    """Untimed requests sent to a server right before each of its runs: the server measured next has
+    been idle while the other side ran, and its first request would otherwise pay for waking up
+    (threads, caches, the allocator) -- a cost the schedule would hand to one side more than to the
+    other. One request (the workload's first) wakes every part a run uses; the levels' batch shapes
+    were warmed by the warm-up rounds."""
+    return 1
 
 
 def _stepper(progress: Callable[[str], None] | None):

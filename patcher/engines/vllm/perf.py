@@ -9,8 +9,8 @@
   of exact lengths with an exact output length each (EOS ignored), all offered at once
   (``--no-self-timed``, request rate inf) under ``--max-concurrency``; greedy sampling;
   ``--save-result --save-detailed`` keep every request's TTFT, latency and token count. Before
-  each run the tool sends its own untimed test request and ``--num-warmups`` copies of the first
-  request at the run's concurrency (`LoadJob.wakeup`): the server is awake when it is measured.
+  each run the tool sends ``--num-warmups`` untimed copies of the first request
+  (`LoadJob.wakeup`): the server is awake when it is measured.
   Prompt tokens are drawn by vLLM from the model's vocabulary, seeded by each request's
   hash ids and PYTHONHASHSEED=0, so every run and both sides get the same prompts.
 """
