@@ -1,6 +1,7 @@
 """Plant a known slowdown into an engine checkout, for calibrating the speed gate (`dsadapt perf`).
 
     python3 tools/plant_decode_work.py CHECKOUT [--engine vllm|lmdeploy]
+    python tools/plant_decode_work.py --product-cost      (with an engine environment's python: torch)
 
 Edits the DeepSeek decoder layer of the checkout (`dsadapt apply` made it; commit and
 `dsadapt refresh` afterwards, as for any patch): at the start of every decoder layer's forward
@@ -12,6 +13,10 @@ the products and replays them at every decode step; it is not a Python sleep, wh
 would skip. The knob is read from the environment, so one build serves the A/A runs (0) and
 every planted strength (N) without rebuilding; the unpatched build has no such code, so only
 the patched side pays. tools/calibrate_speed.sh uses it; docs/speed.md has the numbers.
+
+`--product-cost` prints the microseconds one planted product costs here (on the GPU inside a
+CUDA graph when there is one, as the engine replays it; else on the CPU, one thread), which is
+how tools/device/perf_h200.sh sizes the plant for a target slowdown.
 """
 
 from __future__ import annotations
@@ -62,7 +67,54 @@ def plant(text: str) -> str:
     return text[:at] + KNOB + text[at:body] + WORK + text[body:]
 
 
+def product_cost(n: int = 200, repeat: int = 20) -> float:
+    """Microseconds per planted product (a chain of `n`, the median of `repeat`): inside a CUDA graph
+    on the GPU when torch sees one, else eagerly on one CPU thread."""
+    import statistics
+    import time
+
+    import torch
+
+    eye_of = (lambda: torch.eye(64, device="cuda", dtype=torch.bfloat16)) if torch.cuda.is_available() \
+        else (lambda: torch.eye(64))
+
+    def work():
+        x = eye = eye_of()
+        for _ in range(n):
+            x = torch.mm(x, eye)
+        return x
+
+    if torch.cuda.is_available():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            work()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            work()
+        times = []
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    else:
+        torch.set_num_threads(1)
+        work()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) / n * 1e6
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--product-cost"]:
+        print(f"{product_cost():.3f}")
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkout", type=Path)
     p.add_argument("--engine", choices=sorted(FILES), default=None, help="default: from the checkout's files")

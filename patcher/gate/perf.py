@@ -332,6 +332,8 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
                 progress(f"{side} server starting (pid group {srv.proc.pgid}, {srv.url}); log: {srv.proc.log_path}")
         if on_servers:
             on_servers(servers)
+        if progress:
+            progress(f"waiting for the {' and '.join(sides)} servers to load the model and serve")
         sampler = MemorySampler({s: srv.proc.pgid for s, srv in servers.items()}).start()
         stack.callback(sampler.stop)
         wait_ready(list(servers.values()), min(server_start_s, max(1.0, deadline - time.monotonic())), progress)
