@@ -32,12 +32,12 @@ PIN=${PIN:-lmdeploy@v0.18.0}; VARIANT=${VARIANT:-pytorch}; MODEL=${MODEL:-v3}; D
 ENGINE=${PIN%@*}; TAG=${PIN#*@}
 
 prepare() {
-  local proj=${PERF_PROJECT:-/tmp/dsadapt-perf-project} ds=${DSADAPT:-$ROOT/.venv/bin/dsadapt}
+  local proj=${PERF_PROJECT:-/tmp/dsadapt-perf-project} ds=${DSADAPT:-$ROOT/.venv/bin/dsadapt}  # ds: a command, may hold spaces
   local py=${PYTHON:-$ROOT/.venv/bin/python}
   rm -rf "$proj" "$ROOT/.carry/perf" && mkdir -p "$proj"
   cp "$ROOT/upstream.lock" "$proj/" && cp -r "$ROOT/patches" "$proj/"
   export DSADAPT_WORKDIR=$proj/.dsadapt
-  "$ds" --project "$proj" apply "$PIN" || exit 1
+  $ds --project "$proj" apply "$PIN" || exit 1
   local co=$proj/.dsadapt/checkouts/$ENGINE/$TAG
   "$py" "$ROOT/tools/plant_decode_work.py" "$co" || exit 1
   git -C "$co" commit -q -am "deepseek_v2: planted decode work per step (speed-gate calibration)
@@ -46,8 +46,8 @@ A constant amount of GPU work per decoder layer and step, DSADAPT_PLANTED_MATMUL
 64x64 (0: none), for calibrating dsadapt perf. Never shipped.
 
 Upstream-Status: Inappropriate [speed-gate calibration]" || exit 1
-  "$ds" --project "$proj" refresh "$PIN" || exit 1
-  "$ds" --project "$proj" bundle "$PIN" --variant "$VARIANT" --have "$ROOT/tools/device/h200-pip-list.json" \
+  $ds --project "$proj" refresh "$PIN" || exit 1
+  $ds --project "$proj" bundle "$PIN" --variant "$VARIANT" --have "$ROOT/tools/device/h200-pip-list.json" \
     --out "$ROOT/.carry/perf" --max-size 58MiB || exit 1
   echo "device tool, from this checkout: command 'bash tools/device/perf_h200.sh device', carry ['.carry/perf'], timeout_s 600"
 }
@@ -114,7 +114,7 @@ EOF
   }
   size() {  # the planted strength for TARGET from an A/A report: TPOT at concurrency 1 / (layers x product)
     local us
-    us=$("$B/.dsadapt/venvs/$ENGINE-$TAG-$VARIANT/bin/python" "$ROOT/tools/plant_decode_work.py" --product-cost 2>/dev/null \
+    us=$("${DSADAPT_VENVS:-$B/.dsadapt/venvs}/$ENGINE-$TAG-$VARIANT/bin/python" "$ROOT/tools/plant_decode_work.py" --product-cost 2>/dev/null \
          || "$PY" "$ROOT/tools/plant_decode_work.py" --product-cost)
     "$PY" - "$1" "$us" "$TARGET" > "$W/matmuls.tmp" <<'EOF'
 import json, sys

@@ -15,8 +15,9 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file to write (default: docs/benchmarks.md in the project).")
 @click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
-@click.option("--only", type=click.Choice(["builds", "stack-ops"]), default=None,
-              help="Measure only builds, or only stack operations (the other section of the file is kept).")
+@click.option("--only", type=click.Choice(["builds", "stack-ops", "start-up"]), default=None,
+              help="Measure only builds, only stack operations, or only start-up and the warm build (the "
+                   "other sections of the file are kept).")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
 @click.option("--stack-pin", default="vllm@v0.32.0", show_default=True, metavar="ENGINE@TAG",
@@ -38,11 +39,12 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
         raise UsageError(f"--sizes {sizes!r} is not a comma list of numbers", hint="e.g. --sizes 1,10,100") from None
     if not ns or min(ns) < 1 or max(ns) > 5000:
         raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
-    stack_ops = None if only == "builds" else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
-                                                "rebase_to": rebase_to or None}
+    stack_ops = None if only in ("builds", "start-up") else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
+                                                             "rebase_to": rebase_to or None}
+    startup = None if only in ("builds", "stack-ops") else {"repeat": max(5, 3 * repeat), "build_pin": stack_pin}
     with workdir_lock(ctx.cfg):
         report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(not as_json),
-                           builds_too=only != "stack-ops", stack_ops=stack_ops)
+                           builds_too=only is None or only == "builds", stack_ops=stack_ops, startup=startup)
     path = out or ctx.cfg.project / "docs" / "benchmarks.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
@@ -56,6 +58,10 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     m = report.machine
     if report.builds is not None:
         table(f"builds ({m['cores']} cores, {m['cpu']}; {report.date})", BUILD_COLUMNS, build_table(report))
+    if report.startup is not None:
+        from patcher.bench.startup import COLUMNS, startup_table
+
+        table("start-up and warm build", COLUMNS, startup_table(report.startup))
     if report.stack_ops is not None:
         from patcher.bench.stack_ops import STACK_COLUMNS, stack_table
 

@@ -18,10 +18,10 @@ from patcher.cli.commands.common import (
     table,
 )
 from patcher.formats.pinref import check_tag, parse_pinref
-from patcher.stack import workspace
-from patcher.stack.rebase import load_report, rebase_stack, report_paths
-from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
 from patcher.upstream.tags import upstream_tags
+
+# `tags` starts in well under a tenth of a second: the stack, rebase and matrix modules are
+# imported by the commands that use them
 
 
 @click.command("tags")
@@ -65,6 +65,9 @@ def rebase_cmd(ctx: Context, pin: str, onto: str, as_json: bool) -> None:
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
     On a conflict it stops; resolve, then `dsadapt continue`, `skip` or `abort`, as for apply."""
+    from patcher.stack import workspace
+    from patcher.stack.rebase import load_report, rebase_stack, report_paths
+
     old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
     if new_tag == old.tag:
@@ -101,6 +104,8 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     """The CI matrix: one cell per (pin, variant) and per newer upstream tag not yet pinned.
 
     --json prints {"include": [...]}, ready for a GitHub Actions strategy.matrix."""
+    from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
+
     tags = {}
     if only != "pinned":
         for engine in sorted(e for e in ctx.lock.engines if ctx.lock.pins_of(e)):
