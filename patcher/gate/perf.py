@@ -56,7 +56,6 @@ from patcher.rules import speed as P
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
 SERVER_START_S = 900.0
 SAMPLE_S = 0.5
-GPU_SAMPLE_S = 2.0
 
 
 class PerfRunError(MachineError):
@@ -119,7 +118,9 @@ class Server:
 
 
 class MemorySampler:
-    """Peak resident memory (and GPU memory) of each side's server group, sampled in a thread."""
+    """Peak resident memory of each side's server group, sampled in a thread every `SAMPLE_S`, and
+    GPU memory, sampled between runs (a tiny model's GPU memory is what the server allocated at
+    start: its KV cache and weights)."""
 
     def __init__(self, groups: dict[str, int]):
         self.groups = groups
@@ -130,7 +131,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._last_gpu = 0.0
 
     def start(self) -> MemorySampler:
         self._thread.start()
@@ -145,12 +145,12 @@ class MemorySampler:
             self.window = {s: 0 for s in self.groups}
             self.gpu_window = {s: None for s in self.groups}
 
-    def sample(self) -> None:
-
+    def sample(self, gpu_too: bool = True) -> None:
+        """Resident memory of every group now; GPU memory too unless `gpu_too` is False (the
+        background loop: `nvidia-smi` takes driver locks, so it runs between runs, never during one)."""
         rss = {s: group_rss(g) for s, g in self.groups.items()}
         gpu: dict[str, int | None] = {}
-        if time.monotonic() - self._last_gpu >= GPU_SAMPLE_S:
-            self._last_gpu = time.monotonic()
+        if gpu_too:
             for s, g in self.groups.items():
                 try:
                     gpu[s] = gpu_memory(group_members(g))
@@ -168,7 +168,7 @@ class MemorySampler:
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_S):
             with contextlib.suppress(Exception):  # sampling must never break a run
-                self.sample()
+                self.sample(gpu_too=False)
 
 
 @contextmanager
