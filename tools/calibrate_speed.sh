@@ -59,7 +59,7 @@ mkdir -p "$WORK/reports"
 
 perf() {  # name matmuls extra-args...
   local name=$1 n=$2; shift 2
-  DSADAPT_PLANTED_MATMULS=$n ds --report-dir "$WORK/work/reports-$name" perf "$PIN" $CPU_ARG "$@" > "$WORK/$name.out"
+  DSADAPT_PLANTED_MATMULS=$n ds --report-dir "$WORK/work/reports-$name" perf "$PIN" $CPU_ARG "$@" > "$WORK/$name.out" 2>&1
   local rc=$? f
   f=$(ls -t "$WORK/work/reports-$name/$ENGINE/$TAG"/perf-*.json 2>/dev/null | head -1)
   if [ -n "$f" ]; then
@@ -94,7 +94,8 @@ EOF
 fi
 echo "$MATMULS" > "$WORK/matmuls.txt"
 
-for i in $(seq -w 1 "$RUNS"); do
+for i in $(seq 1 "$RUNS"); do
+  i=$(printf %02d "$i")
   # shellcheck disable=SC2086
   perf "aa-$i" 0 --aa $PERF_ARGS
   # shellcheck disable=SC2086

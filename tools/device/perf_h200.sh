@@ -73,6 +73,9 @@ device() {
     "$D" install --offline . --system-site-packages --json > "$OUT/install.json"; echo "install rc=$?"
   fi
   : "${D:?set D to the dsadapt command}"
+  if [ -n "${SKIP_BOOTSTRAP:-}" ]; then  # the chains share the environments: make them once, before
+    "$D" install "$PIN" --variant "$VARIANT" > "$OUT/install.json" 2>&1 || { echo "install failed"; exit 1; }
+  fi
   stamp "calibration: $RUNS A/A + $RUNS planted runs of $PIN ($VARIANT, $MODEL, $DTYPE) in $CHAINS chains; perf $PERF_ARGS"
   # the CPUs, split into CHAINS equal slices (each chain's servers and load generator stay inside its own)
   mapfile -t CPUS < <("$PY" -c "import os; print('\n'.join(map(str, sorted(os.sched_getaffinity(0)))))")

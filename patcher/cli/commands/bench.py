@@ -15,9 +15,9 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file to write (default: docs/benchmarks.md in the project).")
 @click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
-@click.option("--only", type=click.Choice(["builds", "stack-ops", "start-up"]), default=None,
-              help="Measure only builds, only stack operations, or only start-up and the warm build (the "
-                   "other sections of the file are kept).")
+@click.option("--only", type=click.Choice(["builds", "stack-ops", "start-up"]), default=None, metavar="SECTION",
+              help="Measure one section only: builds, stack-ops, or start-up (with the warm build); the "
+                   "other sections of the file are kept.")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
 @click.option("--stack-pin", default="vllm@v0.32.0", show_default=True, metavar="ENGINE@TAG",
