@@ -224,8 +224,10 @@ def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> No
                                    s.proc.log_path, hint=f"log: {s.proc.log_path}\n{log_tail(s.proc.log_path, 15)}")
             if http_ok(s.ready_url):
                 pending.remove(s)
-                if progress:
-                    progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s")
+                if progress:  # a phase of its own only while another server is still loading
+                    rest = " and ".join(x.side for x in pending)
+                    progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s"
+                             + (f"; waiting for the {rest} server" if rest else ""))
         if pending and time.monotonic() - t0 > timeout_s:
             names = ", ".join(s.side for s in pending)
             raise PerfRunError(f"the {names} server did not serve within {timeout_s:.0f} s",
@@ -305,9 +307,9 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
     they start on `server_cpus` (default: `cpus` and the compute cores); once they serve, on
     CPU builds each of their threads moves to `cpus` except the compute threads the engine
     bound to `settings.compute_cpus` itself. The load generator -- and this process, while it
-    measures -- run on `cpus`. Every run (warm-up or measured) is preceded by a few untimed
-    wake-up requests (`wakeup_requests`), so neither side is measured straight out of idling
-    while the other ran. Raises ServerFailed (a side did not serve), PerfRunError (load
+    measures -- run on `cpus`. Every run (warm-up or measured) is preceded by an untimed wake-up
+    request (`wakeup_requests`), so neither side is measured straight out of idling while the
+    other ran. Raises ServerFailed (a side did not serve), PerfRunError (load
     generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
     t_start = time.monotonic()
     deadline = t_start + time_limit_s
