@@ -17,8 +17,10 @@
 #   MATMULS    planted strength (64x64 products per layer and step); "auto" (default): from the first A/A
 #              run's TPOT at concurrency 1 and the measured cost of one product in a CUDA graph, for TARGET
 #   TARGET     planted slowdown to size for (default 0.10)
-#   PERF_ARGS  default "--concurrency 1,16 --rounds 8 --requests 16 --warmup 1 --time-limit 170"
-#   LIMIT      seconds after the start past which no chain starts another run (default 420)
+#   PERF_ARGS  default "--concurrency 1,16 --rounds 8 --requests 16 --warmup 1"
+#   END        seconds after the start by which every run has ended (default 560, inside the device's 600):
+#              a run gets --time-limit min(RUN_S, what is left), and none starts with less than MIN_RUN_S left
+#   RUN_S, MIN_RUN_S   default 240 and 100
 #   PIN, VARIANT, MODEL, DTYPE   default lmdeploy@v0.18.0, pytorch, v3, bfloat16
 #   BUNDLE     the bundle folder (default .carry/perf);  PYTHON  the host's python (default python3)
 #   SKIP_BOOTSTRAP=1 and D=<dsadapt command>: use an installed dsadapt and existing environments (a rehearsal)
@@ -56,8 +58,9 @@ device() {
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
   local B; B=$(cd "${BUNDLE:-$ROOT/.carry/perf}" && pwd) || exit 9
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-  CHAINS=${CHAINS:-5}; RUNS=${RUNS:-10}; MATMULS=${MATMULS:-auto}; TARGET=${TARGET:-0.10}; LIMIT=${LIMIT:-420}
-  PERF_ARGS=${PERF_ARGS:-"--concurrency 1,16 --rounds 8 --requests 16 --warmup 1 --time-limit 170"}
+  CHAINS=${CHAINS:-5}; RUNS=${RUNS:-10}; MATMULS=${MATMULS:-auto}; TARGET=${TARGET:-0.10}
+  END=${END:-560}; RUN_S=${RUN_S:-240}; MIN_RUN_S=${MIN_RUN_S:-100}
+  PERF_ARGS=${PERF_ARGS:-"--concurrency 1,16 --rounds 8 --requests 16 --warmup 1"}
   local PY=${PYTHON:-python3}
   local W=$B/perf-calibration; rm -rf "$W"; mkdir -p "$W/reports"
   cd "$B" || exit 9
@@ -83,22 +86,24 @@ device() {
   # chain k (1-based) runs aa-k, planted-k, aa-(k+CHAINS), planted-(k+CHAINS), ...: every chain starts with
   # an A/A run (chain 1's sizes the plant), RUNS of each kind in all
   chain() {  # k
-    local k=$1 slice j num name
+    local k=$1 slice j num name left
     slice=$(IFS=,; echo "${CPUS[*]:$(( (k - 1) * per )):$per}")
     for (( j = 0; ; j++ )); do
       num=$(( j / 2 * CHAINS + k )); [ "$num" -le "$RUNS" ] || break
       name=$(printf "%s-%02d" "$( [ $((j % 2)) -eq 0 ] && echo aa || echo planted)" "$num")
-      if [ $((SECONDS - T0)) -gt "$LIMIT" ]; then echo "=== $((SECONDS - T0))s chain $k: stopped before $name (LIMIT)"; break; fi
+      left=$(( END - (SECONDS - T0) - 15 ))
+      if [ "$left" -lt "$MIN_RUN_S" ]; then echo "=== $((SECONDS - T0))s chain $k: stopped before $name (END)"; break; fi
+      [ "$left" -le "$RUN_S" ] || left=$RUN_S
       n=0
       if [ "${name%%-*}" = planted ]; then
-        while [ ! -s "$W/matmuls.txt" ] && [ $((SECONDS - T0)) -lt "$LIMIT" ]; do sleep 2; done
+        while [ ! -s "$W/matmuls.txt" ] && [ $(( END - (SECONDS - T0) - 15 )) -ge "$MIN_RUN_S" ]; do sleep 2; done
         n=$(cat "$W/matmuls.txt" 2>/dev/null || echo 0)
         [ "$n" -gt 0 ] || { echo "=== chain $k: no planted strength; skipping $name"; continue; }
       fi
       # shellcheck disable=SC2086
       DSADAPT_PLANTED_MATMULS=$n DSADAPT_WORKDIR=$B/.w$k "$D" --report-dir "$W/r-$name" perf "$PIN" \
         --variant "$VARIANT" --model "$MODEL" --dtype "$DTYPE" --cpus "$slice" \
-        $( [ "${name%%-*}" = aa ] && echo --aa ) $PERF_ARGS > "$W/$name.out" 2>&1
+        $( [ "${name%%-*}" = aa ] && echo --aa ) $PERF_ARGS --time-limit "$left" > "$W/$name.out" 2>&1
       local rc=$? f
       f=$(ls -t "$W/r-$name/$ENGINE/$TAG"/perf-*.json 2>/dev/null | head -1)
       if [ -n "$f" ]; then
