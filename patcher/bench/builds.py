@@ -402,9 +402,10 @@ def _startup_markdown(report: BenchReport, kept: dict[str, str]) -> list[str]:
         f"## {title}",
         "",
         f"Measured {report.date} (1-minute load average {load} when the run started). Every command is a whole "
-        "`dsadapt` run in a new process, each run right after one run of the anchor, `python3 -c pass`, measured in "
-        "the same run (so what the machine does meanwhile hits both); medians of the wall times, and of the CPU "
-        "time (user + system), which load distorts less. `--help`, `list`, `status` and `report` run in the "
+        "`dsadapt` run in a new process, each run right after one run of each anchor, measured in the same run: "
+        "`python3 -c pass` (the python3 on PATH, the goal's anchor, which may be a launcher such as pyenv's) and dsadapt's own "
+        "interpreter with `-c pass` (no launcher: the stricter one), so what the machine does meanwhile hits them "
+        "all; medians of the wall times, and of the CPU time (user + system), which load distorts less. `--help`, `list`, `status` and `report` run in the "
         "project itself; `tags` against a local git remote (the network is not timed); the warm build in the "
         "project after one untimed build. Goals: start-up ≤ 0.12 s and ≤ 4× the anchor, the warm build ≤ 1 s. "
         "How: patcher/bench/startup.py.",

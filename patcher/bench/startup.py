@@ -2,9 +2,10 @@
 whole `dsadapt` commands in new processes -- next to `python3 -c pass` measured in the same run.
 
 How (docs/benchmarks.md, "Start-up and warm build"): each command runs `repeat` times, each run
-right after one run of the anchor (so load that comes and goes hits both alike); the wall times'
-medians are reported, with the median CPU time (user + system of the child) beside them, which a
-loaded machine distorts less. `--help`, `list`, `status` and `report` run in the project itself;
+right after one run of the anchor, `python3 -c pass` (the python3 on PATH, as the goal says), and
+one of dsadapt's own interpreter with `-c pass` (no launcher in between: the stricter anchor), so
+load that comes and goes hits all of them alike; the wall times' medians are reported, with the
+median CPU time (user + system of the child) beside them, which a loaded machine distorts less. `--help`, `list`, `status` and `report` run in the project itself;
 `tags ENGINE` in a scratch copy of the project whose lock points the engine's git remote at a
 local bare repository with a few tags (so the network is not what is timed: `git ls-remote` of a
 local path takes milliseconds). The warm build is `dsadapt build PIN --variant VARIANT` in a copy
@@ -32,7 +33,8 @@ from patcher.formats.lock import Lock, format_lock
 
 START_UP = (("--help",), ("list",), ("status",), ("report",))
 GOALS = {"start-up": "≤ 0.12 s and ≤ 4× anchor", "warm build": "≤ 1 s"}
-COLUMNS = ["what", "command", "dsadapt", "CPU", "anchor", "anchor does", "ratio", "goal", "met", "note"]
+COLUMNS = ["what", "command", "dsadapt", "CPU", "python3 -c pass", "ratio", "own python -c pass", "ratio to it", "goal",
+           "met", "note"]
 
 
 @dataclass
@@ -41,15 +43,20 @@ class StartRow:
     command: str
     wall_s: float | None
     cpu_s: float | None = None
-    anchor_s: float | None = None
+    anchor_s: float | None = None     # `python3 -c pass`, the python3 on PATH (the goal's anchor)
     anchor: str = ""
     note: str = ""
     runs_s: list[float] = field(default_factory=list)
     anchor_runs_s: list[float] = field(default_factory=list)
+    own_s: float | None = None        # dsadapt's own interpreter `-c pass` (no launcher in between)
 
     @property
     def ratio(self) -> float | None:
         return round(self.wall_s / self.anchor_s, 2) if self.wall_s is not None and self.anchor_s else None
+
+    @property
+    def own_ratio(self) -> float | None:
+        return round(self.wall_s / self.own_s, 2) if self.wall_s is not None and self.own_s else None
 
     @property
     def met(self) -> bool | None:
@@ -60,7 +67,7 @@ class StartRow:
         return self.wall_s <= 0.12 and (self.ratio is None or self.ratio <= 4.0)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio, "met": self.met}
+        return {**asdict(self), "ratio": self.ratio, "own_ratio": self.own_ratio, "met": self.met}
 
 
 def dsadapt_argv() -> list[str]:
@@ -91,17 +98,21 @@ def _median(xs: list[float]) -> float:
 
 
 def paired(argv: list[str], env: dict[str, str], repeat: int, cwd: Path | None = None) -> StartRow:
-    """`argv` and the anchor alternately, `repeat` times each (one untimed run of `argv` first)."""
-    anchor = anchor_argv()
+    """`argv` and the anchors alternately, `repeat` times each (one untimed run of `argv` first):
+    `python3 -c pass` (the python3 on PATH, which may be a launcher such as pyenv's) and dsadapt's
+    own interpreter with `-c pass`."""
+    anchor, own = anchor_argv(), [sys.executable, "-c", "pass"]
     timed(argv, env, cwd)  # page cache, .pyc files
-    runs, cpus, anchors = [], [], []
+    runs, cpus, anchors, owns = [], [], [], []
     for _ in range(repeat):
         anchors.append(timed(anchor, env)[0])
+        owns.append(timed(own, env)[0])
         wall, cpu = timed(argv, env, cwd)
         runs.append(wall)
         cpus.append(cpu)
     return StartRow("start-up", "", _median(runs), _median(cpus), _median(anchors), " ".join(["python3", *anchor[1:]]),
-                    runs_s=[round(x, 4) for x in runs], anchor_runs_s=[round(x, 4) for x in anchors])
+                    runs_s=[round(x, 4) for x in runs], anchor_runs_s=[round(x, 4) for x in anchors],
+                    own_s=_median(owns))
 
 
 def _tags_project(cfg: Config, lock: Lock, engine: str, root: Path) -> tuple[Path, dict[str, str]]:
@@ -139,7 +150,9 @@ def run_startup_bench(cfg: Config, lock: Lock, repeat: int = 10, build_pin: str 
         if args == ("status",):
             row.note = f"{checkouts} checkout(s) in the work dir"
         rows.append(row)
-    engine = next((e for e in sorted(lock.engines) if lock.pins_of(e)), None)
+    engines = [e for e in sorted(lock.engines) if lock.pins_of(e)]
+    engine = build_pin.split("@")[0] if build_pin and build_pin.split("@")[0] in engines else \
+        (engines[0] if engines else None)
     if engine is not None:
         with tempfile.TemporaryDirectory(prefix="bench-tags-", dir=cfg.workdir) as tmp:
             proj, tenv = _tags_project(cfg, lock, engine, Path(tmp))
@@ -188,6 +201,8 @@ def _s(x: float | None) -> str:
 
 
 def startup_table(rows: list[StartRow]) -> list[list[str]]:
-    return [[r.what, r.command, _s(r.wall_s), _s(r.cpu_s), _s(r.anchor_s), r.anchor or "-",
-             "-" if r.ratio is None else f"{r.ratio:.2f}×", GOALS.get(r.what, "-"),
-             {True: "yes", False: "NO", None: "-"}[r.met], r.note or "-"] for r in rows]
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}×"
+
+    return [[r.what, r.command, _s(r.wall_s), _s(r.cpu_s), _s(r.anchor_s), x(r.ratio), _s(r.own_s), x(r.own_ratio),
+             GOALS.get(r.what, "-"), {True: "yes", False: "NO", None: "-"}[r.met], r.note or "-"] for r in rows]
