@@ -13,7 +13,7 @@ export DSADAPT_TORCH_INDEX
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench gpu-check docs clean
+.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench gpu-check gpu-perf calibrate-speed docs clean
 
 setup: $(BIN)/.installed
 
@@ -81,6 +81,18 @@ gpu-check: setup
 	@echo "device tool, from this checkout: run command 'bash tools/device/lmdeploy_h200.sh $(GPU_BUNDLE)'," \
 	  "carry ['$(GPU_BUNDLE)'], timeout_s 600 (the chains: tools/device/calibration.chains; knobs: the script's header)"
 	@echo "then, here: mkdir -p back && tar xzf OUT/reports.tgz -C back && python tools/calibrate_low_precision.py table back"
+
+## The speed gate's calibration on the GPU machine: an offline bundle of the LMDeploy stack with the
+## planted decode work (tools/plant_decode_work.py) in .carry/perf, and the device command
+## (tools/device/perf_h200.sh device: A/A and planted runs in parallel chains, docs/speed.md).
+gpu-perf: setup
+	DSADAPT="$(BIN)/dsadapt" PYTHON="$(BIN)/python" bash tools/device/perf_h200.sh prepare
+	@echo "then, here: tar xzf OUT/reports.tgz -C .carry/perf && $(BIN)/python tools/speed_calibration.py .carry/perf/perf-calibration/reports"
+
+## The speed gate's calibration on this machine (CPU): RUNS A/A and planted runs (tools/calibrate_speed.sh;
+## run it when the machine is quiet: every report records the load average).
+calibrate-speed: setup
+	PYTHON="$(BIN)/python" bash tools/calibrate_speed.sh
 
 ## Regenerate docs/commands.md from the commands' help.
 docs: setup

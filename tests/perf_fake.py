@@ -103,10 +103,14 @@ def drive() -> None:
         if job.get("stall"):
             time.sleep(3600)
         reqs = json.loads(Path(job["workload"]).read_text())
+        wakeup = int(job.get("wakeup") or 0)
+        if wakeup:  # untimed, like the real tools: the first request, `wakeup` times
+            with ThreadPoolExecutor(min(wakeup, job["concurrency"])) as pool:
+                list(pool.map(_one, [job["url"]] * wakeup, [reqs[0]] * wakeup))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(job["concurrency"]) as pool:
             out = list(pool.map(_one, [job["url"]] * len(reqs), reqs))
-        doc = {"duration_s": time.perf_counter() - t0, "requests": out}
+        doc = {"duration_s": time.perf_counter() - t0, "requests": out, "wakeup": wakeup}
         Path(job["out"]).write_text(json.dumps(doc))
         tmp = job["done"] + ".tmp"
         Path(tmp).write_text(json.dumps({"ok": True, "error": ""}))
@@ -149,14 +153,15 @@ class FakeRecipe:
 
     def job(self, job):
         return {"url": job.base_url, "workload": str(job.workload_path), "concurrency": job.concurrency,
-                "out": str(job.out_path), "stall": self.stall}
+                "out": str(job.out_path), "stall": self.stall, "wakeup": job.wakeup}
 
     def parse(self, job, requests):
         from patcher.engines.serving import ParsedRun
         from patcher.rules.speed import RequestRecord
 
         d = json.loads(Path(job.out_path).read_text())
-        return ParsedRun(d["duration_s"], [RequestRecord(**r) for r in d["requests"]], {"fake": True})
+        return ParsedRun(d["duration_s"], [RequestRecord(**r) for r in d["requests"]],
+                         {"fake": True, "wakeup": d.get("wakeup", 0)})
 
 
 def settings(tmp: Path, max_num_seqs: int = 4):

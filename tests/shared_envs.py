@@ -25,12 +25,15 @@ from patcher.formats.lock import load_lock
 from patcher.formats.pinref import parse_pinref
 
 REPO = Path(__file__).resolve().parents[1]
+#: The one artifact cache and the one venv root of every slow test (the gate, perf, build and
+#: equivalence tests all install into and read from these: each environment is made once per machine).
+CACHE = Path(os.environ.get("DSADAPT_TEST_CACHE") or REPO / ".dsadapt" / "cache")
+VENVS = Path(os.environ.get("DSADAPT_TEST_VENVS") or REPO / ".dsadapt" / "venvs")
 
 
 def shared_config():
     env = {"DSADAPT_PROJECT": str(REPO), "DSADAPT_WORKDIR": str(REPO / ".dsadapt"),
-           "DSADAPT_CACHE": os.environ.get("DSADAPT_TEST_CACHE", str(REPO / ".dsadapt" / "cache")),
-           "DSADAPT_VENVS": os.environ.get("DSADAPT_TEST_VENVS", str(REPO / ".dsadapt" / "venvs")),
+           "DSADAPT_CACHE": str(CACHE), "DSADAPT_VENVS": str(VENVS),
            "DSADAPT_ARTIFACTS": os.environ.get("DSADAPT_ARTIFACTS", ""), "DSADAPT_SOURCES": "pypi"}
     return load_config(REPO, env)
 

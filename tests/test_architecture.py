@@ -263,6 +263,55 @@ def test_cli_help_loads_no_engine():
     assert r.stdout.strip() == "0 True []"
 
 
+@pytest.mark.parametrize("command", [["list"], ["status"], ["report"]])
+def test_commands_that_run_no_engine_load_adapters_without_what_only_other_commands_use(command):
+    """Start-up (docs/benchmarks.md): `list`, `status` and `report` on the project's own engines load the
+    adapters but neither the gate, the per-module rule (bisect tables), the speed gate's recipes, nor
+    any distribution's metadata (no entry-point scan: the project's engines are known by name)."""
+    code = ("import contextlib, io, sys; import patcher.cli.main as cli, patcher.engines as e\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = cli.main({['--project', str(ROOT), *command]!r})\n"
+            "print(rc, e._ENTRIES is None, sorted(e._LOADED))\n"
+            "print(' '.join(sorted(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "DSADAPT_WORKDIR": str(ROOT / ".dsadapt")})
+    assert r.returncode == 0, r.stderr
+    first, modules = r.stdout.splitlines()[-2:]
+    rc, scanned, loaded = first.split(" ", 2)
+    assert rc == "0" and scanned == "True", r.stdout
+    if command != ["status"]:
+        assert loaded == "['lmdeploy', 'triton', 'vllm']", loaded
+    mods = set(modules.split())
+    unwanted = sorted(m for m in mods if m.startswith(("patcher.gate.", "patcher.rules.modules", "patcher.rules.speed",
+                                                       "patcher.engines.serving", "importlib.metadata"))
+                      or m.endswith((".perf", ".bisect_table")))
+    if command == ["report"]:  # report is the gate's summary: that one module, nothing else of the gate
+        unwanted.remove("patcher.gate.summary")
+    assert unwanted == [], unwanted
+
+
+def test_the_loaders_own_engines_are_the_pyproject_entry_points():
+    """patcher.engines.OWN lets the project's engines load without a metadata scan; it must say what
+    pyproject.toml declares (the entry points other tools see)."""
+    import tomllib
+
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert doc["project"]["entry-points"]["dsadapt.engines"] == engines.OWN
+
+
+def test_a_deferred_adapter_attribute_is_imported_when_read():
+    from patcher.engines.vllm.bisect_table import TABLE
+
+    code = ("import sys; from patcher.engines import engine; ad = engine('vllm')\n"
+            "before = 'patcher.engines.vllm.bisect_table' in sys.modules\n"
+            "table = ad.bisect_table; mm = ad.module_map\n"
+            "print(before, 'patcher.engines.vllm.bisect_table' in sys.modules, type(table).__name__, len(mm) > 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.stdout.split() == ["False", "True", type(TABLE).__name__, "True"], r.stderr
+    assert engine("vllm").module_map == TABLE.module_map()
+
+
 # ---------------------------------------------------------------- the loader
 
 

@@ -28,7 +28,7 @@ def test_bench_measures_builds_and_alternative_and_writes_markdown(project, tmp_
     write_report(project.root, "v3-float32.json")
     write_report(project.root, "v3-float32-unpatched.json", unpatched=True)
     out = tmp_path / "bench.md"
-    r = project.run("bench", "--repeat", "2", "--out", str(out), "--json")
+    r = project.run("bench", "--only", "builds", "--repeat", "2", "--out", str(out), "--json")
     assert r.rc == 0, r
     data = r.json()
     rows = {(b["pin"], b["variant"]): b for b in data["builds"]}
@@ -131,3 +131,27 @@ def test_stack_ops_bench_measures_dsadapt_next_to_raw_git_and_keeps_the_builds_s
     assert "## Builds\n\nold builds table" in md and "## Stack operations" in md
     assert "| apply | 3 |" in md and "git am -3 of the same files" in md
     assert not list(project.workdir.glob("bench-stack-*"))
+
+
+def test_startup_bench_times_commands_next_to_the_anchor_and_the_warm_build(project):
+    """`bench --only start-up`: every start-up command and the warm build as whole processes, the
+    anchor (`python3 -c pass`) measured in the same run, the goals judged; other sections kept."""
+    pin_wheel(project)
+    out = project.root / "docs" / "benchmarks.md"
+    out.parent.mkdir(parents=True)
+    out.write_text("# Benchmarks\n\nold header\n\n## Builds\n\nold builds table\n\n## Stack operations\n\nold ops\n")
+    r = project.run("bench", "--only", "start-up", "--stack-pin", REF1, "--repeat", "1", "--json")
+    assert r.rc == 0, r
+    rows = {x["command"]: x for x in r.json()["startup"]}
+    assert set(rows) == {"dsadapt --help", "dsadapt list", "dsadapt status", "dsadapt report", "dsadapt tags vllm",
+                         f"dsadapt build {REF1} --variant cpu"}
+    for row in rows.values():
+        assert row["wall_s"] is not None and row["wall_s"] > 0 and row["cpu_s"] > 0, row["note"]
+        if row["what"] == "start-up":
+            assert row["anchor_s"] > 0 and row["ratio"] == round(row["wall_s"] / row["anchor_s"], 2) and row["own_s"] > 0
+            assert len(row["runs_s"]) == len(row["anchor_runs_s"]) == 5
+            assert row["met"] == (row["wall_s"] <= 0.12 and row["ratio"] <= 4)
+    assert rows[f"dsadapt build {REF1} --variant cpu"]["met"] == (rows[f"dsadapt build {REF1} --variant cpu"]["wall_s"] <= 1)
+    md = out.read_text()
+    assert "## Start-up and warm build" in md and "| start-up | dsadapt tags vllm |" in md
+    assert "## Builds\n\nold builds table" in md and "## Stack operations\n\nold ops" in md

@@ -368,3 +368,79 @@ def test_the_unpatched_side_of_a_variant_is_the_release_with_only_that_leave_out
     # a variant without a leave-out: the pinned release wheel itself, checked against the lock
     full = unpatched_build(cfg, entry, engine("vllm").variant("cpu"), project.tmp / "out")
     assert full.kind == "release" and full.sha256 == sha and Path(full.artifact).read_bytes() == release.read_bytes()
+
+
+# ---------------------------------------------------------------- warm rebuilds: hashed once, nothing written
+
+
+class _CountingSha256:
+    """hashlib.sha256 that adds every hashed byte to `counted`."""
+
+    counted = 0
+
+    def __init__(self, data=b""):
+        self._h = _REAL_SHA256()
+        self.update(data)
+
+    def update(self, data):
+        type(self).counted += len(data)
+        self._h.update(data)
+
+    def digest(self):
+        return self._h.digest()
+
+    def hexdigest(self):
+        return self._h.hexdigest()
+
+
+_REAL_SHA256 = hashlib.sha256
+
+
+def test_a_warm_rebuild_hashes_each_artifact_once_and_rewrites_nothing(project, monkeypatch):
+    """The release wheel is verified once (not again for the build), the output's sha256 comes from
+    the one pass that compares it with the file already in dist/, and that file is left as it is."""
+    import os
+
+    from patcher.base import fsutil
+
+    # a release wheel of a few MB (hex does not compress below half), so that a second pass over
+    # the release or the output shows up in the count beside the small hashes (stack, RECORD rows)
+    base, _ = pin_wheel(project, overrides={"vllm/weights.txt": os.urandom(1 << 20).hex()})
+    first = build(project)
+    out = Path(first["artifact"])
+    before = out.stat()
+    monkeypatch.setattr(fsutil, "_DIGESTS", {})  # a new run: nothing known yet
+    monkeypatch.setattr(hashlib, "sha256", _CountingSha256)
+    _CountingSha256.counted = 0
+    again = build(project)
+    assert again["sha256"] == first["sha256"] == _REAL_SHA256(out.read_bytes()).hexdigest()
+    after = out.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
+    assert base.stat().st_size > 1 << 20
+    small = 1 << 16  # the stack's hash, RECORD rows of changed members, the lock: kilobytes
+    assert _CountingSha256.counted <= base.stat().st_size + out.stat().st_size + small, _CountingSha256.counted
+
+
+def test_a_rebuild_never_replaces_another_file_of_the_same_name(project):
+    pin_wheel(project)
+    out = Path(build(project)["artifact"])
+    data = out.read_bytes()
+    out.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # the same name and size, other bytes
+    kept = out.read_bytes()
+    r = project.run("build", REF1)
+    assert r.rc == 4 and "exists with other content" in r.err, r
+    assert out.read_bytes() == kept and not list(out.parent.glob(".*.tmp-*"))
+
+
+def test_a_file_hashed_once_is_hashed_again_when_it_changes(tmp_path):
+    from patcher.base.fsutil import sha256_file
+
+    f = tmp_path / "a.whl"
+    f.write_bytes(b"one")
+    st = f.stat()
+    assert sha256_file(f) == _REAL_SHA256(b"one").hexdigest()
+    f.write_bytes(b"two")  # same size, the same mtime put back: the change time still differs
+    import os
+
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert sha256_file(f) == _REAL_SHA256(b"two").hexdigest()

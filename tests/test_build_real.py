@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, Project
+from shared_envs import CACHE, VENVS  # the slow tests' one cache and venv root
 
 from patcher.formats.wheel import verify_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
-CACHE = REPO_ROOT / ".dsadapt" / "cache"
-VENVS = REPO_ROOT / ".dsadapt" / "venvs"
 MODEL = "vllm/model_executor/models/deepseek_v2.py"
 
 

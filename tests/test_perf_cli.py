@@ -198,6 +198,54 @@ def test_aa_runs_the_patched_build_against_itself(proj, model_dir, fake_engine):
     assert set(rep["band"]) >= {"ci_hi_min", "estimate_min", "estimate_max", "margin", "ci_width_max"}
 
 
+@needs_cpu_only
+def test_each_run_is_one_progress_line_and_runs_send_exactly_the_requests_asked(proj, model_dir, fake_engine):
+    rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), "--concurrency", "2", "--rounds", "2",
+                            "--requests", "5", "--warmup", "1")
+    for label in ("warm-up 1/1", "round 1/2", "round 2/2"):
+        for side in ("patched", "unpatched"):
+            assert err.count(f"{label}, concurrency 2, {side}") == 1, err
+    rep = json.loads(proj.report().read_text())
+    assert all(len(r["requests"]) == 5 for r in rep["runs"])
+    assert rep["workload"]["requests_per_run"] == 5
+    assert rep["provenance"]["went_first"] == {"2": {"patched": 1, "unpatched": 1}}
+
+
+def test_the_perf_plot_labels_every_panel_and_says_which_way_each_ratio_points(tmp_path, monkeypatch):
+    """Every panel has a title and axis labels, every drawn series a legend entry, and each gated
+    ratio's entry says which side is divided by which (< 1 always means the first side is slower)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from patcher.rules import speed as P
+    from patcher.rules.plots import plot_perf, ratio_label
+
+    runs = [P.RunRecord(s, rnd, c, 1.0 + 0.1 * (s == "patched"),
+                        [P.RequestRecord("m", 8, 10, 0.1, 1.0 + 0.05 * rnd)] * 3)
+            for rnd in range(4) for c in (1, 4) for s in ("patched", "unpatched")]
+    points = P.build_points(runs, (1, 4))
+    verdict, reasons = P.decide(points)
+    report = {"pin": PIN, "variant": "cpu", "model": "v3", "config_style": "deepseek", "dtype": "float32",
+              "mode": "patched-vs-unpatched", "sides": ["patched", "unpatched"], "threshold": 0.95,
+              "verdict": verdict, "points": [p.to_json() for p in points]}
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    plot_perf(report, tmp_path / "p.png")
+    (fig,) = figs
+    for ax in fig.axes:
+        assert ax.get_title() and ax.get_xlabel() == "concurrency" and ax.get_ylabel()
+        handles, labels = ax.get_legend_handles_labels()
+        drawn = [a for a in ax.lines + ax.collections if not str(a.get_label()).startswith("_")]
+        assert labels and len(labels) == len(handles) >= len(drawn) > 0, (ax.get_title(), labels)
+    ratio_labels = fig.axes[2].get_legend_handles_labels()[1]
+    assert ratio_label("output_throughput", ("patched", "unpatched")) == "output tokens/s: patched ÷ unpatched"
+    assert ratio_label("tpot_mean", ("patched", "unpatched")) == "TPOT mean: unpatched ÷ patched"
+    for key in P.GATED:
+        assert ratio_label(key, ("patched", "unpatched")) in ratio_labels
+    assert "< 1: patched slower" in fig.axes[2].get_ylabel()
+    assert any("threshold 0.95" in lab for lab in ratio_labels)
+
+
 # ---------------------------------------------------------------- report and matrix
 
 

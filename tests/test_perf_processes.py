@@ -77,6 +77,40 @@ def test_both_sides_run_every_round_and_a_3x_slower_side_fails(tmp_path, groups)
     assert gone(groups)  # a normal end stops both servers (and their helpers)
 
 
+def test_each_run_is_one_progress_line_preceded_by_untimed_wakeup_requests(tmp_path, groups):
+    """One line per run in a log (not the run's start and then its time), every run -- warm-up or
+    measured, either side -- after its own wake-up requests."""
+    import io
+
+    from patcher.cli.commands.common import Progress
+
+    buf = io.StringIO()
+    progress = Progress(buf, live=False, slow=0.0)
+    w = perf_fake.small_workload(rounds=2, concurrency=(1, 6))
+    m = _measure(tmp_path, groups, {"A": FAST, "B": FAST}, workload=P.Workload(w.mixes, w.concurrency, 2, 1),
+                 progress=progress)
+    progress.close()
+    lines = buf.getvalue().splitlines()
+    for label in ("warm-up 1/1", "round 1/2", "round 2/2"):
+        for c in (1, 6):
+            for side in ("patched", "unpatched"):
+                hits = [ln for ln in lines if f"{label}, concurrency {c}, {side}" in ln]
+                assert len(hits) == 1 and "tok/s" in hits[0], (label, c, side, lines)
+    assert all(r.tool["wakeup"] == 1 for r in m.runs)
+    assert gone(groups)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell the sets apart")
+def test_dsadapt_waits_on_the_load_generators_cpus_while_it_measures(tmp_path, groups):
+    before = os.sched_getaffinity(0)
+    load_cpu = max(before)
+    seen = []
+    _measure(tmp_path, groups, {"A": FAST, "B": FAST}, cpus=(load_cpu,),
+             progress=lambda msg: seen.append(os.sched_getaffinity(0)))
+    assert seen and all(s == {load_cpu} for s in seen)
+    assert os.sched_getaffinity(0) == before
+
+
 def test_a_server_that_cannot_load_the_model_is_named_with_its_root_cause(tmp_path, groups):
     with pytest.raises(ServerFailed) as e:
         _measure(tmp_path, groups, {"A": "fail", "B": FAST})
@@ -167,3 +201,21 @@ def test_guard_pins_the_cpu_set(tmp_path):
                       log_path=tmp_path / "pinned.log", deadline_s=60, cpus=cpus)
     assert g.proc.wait(timeout=30) == 0
     assert str(cpus) in (tmp_path / "pinned.log").read_text()
+
+
+def test_both_servers_always_get_the_same_cpus():
+    from patcher.base.machine import parse_cpu_list
+    from patcher.gate.perf import place
+
+    # CPU builds: compute on all cores but the last, everything else on the last
+    assert place((0, 1), "cpu") == place((0, 1), "cpu", gpu_local=(0,))
+    p = place((0, 1, 2, 3), "cpu")
+    assert (p.compute, p.servers, p.load) == ((0, 1, 2), (0, 1, 2, 3), (3,))
+    # GPU builds: the GPU's NUMA node only, a quarter of it for the load generator and dsadapt
+    p = place(tuple(range(32)), "cuda", gpu_local=parse_cpu_list("16-31"))
+    assert (p.compute, p.servers, p.load) == ((), tuple(range(16, 28)), tuple(range(28, 32)))
+    # a CPU set given with --cpus outside the GPU's node is used as it is
+    p = place((0, 1, 2, 3), "cuda", gpu_local=(16, 17))
+    assert (p.servers, p.load) == ((0, 1, 2), (3,))
+    assert place((5,), "cuda").servers == place((5,), "cuda").load == (5,)
+    assert parse_cpu_list("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11) and parse_cpu_list("") == ()

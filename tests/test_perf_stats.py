@@ -130,16 +130,33 @@ def test_run_metrics_tpot_excludes_the_first_token_and_failures_count():
     assert m["completed"] == 4 and m["failed"] == 1
 
 
-def test_schedule_alternates_which_side_goes_first():
-    plan = P.schedule(3, (1, 4), warmup_rounds=1)
-    assert len(plan) == 4 * 2 * 2
-    assert plan[:4] == [(-1, 1, "unpatched"), (-1, 1, "patched"), (-1, 4, "patched"), (-1, 4, "unpatched")]
-    for rnd in range(3):
-        for c in (1, 4):
+def test_schedule_balances_which_side_goes_first_at_every_level():
+    """An advantage of going first (or second) in a pair cancels: over the default even number of
+    rounds each side goes first in exactly half of them, at every level."""
+    sides = ("patched", "unpatched")
+    plan = P.schedule(P.DEFAULT_ROUNDS, (1, 4, 16), sides, warmup_rounds=1)
+    assert P.DEFAULT_ROUNDS % 2 == 0
+    assert len(plan) == (P.DEFAULT_ROUNDS + 1) * 3 * 2
+    half = P.DEFAULT_ROUNDS // 2
+    assert P.order_balance(plan, sides) == {c: {"patched": half, "unpatched": half} for c in (1, 4, 16)}
+    for rnd in range(P.DEFAULT_ROUNDS):
+        for c in (1, 4, 16):
             pair = [s for (r, cc, s) in plan if r == rnd and cc == c]
             assert sorted(pair) == ["patched", "unpatched"]
-    firsts = [s for i, (r, c, s) in enumerate(plan) if r >= 0 and i % 2 == 0]
-    assert firsts.count("patched") == firsts.count("unpatched")
+
+
+def test_schedule_alternates_run_by_run_and_warms_up_both_sides_first():
+    """A side runs twice in a row only where one round ends and the next begins (never: one side
+    always straight after its own run while the other waited), and every warm-up run of both
+    sides comes before the first measured run."""
+    plan = P.schedule(4, (1, 4, 16), warmup_rounds=2)
+    for i in range(1, len(plan)):
+        same = plan[i][2] == plan[i - 1][2]
+        assert not same or plan[i][0] != plan[i - 1][0], plan[i - 1:i + 1]
+    rounds = [r for r, _c, _s in plan]
+    assert rounds == sorted(rounds) and rounds[0] == -2
+    warm = [(c, s) for r, c, s in plan if r < 0]
+    assert sorted(set(warm)) == sorted({(c, s) for c in (1, 4, 16) for s in ("patched", "unpatched")})
 
 
 def test_points_pair_rounds_and_detect_a_slower_side():
@@ -194,6 +211,18 @@ def test_default_workload_has_a_mix_past_the_yarn_original_context():
     reqs = w.requests()
     assert len(reqs) >= 2 * 16 and [r.mix for r in reqs[:3]] == ["short", "medium", "long"]
     assert [r.index for r in reqs] == list(range(len(reqs)))
+
+
+@pytest.mark.parametrize("requests, per_mix", [(8, [3, 3, 2]), (9, [3, 3, 3]), (32, [11, 11, 10]), (3, [1, 1, 1])])
+def test_a_run_sends_exactly_the_requests_asked_for(requests, per_mix):
+    w = P.build_workload(original_context=64, concurrency=(4,), requests=requests)
+    assert len(w.requests()) == requests == w.to_json()["requests_per_run"]
+    assert [m.requests for m in w.mixes] == per_mix
+
+
+def test_fewer_requests_than_mixes_is_refused():
+    with pytest.raises(UsageError, match="fewer than the 3 prompt/output mixes"):
+        P.build_workload(original_context=64, requests=2)
 
 
 def test_workload_from_explicit_lengths():

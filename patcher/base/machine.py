@@ -126,3 +126,43 @@ def available_memory(device: str = "cpu") -> tuple[int | None, str]:
     except (OSError, ValueError):
         pass
     return avail, where
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0-3,8,10-11' (the kernel's CPU list format) -> (0, 1, 2, 3, 8, 10, 11); '' -> ()."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return tuple(sorted(out))
+
+
+def gpu_local_cpus(index: int | None = None) -> tuple[int, ...]:
+    """The CPUs attached to the same NUMA node as GPU `index` (default: the first visible one), from
+    the PCI device's ``local_cpulist`` in sysfs; () when unknown (no GPU, no sysfs, a container
+    that hides them). A process on a CPU of another socket reaches the GPU over the socket link:
+    slower kernel launches for one server of a pair than for the other."""
+    if not shutil.which("nvidia-smi"):
+        return ()
+    if index is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        index = int(visible) if visible.isdigit() else 0
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    for line in r.stdout.splitlines():
+        idx, _, bus = (c.strip() for c in line.partition(","))
+        if idx == str(index) and bus:
+            # nvidia-smi: 00000000:3B:00.0; sysfs: 0000:3b:00.0
+            dom, _, rest = bus.lower().partition(":")
+            path = Path("/sys/bus/pci/devices") / f"{dom[-4:]}:{rest}" / "local_cpulist"
+            try:
+                return parse_cpu_list(path.read_text())
+            except (OSError, ValueError):
+                return ()
+    return ()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, DsadaptError
+from patcher.base.fsutil import forget_digests
 from patcher.build.builder import build_pin, buildable_here
 from patcher.engines import engine
 from patcher.formats.lock import Lock, LockEntry
@@ -81,11 +82,14 @@ class BenchReport:
     checks: list[CheckTimings]
     stack_ops: list | None = None       # stackbench.OpRow rows; None: not measured in this run
     stack_facts: dict = field(default_factory=dict)
+    startup: list | None = None         # startup.StartRow rows; None: not measured in this run
 
     def to_json(self) -> dict:
         d = asdict(self)
         if self.stack_ops is not None:
             d["stack_ops"] = [r.to_json() for r in self.stack_ops]
+        if self.startup is not None:
+            d["startup"] = [r.to_json() for r in self.startup]
         return d
 
 
@@ -142,6 +146,7 @@ def bench_build(cfg: Config, lock: Lock, entry: LockEntry, variant: str, repeat:
         row.first_s = round(time.monotonic() - t0, 2)
         shas = {first.sha256}
         for _ in range(repeat):
+            forget_digests()  # each rebuild as a new `dsadapt build` run: nothing hashed yet
             t0 = time.monotonic()
             res = build_pin(cold, lock, entry.ref, variant, out_dir=work / "dist")
             row.runs_s.append(round(time.monotonic() - t0, 2))
@@ -239,9 +244,9 @@ def read_check_timings(reports_root: Path) -> list[CheckTimings]:
 
 
 def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = True, progress=None,
-              builds_too: bool = True, stack_ops: dict | None = None) -> BenchReport:
+              builds_too: bool = True, stack_ops: dict | None = None, startup: dict | None = None) -> BenchReport:
     """Builds (unless builds_too is False) and, when `stack_ops` gives its arguments, the stack-operations
-    benchmark (patcher/bench/stack_ops.py)."""
+    benchmark (patcher/bench/stack_ops.py), and with `startup` the start-up one (patcher/bench/startup.py)."""
     report = BenchReport(datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), machine_info(), repeat,
                          None, read_check_timings(cfg.published_reports))  # the committed reports, as docs cite them
     if builds_too:
@@ -250,6 +255,10 @@ def run_bench(cfg: Config, lock: Lock, repeat: int = 3, alternatives: bool = Tru
         from patcher.bench.stack_ops import run_stack_bench
 
         report.stack_ops, report.stack_facts = run_stack_bench(cfg, lock, progress=progress, **stack_ops)
+    if startup is not None:
+        from patcher.bench.startup import run_startup_bench
+
+        report.startup = run_startup_bench(cfg, lock, progress=progress, **startup)
     return report
 
 
@@ -356,9 +365,10 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: st
         f"Python {m['python']}, {m['os']}; 1-minute load average {m.get('load_1min')} when it started (other "
         "work on the machine shows up in the times). Regenerate with `make bench`."
         + (" Sections this run did not measure are kept from the previous run (their own dates)." if
-           report.builds is None or report.stack_ops is None else ""),
+           report.builds is None or report.stack_ops is None or report.startup is None else ""),
         "",
     ]
+    out += _startup_markdown(report, kept)
     if report.builds is None and "Builds" in kept:
         out += [kept["Builds"].rstrip("\n"), ""]
     else:
@@ -384,6 +394,30 @@ def format_markdown(report: BenchReport, command: str = "dsadapt bench", old: st
         if heading not in made:
             out += ["", text.rstrip("\n")]
     return "\n".join(out)
+
+
+def _startup_markdown(report: BenchReport, kept: dict[str, str]) -> list[str]:
+    from patcher.bench.startup import COLUMNS, startup_table
+
+    title = "Start-up and warm build"
+    if report.startup is None:
+        return [kept[title].rstrip("\n"), ""] if title in kept else []
+    load = report.machine.get("load_1min")
+    return [
+        f"## {title}",
+        "",
+        f"Measured {report.date} (1-minute load average {load} when the run started). Every command is a whole "
+        "`dsadapt` run in a new process, each run right after one run of each anchor, measured in the same run: "
+        "`python3 -c pass` (the python3 on PATH, the goal's anchor, which may be a launcher such as pyenv's) and dsadapt's own "
+        "interpreter with `-c pass` (no launcher: the stricter one), so what the machine does meanwhile hits them "
+        "all; medians of the wall times, and of the CPU time (user + system), which load distorts less. `--help`, `list`, `status` and `report` run in the "
+        "project itself; `tags` against a local git remote (the network is not timed); the warm build in the "
+        "project after one untimed build. Goals: start-up ≤ 0.12 s and ≤ 4× the anchor, the warm build ≤ 1 s. "
+        "How: patcher/bench/startup.py.",
+        "",
+        _md_table(COLUMNS, startup_table(report.startup)),
+        "",
+    ]
 
 
 def _builds_markdown(report: BenchReport) -> list[str]:

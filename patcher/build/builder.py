@@ -34,14 +34,22 @@ from patcher.base.errors import (
     UnsafeArtifact,
     VerificationError,
 )
-from patcher.base.fsutil import fsync_dir, git_blob_id, sha256_file
+from patcher.base.fsutil import fsync_dir, git_blob_id, remember_sha256, same_bytes, sha256_file
 from patcher.engines import engine
 from patcher.engines.base import BuildKind, BuildResult, Engine, Progress, Tree, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.formats.sourcetree import left_out as _left_out
 from patcher.formats.stackfiles import Stack, expected_preimages, load_stack
-from patcher.formats.wheel import format_record, new_member, parse_record, read_raw_members, record_hash, write_members
+from patcher.formats.wheel import (
+    format_record,
+    members_match,
+    new_member,
+    parse_record,
+    read_raw_members,
+    record_hash,
+    write_members,
+)
 from patcher.stack.apply import apply_stack, checkout_tree
 from patcher.stack.materialize import Checkout
 from patcher.upstream.sources import check_members, fetch_artifact
@@ -258,11 +266,30 @@ def _rewrite_wheel(z, members, art, spec: VariantSpec, files: dict[str, bytes | 
     out_dir.mkdir(parents=True, exist_ok=True)
     leftovers.clean_tmp_files(out_dir)  # what killed builds left where this one writes
     out_name = f"{name}-{new_version}-{tags}.whl"
-    tmp = out_dir / f".{out_name}.tmp-{os.getpid()}"
-    write_members(tmp, out_members + di_members + [record])
     final = out_dir / out_name
-    _install_output(tmp, final)
+    _install_members(out_members + di_members + [record], final)
     return final, replaced, added, removed, left_out
+
+
+def _install_members(members: list, final: Path) -> None:
+    """Write the wheel `final` atomically; never over a different file of the same name. A file
+    already there with exactly these bytes (a warm rebuild) is kept as it is: nothing is written,
+    it is read once to compare, and its sha256 comes from that read."""
+    if final.exists():
+        digest = members_match(final, members)
+        if digest is None:
+            raise RefusedToClobber(f"{final} exists with other content than this build",
+                                   hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
+                                        f"different file in {final.parent.name}/")
+        remember_sha256(final, digest)
+        return
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        digest = write_members(tmp, members)
+        _install_output(tmp, final)
+        remember_sha256(final, digest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _install_output(tmp: Path, final: Path) -> None:
@@ -270,7 +297,7 @@ def _install_output(tmp: Path, final: Path) -> None:
     rename is); never over a different file of the same name."""
     try:
         if final.exists():
-            if sha256_file(final) != sha256_file(tmp):
+            if not same_bytes(final, tmp):
                 raise RefusedToClobber(f"{final} exists with other content than this build",
                                        hint=f"move it away (or delete it) and build again; dsadapt never replaces a "
                                             f"different file in {final.parent.name}/")

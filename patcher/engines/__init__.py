@@ -9,16 +9,21 @@ pyproject.toml like any other package's::
 
 An engine can therefore live in another distribution: install it (or put its ``*.dist-info``
 with an ``entry_points.txt`` on the path) and dsadapt finds it. Nothing is imported until an
-engine is asked for, so ``dsadapt --help`` never pays for the engines. Run from a source
-checkout where the dsadapt distribution is not installed, its own entry points are read from
-the pyproject.toml next to the package.
+engine is asked for, so ``dsadapt --help`` never pays for the engines.
+
+Start-up: dsadapt's own engines are also named in `OWN` (the same table as its pyproject's
+entry points; tests/test_architecture.py keeps the two equal), so asking for one of them
+(`dsadapt list` on the shipped lock) loads its adapter without reading any distribution's
+metadata -- `importlib.metadata` and the scan of every installed package cost more than the
+rest of such a command. Installed packages are scanned when an engine outside `OWN` is asked
+for, or when every engine is listed (`entries`, `engine_names`). A plugin cannot replace one of
+dsadapt's own engines: its entry point of the same name is ignored.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from patcher.base.errors import MachineError, UsageError
@@ -42,38 +47,29 @@ class EngineEntry:
     dist: str        # the distribution declaring it
 
 
+#: dsadapt's own engines: pyproject.toml's ``[project.entry-points."dsadapt.engines"]``, here too so
+#: that they load without a metadata scan (see the module's doc).
+OWN: dict[str, str] = {
+    "vllm": "patcher.engines.vllm.adapter:VllmEngine",
+    "lmdeploy": "patcher.engines.lmdeploy.adapter:LmdeployEngine",
+    "triton": "patcher.engines.triton.adapter:TritonEngine",
+}
+
 _ENTRIES: dict[str, EngineEntry] | None = None
 _LOADED: dict[str, Engine] = {}
 
 
-def _pyproject_entries() -> list[EngineEntry]:
-    """dsadapt's own declaration, read from pyproject.toml when its metadata is not installed."""
-    import tomllib
-
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    try:
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
-        return []
-    table = data.get("project", {}).get("entry-points", {}).get(GROUP, {})
-    return [EngineEntry(n, v, DIST) for n, v in table.items()] if data.get("project", {}).get("name") == DIST else []
-
-
 def entries() -> dict[str, EngineEntry]:
-    """Every declared engine by name (metadata only: nothing is imported)."""
+    """Every declared engine by name: dsadapt's own, then every installed package's (metadata
+    only: nothing is imported)."""
     global _ENTRIES
     if _ENTRIES is None:
         from importlib.metadata import entry_points
 
-        found: dict[str, EngineEntry] = {}
-        own = False
+        found = {n: EngineEntry(n, v, DIST) for n, v in OWN.items()}
         for ep in entry_points(group=GROUP):
-            dist = ep.dist.name if ep.dist is not None else "?"
-            own |= dist == DIST
-            found.setdefault(ep.name, EngineEntry(ep.name, ep.value, dist))
-        if not own:
-            for e in _pyproject_entries():
-                found.setdefault(e.name, e)
+            if ep.name not in found:
+                found[ep.name] = EngineEntry(ep.name, ep.value, ep.dist.name if ep.dist is not None else "?")
         _ENTRIES = found
     return _ENTRIES
 
@@ -86,6 +82,9 @@ def engine(name: str) -> Engine:
     """The adapter of engine `name`, loaded on first use."""
     if name in _LOADED:
         return _LOADED[name]
+    if name in OWN:  # no metadata scan for dsadapt's own engines
+        _LOADED[name] = _load(EngineEntry(name, OWN[name], DIST))
+        return _LOADED[name]
     known = entries()
     if name not in known:
         raise UsageError(f"no adapter for engine '{name}'",
@@ -96,8 +95,6 @@ def engine(name: str) -> Engine:
 
 
 def _load(e: EngineEntry) -> Engine:
-    from patcher.engines.base import Engine
-
     module, _, attr = e.value.partition(":")
     try:
         obj = importlib.import_module(module.strip())
@@ -108,8 +105,8 @@ def _load(e: EngineEntry) -> Engine:
         raise EngineLoadError(f"engine '{e.name}' ({e.value}, from {e.dist}) does not load: "
                               f"{type(err).__name__}: {err}",
                               hint=f"fix or uninstall the package {e.dist}") from None
-    if not isinstance(adapter, Engine):
-        missing = [m for m in _protocol_members() if not hasattr(adapter, m)]
+    missing = [m for m in _protocol_members() if not _declares(adapter, m)]
+    if missing:
         raise EngineLoadError(f"engine '{e.name}' ({e.value}) does not implement the engine protocol "
                               f"(missing: {', '.join(missing[:6]) or '?'})",
                               hint="derive the adapter from patcher.engines.base.WheelEngine or EngineBase")
@@ -120,10 +117,17 @@ def _load(e: EngineEntry) -> Engine:
 
 
 def _protocol_members() -> list[str]:
+    """What `Engine` asks for: its methods and its data attributes."""
     from patcher.engines.base import Engine
 
-    return sorted(m for m in dir(Engine) if not m.startswith("_")) + \
-        sorted(getattr(Engine, "__annotations__", {}))
+    return sorted({m for m in dir(Engine) if not m.startswith("_")} | set(getattr(Engine, "__annotations__", {})))
+
+
+def _declares(adapter: object, member: str) -> bool:
+    """`adapter` has `member` (on itself or its class) -- looked up without evaluating it, unlike
+    `isinstance(adapter, Engine)`, which reads every attribute and so would import what an adapter
+    defers until used (its bisect table, its perf recipe)."""
+    return member in getattr(adapter, "__dict__", {}) or any(member in vars(k) for k in type(adapter).__mro__)
 
 
 def adapter(name: str) -> Engine:

@@ -400,6 +400,33 @@ class Engine(Protocol):
 EngineAdapter = Engine
 
 
+class Deferred:
+    """A class attribute of an adapter whose value lives in another module, imported the first time
+    it is read: ``bisect_table = Deferred("patcher.engines.vllm.bisect_table:TABLE")``. Loading an
+    adapter (``dsadapt list``, ``status``) then costs none of what only one command uses (the bisect
+    table and the per-module rule it is built on). `then` turns the imported value into the
+    attribute's (``Deferred("...:TABLE", lambda t: t.module_map())``)."""
+
+    def __init__(self, target: str, then: Callable[[Any], Any] | None = None):
+        self.target = target
+        self.then = then
+        self._value: Any = None
+        self._done = False
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if not self._done:
+            import importlib
+
+            module, _, attr = self.target.partition(":")
+            value = getattr(importlib.import_module(module), attr)
+            self._value = self.then(value) if self.then else value
+            self._done = True
+        return self._value
+
+
 def has_cuda() -> bool:
     return shutil.which("nvidia-smi") is not None
 

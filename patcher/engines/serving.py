@@ -66,6 +66,9 @@ class LoadJob:
     num_requests: int
     out_path: Path                      # where the load tool saves its result
     settings: ServeSettings
+    #: untimed requests the tool sends first (the first workload request, repeated, at most the run's
+    #: concurrency at once): the server is woken up before it is measured (`patcher.gate.perf.wakeup_requests`)
+    wakeup: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ class StreamLoadRecipe:
 
     def stream_job(self, job: LoadJob, model: str = "") -> dict:
         return {"protocol": str(self.protocol), "url": job.base_url, "model": model or job.settings.served_name,
-                "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path)}
+                "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path),
+                "wakeup": job.wakeup}
 
     def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun:
         import json

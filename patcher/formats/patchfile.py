@@ -564,13 +564,36 @@ def drop_when_error(spec: str) -> str | None:
     return None
 
 
+#: The usual Drop-When spec, a name and version bounds (``vllm>=0.5.1``, ``lmdeploy>=0.19,<1``): read
+#: without packaging's requirement parser (markers, extras), which `dsadapt report` would otherwise pay
+#: for at start-up. Anything else goes through `packaging.requirements.Requirement`. (A pattern, compiled
+#: by `re` on first use, not at import.)
+_SIMPLE_SPEC = (r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*((?:~=|==|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+                r"(?:\s*,\s*(?:~=|==|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+)*)\s*")
+
+
+def _canonical(name: str) -> str:
+    """PEP 503's normalized distribution name (packaging.utils.canonicalize_name)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def drop_when_satisfied(spec: str, dist_names: tuple[str, ...], version: str) -> bool:
-    """True when `version` of one of `dist_names` satisfies the Drop-When spec."""
+    """True when `version` of one of `dist_names` satisfies the Drop-When spec
+    (packaging.requirements.InvalidRequirement for a spec that is not one)."""
+    names = {_canonical(n) for n in dist_names}
+    m = re.fullmatch(_SIMPLE_SPEC, spec)
+    if m:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        try:
+            bounds = SpecifierSet(m.group(2))
+        except InvalidSpecifier:
+            bounds = None  # let the requirement parser say what is wrong
+        if bounds is not None:
+            return _canonical(m.group(1)) in names and bounds.contains(version, prereleases=True)
     from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
 
     req = Requirement(spec)
-    names = {canonicalize_name(n) for n in dist_names}
-    if canonicalize_name(req.name) not in names:
+    if _canonical(req.name) not in names:
         return False
     return req.specifier.contains(version, prereleases=True)

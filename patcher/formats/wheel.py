@@ -14,6 +14,7 @@ import io
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,30 +67,58 @@ def new_member(name: str, data: bytes, external_attr: int = 0o644 << 16) -> Memb
                   len(raw), len(data), raw)
 
 
-def write_members(path: Path, members: list[Member]) -> None:
-    buf = open(path, "wb")  # noqa: SIM115 - closed by the function that writes the members
+def _archive_chunks(path: Path, members: list[Member]) -> Iterator[bytes]:
+    """The bytes of a zip archive holding `members` (in order, fixed times), piece by piece."""
     central = []
-    try:
-        for m in members:
-            offset = buf.tell()
-            if offset > 0xFFFFFFFF or m.compress_size > 0xFFFFFFFF or m.file_size > 0xFFFFFFFF:
-                raise BuildError(f"{path.name}: member {m.name} needs ZIP64", hint="wheels over 4 GiB are not supported")
-            name = m.name.encode("utf-8")
-            flag = 0x800 if m.flag_utf8 else 0
-            buf.write(_LOCAL.pack(0x04034B50, 20, flag, m.method, *FIXED_DOS_TIME, m.crc, m.compress_size,
-                                  m.file_size, len(name), 0))
-            buf.write(name)
-            buf.write(m.raw)
-            central.append(_CENTRAL.pack(0x02014B50, (3 << 8) | 20, 20, flag, m.method, *FIXED_DOS_TIME, m.crc,
-                                         m.compress_size, m.file_size, len(name), 0, 0, 0, 0,
-                                         m.external_attr, offset) + name)
-        cd_offset = buf.tell()
-        for c in central:
-            buf.write(c)
-        cd_size = buf.tell() - cd_offset
-        buf.write(_END.pack(0x06054B50, 0, 0, len(central), len(central), cd_size, cd_offset, 0))
-    finally:
-        buf.close()
+    offset = 0
+    for m in members:
+        if offset > 0xFFFFFFFF or m.compress_size > 0xFFFFFFFF or m.file_size > 0xFFFFFFFF:
+            raise BuildError(f"{path.name}: member {m.name} needs ZIP64", hint="wheels over 4 GiB are not supported")
+        name = m.name.encode("utf-8")
+        flag = 0x800 if m.flag_utf8 else 0
+        head = _LOCAL.pack(0x04034B50, 20, flag, m.method, *FIXED_DOS_TIME, m.crc, m.compress_size,
+                           m.file_size, len(name), 0) + name
+        yield head
+        yield m.raw
+        central.append(_CENTRAL.pack(0x02014B50, (3 << 8) | 20, 20, flag, m.method, *FIXED_DOS_TIME, m.crc,
+                                     m.compress_size, m.file_size, len(name), 0, 0, 0, 0,
+                                     m.external_attr, offset) + name)
+        offset += len(head) + len(m.raw)
+    directory = b"".join(central)
+    yield directory
+    yield _END.pack(0x06054B50, 0, 0, len(central), len(central), len(directory), offset, 0)
+
+
+def write_members(path: Path, members: list[Member]) -> str:
+    """Write the members as a zip archive at `path`; returns the archive's sha256 (hashed while
+    writing: a build never reads its output back to hash it)."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in _archive_chunks(path, members):
+            f.write(chunk)
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def members_match(path: Path, members: list[Member], block: int = 1 << 22) -> str | None:
+    """Whether the file at `path` holds exactly the archive `write_members` would write: its sha256
+    if so, else None. Reads the file once, in large blocks, and writes nothing (a warm rebuild of an
+    unchanged stack finds its output already there, byte for byte)."""
+    h = hashlib.sha256()
+    pending: list[bytes] = []
+    size = 0
+    with open(path, "rb") as f:
+        for chunk in _archive_chunks(path, members):
+            h.update(chunk)
+            pending.append(chunk)
+            size += len(chunk)
+            if size >= block:
+                if f.read(size) != b"".join(pending):
+                    return None
+                pending, size = [], 0
+        if f.read(size) != b"".join(pending) or f.read(1):
+            return None
+    return h.hexdigest()
 
 
 def parse_record(text: str) -> list[list[str]]:

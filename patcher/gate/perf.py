@@ -56,7 +56,6 @@ from patcher.rules import speed as P
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
 SERVER_START_S = 900.0
 SAMPLE_S = 0.5
-GPU_SAMPLE_S = 2.0
 
 
 class PerfRunError(MachineError):
@@ -121,7 +120,9 @@ class Server:
 
 
 class MemorySampler:
-    """Peak resident memory (and GPU memory) of each side's server group, sampled in a thread."""
+    """Peak resident memory of each side's server group, sampled in a thread every `SAMPLE_S`, and
+    GPU memory, sampled between runs (a tiny model's GPU memory is what the server allocated at
+    start: its KV cache and weights)."""
 
     def __init__(self, groups: dict[str, int]):
         self.groups = groups
@@ -132,7 +133,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._last_gpu = 0.0
 
     def start(self) -> MemorySampler:
         self._thread.start()
@@ -147,12 +147,12 @@ class MemorySampler:
             self.window = {s: 0 for s in self.groups}
             self.gpu_window = {s: None for s in self.groups}
 
-    def sample(self) -> None:
-
+    def sample(self, gpu_too: bool = True) -> None:
+        """Resident memory of every group now; GPU memory too unless `gpu_too` is False (the
+        background loop: `nvidia-smi` takes driver locks, so it runs between runs, never during one)."""
         rss = {s: group_rss(g) for s, g in self.groups.items()}
         gpu: dict[str, int | None] = {}
-        if time.monotonic() - self._last_gpu >= GPU_SAMPLE_S:
-            self._last_gpu = time.monotonic()
+        if gpu_too:
             for s, g in self.groups.items():
                 try:
                     gpu[s] = gpu_memory(group_members(g))
@@ -170,7 +170,7 @@ class MemorySampler:
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_S):
             with contextlib.suppress(Exception):  # sampling must never break a run
-                self.sample()
+                self.sample(gpu_too=False)
 
 
 @contextmanager
@@ -226,8 +226,10 @@ def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> No
                                    s.proc.log_path, hint=f"log: {s.proc.log_path}\n{log_tail(s.proc.log_path, 15)}")
             if http_ok(s.ready_url):
                 pending.remove(s)
-                if progress:
-                    progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s")
+                if progress:  # a phase of its own only while another server is still loading
+                    rest = " and ".join(x.side for x in pending)
+                    progress(f"{s.side} server ready at {s.url} after {time.monotonic() - t0:.0f} s"
+                             + (f"; waiting for the {rest} server" if rest else ""))
         if pending and time.monotonic() - t0 > timeout_s:
             names = ", ".join(s.side for s in pending)
             raise PerfRunError(f"the {names} server did not serve within {timeout_s:.0f} s",
@@ -297,16 +299,20 @@ class Measurement:
 
 def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, workload: P.Workload, work: Path,
             *, sides: tuple[str, str] = (P.PATCHED, P.UNPATCHED), cpus: Sequence[int] = (),
-            time_limit_s: float = 3600.0, server_start_s: float = SERVER_START_S,
-            progress: Callable[[str], None] | None = None,
+            server_cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
+            server_start_s: float = SERVER_START_S, progress: Callable[[str], None] | None = None,
             on_servers: Callable[[dict[str, Server]], None] | None = None) -> Measurement:
     """Serve both sides, warm up, run the schedule; always stop every process it started.
 
     `pythons` maps each side to the interpreter of its environment; the load generator runs
-    with the second side's (the baseline's). The servers start on every core; once they serve,
-    each of their threads moves to `cpus` except the compute threads the engine bound to
-    `settings.compute_cpus` itself; the load generator runs on `cpus`. Raises ServerFailed (a side did not serve),
-    PerfRunError (load generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
+    with the second side's (the baseline's). Both servers get the same CPUs (`Placement`):
+    they start on `server_cpus` (default: `cpus` and the compute cores); once they serve, on
+    CPU builds each of their threads moves to `cpus` except the compute threads the engine
+    bound to `settings.compute_cpus` itself. The load generator -- and this process, while it
+    measures -- run on `cpus`. Every run (warm-up or measured) is preceded by an untimed wake-up
+    request (`wakeup_requests`), so neither side is measured straight out of idling while the
+    other ran. Raises ServerFailed (a side did not serve), PerfRunError (load
+    generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
     t_start = time.monotonic()
     deadline = t_start + time_limit_s
     guard_deadline = time_limit_s + 60  # the guards' own backstop, past our own limit
@@ -316,10 +322,13 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
     runs: list[P.RunRecord] = []
     timings: dict = {}
     with ExitStack() as stack, _sigterm_as_interrupt():
+        # this thread and the sampler thread started from it stay off the servers' cores (every
+        # process started below gets its CPUs from its guard, not from us)
+        stack.enter_context(_pinned_self(cpus))
         servers: dict[str, Server] = {}
-        all_cpus = tuple(sorted(set(cpus) | set(settings.compute_cpus)))
-        for side in sides:  # start on every core (start-up is imports and loading), pinned once serving
-            srv = start_server(side, recipe, pythons[side], settings, work, all_cpus, guard_deadline,
+        start_cpus = tuple(sorted(set(server_cpus) if server_cpus else set(cpus) | set(settings.compute_cpus)))
+        for side in sides:  # CPU builds: start on every core (start-up is imports and loading), pinned once serving
+            srv = start_server(side, recipe, pythons[side], settings, work, start_cpus, guard_deadline,
                                avoid=[int(s.url.rsplit(":", 1)[1]) for s in servers.values()])
             stack.callback(srv.proc.stop)
             servers[side] = srv
@@ -327,17 +336,20 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
                 progress(f"{side} server starting (pid group {srv.proc.pgid}, {srv.url}); log: {srv.proc.log_path}")
         if on_servers:
             on_servers(servers)
+        if progress:
+            progress(f"waiting for the {' and '.join(sides)} servers to load the model and serve")
         sampler = MemorySampler({s: srv.proc.pgid for s, srv in servers.items()}).start()
         stack.callback(sampler.stop)
         wait_ready(list(servers.values()), min(server_start_s, max(1.0, deadline - time.monotonic())), progress)
         timings["servers_ready_s"] = round(time.monotonic() - t_start, 2)
-        if cpus and set(cpus) != set(all_cpus):
+        if settings.compute_cpus and cpus and set(cpus) != set(start_cpus):
             for srv in servers.values():
                 repin(srv.proc.pgid, cpus, keep=settings.compute_cpus)
         driver = LoadDriver(recipe, pythons[sides[1]], work, cpus, guard_deadline)
         stack.callback(driver.stop)
         plan = P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
         t_runs = time.monotonic()
+        step, done = _stepper(progress)
         for order, (rnd, conc, side) in enumerate(plan):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -346,13 +358,17 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
                                    hint="raise --time-limit, or lower --rounds/--requests/--concurrency")
             tag = f"{side}-{'w' if rnd < 0 else 'r'}{abs(rnd)}-c{conc}"
             job = LoadJob(side, rnd, conc, servers[side].url, workload_path, len(requests),
-                          work / "results" / f"{order:03d}-{tag}.json", settings)
+                          work / "results" / f"{order:03d}-{tag}.json", settings, wakeup_requests(conc))
             job.out_path.parent.mkdir(parents=True, exist_ok=True)
             job.out_path.unlink(missing_ok=True)
             for s, srv in servers.items():
                 if not srv.proc.alive():
                     raise ServerFailed(s, f"the {s} server died during the run",
                                        srv.proc.log_path, hint=f"log: {srv.proc.log_path}")
+            label = f"warm-up {rnd + workload.warmup_rounds + 1}/{workload.warmup_rounds}" if rnd < 0 \
+                else f"round {rnd + 1}/{workload.rounds}"
+            if step:
+                step(f"{label}, concurrency {conc}, {side}")
             sampler.reset_window()
             driver.run(recipe.job(job), remaining)
             sampler.sample()
@@ -361,18 +377,57 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
                               sampler.window.get(side) or None, sampler.gpu_window.get(side))
             if rnd >= 0:
                 runs.append(rec)
-            if progress:
+            if done:
                 m = P.run_metrics(rec)
-                label = f"warm-up {rnd + workload.warmup_rounds + 1}/{workload.warmup_rounds}" if rnd < 0 \
-                    else f"round {rnd + 1}/{workload.rounds}"
-                progress(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
-                         f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
-                         + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
+                done(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
+                     f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
+                     + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
         timings["runs_s"] = round(time.monotonic() - t_runs, 2)
         sampler.sample()
         peak_rss, peak_gpu = dict(sampler.peak), dict(sampler.gpu_peak)
     timings["measure_s"] = round(time.monotonic() - t_start, 2)
     return Measurement(runs, peak_rss, peak_gpu, timings)
+
+
+def wakeup_requests(concurrency: int) -> int:
+    """Untimed requests sent to a server right before each of its runs: the server measured next has
+    been idle while the other side ran, and its first request would otherwise pay for waking up
+    (threads, caches, the allocator) -- a cost the schedule would hand to one side more than to the
+    other. One request (the workload's first) wakes every part a run uses; the levels' batch shapes
+    were warmed by the warm-up rounds."""
+    return 1
+
+
+def _stepper(progress: Callable[[str], None] | None):
+    """(start, done) for one line per run: a progress printer's `step`/`done` when it has them
+    (the CLI's), else nothing at the start and the outcome as a plain message."""
+    if progress is None:
+        return None, None
+    step, done = getattr(progress, "step", None), getattr(progress, "done", None)
+    if callable(step) and callable(done):
+        return step, done
+    return None, progress
+
+
+@contextmanager
+def _pinned_self(cpus: Sequence[int]) -> Iterator[None]:
+    """The calling thread (and the threads it starts) on `cpus` while it measures -- its waiting and
+    memory sampling never run on a core a server computes on --, back on its CPUs afterwards."""
+    try:
+        before = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        yield
+        return
+    target = set(cpus) & before
+    if not target or target == before:
+        yield
+        return
+    os.sched_setaffinity(0, target)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, before)
 
 
 def _fmt(x, spec: str) -> str:
@@ -389,16 +444,36 @@ def default_cpus() -> tuple[int, ...]:
         return ()
 
 
-def split_cpus(cpus: Sequence[int], device: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(compute, service) cores. On CPU builds the engine's compute threads get all cores but
-    the last, and every other process -- each server's API and scheduler processes, the load
-    generator -- gets the last one (vLLM's own CPU auto-binding reserves one core the same
-    way), so the load generator's own CPU cost never lands on a compute core. Both servers
-    get the same sets. GPU builds: no compute binding, every process on all cores."""
+@dataclass(frozen=True)
+class Placement:
+    """Which CPUs each process of a perf run gets. Both servers always get the same ones: a
+    placement that differs between the sides is a speed difference between them."""
+
+    compute: tuple[int, ...]   # the engine's compute threads (CPU builds; the engine binds them itself)
+    servers: tuple[int, ...]   # where both servers start (CPU builds: moved to `load` but compute, once serving)
+    load: tuple[int, ...]      # the load generator, and dsadapt itself while it measures
+
+
+def place(cpus: Sequence[int], device: str, gpu_local: Sequence[int] = ()) -> Placement:
+    """Pure: the CPU placement of a run on `cpus`.
+
+    CPU builds: the engine's compute threads get all cores but the last and every other thread --
+    each server's API and scheduler processes, the load generator, dsadapt -- the last one (vLLM's
+    own CPU auto-binding reserves one core the same way), so the load generator's own CPU cost
+    never lands on a compute core. GPU builds: the cores on the GPU's NUMA node (`gpu_local`, when
+    known and among `cpus`), a quarter of them (at least one) for the load generator and dsadapt,
+    the rest for both servers -- never left to the kernel, which may put one server of the pair
+    on the far socket for the whole run."""
     cpus = tuple(cpus)
-    if device != "cpu" or len(cpus) < 2:
-        return (cpus if device == "cpu" else ()), cpus
-    return cpus[:-1], cpus[-1:]
+    if device == "cpu":
+        if len(cpus) < 2:
+            return Placement(cpus, cpus, cpus)
+        return Placement(cpus[:-1], cpus, cpus[-1:])
+    local = tuple(c for c in cpus if c in set(gpu_local)) or cpus
+    if len(local) < 2:
+        return Placement((), local, local)
+    k = max(1, len(local) // 4)
+    return Placement((), local[:-k], local[-k:])
 
 
 def parse_cpus(text: str | None) -> tuple[int, ...] | None:
@@ -448,7 +523,7 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
         raise EngineUnavailable(f"{ref}: dsadapt perf serves {ref.engine} ({spec.name}) in one process only",
                                 hint="docs/speed.md says which recipes serve tensor-parallel ranks")
     if not parallel.single and spec.device == "cpu":
-        compute, _ = split_cpus(tuple(cpus) if cpus else default_cpus(), spec.device)
+        compute = place(tuple(cpus) if cpus else default_cpus(), spec.device).compute
         if len(compute) < parallel.tp:
             raise EngineUnavailable(
                 f"{ref} ({spec.name}): dsadapt perf {parallel.describe()} needs {parallel.tp} compute cores, one a "
@@ -488,7 +563,10 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                                 output_lens=output_lens, concurrency=concurrency, rounds=rounds, requests=requests,
                                 warmup_rounds=warmup_rounds)
     cpus = tuple(cpus) if cpus else default_cpus()
-    compute, service = split_cpus(cpus, spec.device)
+    from patcher.base.machine import gpu_local_cpus
+
+    where = place(cpus, spec.device, gpu_local_cpus() if spec.device == "cuda" else ())
+    compute, service = where.compute, where.load
     settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
                              max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute,
                              tp=parallel.tp, ep=parallel.ep)
@@ -513,6 +591,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
         "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir, cfg.cache),
         "model_dir": str(model_dir), "original_max_position_embeddings": original, "tool": recipe.tool,
         "cpus": list(cpus), "compute_cpus": list(compute), "service_cpus": list(service),
+        "server_cpus": list(where.servers),
         "load_average_before": load_before,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "dsadapt": _dsadapt_version(),
@@ -522,6 +601,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                   workload=workload.to_json(), report_path=str(out), parallel=parallel.to_json())
     try:
         m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=service,
+                    server_cpus=where.servers,
                     time_limit_s=time_limit_s, progress=progress, on_servers=on_servers)
     except ServerFailed as e:
         if e.side == sides[0] and not aa:
@@ -540,8 +620,10 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
         raise
     points = P.build_points(m.runs, workload.concurrency, sides)
     verdict, reasons = P.decide(points, threshold, sides)
+    first = P.order_balance(P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds), sides)
     prov = {**base_prov, "load_average_after": _loadavg(), "peak_rss": m.peak_rss, "peak_gpu": m.peak_gpu,
-            "logs": {"work": str(work)}}
+            "logs": {"work": str(work)}, "went_first": {str(c): n for c, n in first.items()},
+            "wakeup_requests": {str(c): wakeup_requests(c) for c in workload.concurrency}}
     timings = {"install_s": install_s, **m.timings, "total_s": round(time.monotonic() - t_start, 2)}
     result = PerfResult(**common, verdict=verdict, reasons=reasons, points=[p.to_json() for p in points],  # type: ignore[arg-type]
                         band=P.band(points, threshold), plot_path=None, provenance=prov, timings=timings,

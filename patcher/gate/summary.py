@@ -212,14 +212,29 @@ def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
     out: dict[str, list[Verdict]] = {}
     files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))]
     for f in files:
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = _report_doc(f)
+        if data is None:
             continue
         v = of(data, str(f))
         if v is not None:
             out.setdefault(v.pin, []).append(v)
     return out
+
+
+_DOCS: dict[tuple[str, int, int], object] = {}
+
+
+def _report_doc(f: Path) -> object | None:
+    """The parsed JSON of a report file, read once per process while it is unchanged (`report`
+    reads every report for the check verdicts and again for the speed gate's)."""
+    try:
+        st = f.stat()
+        key = (str(f), st.st_mtime_ns, st.st_size)
+        if key not in _DOCS:
+            _DOCS[key] = json.loads(f.read_text(encoding="utf-8"))
+        return _DOCS[key]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
 
 
 def _severity(v: Verdict) -> int:
@@ -292,15 +307,13 @@ def perf_words(verdicts: list[Verdict], stack_hash: str | None) -> tuple[str, Ve
 
 def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...]) -> list[DropCandidate]:
     """Pure: patches whose Drop-When spec a newer pin's version satisfies (the oldest such pin)."""
-    from packaging.requirements import InvalidRequirement
-
     out = []
     for e in stack.entries:
         for spec in e.patch.trailer_values("Drop-When"):
             for n in newer:
                 try:
                     hit = drop_when_satisfied(spec, dists, n.version)
-                except InvalidRequirement:
+                except ValueError:  # packaging's InvalidRequirement: not a spec (`verify` says so)
                     break
                 if hit:
                     out.append(DropCandidate(e.name, spec, str(n.ref)))

@@ -48,10 +48,22 @@ def plot_deltas(comparison: Comparison, out: Path, title: str | None = None,
     return out
 
 
+def ratio_label(metric: str, sides: list[str] | tuple[str, str]) -> str:
+    """How a gated ratio is formed, in words: '<1 = first side slower' for every metric, so
+    throughputs are first/second and latencies second/first."""
+    from patcher.rules.speed import METRIC
+
+    m = METRIC[metric]
+    a, b = sides
+    return f"{m.label}: {a} ÷ {b}" if m.higher_is_better else f"{m.label}: {b} ÷ {a}"
+
+
 def plot_perf(report: dict, out: Path) -> Path:
-    """The speed gate's picture: output tokens/s and latency against concurrency for both
-    sides (every round a dot, the mean a line), and each gated ratio with its confidence
-    interval against the threshold."""
+    """The speed gate's picture, three labelled panels: output tokens/s against concurrency for
+    both sides (every round a dot, the mean of the rounds a line; higher is faster), the latencies
+    (means and percentiles; lower is faster), and each gated ratio with its confidence interval
+    against the threshold, every ratio oriented so that < 1 means the first side is slower (its
+    legend entry says which side is divided by which)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,30 +72,34 @@ def plot_perf(report: dict, out: Path) -> Path:
     from patcher.rules.speed import GATED, METRIC
 
     sides = report["sides"]
+    a, b = sides
     points = report["points"]
     conc = [p["concurrency"] for p in points]
-    colors = {sides[0]: "tab:red", sides[1]: "tab:blue"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    colors = {a: "tab:red", b: "tab:blue"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
     ax = axes[0]
     for side in sides:
         ax.plot(conc, [p["sides"][side]["output_throughput"] for p in points], marker="o", color=colors[side],
-                label=side)
+                label=f"{side}: mean of the rounds")
+        xs, ys = [], []
         for p in points:
-            ys = [r["output_throughput"] for r in p["per_round"][side] if r.get("output_throughput")]
-            ax.scatter([p["concurrency"]] * len(ys), ys, s=10, color=colors[side], alpha=0.5)
+            vals = [r["output_throughput"] for r in p["per_round"][side] if r.get("output_throughput")]
+            xs += [p["concurrency"]] * len(vals)
+            ys += vals
+        ax.scatter(xs, ys, s=10, color=colors[side], alpha=0.5, label=f"{side}: one round")
     _conc_axis(ax, conc)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("throughput (dots: rounds)")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("output tokens/s (higher is faster)")
+    ax.set_title("(a) output throughput per side")
+    ax.legend(fontsize=7)
     ax = axes[1]
     for side in sides:
         for key, style in (("ttft_mean", "-"), ("tpot_mean", "--"), ("e2el_p50", ":"), ("e2el_p99", "-.")):
             ys = [p["sides"][side][key] for p in points]
-            ax.plot(conc, ys, linestyle=style, marker=".", color=colors[side], label=f"{side} {METRIC[key].label}")
+            ax.plot(conc, ys, linestyle=style, marker=".", color=colors[side], label=f"{side}: {METRIC[key].label}")
     _conc_axis(ax, conc)
     ax.set_yscale("log")
-    ax.set_ylabel("ms")
-    ax.set_title("latency")
+    ax.set_ylabel("milliseconds (lower is faster)")
+    ax.set_title("(b) latency per side: TTFT, TPOT, request latency")
     ax.legend(fontsize=6, ncol=2)
     ax = axes[2]
     width = 0.08
@@ -97,15 +113,17 @@ def plot_perf(report: dict, out: Path) -> Path:
             ys.append(r["estimate"])
             lo.append(r["estimate"] - r["lo"])
             hi.append(r["hi"] - r["estimate"])
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=METRIC[key].label)
-    ax.axhline(1.0, color="grey", linewidth=1)
-    ax.axhline(report["threshold"], color="red", linestyle="--", linewidth=1, label=f"threshold {report['threshold']:g}")
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=ratio_label(key, sides))
+    ax.axhline(1.0, color="grey", linewidth=1, label="1: equal speed")
+    ax.axhline(report["threshold"], color="red", linestyle="--", linewidth=1,
+               label=f"threshold {report['threshold']:g}: fails when the whole interval is below")
     _conc_axis(ax, conc)
-    ax.set_ylabel(f"{sides[0]} / {sides[1]} (< 1: {sides[0]} slower)")
-    ax.set_title("ratios, 95% bootstrap CI")
+    ax.set_ylabel(f"ratio (< 1: {a} slower, > 1: {a} faster)")
+    ax.set_title("(c) gated ratios, estimate and 95 % bootstrap interval")
     ax.legend(fontsize=7)
+    mode = "A/A: the same build on both sides" if report.get("mode") == "aa" else f"{a} vs {b}"
     fig.suptitle(f"dsadapt perf {report['pin']} ({report['variant']}) {report['model']} {report.get('config_style') or ''} "
-                 f"{report['dtype']}: {report['verdict'].upper()}", fontsize=11)
+                 f"{report['dtype']}, {mode}: {report['verdict'].upper()}", fontsize=11)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ RUN_SCHEMA = "dsadapt.perf-run/1"
 
 DEFAULT_THRESHOLD = 0.95
 DEFAULT_CONCURRENCY = (1, 4, 16)
-DEFAULT_ROUNDS = 5
+DEFAULT_ROUNDS = 6  # even: each side goes first in half the rounds at every level (`schedule`)
 CI_LEVEL = 0.95
 BOOTSTRAP_SAMPLES = 10_000
 #: Side names: A is the build under test, B the baseline it is compared with.
@@ -150,7 +150,7 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
     """The workload from the command-line options (validated; UsageError with a hint).
 
     `requests` is the number of requests per run (default: twice the highest concurrency,
-    at least 12), spread evenly over the mixes. `input_lens`/`output_lens` replace the
+    at least 12), exactly that many, spread as evenly as they go over the mixes. `input_lens`/`output_lens` replace the
     default mixes (a single value is used for every mix).
     """
     conc = tuple(concurrency or DEFAULT_CONCURRENCY)
@@ -167,7 +167,11 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
     total = requests if requests is not None else max(12, 2 * max(conc))
     if total < 1:
         raise UsageError("--requests must be positive", hint="e.g. --requests 32")
-    per_mix = max(1, -(-total // n_mixes))
+    if total < n_mixes:
+        raise UsageError(f"--requests {total} is fewer than the {n_mixes} prompt/output mixes (each needs a request)",
+                         hint=f"use --requests {n_mixes} or more")
+    # exactly `total` requests: the first mixes get one more when it does not divide evenly
+    per_mix = [total // n_mixes + (1 if i < total % n_mixes else 0) for i in range(n_mixes)]
     if input_lens or output_lens:
         ins, outs = list(input_lens or ()), list(output_lens or ())
         if ins and outs and len(ins) != len(outs) and 1 not in (len(ins), len(outs)):
@@ -176,9 +180,10 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
         n = max(len(ins), len(outs))
         ins = ins * n if len(ins) == 1 else ins or [16] * n
         outs = outs * n if len(outs) == 1 else outs or [32] * n
-        mixes = tuple(Mix(f"in{i}-out{o}", i, o, per_mix) for i, o in zip(ins, outs))
+        mixes = tuple(Mix(f"in{i}-out{o}", i, o, k) for (i, o), k in zip(zip(ins, outs), per_mix))
     else:
-        mixes = default_mixes(original_context, max_model_len, per_mix)
+        mixes = tuple(replace(m, requests=k) for m, k in zip(default_mixes(original_context, max_model_len, 1),
+                                                            per_mix))
     for m in mixes:
         if m.output_len < 2:
             raise UsageError(f"mix {m.name}: --output-len must be at least 2 (TPOT needs two tokens)",
@@ -278,16 +283,31 @@ def schedule(rounds: int, concurrency: Sequence[int], sides: tuple[str, str] = (
              warmup_rounds: int = 0) -> list[tuple[int, int, str]]:
     """(round, concurrency, side) in execution order; warm-up rounds have negative numbers.
 
-    Within a round the concurrency levels run in order; at each level both sides run back
-    to back, and which side goes first alternates from level to level and from round to
-    round (A B | B A | A B ...), so neither side always runs first or always follows the
-    same neighbour.
+    Every round runs every level, both sides back to back. In even rounds (0, 2, ...) the first
+    side goes first at every level, in odd rounds the second: over an even number of measured
+    rounds (the default, 6) each side goes first exactly as often as the other at every level,
+    so an advantage of going first (or second) cancels in the estimate. Within a round the sides
+    alternate run by run (A B A B ...), so a side runs twice in a row only where a round ends and
+    the next begins -- never one side always right after its own run while the other waited.
+    The warm-up rounds (both sides at every level) all come before the first measured round.
     """
     out = []
     for r in range(-warmup_rounds, rounds):
-        for i, c in enumerate(concurrency):
-            first, second = sides if (r + i) % 2 == 0 else (sides[1], sides[0])
+        first, second = sides if r % 2 == 0 else (sides[1], sides[0])
+        for c in concurrency:
             out += [(r, c, first), (r, c, second)]
+    return out
+
+
+def order_balance(plan: Sequence[tuple[int, int, str]], sides: tuple[str, str]) -> dict[int, dict[str, int]]:
+    """Pure: per concurrency, how many measured rounds each side went first in (from a schedule)."""
+    out: dict[int, dict[str, int]] = {}
+    seen: set[tuple[int, int]] = set()
+    for rnd, conc, side in plan:
+        if rnd < 0 or (rnd, conc) in seen:
+            continue
+        seen.add((rnd, conc))
+        out.setdefault(conc, dict.fromkeys(sides, 0))[side] += 1
     return out
 
 

@@ -23,11 +23,14 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from patcher.base.errors import DsadaptError, EngineRunFailed, EngineUnavailable
 from patcher.base.procs import run_logged
-from patcher.rules.logits import LogitReport, ReportError
-from patcher.rules.prompts import Prompt, prompts_from_json, write_prompts_json
+
+if TYPE_CHECKING:
+    from patcher.rules.logits import LogitReport
+    from patcher.rules.prompts import Prompt
 
 HERE = Path(__file__).resolve().parent
 #: The directory of the runner protocol module (dsadapt_runner.py): first on every runner's PYTHONPATH.
@@ -121,6 +124,9 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
     by line, to `on_line`. Environment: this process's, then `spec.env`, then `env`.
     The child runs in its own session; on timeout its whole process group is killed.
     The report's ``timings.wall_s`` is set to the subprocess' wall time."""
+    from patcher.rules.logits import LogitReport, ReportError
+    from patcher.rules.prompts import prompts_from_json, write_prompts_json
+
     python, out = Path(python), Path(out)
     if dtype not in spec.dtypes:
         raise DsadaptError(f"runner {spec.name} does not support dtype {dtype}",

@@ -7,13 +7,14 @@ never imports patcher).
 Engines whose wheels ship no serving benchmark client get this thin client instead (a serving
 benchmark that lives in an engine's repository rather than its wheel, or a separate binary, is not
 at hand where the engine is installed). It speaks the recipe protocol of patcher/engines/serving.py:
-one JSON job per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done"}``,
+one JSON job per stdin line, ``{"protocol", "url", "model", "workload", "concurrency", "out", "done", "wakeup"?}``,
 where ``workload`` is a JSON file ``[{"mix", "input_len", "output_len", "input_ids"?, "text"?}, ...]``
 and ``protocol`` the path of the engine's protocol module (``patcher/engines/<engine>/
 stream_protocol.py``, stdlib only): ``request(model, row) -> (path, body)``, ``tokens(event,
 so_far, record) -> (new, total)`` for each server-sent event, and optionally ``summary(records,
-elapsed) -> dict`` (the engine's own metric code over the same timings). Requests are offered all
-at once and run ``concurrency`` at a time (a thread each); per request it records when the
+elapsed) -> dict`` (the engine's own metric code over the same timings). First ``wakeup`` copies of the
+first request are sent, untimed (the server is awake when it is measured); then the requests are
+offered all at once and run ``concurrency`` at a time (a thread each); per request it records when the
 response started streaming tokens (TTFT), when it ended (latency) and how many tokens came back.
 The driver exits at end of input and when its parent process is gone.
 """
@@ -93,6 +94,11 @@ def run_job(job: dict) -> None:
     with open(job["workload"]) as f:
         reqs = json.load(f)
     timeout = float(job.get("timeout_s", 600))
+    wakeup = int(job.get("wakeup") or 0)
+    if wakeup and reqs:  # untimed: the first request, `wakeup` times, at the run's concurrency
+        with ThreadPoolExecutor(min(wakeup, int(job["concurrency"]))) as pool:
+            list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout),
+                          [reqs[0]] * wakeup))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(int(job["concurrency"])) as pool:
         records = list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout), reqs))

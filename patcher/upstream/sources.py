@@ -14,7 +14,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import urllib.request
 import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -420,6 +419,8 @@ def source_blocker(cfg: Config, decl: EngineDecl, entry: LockEntry, probe_timeou
 
 def _pypi_index(dist: str, timeout: float) -> dict:
     """PyPI's PEP 691 JSON simple-API page for a distribution."""
+    import urllib.request  # (not at import: `dsadapt tags` against a git remote never needs HTTP)
+
     req = urllib.request.Request(f"{PYPI_SIMPLE}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -16,9 +16,11 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file to write (default: docs/benchmarks.md in the project).")
 @click.option("--no-alternative", is_flag=True, help="Skip timing the pure-Python pip wheel rebuild.")
-@click.option("--only", type=click.Choice(["builds", "stack-ops", "reports"]), default=None,
-              help="Measure only builds, or only stack operations (the other section of the file is kept); "
-                   "reports: measure nothing, only rewrite the sections made from the committed reports.")
+@click.option("--only", type=click.Choice(["builds", "stack-ops", "start-up", "reports"]), default=None,
+              metavar="SECTION",
+              help="Measure one section only: builds, stack-ops, or start-up (with the warm build); the "
+                   "other sections of the file are kept. reports: measure nothing, only rewrite the "
+                   "sections made from the committed reports.")
 @click.option("--sizes", default="1,10,100,500,1000", show_default=True, metavar="N,N,...",
               help="Stack sizes for the stack-operations table.")
 @click.option("--stack-pin", default=None, metavar="ENGINE@TAG",
@@ -47,11 +49,14 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
 
         stack_pin, default_to = default_stack_pin(ctx.lock)
         rebase_to = default_to if rebase_to is None else rebase_to
-    stack_ops = None if only in ("builds", "reports") else {"pin": stack_pin, "sizes": ns, "repeat": repeat,
-                                                            "rebase_to": rebase_to or None}
+    stack_ops = None if only in ("builds", "start-up", "reports") else {"pin": stack_pin, "sizes": ns,
+                                                                       "repeat": repeat,
+                                                                       "rebase_to": rebase_to or None}
+    startup = None if only in ("builds", "stack-ops", "reports") else {"repeat": max(5, 3 * repeat),
+                                                                      "build_pin": stack_pin}
     with workdir_lock(ctx.cfg):
         report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(),
-                           builds_too=only not in ("stack-ops", "reports"), stack_ops=stack_ops)
+                           builds_too=only is None or only == "builds", stack_ops=stack_ops, startup=startup)
     path = out or ctx.cfg.project / "docs" / "benchmarks.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     command = "dsadapt bench" + (f" --repeat {repeat}" if repeat != 3 else "") + \
@@ -65,6 +70,10 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     m = report.machine
     if report.builds is not None:
         table(f"builds ({m['cores']} cores, {m['cpu']}; {report.date})", BUILD_COLUMNS, build_table(report))
+    if report.startup is not None:
+        from patcher.bench.startup import COLUMNS, startup_table
+
+        table("start-up and warm build", COLUMNS, startup_table(report.startup))
     if report.stack_ops is not None:
         from patcher.bench.stack_ops import STACK_COLUMNS, stack_table
 

@@ -343,6 +343,29 @@ class Progress:
             self._end_phase()
             self.phase, self.detail = None, ""
 
+    def step(self, msg: str) -> None:
+        """Start a phase whose outcome `done` reports (one line per step in a log): on a TTY the
+        live line shows it; in plain output only heartbeats do, until `done`."""
+        with self._lock:
+            self._end_phase()
+            self.phase, self.detail = escape_line(msg), ""
+            self.t0 = self._last_beat = time.monotonic()
+            if self.live:
+                self._write("\r\x1b[K" + f"… {self.phase}"[:_width() - 1])
+                self._line_shown = True
+        self._ensure_thread()
+
+    def done(self, outcome: str) -> None:
+        """End the current phase with one line: `outcome` (the step's result), with its time when slow."""
+        with self._lock:
+            took = time.monotonic() - self.t0
+            if self._line_shown:
+                self._write("\r\x1b[K")
+                self._line_shown = False
+            text = escape_line(outcome)
+            self._write(f"  {text} ({took:.0f} s)\n" if self.phase is not None and took >= self.slow else f"  {text}\n")
+            self.phase = None
+
     def note(self, line: str) -> None:
         """What the current phase is waiting on (shown live, or in the next heartbeat line)."""
         line = escape_line(line.strip())

@@ -22,9 +22,10 @@ from patcher.cli.commands.common import (
     warn,
 )
 from patcher.formats.pinref import check_tag, parse_pinref
-from patcher.stack.rebase import load_report, rebase_stack, report_paths
-from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
 from patcher.upstream.tags import upstream_tags
+
+# `tags` starts in well under a tenth of a second: the stack, rebase and matrix modules are
+# imported by the commands that use them
 
 
 @click.command("tags")
@@ -84,6 +85,8 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
         raise UsageError("missing argument 'ENGINE@TAG' or option '--onto': the stack to carry and the tag to carry it onto",
                          hint="e.g. dsadapt rebase vllm@v0.32.0 --onto v0.33.0; after a conflict: "
                               "dsadapt rebase --continue")
+    from patcher.stack.rebase import load_report, rebase_stack, report_paths
+
     old = ref_of(pin)
     new_tag = _onto(old.engine, onto)
     if new_tag == old.tag:
@@ -132,6 +135,8 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     """The CI matrix: one cell per (pin, variant) and per newer upstream tag not yet pinned.
 
     --json prints {"include": [...]}, ready for a GitHub Actions strategy.matrix."""
+    from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
+
     tags = {}
     if only != "pinned":
         for engine in sorted(e for e in ctx.lock.engines if ctx.lock.pins_of(e)):

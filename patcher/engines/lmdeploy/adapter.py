@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from patcher.engines.base import COMPILED_DEFAULT, ParallelSupport, VariantSpec, WheelEngine, version_at_least
-from patcher.engines.lmdeploy.bisect_table import TABLE
-from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe, recipe
+from patcher.engines.base import COMPILED_DEFAULT, Deferred, ParallelSupport, VariantSpec, WheelEngine, version_at_least
 from patcher.formats.lock import LockEntry
 from patcher.runners import RunnerSpec
+
+if TYPE_CHECKING:
+    from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe
 
 HERE = Path(__file__).resolve().parent
 #: The PyTorch engine's tensor parallelism (PytorchEngineConfig tp=N: LMDeploy starts one process
@@ -57,12 +59,15 @@ class LmdeployEngine(WheelEngine):
     run_settings = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode",
                     "cache_max_entry_count", "generation_requests", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)
-    bisect_table = TABLE
-    module_map = TABLE.module_map()
+    # (both imported when first read: loading the adapter does not pay for the per-module rule)
+    bisect_table = Deferred("patcher.engines.lmdeploy.bisect_table:TABLE")
+    module_map = Deferred("patcher.engines.lmdeploy.bisect_table:TABLE", lambda table: table.module_map())
 
     def parallel_support(self, entry: LockEntry, spec: VariantSpec) -> ParallelSupport:
         return spec.parallel if version_at_least(entry.version, PARALLEL_SINCE) else ParallelSupport()
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> LmdeployPerfRecipe | None:
         # the api_server (PyTorch engine) loaded through /generate; CUDA and LMDeploy >= 0.18 only
+        from patcher.engines.lmdeploy.perf import recipe
+
         return recipe(entry.version, spec.device)

@@ -11,13 +11,10 @@
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import os
 import shutil
 import subprocess
-import tarfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +53,10 @@ SERVER_READY_TIMEOUT_S = 900.0
 
 def _tar_dir(src: Path, out: Path) -> None:
     """Deterministic tar.gz: sorted names, zero mtimes/uids, fixed gzip header."""
+    import gzip
+    import io
+    import tarfile
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for p in sorted(src.rglob("*")):
@@ -75,6 +76,9 @@ def _tar_dir(src: Path, out: Path) -> None:
 
 def export_src(tree: Tree, dest: Path) -> Path:
     """vllm_backend's src/ (model.py + utils/) of the checkout's tree, written to dest."""
+    import io
+    import tarfile
+
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from patcher.engines.base import (
     COMPILED_DEFAULT,
+    Deferred,
     EnvRecipe,
     ParallelSupport,
     VariantSpec,
     WheelEngine,
     version_at_least,
 )
-from patcher.engines.vllm.bisect_table import TABLE
-from patcher.engines.vllm.perf import VllmPerfRecipe, recipe
 from patcher.formats.lock import LockEntry
 from patcher.runners import RunnerSpec
+
+if TYPE_CHECKING:
+    from patcher.engines.vllm.perf import VllmPerfRecipe
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,8 +51,9 @@ class VllmEngine(WheelEngine):
                         dtypes=("float32", "bfloat16", "float16", "fp8"))
     run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
-    bisect_table = TABLE
-    module_map = TABLE.module_map()
+    # (both imported when first read: loading the adapter does not pay for the per-module rule)
+    bisect_table = Deferred("patcher.engines.vllm.bisect_table:TABLE")
+    module_map = Deferred("patcher.engines.vllm.bisect_table:TABLE", lambda table: table.module_map())
     full_build_doc = (
         "upstream full build (`pip install -e .` in a git clone): CUDA toolkit with nvcc on PATH and "
         "GCC/G++ >= 11.3 (CPU wheels: gcc/g++ >= 12.3 and VLLM_TARGET_DEVICE=cpu); upstream says it "
@@ -87,6 +90,8 @@ class VllmEngine(WheelEngine):
 
     def perf_recipe(self, entry: LockEntry, spec: VariantSpec) -> VllmPerfRecipe | None:
         # `vllm serve` loaded by `vllm bench serve`, both from the pinned wheel (vLLM >= 0.32)
+        from patcher.engines.vllm.perf import recipe
+
         return recipe(entry.version, spec.device)
 
 

@@ -8,7 +8,9 @@
 - Load: ``vllm bench serve`` with the ``timed_trace`` dataset, which sends token-id prompts
   of exact lengths with an exact output length each (EOS ignored), all offered at once
   (``--no-self-timed``, request rate inf) under ``--max-concurrency``; greedy sampling;
-  ``--save-result --save-detailed`` keep every request's TTFT, latency and token count.
+  ``--save-result --save-detailed`` keep every request's TTFT, latency and token count. Before
+  each run the tool sends ``--num-warmups`` untimed copies of the first request
+  (`LoadJob.wakeup`): the server is awake when it is measured.
   Prompt tokens are drawn by vLLM from the model's vocabulary, seeded by each request's
   hash ids and PYTHONHASHSEED=0, so every run and both sides get the same prompts.
 """
@@ -113,7 +115,7 @@ class VllmPerfRecipe:
                 "--timed-trace-chunk-hash-size", str(CHUNK), "--no-self-timed",
                 "--num-prompts", str(job.num_requests), "--max-concurrency", str(job.concurrency),
                 "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(s.seed),
-                "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                "--num-warmups", str(job.wakeup), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
                 "--metric-percentiles", "50,90,99", "--request-id-prefix",
                 f"dsadapt-{job.side}-r{job.round}-c{job.concurrency}-",
                 "--save-result", "--save-detailed", "--result-dir", str(job.out_path.parent),

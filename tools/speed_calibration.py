@@ -1,0 +1,212 @@
+"""Summarize speed-gate calibration runs: A/A coverage, planted-slowdown detection, the smallest
+slowdown the gate detects at each concurrency.
+
+    python3 tools/speed_calibration.py REPORT_OR_DIR... [--out summary.md] [--json summary.json]
+
+Reads `dsadapt perf` reports (dsadapt.perf-report/1): A/A runs (`--aa`, the build against
+itself) and planted runs (patched vs unpatched with a known slowdown planted into the patched
+build, tools/plant_decode_work.py; the report's provenance says how strong). Prints Markdown:
+
+- every run: date, 1-minute load average before and after, CPUs, each gated ratio with its
+  95 % interval per concurrency, the verdict;
+- A/A: in how many runs every gated interval contains 1 (the calibration's goal: >= 9 of 10),
+  and per interval; the order check: the geometric mean of the per-round ratios over the rounds
+  where the first side went first and over those where the second did (an advantage of going
+  first shows as the two on opposite sides of 1);
+- planted: in how many runs the gate failed, and the slowdown the plant caused (1 - estimate);
+- the smallest slowdown detected at each concurrency: a true ratio r is flagged when r times
+  the interval's upper-end factor (hi / estimate, from the A/A runs) is below the threshold;
+  with the 90th percentile of that factor over the A/A runs, r < threshold / factor is flagged
+  in at least 9 runs of 10.
+
+Needs only the standard library and patcher.rules.speed (run from the repository, or with
+dsadapt installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from patcher.rules import speed as P  # noqa: E402
+
+GATED = P.GATED
+SHORT = {"output_throughput": "tokens/s", "ttft_mean": "TTFT", "tpot_mean": "TPOT"}
+
+
+def load(paths: list[Path]) -> list[tuple[Path, dict]]:
+    files: list[Path] = []
+    for p in paths:
+        files += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+    out = []
+    for f in files:
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and d.get("schema") == P.SCHEMA and d.get("points"):
+            out.append((f, d))
+    return sorted(out, key=lambda x: (x[1]["provenance"].get("date", ""), str(x[0])))
+
+
+def kind(d: dict) -> str:
+    if d.get("mode") == "aa":
+        return "aa"
+    return "planted" if planted_strength(d) else "ab"
+
+
+def planted_strength(d: dict) -> int:
+    prov = d.get("provenance") or {}
+    try:
+        return int((prov.get("planted") or {}).get("matmuls") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _ci(r: dict) -> str:
+    if r.get("estimate") is None:
+        return "-"
+    return f"{r['estimate']:.3f} [{r['lo']:.2f}, {r['hi']:.2f}]"
+
+
+def _load(d: dict) -> str:
+    prov = d["provenance"]
+    before, after = prov.get("load_average_before"), prov.get("load_average_after")
+    return f"{before[0] if before else '?'} → {after[0] if after else '?'}"
+
+
+def order_split(d: dict, conc: int, metric: str) -> tuple[float | None, float | None]:
+    """Geometric means of the per-round ratios over the rounds the first side went first in, and over
+    the rounds the second side did (from the recorded runs' order)."""
+    a, b = d["sides"]
+    spec = P.METRIC[metric]
+    by = {(r["round"], r["side"]): r for r in d.get("runs", []) if r["concurrency"] == conc}
+    first_a, first_b = [], []
+    for rnd in sorted({k[0] for k in by}):
+        ra, rb = by.get((rnd, a)), by.get((rnd, b))
+        if not ra or not rb:
+            continue
+        recs = [P.RunRecord(x["side"], x["round"], x["concurrency"], x["duration_s"],
+                            [P.RequestRecord(**q) for q in x["requests"]], x.get("order", 0)) for x in (ra, rb)]
+        ratio = P.oriented_ratio(P.run_metrics(recs[0])[metric], P.run_metrics(recs[1])[metric], spec.higher_is_better)
+        if ratio is None:
+            continue
+        (first_a if ra.get("order", 0) < rb.get("order", 0) else first_b).append(math.log(ratio))
+    geo = [math.exp(sum(x) / len(x)) if x else None for x in (first_a, first_b)]
+    return geo[0], geo[1]
+
+
+def contains_one(d: dict) -> tuple[int, int]:
+    rs = [p["ratios"][m] for p in d["points"] for m in GATED]
+    ok = [r for r in rs if r.get("lo") is not None and r["lo"] <= 1.0 <= r["hi"]]
+    return len(ok), len(rs)
+
+
+def summarize(reports: list[tuple[Path, dict]]) -> tuple[str, dict]:
+    lines: list[str] = []
+    data: dict = {"runs": []}
+    if not reports:
+        return "no perf reports found\n", data
+    threshold = reports[0][1]["threshold"]
+    conc = sorted({p["concurrency"] for _f, d in reports for p in d["points"]})
+    header = "| run | kind | date | load 1-min | CPUs | c | " + " | ".join(SHORT[m] for m in GATED) + " | verdict |"
+    lines += ["## Runs", "", header, "|" + "---|" * (header.count("|") - 1)]
+    for f, d in reports:
+        prov = d["provenance"]
+        k = kind(d) + (f" ({planted_strength(d)} matmuls)" if kind(d) == "planted" else "")
+        for i, p in enumerate(d["points"]):
+            lead = [f.name, k, prov.get("date", "?"), _load(d), ",".join(map(str, prov.get("cpus") or []))] if i == 0 \
+                else ["", "", "", "", ""]
+            lines.append("| " + " | ".join(lead + [str(p["concurrency"])] + [_ci(p["ratios"][m]) for m in GATED]
+                                          + [d["verdict"] if i == 0 else ""]) + " |")
+        data["runs"].append({"file": str(f), "kind": kind(d), "verdict": d["verdict"], "date": prov.get("date"),
+                             "load_before": prov.get("load_average_before"),
+                             "load_after": prov.get("load_average_after"), "planted": planted_strength(d),
+                             "ratios": {str(p["concurrency"]): {m: p["ratios"][m] for m in GATED}
+                                        for p in d["points"]}})
+    aa = [(f, d) for f, d in reports if kind(d) == "aa"]
+    planted = [(f, d) for f, d in reports if kind(d) == "planted"]
+    lines += [""]
+    if aa:
+        full = sum(1 for _f, d in aa if contains_one(d)[0] == contains_one(d)[1])
+        ints = [contains_one(d) for _f, d in aa]
+        lines += ["## A/A", "",
+                  f"- every gated interval contains 1 in **{full} of {len(aa)}** A/A runs "
+                  f"({sum(i[0] for i in ints)} of {sum(i[1] for i in ints)} intervals); "
+                  f"verdict pass in {sum(1 for _f, d in aa if d['verdict'] == 'pass')} of {len(aa)}", ""]
+        data["aa"] = {"runs": len(aa), "all_contain_one": full, "intervals_containing_one": sum(i[0] for i in ints),
+                      "intervals": sum(i[1] for i in ints)}
+        lines += ["Order check (A/A): geometric mean of the per-round ratios when the first side went first / when "
+                  "the second did (an advantage of going first puts them on opposite sides of 1):", "",
+                  "| c | " + " | ".join(SHORT[m] for m in GATED) + " |", "|---|" + "---|" * len(GATED)]
+        for c in conc:
+            cells = []
+            for m in GATED:
+                pairs = [order_split(d, c, m) for _f, d in aa]
+                fa = [math.log(x) for x, _y in pairs if x]
+                fb = [math.log(y) for _x, y in pairs if y]
+                cells.append(f"{math.exp(statistics.mean(fa)):.3f} / {math.exp(statistics.mean(fb)):.3f}"
+                             if fa and fb else "-")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += ["", "## Smallest slowdown detected", "",
+                  f"From the A/A runs' intervals (threshold {threshold:g}): the slowdown 1 - r that the gate flags in "
+                  "at least 9 of 10 runs, per gated metric (90th percentile of hi/estimate), and the smallest of them:",
+                  "", "| c | " + " | ".join(SHORT[m] for m in GATED) + " | smallest |", "|---|" + "---|" * (len(GATED) + 1)]
+        data["smallest_detected"] = {}
+        for c in conc:
+            cells, best = [], None
+            for m in GATED:
+                factors = sorted(p["ratios"][m]["hi"] / p["ratios"][m]["estimate"] for _f, d in aa for p in d["points"]
+                                 if p["concurrency"] == c and p["ratios"][m].get("estimate"))
+                if not factors:
+                    cells.append("-")
+                    continue
+                q90 = factors[min(len(factors) - 1, math.ceil(0.9 * len(factors)) - 1)]
+                s = max(0.0, 1 - threshold / q90)
+                best = s if best is None else min(best, s)
+                cells.append(f"{100 * s:.1f} %")
+                data["smallest_detected"].setdefault(str(c), {})[m] = s
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {'-' if best is None else f'{100 * best:.1f} %'} |")
+        lines += [""]
+    if planted:
+        fails = sum(1 for _f, d in planted if d["verdict"] == "fail")
+        lines += ["## Planted", "", f"- the gate failed **{fails} of {len(planted)}** planted runs", "",
+                  "Slowdown the plant caused (1 - estimate; median over the planted runs):", "",
+                  "| c | " + " | ".join(SHORT[m] for m in GATED) + " |", "|---|" + "---|" * len(GATED)]
+        data["planted"] = {"runs": len(planted), "failed": fails, "slowdown": {}}
+        for c in conc:
+            cells = []
+            for m in GATED:
+                est = [p["ratios"][m]["estimate"] for _f, d in planted for p in d["points"]
+                       if p["concurrency"] == c and p["ratios"][m].get("estimate")]
+                cells.append(f"{100 * (1 - statistics.median(est)):.1f} %" if est else "-")
+                if est:
+                    data["planted"]["slowdown"].setdefault(str(c), {})[m] = 1 - statistics.median(est)
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += [""]
+    return "\n".join(lines) + "\n", data
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
+    p.add_argument("--json", type=Path, default=None, help="and the numbers as JSON here")
+    args = p.parse_args(argv)
+    text, data = summarize(load(args.paths))
+    sys.stdout.write(text)
+    if args.out:
+        args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
