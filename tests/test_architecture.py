@@ -285,8 +285,9 @@ def test_commands_that_run_no_engine_load_adapters_without_what_only_other_comma
     unwanted = sorted(m for m in mods if m.startswith(("patcher.gate.", "patcher.rules.modules", "patcher.rules.speed",
                                                        "patcher.engines.serving", "importlib.metadata"))
                       or m.endswith((".perf", ".bisect_table")))
-    if command == ["report"]:  # report is the gate's summary: that one module, nothing else of the gate
-        unwanted.remove("patcher.gate.summary")
+    if command == ["report"]:  # report is the gate's summary and re-judges stored reports by the rules:
+        unwanted.remove("patcher.gate.summary")  # that module of the gate, and the per-module rule
+        unwanted = [m for m in unwanted if m not in ("patcher.rules.modules", "patcher.rules.speed")]
     assert unwanted == [], unwanted
 
 

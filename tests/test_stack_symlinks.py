@@ -104,7 +104,7 @@ def test_a_chain_of_links_each_harmless_alone_is_refused_before_anything(project
     assert "esc -> d/e/f/up/../../../../upstream.lock points outside the tree" in r.err
     assert not project.checkout().exists()  # refused while reading the stack: no checkout made
     r = project.run("verify", REF1)  # a verdict: the stack has a problem (exit 1), named
-    assert r.rc == 1 and "esc -> d/e/f/up/../../../../upstream.lock points outside the tree" in r.err, r
+    assert r.rc == 1 and "esc -> d/e/f/up/../../../../upstream.lock points outside the tree" in r.out, r
 
 
 def test_a_link_retargeted_by_a_change_without_a_mode_is_refused(linked):

@@ -136,9 +136,15 @@ def _tags_project(cfg: Config, lock: Lock, engine: str, root: Path) -> tuple[Pat
     return proj, {**os.environ, "DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "tags-work")}
 
 
-def run_startup_bench(cfg: Config, lock: Lock, repeat: int = 10, build_pin: str | None = "vllm@v0.32.0",
+def run_startup_bench(cfg: Config, lock: Lock, repeat: int = 10, build_pin: str | None = None,
                       build_variant: str = "cpu", progress=None) -> list[StartRow]:
+    """Start-up rows (each next to its anchors) and the warm build of `build_pin` (default: the pin
+    the stack-operations bench uses, `default_stack_pin`)."""
     say = progress or (lambda m: None)
+    if build_pin is None:
+        from patcher.bench.stack_ops import default_stack_pin
+
+        build_pin = default_stack_pin(lock)[0]
     dsa = dsadapt_argv()
     env = {**os.environ, "DSADAPT_PROJECT": str(cfg.project), "DSADAPT_WORKDIR": str(cfg.workdir)}
     checkouts = len(list((cfg.workdir / "checkouts").glob("*/*"))) if (cfg.workdir / "checkouts").is_dir() else 0

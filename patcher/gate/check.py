@@ -14,7 +14,6 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -35,10 +34,17 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack
 from patcher.gate import bisect as bisect_run
 from patcher.gate.hosts import RunHost
+from patcher.gate.summary import (  # noqa: F401 - current_rule and rule_drift: this module's public names too
+    current_rule,
+    inputs_path,
+    load_inputs,
+    rejudge,
+    rule_drift,
+    save_inputs,
+)
 from patcher.rules.logits import (
     LOW_PRECISION_DTYPES,
     REFERENCE_TRANSFORMERS,
-    Comparison,
     LogitReport,
     compare,
     explain,
@@ -592,7 +598,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
         result.plot_path = None
-    save_inputs(r.out, reference, report, noise, ENGINE_TOP_K)
+    save_inputs(r.out, reference, report, ENGINE_TOP_K, noise=noise)
     result.provenance["inputs"] = inputs_path(r.out).name
     write_report(result, r.out)
     return result
@@ -685,104 +691,6 @@ def verdict_reasons(logit_reasons: list[str], dtype: str, bisected: dict | None)
 # ---------------------------------------------------------------- rescoring
 
 
-def inputs_path(report: Path) -> Path:
-    """Where a check report's inputs are kept: the logit reports the rule compared (the reference,
-    the engine, and in low precision the reference's own run in that dtype), as
-    <report>.inputs.json.gz, so that `check --rescore` can apply a later rule to them."""
-    return report.with_name(report.stem + ".inputs.json.gz")
-
-
-def save_inputs(report: Path, reference: LogitReport, engine_report: LogitReport, noise: LogitReport | None,
-                top_k: int) -> Path:
-    import gzip
-
-    path = inputs_path(report)
-    doc = {"schema": INPUTS_SCHEMA, "top_k": top_k, "reference": reference.to_json(), "engine": engine_report.to_json(),
-           "noise": None if noise is None else noise.to_json()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
-        gz.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
-    tmp.replace(path)
-    return path
-
-
-def load_inputs(report: Path) -> tuple[LogitReport, LogitReport, LogitReport | None, int] | None:
-    """The recorded inputs of a check report, or None when it has none (made before they were kept)."""
-    import gzip
-
-    path = inputs_path(report)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(gzip.decompress(path.read_bytes()))
-    except (OSError, EOFError, ValueError) as e:
-        raise UsageError(f"{path}: not readable ({e})", hint="rerun the check to record them again") from None
-    if not isinstance(doc, dict) or doc.get("schema") != INPUTS_SCHEMA:
-        raise UsageError(f"{path}: not a {INPUTS_SCHEMA} document", hint="rerun the check to record them again")
-    noise = LogitReport.from_json(doc["noise"]) if doc.get("noise") else None
-    return LogitReport.from_json(doc["reference"]), LogitReport.from_json(doc["engine"]), noise, int(doc["top_k"])
-
-
-@dataclass
-class Rejudged:
-    """A stored check re-judged under today's rule (`rejudge`)."""
-
-    verdict: str | None              # None: the stored report lacks what today's rule needs
-    reasons: list[str]
-    logits: Comparison | None        # today's comparison, when the logits could be compared again
-    bisect: dict | None              # today's per-module summary (as the check report keeps it), or None
-    missing: list[str]               # what today's rule needs that the report does not keep
-
-
-def rejudge(doc: dict, path: Path | None) -> Rejudged:
-    """Re-judge a stored check report under the rule as it is now: the logits from the recorded
-    inputs (<report>.inputs.json.gz) when there are any, else from the stored comparison
-    (`patcher.rules.verdicts.rescore`); the per-module part from the bisect report next to it."""
-    from patcher.rules.verdicts import rescore
-
-    dtype = str(doc.get("dtype") or "")
-    bisect_doc = None
-    if path is not None:
-        bpath = bisect_run.report_paths(Path(path))[0]
-        with contextlib.suppress(OSError, ValueError):
-            bisect_doc = json.loads(bpath.read_text(encoding="utf-8"))
-    stored = rescore(doc, bisect_doc)
-    inputs = None
-    if path is not None:
-        inputs = load_inputs(Path(path))
-    if inputs is None:
-        return Rejudged(stored["verdict"], stored["reasons"], None, None, list(stored.get("cannot_judge") or []))
-    ref, eng, noise, k = inputs
-    comparison = compare(ref, eng, k, noise=noise)
-    module_reasons = [x for x in stored["reasons"] if x.startswith("per-module comparison")]
-    reasons = list(comparison.reasons) + module_reasons
-    missing = [m for m in (stored.get("cannot_judge") or []) if "per-module" in m or "bisect" in m]
-    bisect = None
-    if bisect_doc is not None and doc.get("bisect"):
-        bisect = {**doc["bisect"], "passed": not module_reasons}
-    if dtype not in LOW_PRECISION_DTYPES:
-        missing = []
-    return Rejudged(None if missing else ("pass" if not reasons else "fail"), reasons, comparison, bisect, missing)
-
-
-def rule_drift(doc: dict, path: Path | None) -> str | None:
-    """Why a check report's verdict may not be what the current rule gives, or None: today's rule
-    gives another verdict (`dsadapt check --rescore REPORT` rewrites it), or the report lacks what
-    today's rule needs (rerun its command)."""
-    if not (doc.get("comparison") or {}).get("rule"):
-        return None  # the engine produced no logits: no rule was applied
-    try:
-        now = rejudge(doc, path)
-    except DsadaptError as e:
-        return f"its recorded inputs are unreadable ({e.message})"
-    if now.verdict is None:
-        return (f"scored by an older rule; today's needs {', '.join(now.missing)}: rerun "
-                f"`{(doc.get('provenance') or {}).get('command') or 'dsadapt check'}`")
-    if now.verdict != doc.get("verdict"):
-        return f"the current rule says {now.verdict}: `dsadapt check --rescore {path}`"
-    return None
-
-
 def rescore_check(path: Path) -> CheckResult:
     """Apply the current rule to a stored check report (`rejudge`): a new verdict, reasons, margins
     and plot, written back into the report (`provenance.rescored` says when, and what it was before)."""
@@ -799,6 +707,10 @@ def rescore_check(path: Path) -> CheckResult:
     if not (doc.get("comparison") or {}).get("rule"):
         raise UsageError(f"--rescore {path}: the engine produced no logits in that run: there is nothing to rescore",
                          hint=f"rerun `{cmd}`")
+    if load_inputs(Path(path)) is None and (doc.get("comparison") or {}).get("rule") == "strict":
+        raise UsageError(f"--rescore {path}: the report has no recorded inputs ({inputs_path(Path(path)).name}; it "
+                         "predates them), so the float32 rule cannot be applied to it again",
+                         hint=f"rerun `{cmd}` to score it under the current rule")
     now = rejudge(doc, Path(path))
     if now.verdict is None:
         raise UsageError(f"--rescore {path}: today's rule needs {', '.join(now.missing)}, which the report does not keep",

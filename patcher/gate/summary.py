@@ -28,17 +28,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from patcher.base.config import Config
-from patcher.base.errors import DsadaptError
+from patcher.base.errors import DsadaptError, UsageError
 from patcher.engines import adapter
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.patchfile import drop_when_satisfied
 from patcher.formats.stackfiles import Stack, load_stack
+
+if TYPE_CHECKING:
+    from patcher.rules.logits import Comparison, LogitReport
 
 SCHEMA = "dsadapt.report/1"
 _GPU_RE = re.compile(r"\bgpu\b|cuda|nvidia|rocm", re.IGNORECASE)
@@ -330,8 +335,6 @@ def _row(v: Verdict, project: Path) -> dict:
 
 
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
-    from patcher.gate.check import rule_drift
-
     def stale(data: dict, file: str) -> str | None:
         try:
             return rule_drift(data, Path(file))
@@ -365,3 +368,141 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
                 checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
                 verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks)))
     return rows
+
+# ---------------------------------------------------------------- re-judging stored checks
+#
+# A check report keeps the logit reports its rule compared (<report>.inputs.json.gz) and, in low
+# precision, the yardstick in its comparison and the per-module evidence in its bisect report, so
+# a later rule can be applied without running anything (`dsadapt check --rescore`, and `report`'s
+# stale flags).
+
+INPUTS_SCHEMA = "dsadapt.check-inputs/1"
+
+
+def inputs_path(report: Path) -> Path:
+    """Where a check report's inputs are kept: the logit reports the rule compared (the reference,
+    the engine, and in low precision the reference's own run in that dtype), as
+    <report>.inputs.json.gz, so that `check --rescore` can apply a later rule to them."""
+    return report.with_name(report.stem + ".inputs.json.gz")
+
+
+def save_inputs(report: Path, reference: LogitReport, engine_report: LogitReport, top_k: int,
+                noise: LogitReport | None = None) -> Path:
+    import gzip
+
+    path = inputs_path(report)
+    doc = {"schema": INPUTS_SCHEMA, "top_k": top_k, "reference": reference.to_json(), "engine": engine_report.to_json(),
+           "noise": None if noise is None else noise.to_json()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    tmp.replace(path)
+    return path
+
+
+def load_inputs(report: Path) -> tuple[LogitReport, LogitReport, LogitReport | None, int] | None:
+    """The recorded inputs of a check report, or None when it has none (made before they were kept)."""
+    import gzip
+
+    from patcher.rules.logits import LogitReport
+
+    path = inputs_path(report)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, EOFError, ValueError) as e:
+        raise UsageError(f"{path}: not readable ({e})", hint="rerun the check to record them again") from None
+    if not isinstance(doc, dict) or doc.get("schema") != INPUTS_SCHEMA:
+        raise UsageError(f"{path}: not a {INPUTS_SCHEMA} document", hint="rerun the check to record them again")
+    noise = LogitReport.from_json(doc["noise"]) if doc.get("noise") else None
+    return LogitReport.from_json(doc["reference"]), LogitReport.from_json(doc["engine"]), noise, int(doc["top_k"])
+
+
+@dataclass
+class Rejudged:
+    """A stored check re-judged under today's rule (`rejudge`)."""
+
+    verdict: str | None              # None: the stored report lacks what today's rule needs
+    reasons: list[str]
+    logits: Comparison | None        # today's comparison, when the logits could be compared again
+    bisect: dict | None              # today's per-module summary (as the check report keeps it), or None
+    missing: list[str]               # what today's rule needs that the report does not keep
+
+
+def rejudge(doc: dict, path: Path | None) -> Rejudged:
+    """Re-judge a stored check report under the rule as it is now: the logits from the recorded
+    inputs (<report>.inputs.json.gz) when there are any, else from the stored comparison
+    (`patcher.rules.verdicts.rescore`); the per-module part from the bisect report next to it."""
+    from patcher.rules.logits import LOW_PRECISION_DTYPES, compare
+    from patcher.rules.verdicts import rescore
+
+    dtype = str(doc.get("dtype") or "")
+    bisect_doc = None
+    if path is not None:
+        bpath = Path(path).with_name(Path(path).stem + "-bisect.json")  # gate.bisect.report_paths
+        with contextlib.suppress(OSError, ValueError):
+            bisect_doc = json.loads(bpath.read_text(encoding="utf-8"))
+    stored = rescore(doc, bisect_doc)
+    inputs = None
+    if path is not None:
+        inputs = load_inputs(Path(path))
+    if inputs is None:
+        return Rejudged(stored["verdict"], stored["reasons"], None, None, list(stored.get("cannot_judge") or []))
+    ref, eng, noise, k = inputs
+    comparison = compare(ref, eng, k, noise=noise)
+    module_reasons = [x for x in stored["reasons"] if x.startswith("per-module comparison")]
+    reasons = list(comparison.reasons) + module_reasons
+    missing = [m for m in (stored.get("cannot_judge") or []) if "per-module" in m or "bisect" in m]
+    bisect = None
+    if bisect_doc is not None and doc.get("bisect"):
+        bisect = {**doc["bisect"], "passed": not module_reasons}
+    if dtype not in LOW_PRECISION_DTYPES:
+        missing = []
+    return Rejudged(None if missing else ("pass" if not reasons else "fail"), reasons, comparison, bisect, missing)
+
+
+def current_rule(dtype: str) -> dict:
+    """The logit rule the gate applies today to an engine in `dtype` when it has no yardstick, as the
+    rule itself states it: {"rule", "tolerance", "thresholds"} of `compare` on a one-position pair
+    (so a change of the rule's parameters is seen here without a copy of them)."""
+    from patcher.rules.logits import LogitReport, PositionLogprobs, PromptResult, compare
+
+    def side(d: str) -> LogitReport:
+        top = {t: -1.0 - t for t in range(20)}
+        pos = PositionLogprobs(0, -1.0, top)
+        return LogitReport("probe", "probe", "0", d, 20, 1, [PromptResult("p", None, [0, 0], [None, pos], [0], [pos])])
+
+    c = compare(side("float32"), side(dtype), 5)
+    return {"rule": c.rule, "tolerance": c.tolerance, "thresholds": c.thresholds}
+
+
+def rule_drift(doc: dict, path: Path | None) -> str | None:
+    """Why a check report's verdict may not be what the current rule gives, or None: today's rule
+    gives another verdict (`dsadapt check --rescore REPORT` rewrites it), or the report lacks what
+    today's rule needs (rerun its command)."""
+    if not (doc.get("comparison") or {}).get("rule"):
+        return None  # the engine produced no logits: no rule was applied
+    comp = doc.get("comparison") or {}
+    cmd = (doc.get("provenance") or {}).get("command") or "dsadapt check"
+    try:
+        has_inputs = path is not None and load_inputs(Path(path)) is not None
+    except DsadaptError as e:
+        return f"its recorded inputs are unreadable ({e.message})"
+    if not has_inputs and comp.get("rule") == "strict":  # the strict rule's verdict needs its inputs again
+        rule = current_rule(str(doc.get("dtype") or "float32"))
+        changed = [k for k in ("rule", "tolerance") if comp.get(k) != rule[k]]
+        if changed:
+            return (f"scored by an older rule ({', '.join(changed)} differ) and has no recorded inputs to rescore: "
+                    f"rerun `{cmd}`")
+        return None
+    try:
+        now = rejudge(doc, path)
+    except DsadaptError as e:  # an unreadable inputs file
+        return f"its recorded inputs are unreadable ({e.message})"
+    if now.verdict is None:
+        return (f"scored by an older rule; today's needs {', '.join(now.missing)}: rerun "
+                f"`{(doc.get('provenance') or {}).get('command') or 'dsadapt check'}`")
+    if now.verdict != doc.get("verdict"):
+        return f"the current rule says {now.verdict}: `dsadapt check --rescore {path}`"
+    return None

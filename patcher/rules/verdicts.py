@@ -120,7 +120,13 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
         else:
             missing.append("per-module evidence (block sums per phase)")
     elif c.get("rule") == "low-precision":
-        missing.append("the bisect report (every low-precision check has one)")
+        stored = check_report.get("bisect") or {}
+        if stored.get("passed") is False and stored.get("rule") is None and stored.get("reasons"):
+            # the per-module comparison could not run (no capture): that stays a reason, never a pass
+            reasons += [f"per-module comparison ({dtype}): {x}" for x in stored["reasons"][:1]]
+            judged.append("modules (could not run, stored)")
+        else:
+            missing.append("the bisect report (every low-precision check has one)")
     verdict = None if missing else ("pass" if not reasons else "fail")
     out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, bisect_summary),
            "judged": judged}

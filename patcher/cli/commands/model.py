@@ -77,7 +77,7 @@ def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int
         info = tinymodel.make_model(out, variant=variant or "v3", config_style=config_style, seed=seed)
         data = info.to_json()
         if as_json:
-            emit_json(data)
+            emit_json(data, schema="dsadapt.model/1")
         else:
             click.echo(f"{data['path']}: {info.variant} ({config_style} config), seed {seed}, "
                        f"{data['params']:,} params, fingerprint {data['fingerprint'][:16]}")
@@ -121,7 +121,7 @@ def slice_cmd(src: Path, layers: int, out: Path, as_json: bool) -> None:
     res = slice_checkpoint(src, layers, out, cache=_cache(), progress=progress)
     data = res.to_json()
     if as_json:
-        emit_json(data)
+        emit_json(data, schema="dsadapt.model-slice/1")
     else:
         common.out(f"{data['path']}: layers 0-{layers - 1} of {res.source_layers}"
             + (f" ({res.dropped_mtp} MTP module(s) dropped)" if res.dropped_mtp else "")
