@@ -100,6 +100,15 @@ def load_prompts(path: str) -> list[dict]:
         return list(json.load(f)["prompts"])
 
 
+def context_needed(prompt_docs: Iterable[dict], max_tokens: int, capture_steps: int = 0) -> int:
+    """The longest sequence a run makes: the longest prompt plus what is generated after it (the
+    gate's `max_tokens`, or the capture pass's decode steps + 1 when it makes more). An engine
+    whose session or model length is shorter cuts the generation short at that prompt (LMDeploy
+    returns fewer tokens, then none), which would read as an engine failure."""
+    longest = max((len(p["token_ids"]) for p in prompt_docs), default=0)
+    return longest + max(int(max_tokens), int(capture_steps))
+
+
 def submission_groups(prompt_docs: Iterable[dict]) -> list[list[dict]]:
     """Singles alone, each named batch as one group, in first-appearance order."""
     groups: dict[object, list[dict]] = {}

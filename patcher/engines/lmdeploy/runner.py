@@ -345,6 +345,9 @@ def main(argv=None):
     import torch
 
     prompt_docs = kit.load_prompts(args.prompts)
+    # the session holds the longest prompt and everything generated after it, capture included
+    args.session_len = max(args.session_len, kit.context_needed(
+        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture else 0))
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count,
                                  args.tensor_parallel_size)

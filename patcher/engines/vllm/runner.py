@@ -161,6 +161,9 @@ def main(argv=None):
     t1 = time.time()
     # fp8: a block-FP8 checkpoint; vLLM reads its quantization_config and runs its FP8 linears
     # with bfloat16 activations
+    # the model length holds the longest prompt and everything generated after it, capture included
+    args.max_model_len = max(args.max_model_len, kit.context_needed(
+        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture else 0))
     llm = LLM(model=args.model, dtype="bfloat16" if args.dtype == "fp8" else args.dtype, enforce_eager=True,
               max_model_len=args.max_model_len,
               seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20), **parallel_kwargs)
