@@ -211,3 +211,18 @@ def test_committed_reports_are_scored_by_the_current_rule_or_flagged():
     assert strict and all(v is None for v in strict.values()), strict
     low = {k: v for k, v in drift.items() if k.startswith("reports/lmdeploy/v0.18.0/")}
     assert len(low) >= 8 and all(v is None for v in low.values()), low
+
+
+def test_a_parallel_configuration_is_named_by_its_size(proj):
+    """Check reports state their parallel configuration as a mapping; the report names it tpN
+    (nothing for one process) and keeps TP 1 and TP 2 apart."""
+    for name, par, verdict in (("v3-transformers-float32.json", {"tp": 1, "ep": False, "label": "tp1"}, "pass"),
+                               ("v3-transformers-float32-tp2.json", {"tp": 2, "ep": False, "label": "tp2"}, "fail")):
+        path = write_check(proj, name, model="v3", dtype="float32", verdict=verdict, date="2026-12-01T10:00:00Z")
+        doc = json.loads(path.read_text())
+        doc["parallel"] = par
+        path.write_text(json.dumps(doc))
+    r = rows(proj)[PIN]
+    assert sorted(c["config"] for c in r["checks"]) == ["cpu v3 transformers float32",
+                                                         "cpu v3 transformers float32 tp2"]
+    assert r["verdict"] == "fail" and "{" not in r["check"]

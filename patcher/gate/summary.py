@@ -122,6 +122,8 @@ def _fields(data: dict) -> dict | None:
     raw_settings = prov.get("engine_settings")
     settings: dict = raw_settings if isinstance(raw_settings, dict) else {}
     parallel = data.get("parallel", prov.get("parallel", settings.get("tensor_parallel_size", settings.get("tp"))))
+    if isinstance(parallel, dict):  # {"tp", "ep", "label", ...} as check reports state it: "2", "2+ep"
+        parallel = f"{int(parallel.get('tp') or 1)}" + ("+ep" if parallel.get("ep") else "")
     return {"pin": str(fields["pin"]), "verdict": str(fields["verdict"]), "date": str(fields["date"]),
             "device": str(fields["device"]), "stack_hash": str(fields["stack_hash"] or ""),
             "variant": str(data.get("variant") or ""), "model": str(data.get("model") or ""),
