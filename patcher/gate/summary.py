@@ -336,12 +336,56 @@ def _row(v: Verdict, project: Path) -> dict:
     return d
 
 
+def _rules_digest() -> str:
+    """What today's rules are: a digest of the modules that judge a stored check (a change to any of
+    them re-judges every report)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    rules = Path(__file__).resolve().parents[1] / "rules"
+    for f in sorted([*rules.glob("*.py"), Path(__file__).resolve()]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    # and the logit rule's parameters as the rule states them now (a rule changed without a change
+    # to these files, e.g. by a plugin or a test, is a changed rule too)
+    h.update(json.dumps([current_rule(d) for d in ("float32", "bfloat16", "float16")], sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _stamp(path: Path) -> list:
+    try:
+        st = path.stat()
+        return [st.st_size, st.st_mtime_ns]
+    except OSError:
+        return []
+
+
 def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
+    # re-judging a stored check is a pure function of its files and of the rules: remembered per
+    # machine (the work dir's cache), keyed by both, so an unchanged report is read, not re-judged
+    cache_file = cfg.cache / "report-rejudged.json"
+    digest = _rules_digest()
+    try:
+        seen = json.loads(cache_file.read_text(encoding="utf-8"))
+        if not isinstance(seen, dict) or seen.get("rules") != digest:
+            seen = {}
+    except (OSError, ValueError):
+        seen = {}
+    known = dict(seen.get("reports") or {})
+    fresh: dict[str, list] = {}
+
     def stale(data: dict, file: str) -> str | None:
+        f = Path(file)
+        key = [_stamp(f), _stamp(inputs_path(f)), _stamp(f.with_name(f.stem + "-bisect.json"))]
+        hit = known.get(file)
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+            fresh[file] = hit
+            return hit[1]
         try:
-            return rule_drift(data, Path(file))
+            drift = rule_drift(data, f)
         except DsadaptError as e:  # a report the rule cannot read is said to be so, never counted as current
-            return f"cannot be scored by the current rule ({e.message})"
+            drift = f"cannot be scored by the current rule ({e.message})"
+        fresh[file] = [key, drift]
+        return drift
 
     rows = []
     verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale))
@@ -369,6 +413,12 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
                 last_perf=asdict(last_perf) if last_perf else None,
                 checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
                 verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks)))
+    if fresh != known:
+        with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
+            from patcher.base.fsutil import atomic_write_text
+
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cache_file, json.dumps({"rules": digest, "reports": fresh}, sort_keys=True))
     return rows
 
 # ---------------------------------------------------------------- re-judging stored checks
@@ -443,8 +493,8 @@ def rejudge(doc: dict, path: Path | None) -> Rejudged:
     bisect_doc = None
     if path is not None:
         bpath = Path(path).with_name(Path(path).stem + "-bisect.json")  # gate.bisect.report_paths
-        with contextlib.suppress(OSError, ValueError):
-            bisect_doc = json.loads(bpath.read_text(encoding="utf-8"))
+        got = _report_doc(bpath) if bpath.is_file() else None  # parsed once per process
+        bisect_doc = got if isinstance(got, dict) else None
     stored = rescore(doc, bisect_doc)
     inputs = None
     if path is not None:
