@@ -217,7 +217,9 @@ def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
     every speed-gate report instead)."""
     of = of or verdict_of
     out: dict[str, list[Verdict]] = {}
-    files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))]
+    # a bisect report (<check>-bisect.json) is read with its check report, never as a verdict
+    files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))
+             if not f.name.endswith("-bisect.json")]
     for f in files:
         data = _report_doc(f)
         if data is None:
