@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import platform
-import shutil
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -428,7 +427,9 @@ class Deferred:
 
 
 def has_cuda() -> bool:
-    return shutil.which("nvidia-smi") is not None
+    from shutil import which  # not at import: `list` and `status` load this module
+
+    return which("nvidia-smi") is not None
 
 
 COMPILED_DEFAULT = ("csrc/*", "*.cu", "*.cuh", "*.cpp", "*.cc", "*.c", "*.h", "*.hpp", "CMakeLists.txt",
@@ -631,7 +632,9 @@ class WheelEngine(EngineBase):
 
     def build_blocker(self, entry: LockEntry, spec: VariantSpec, stack: Stack) -> str | None:
         if self.build_kind(stack).kind == "full":
-            missing = [t for t in spec.toolchain if shutil.which(t) is None]
+            from shutil import which
+
+            missing = [t for t in spec.toolchain if which(t) is None]
             return f"full build needs {', '.join(missing)}" if missing else None
         if entry.artifact(spec.artifact_variant, wheel=True) is None:
             return f"no pinned wheel for variant {spec.name}"

@@ -13,10 +13,9 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from patcher.base import leftovers
 from patcher.base.config import Config
@@ -34,6 +33,9 @@ from patcher.base.gitutil import ALLOWED_PROTOCOLS, Git, init_repo
 from patcher.base.paths import tree_path_error
 from patcher.formats.lock import Artifact, EngineDecl, LockEntry
 from patcher.formats.sourcetree import TreeRules, is_tree_member
+
+if TYPE_CHECKING:
+    import zipfile
 
 PYPI_SIMPLE = "https://pypi.org/simple"
 
@@ -224,6 +226,8 @@ def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) 
         if progress:
             progress(f"downloading {art.file} from PyPI (pip download --no-deps)")
         # pid in the name: a partial download of a dead run is told apart from a live one (leftovers.py)
+        import tempfile  # not at import: `list` asks this module only whether a source can run
+
         with tempfile.TemporaryDirectory(prefix=f".download-{os.getpid()}-", dir=_mkdir(cfg.cache / "artifacts")) as tmp:
             _pip_download(art, entry.version, Path(tmp), progress)
             got = Path(tmp) / art.file
@@ -298,6 +302,8 @@ def check_members(path: Path, infos: list[zipfile.ZipInfo]) -> None:
 
 def check_wheel(path: Path) -> None:
     """Refuse an unsafe artifact (`check_members`) without unpacking anything."""
+    import zipfile
+
     if not path.name.endswith(".whl"):
         raise LockError(f"{path.name}: only wheels can be unpacked as a source tree",
                         hint="pin a wheel artifact with source = true")
@@ -314,6 +320,8 @@ def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> t
     members form the tree) into dest; returns (files written, skipped names).
 
     Every member, base-tree or not, is checked before anything is written (`check_members`)."""
+    import zipfile
+
     skipped: list[str] = []
     n = 0
     if not path.name.endswith(".whl"):
@@ -339,6 +347,8 @@ def unpack_artifact(path: Path, dest: Path, rules: TreeRules = TreeRules()) -> t
 
 
 def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, progress=None) -> SourceResult:
+    import zipfile
+
     art = entry.source_artifact()
     if art is None:
         raise Unreachable(f"{entry} has no release artifact in the lock")
