@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from xml.sax.saxutils import escape, quoteattr
 
 
 @dataclass
@@ -28,6 +27,8 @@ class Case:
 
 def junit_xml(suite: str, cases: Sequence[Case]) -> str:
     """Pure: a JUnit XML document (one <testsuite>) for `cases`."""
+    from xml.sax.saxutils import escape, quoteattr  # only when a report is written (`--junit FILE`)
+
     failures = sum(c.failure is not None for c in cases)
     skipped = sum(c.skipped is not None and c.failure is None for c in cases)
     total = sum(c.seconds for c in cases)
