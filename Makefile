@@ -72,13 +72,13 @@ bench: setup
 	$(BIN)/python -m compileall -q patcher
 	$(BIN)/dsadapt bench
 
-## The LMDeploy gate on a GPU machine without network (here: the device tool's H200): the offline
+## The LMDeploy gate on a GPU machine without network (an H200 without network): the offline
 ## bundle in .carry/gpu (dsadapt bundle: builds, carried wheels, locks; what the H200 has is left
 ## out, tools/device/h200-pip-list.json) and the device command (tools/device/lmdeploy_h200.sh).
 GPU_BUNDLE ?= .carry/gpu
 gpu-check: setup
 	DSADAPT=$(BIN)/dsadapt bash tools/device/prepare_bundle.sh $(GPU_BUNDLE)
-	@echo "device tool, from this checkout: run command 'bash tools/device/lmdeploy_h200.sh $(GPU_BUNDLE)'," \
+	@echo "on the GPU machine, from this checkout: run command 'bash tools/device/lmdeploy_h200.sh $(GPU_BUNDLE)'," \
 	  "carry ['$(GPU_BUNDLE)'], timeout_s 600 (the chains: tools/device/calibration.chains; knobs: the script's header)"
 	@echo "then, here: mkdir -p back && tar xzf OUT/reports.tgz -C back && python tools/calibrate_low_precision.py table back"
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The gate on an air-gapped GPU machine (this workplace's device tool), through the product only:
+# The gate on an air-gapped GPU machine, through the product only:
 # the bundle's bootstrap.py, `dsadapt install --offline` (the pin's environments and every extra
 # stack the bundle carries, `bundle --stack NAME=DIR`), then dsadapt commands in parallel chains.
 # `make gpu-check` writes the bundle (.carry/gpu) and prints how to call this.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The speed gate's calibration on the GPU machine (the device tool's H200), through the product only:
+# The speed gate's calibration on the GPU machine (an H200 without network), through the product only:
 # A/A runs of the patched LMDeploy build against itself and runs with a planted slowdown, in parallel
 # chains on split CPUs sharing the one GPU, then the summary of tools/speed_calibration.py.
 #
@@ -51,7 +51,7 @@ Upstream-Status: Inappropriate [speed-gate calibration]" || exit 1
   $ds --project "$proj" refresh "$PIN" || exit 1
   $ds --project "$proj" bundle "$PIN" --variant "$VARIANT" --have "$ROOT/tools/device/h200-pip-list.json" \
     --out "$ROOT/.carry/perf" --max-size 58MiB || exit 1
-  echo "device tool, from this checkout: command 'bash tools/device/perf_h200.sh device', carry ['.carry/perf'], timeout_s 600"
+  echo "on the GPU machine, from this checkout: command 'bash tools/device/perf_h200.sh device', carry ['.carry/perf'], timeout_s 600"
 }
 
 device() {
