@@ -32,24 +32,15 @@ from patcher.stack.materialize import (
     tree_links,
 )
 from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
-from patcher.stack.transaction import StackResult, Transaction, register
+from patcher.stack.transaction import NoHooks, StackResult, Transaction, register
 
 __all__ = ["ApplyKind", "abort_apply", "apply_stack", "checkout_tree", "continue_apply", "skip_patch"]
 
 
-class ApplyKind:
+class ApplyKind(NoHooks):
     name = "apply"
     verb = "apply"
     touches_checkout = True
-
-    def prepare(self, tx: Transaction) -> None:
-        return None
-
-    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
-        return {}
-
-    def on_stop(self, tx: Transaction, index: int) -> str | None:
-        return None
 
     def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
         if commit is None:

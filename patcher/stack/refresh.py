@@ -22,7 +22,7 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import format_series, parse_series, stack_dir, stack_hash
 from patcher.stack.materialize import STACK_REF, Checkout, head_state
 from patcher.stack.state import Applied, Op, Orig
-from patcher.stack.transaction import MBOX_FROM, StackResult, Transaction, flat_tree_id, register
+from patcher.stack.transaction import MBOX_FROM, NoHooks, StackResult, Transaction, flat_tree_id, register
 
 __all__ = ["RefreshKind", "RefreshResult", "export_commits", "exported_files", "read_stack_files", "refresh_stack",
            "series_names", "sync_stack_dir"]
@@ -134,22 +134,13 @@ class RefreshResult:
     notes: list[str] = field(default_factory=list)
 
 
-class RefreshKind:
+class RefreshKind(NoHooks):
     """Writing patches/ from the branch. The checkout itself is not touched; the op records the
     stack files before and after, so a killed refresh is finished or undone byte for byte."""
 
     name = "refresh"
     verb = "refresh"
     touches_checkout = False
-
-    def prepare(self, tx: Transaction) -> None:
-        return None
-
-    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
-        return {}
-
-    def on_stop(self, tx: Transaction, index: int) -> str | None:
-        return None
 
     def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
         return "clean", None

@@ -86,6 +86,20 @@ class OpKind(Protocol):
         words for it (refresh: patches/ half written); None: the transaction's words for its phase."""
 
 
+class NoHooks:
+    """The hooks an op kind without extra steps leaves empty (apply, refresh): nothing to prepare,
+    no patch decided beforehand, a stop is a stop."""
+
+    def prepare(self, tx: Transaction) -> None:
+        return None
+
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def on_stop(self, tx: Transaction, index: int) -> str | None:
+        return None
+
+
 KINDS: dict[str, OpKind] = {}
 OPS_GROUP = "dsadapt.ops"
 
