@@ -35,6 +35,7 @@ from typing import Any
 
 from patcher.base.errors import MachineError, UsageError, show
 from patcher.checkpoints import tiny
+from patcher.checkpoints.fingerprint import publish_folder
 from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
 from patcher.checkpoints.model_dir import CONFIG_FILE, INDEX_FILE
 from patcher.checkpoints.released import REPOS, released_config
@@ -44,7 +45,6 @@ from patcher.checkpoints.safetensors_io import TensorEntry, encode_header, layou
 SHARD_BYTES = 4_300_000_000
 CHUNK_VALUES = 32 * 1024 * 1024
 BLOCK_SPREAD = 1.0  # log2 range of the per-block magnitude factor of FP8 weights
-INFO_FILE = "dsadapt.json"
 GENERATOR = "dsadapt-like/1"
 
 
@@ -284,18 +284,10 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
         info = {"generator": GENERATOR, "like": like, "released_as": REPOS.get(like or ""), "layers": n_layers,
                 "mtp_layers": made.mtp, "seed": seed, "params": params, "block_spread_log2": BLOCK_SPREAD if fp8 else None,
                 "files": made.files}
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
+        publish_folder(tmp, out, info, made.files, cache)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if cache is not None:
-        from patcher.checkpoints.fingerprint import remember
-
-        for name, sha in made.files.items():
-            remember(cache, out / name, sha)
     made.seconds = time.monotonic() - t0
     return made
 

@@ -114,3 +114,20 @@ def fingerprint(ckpt: Checkpoint, cache: Path | None = None,
     lines = [SCHEME] + [f"{name}\0{(ckpt.path / name).stat().st_size}\0{fp.files[name]}" for name in names]
     fp.sha256 = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     return fp
+
+
+#: What dsadapt wrote a checkpoint folder from (`model make --like`, `model slice`), next to its weights.
+INFO_FILE = "dsadapt.json"
+
+
+def publish_folder(tmp: Path, out: Path, info: dict, digests: dict[str, str], cache: Path | None) -> None:
+    """Finish a checkpoint folder written in `tmp`: its `INFO_FILE`, then one rename onto `out`
+    (an empty folder there, checked by the caller, is replaced), then the digests computed while
+    writing are remembered, so the first check does not hash the files again."""
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked by the caller)
+    os.replace(tmp, out)
+    if cache is not None:
+        for name, sha in digests.items():
+            remember(cache, out / name, sha)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import MachineError, UsageError, show
+from patcher.checkpoints.fingerprint import INFO_FILE, publish_folder
 from patcher.checkpoints.layout import layer_of
 from patcher.checkpoints.model_dir import (
     CONFIG_FILE,
@@ -38,7 +39,6 @@ from patcher.checkpoints.model_dir import (
 )
 from patcher.checkpoints.safetensors_io import COPY_CHUNK, TensorEntry, copy_tensor, encode_header
 
-INFO_FILE = "dsadapt.json"
 SMALL_FILE = 256 * 1024 * 1024  # other files up to this size are copied into the slice
 
 
@@ -153,17 +153,9 @@ def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
         if (src / INFO_FILE).is_file():
             with contextlib.suppress(OSError, ValueError):
                 info["source_info"] = json.loads((src / INFO_FILE).read_text())
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
+        publish_folder(tmp, out, info, digests, cache)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if cache is not None:
-        from patcher.checkpoints.fingerprint import remember
-
-        for fname, sha in digests.items():
-            remember(cache, out / fname, sha)
     return SliceResult(out, src, k, ckpt.layers, dropped_mtp, len(names), total, len(plan), digests,
                        time.monotonic() - t0)
