@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -11,7 +10,6 @@ from pathlib import Path
 import click
 
 from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
-from patcher.base.textfile import read_text
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
@@ -78,14 +76,7 @@ def _check_model(model: str) -> dict | None:
         raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
                          "directory with config.json",
                          hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
-    try:
-        data = json.loads(read_text(config, UsageError))
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{show(config, 120)}:{e.lineno}: not valid JSON ({e.msg})",
-                         hint="fix the model's config.json") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{show(config, 120)}: not a JSON object", hint="fix the model's config.json")
-    from patcher.checkpoints.model_dir import open_checkpoint
+    from patcher.checkpoints.model_dir import open_checkpoint  # reads config.json once, and checks the weights
 
     return open_checkpoint(Path(model)).config
 
