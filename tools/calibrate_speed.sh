@@ -33,9 +33,9 @@ DSADAPT=${DSADAPT:-"$PY -m patcher.cli.main"}
 SIZE_ARGS=${SIZE_ARGS:-"--concurrency 1 --rounds 2 --requests 6 --warmup 1"}
 CPU_ARG=${CPUS:+--cpus $CPUS}
 PROJ=$WORK/project
-export DSADAPT_PROJECT=$PROJ DSADAPT_WORKDIR=$WORK/work PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export DSADAPT_PROJECT=$PROJ DSADAPT_WORKDIR=$WORK/dsadapt-work PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 SHARED_VENVS=${DSADAPT_VENVS:-}
-export DSADAPT_VENVS=${DSADAPT_VENVS:-$WORK/work/venvs}
+export DSADAPT_VENVS=${DSADAPT_VENVS:-$WORK/dsadapt-work/venvs}
 exec > >(tee -a "$WORK/log.txt") 2>&1
 T0=$SECONDS
 stamp() { echo "=== $((SECONDS - T0))s load $(cut -d' ' -f1-3 /proc/loadavg) $*"; }
@@ -59,9 +59,9 @@ mkdir -p "$WORK/reports"
 
 perf() {  # name matmuls extra-args...
   local name=$1 n=$2; shift 2
-  DSADAPT_PLANTED_MATMULS=$n ds --report-dir "$WORK/work/reports-$name" perf "$PIN" $CPU_ARG "$@" > "$WORK/$name.out" 2>&1
+  DSADAPT_PLANTED_MATMULS=$n ds --report-dir "$WORK/dsadapt-work/reports-$name" perf "$PIN" $CPU_ARG "$@" > "$WORK/$name.out" 2>&1
   local rc=$? f
-  f=$(ls -t "$WORK/work/reports-$name/$ENGINE/$TAG"/perf-*.json 2>/dev/null | head -1)
+  f=$(ls -t "$WORK/dsadapt-work/reports-$name/$ENGINE/$TAG"/perf-*.json 2>/dev/null | head -1)
   if [ -n "$f" ]; then
     "$PY" - "$f" "$n" <<'EOF'
 import json, sys
