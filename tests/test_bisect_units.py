@@ -611,3 +611,62 @@ def test_a_reprefilled_prefix_is_judged_on_its_first_computation():
     res = compare_captures(eng, ref, CONFIG, "float32")
     assert res.passed, res.reasons
     assert all(p.rows == len(ROWS) for p in res.points if p.status == "ok" and p.metric == "rel_l2")
+
+
+def test_a_routing_flip_leaves_its_prompts_later_rows_out_of_later_layers_and_the_logits():
+    """A row sent to other experts changes, through attention, every later row of its prompt in
+    the layers after it (and the logits); the same layer's attention and other prompts keep all
+    their rows, and the first flip per prompt is recorded for the logit judgement."""
+    ref, lp = synthetic(), synthetic()
+    n = len(ROWS)
+    ids = torch.tensor([[0, 1]] * n)
+    ids[2] = torch.tensor([4, 5])  # prompt "a", position 2
+    cone = torch.tensor([p == "a" and q >= 2 for p, q, _ in ROWS])
+    eng = edit(synthetic(ids=ids), None, "logits", lambda v: v * 9, rows=cone)
+    res = compare_captures(eng, ref, CONFIG, "bfloat16", reference_lp=lp)
+    logits = next(p for p in res.points if p.point == "logits")
+    assert res.routing_flips == {"a": 2}
+    assert logits.status == "ok" and logits.rows == n - int(cone.sum()) and "after such a row" in logits.note
+    core = next(p for p in res.points if p.layer == 1 and p.point == "attn.core")
+    assert core.rows == n  # the flip's own layer: its attention ran before the router
+    # the rows outside the cone are still judged: a bug there fails
+    other = torch.tensor([p == "b" for p, _, _ in ROWS])
+    bad = edit(eng, None, "logits", lambda v: v * 9, rows=other)
+    assert not compare_captures(bad, ref, CONFIG, "bfloat16", reference_lp=lp).passed
+    from patcher.rules.modules import rescore_bisect
+
+    assert rescore_bisect(res.to_json()).routing_flips == {"a": 2}
+
+
+def test_the_logit_judgement_leaves_out_the_predictions_after_a_routing_flip():
+    from patcher.rules.logits import judge_logits
+
+    base = [0.01, 0.011, 0.009, 0.01] * 10
+    noise = [{"id": "p", "mean_deltas": [None] + base, "top1": [1] * 40, "overlaps": [1.0] * 40}]
+    jump = [None] + base[:25] + [x * 30 for x in base[25:]]  # a discrete jump from row 25 on
+    rows = [{"id": "p", "mean_deltas": jump, "top1": [1] * 40, "overlaps": [1.0] * 40}]
+    assert not judge_logits(rows, noise, "bfloat16")["passed"]
+    j = judge_logits(rows, noise, "bfloat16", routing_flips={"p": 25})
+    assert j["passed"] and j["left_out"] == 15 and j["prefill"]["rows"] == 25
+    assert not judge_logits(rows, noise, "bfloat16", routing_flips={"other": 0})["passed"]
+
+
+def test_flips_in_most_prompts_keep_their_later_rows():
+    """A flip at the first position repeats in every prompt (the same token, no context): its cone
+    would leave nothing to judge, so the rows after it stay (the flipped rows themselves do not)."""
+    from patcher.rules.logits import judge_logits
+
+    ref, lp = synthetic(), synthetic()
+    n = len(ROWS)
+    ids = torch.tensor([[0, 1]] * n)
+    first = torch.tensor([q == 0 for _, q, _ in ROWS])
+    ids[first] = torch.tensor([4, 5])
+    res = compare_captures(synthetic(ids=ids), ref, CONFIG, "bfloat16", reference_lp=lp)
+    logits = next(p for p in res.points if p.point == "logits")
+    assert res.routing_flips == {"a": 0, "b": 0} and logits.rows == n - int(first.sum())
+    base = [0.01, 0.011, 0.009, 0.01] * 10
+    noise = [{"id": p, "mean_deltas": [None] + base, "top1": [1] * 40, "overlaps": [1.0] * 40} for p in "ab"]
+    rows = [{"id": p, "mean_deltas": [None] + [x * 3 for x in base], "top1": [1] * 40, "overlaps": [1.0] * 40}
+            for p in "ab"]
+    j = judge_logits(rows, noise, "bfloat16", routing_flips={"a": 0, "b": 0})
+    assert j["left_out"] == 0 and not j["passed"]  # judged on every position: the 3x error shows

@@ -152,6 +152,27 @@ def test_report_paths_naming(proj):
              for m in ("v3", "v2-lite") for s in ("transformers", "deepseek", None)
              for d in ("float32", "bfloat16", "float16") for u in (False, True) for ue in (False, True)}
     assert len(names) == 2 * 3 * 3 * 2 * 2
+    # a seeded prompt set is its own configuration
+    assert (check_mod.report_paths(cfg, ref, "v3", "deepseek", "float16", False, prompt_seed=3)
+            == base / "v3-deepseek-float16-seed3.json")
+
+
+def test_seeded_prompt_sets_keep_the_shape_and_change_the_inputs(tmp_path):
+    from patcher.checkpoints.tiny import make_model
+    from patcher.rules.prompts import PromptError, build_prompt_set, prompt_texts
+
+    make_model(tmp_path / "m", "v3")
+    fixed = build_prompt_set(tmp_path / "m")
+    assert prompt_texts(0) == prompt_texts()
+    seeded = {s: build_prompt_set(tmp_path / "m", seed=s) for s in (1, 2)}
+    for prompts in seeded.values():
+        assert [(p.id, len(p.token_ids), p.batch) for p in prompts] == \
+            [(p.id, len(p.token_ids), p.batch) for p in fixed]
+        assert all(p.token_ids != f.token_ids for p, f in zip(prompts, fixed))
+    assert all(a.token_ids != b.token_ids for a, b in zip(seeded[1], seeded[2]))
+    assert build_prompt_set(tmp_path / "m", seed=2) == seeded[2]  # a seed names one set
+    with pytest.raises(PromptError):
+        prompt_texts(-1)
 
 
 # ---------------------------------------------------------------- an engine that cannot load the model

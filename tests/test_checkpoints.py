@@ -374,3 +374,46 @@ def test_an_interrupted_make_or_slice_leaves_nothing(tmp_path, mini_v3, monkeypa
         slice_checkpoint(mini_v3, 1, tmp_path / "sliced")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert safetensors_io.COPY_CHUNK == 64 * 1024 * 1024
+
+
+def test_large_references_take_the_device_in_turn_and_small_ones_never_wait(mini_v3, tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    from patcher.base import machine
+    from patcher.base.errors import EngineUnavailable
+    from patcher.checkpoints import model_dir
+    from patcher.checkpoints.model_dir import reference_slot
+
+    monkeypatch.setattr(machine, "available_memory", lambda device="cpu": (1 << 50, "test"))
+    ckpt = open_checkpoint(mini_v3)
+    locks = tmp_path / "locks"
+    # another process's large reference holds the GPU
+    locks.mkdir()
+    holder = open(locks / "reference-cuda.lock", "a+")  # noqa: SIM115 (held across the test's steps)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    said: list[str] = []
+    with reference_slot(ckpt, "cuda", locks, said.append):  # small: does not wait for it
+        pass
+    assert said == []
+    monkeypatch.setattr(model_dir, "REFERENCE_SLOT_BYTES", 1)
+    entered = threading.Event()
+
+    def large():
+        with reference_slot(ckpt, "cuda", locks, said.append):
+            entered.set()
+
+    t = threading.Thread(target=large)
+    t.start()
+    assert not entered.wait(1.5) and said and "waiting for another check's HF reference" in said[0]
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    assert entered.wait(10)
+    t.join()
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    with pytest.raises(EngineUnavailable, match="held the CUDA"), reference_slot(ckpt, "cuda", locks, timeout=0.6):
+        pass
+    holder.close()
+    # with the slot, the memory is still checked before anything runs
+    monkeypatch.setattr(machine, "available_memory", lambda device="cpu": (100 << 20, "GPU 0 free (test)"))
+    with pytest.raises(EngineUnavailable, match="needs"), reference_slot(ckpt, "cuda", locks):
+        pass

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +282,57 @@ def reference_memory(ckpt: Checkpoint) -> int:
     loader holds on top while loading (`loading_transient`), and headroom."""
     f32 = ckpt.float32_bytes()
     return f32 + loading_transient(ckpt) + max(int(f32 * REFERENCE_HEADROOM[0]), REFERENCE_HEADROOM[1])
+
+
+#: References needing more than this share one device in turn (`reference_slot`): two float32
+#: references of a real-shaped slice (a V3 K=4 slice holds 56 GiB) do not fit one GPU together,
+#: while the tiny models' (well under a GiB) never wait for each other.
+REFERENCE_SLOT_BYTES = 8 << 30
+
+
+@contextmanager
+def reference_slot(ckpt: Checkpoint, device: str, lock_dir: Path, progress=None,
+                   timeout: float | None = None) -> Iterator[None]:
+    """Hold the device for one large HF reference run. Checks that share a cache (parallel chains on
+    one GPU machine) run their large references one at a time, waiting for each other (a flock
+    under `lock_dir`: it dies with its process); then the memory is checked as
+    `require_reference_memory` does (exit 6 with the numbers, never an OOM kill). A reference below
+    `REFERENCE_SLOT_BYTES` never waits."""
+    import fcntl
+    import time
+
+    from patcher.base.errors import EngineUnavailable
+
+    if reference_memory(ckpt) < REFERENCE_SLOT_BYTES:
+        require_reference_memory(ckpt, device)
+        yield
+        return
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / f"reference-{device}.lock"
+    limit = run_time_limit(ckpt) if timeout is None else timeout
+    with open(path, "a+") as f:
+        start = time.monotonic()
+        said = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= limit:
+                    raise EngineUnavailable(
+                        f"another check's HF reference held the {device.upper()} for {waited:.0f} s ({path})",
+                        hint="rerun when it has finished, or use --reference-device cpu") from None
+                if progress and not said:
+                    progress(f"reference: waiting for another check's HF reference on the {device.upper()} "
+                             f"(each needs {reference_memory(ckpt) / 2**30:.1f} GiB)")
+                    said = True
+                time.sleep(0.5)
+        try:
+            require_reference_memory(ckpt, device)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 #: A runner's time limit (reference, engine, capture): 15 minutes, and 5 more per GiB of the

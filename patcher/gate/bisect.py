@@ -97,7 +97,7 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
     HF with the FP8 GEMMs' activation rounding emulated). Cached by (model, sequences, dtypes,
     spec, runner, transformers version); `python` gives the reference's interpreter (made on
     first use) when the cache misses; it runs on `device` if it fits there (exit 6 if not)."""
-    from patcher.checkpoints.model_dir import open_checkpoint, require_reference_memory, run_time_limit
+    from patcher.checkpoints.model_dir import open_checkpoint, reference_slot, run_time_limit
 
     config = json.loads((model_dir / "config.json").read_text())
     dtypes = ["float32"] + ([dtype] if dtype in LOW_PRECISION_DTYPES else [])
@@ -117,32 +117,36 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
     ckpt = open_checkpoint(model_dir, check_layout=False)
-    require_reference_memory(ckpt, device)
     py = python()
-    if progress:
-        progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
-                 f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks on {device.upper()}")
-    work.mkdir(parents=True, exist_ok=True)
-    spec_path = work / "reference-capture-spec.json"
-    spec_path.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
-    seq_path = work / "capture-sequences.json"
-    seq_path.write_text(json.dumps(sequences) + "\n")
-    out = work / "reference-capture.pt"
-    out.unlink(missing_ok=True)
-    log = work / "reference-capture.log"
-    argv = [str(py), str(script), "--model", str(model_dir), "--capture", str(out), "--capture-spec",
-            str(spec_path), "--capture-sequences", str(seq_path), "--capture-dtypes", ",".join(dtypes)] \
-        + (["--device", device] if device != "cpu" else [])
-    rc = _run_logged(argv, log, max(REFERENCE_TIMEOUT, run_time_limit(ckpt)), on_line)
-    if rc != 0 or not out.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""
-        raise BisectError(f"the HF reference capture failed (status {rc})", hint=f"log: {log}\n{tail}")
-    docs = load_capture(out)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(out.read_bytes())
-    os.replace(tmp, cached)
-    return docs
+    with reference_slot(ckpt, device, cfg.cache / "locks", progress):
+        if cached.is_file():  # made meanwhile by the check this one waited for
+            docs = load_capture(cached)
+            if isinstance(docs, dict) and all(d in docs for d in dtypes):
+                return docs
+        if progress:
+            progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
+                     f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks on {device.upper()}")
+        work.mkdir(parents=True, exist_ok=True)
+        spec_path = work / "reference-capture-spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
+        seq_path = work / "capture-sequences.json"
+        seq_path.write_text(json.dumps(sequences) + "\n")
+        out = work / "reference-capture.pt"
+        out.unlink(missing_ok=True)
+        log = work / "reference-capture.log"
+        argv = [str(py), str(script), "--model", str(model_dir), "--capture", str(out), "--capture-spec",
+                str(spec_path), "--capture-sequences", str(seq_path), "--capture-dtypes", ",".join(dtypes)] \
+            + (["--device", device] if device != "cpu" else [])
+        rc = _run_logged(argv, log, max(REFERENCE_TIMEOUT, run_time_limit(ckpt)), on_line)
+        if rc != 0 or not out.is_file():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.is_file() else ""
+            raise BisectError(f"the HF reference capture failed (status {rc})", hint=f"log: {log}\n{tail}")
+        docs = load_capture(out)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.write_bytes(out.read_bytes())
+        os.replace(tmp, cached)
+        return docs
 
 
 def _run_logged(argv: list[str], log: Path, timeout: float, on_line=None) -> int:
@@ -199,6 +203,7 @@ def summary(result: BisectResult, report_path: str | None, plot_path: str | None
                    "ratio": p.ratio, "rank": p.rank} for p in result.points if p.above],
         "compared": sum(p.status != "not compared" for p in result.points),
         "margin": result.margin,
+        "routing_flips": dict(result.routing_flips),
     }
 
 

@@ -26,7 +26,7 @@ from patcher.base.config import Config
 from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint as checkpoint_fingerprint
-from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, require_reference_memory, run_time_limit
+from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, reference_slot, run_time_limit
 from patcher.engines import engine
 from patcher.engines.base import SINGLE, Engine, GateRun, Parallel, VariantSpec
 from patcher.formats.lock import Lock, LockEntry
@@ -235,26 +235,31 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
         if progress:
             progress(f"reference: reusing cached HF transformers {dtype} report")
         return LogitReport.load(cached)
-    require_reference_memory(checkpoint or open_checkpoint(model_dir, check_layout=False), device)
+    ckpt = checkpoint or open_checkpoint(model_dir, check_layout=False)
     py = reference_python(cfg, progress)
-    if progress:
-        progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
-                 + ("" if dtype == "float32" else " (the engine's noise yardstick)")
-                 + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
-    return run_runner(spec, py, model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
-                      fingerprint=fingerprint, on_line=on_line,
-                      timeout=run_time_limit(checkpoint) if checkpoint else 900.0)
+    with reference_slot(ckpt, device, cfg.cache / "locks", progress):
+        if cached.is_file():  # made meanwhile by the check this one waited for
+            return LogitReport.load(cached)
+        if progress:
+            progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
+                     + ("" if dtype == "float32" else " (the engine's noise yardstick)")
+                     + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
+        return run_runner(spec, py, model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
+                          fingerprint=fingerprint, on_line=on_line,
+                          timeout=run_time_limit(checkpoint) if checkpoint else 900.0)
 
 
 def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype: str, unpatched: bool,
-                 unpatched_engine: bool = False, kind: str | None = None, parallel: Parallel = SINGLE) -> Path:
+                 unpatched_engine: bool = False, kind: str | None = None, parallel: Parallel = SINGLE,
+                 prompt_seed: int = 0) -> Path:
     """Where a gate's report goes:
-    reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-tp<N>[-ep]][-unpatched].json.
+    reports/<engine>/<tag>/[<kind>-]<model>-<style>-<dtype>[-tp<N>[-ep]][-seed<N>][-unpatched].json.
 
     `kind` names another gate's report (``perf``, ``perf-aa``) next to the check reports; a
     parallel configuration other than one process names its own (``-tp2``, ``-tp2-ep``), so a TP 2
-    report never replaces the TP 1 one."""
+    report never replaces the TP 1 one; a seeded prompt set likewise (``-seed3``)."""
     name = "-".join(x for x in (kind, label, style, dtype, None if parallel.single else parallel.label,
+                                f"seed{prompt_seed}" if prompt_seed else None,
                                 "unpatched" if unpatched else None,
                                 "unpatched-engine" if unpatched_engine else None) if x)
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
@@ -400,6 +405,7 @@ class CheckRequest:
     command: str | None = None        # the command line, for provenance
     tp: int = 1                       # the engine's tensor parallel size (the reference stays one process)
     ep: bool = False                  # expert parallelism over those ranks
+    prompt_seed: int = 0              # 0: the fixed prompt set; N: another set of the same shape (`prompt_texts`)
 
     @property
     def parallel(self) -> Parallel:
@@ -410,7 +416,8 @@ class CheckRequest:
 
     def default_command(self, style: str | None) -> str:
         return (f"dsadapt check {self.pin} --model {self.model}" + (f" --config-style {style}" if style else "")
-                + f" --dtype {self.dtype}" + parallel_flags(self.parallel) + (" --unpatched" if self.unpatched else ""))
+                + f" --dtype {self.dtype}" + parallel_flags(self.parallel) + (" --unpatched" if self.unpatched else "")
+                + (f" --prompt-seed {self.prompt_seed}" if self.prompt_seed else ""))
 
 
 def parallel_flags(parallel: Parallel) -> str:
@@ -465,6 +472,7 @@ class _Run:
             "model_fingerprint": self.fingerprint, "model_dir": str(self.model_dir),
             "checkpoint": self.checkpoint.summary(), "model_files": self.model_files,
             "parallel": self.req.parallel.to_json(),
+            "prompt_seed": self.req.prompt_seed,
             "dsadapt": _dsadapt_version(),
         }
 
@@ -493,7 +501,7 @@ def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool,
     model_preflight(entry, spec, ckpt.config, req.dtype)
     fp = checkpoint_fingerprint(ckpt, cfg.cache, progress)
     out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine,
-                       parallel=req.parallel)
+                       parallel=req.parallel, prompt_seed=req.prompt_seed)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
     gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine,
@@ -515,7 +523,7 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
     r = _prepare(cfg, lock, req, progress, stream, on_line, host)
     ref_device = reference_device(req.reference_on, r.spec)
     dtype = req.dtype
-    prompts = build_prompt_set(r.model_dir, MAX_TOKENS)
+    prompts = build_prompt_set(r.model_dir, MAX_TOKENS, seed=req.prompt_seed)
     prompts_path = write_prompts_json(prompts, r.work / "prompts.json")
     prompts_doc = json.loads(prompts_path.read_text())
     timings = r.timings
@@ -572,6 +580,9 @@ def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[
         t0 = time.monotonic()
         bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
+        if bisected.get("routing_flips") and comparison.rule == "low-precision":
+            # the logits judged without the predictions that follow a routing flip (judge_logits)
+            comparison = compare(reference, report, ENGINE_TOP_K, noise=noise, routing_flips=bisected["routing_flips"])
     explanation = explain(comparison, r.config, bisected) if req.explain else []
     reasons = verdict_reasons(comparison.reasons, dtype, bisected)
     provenance = {
@@ -722,6 +733,8 @@ def rescore_check(path: Path) -> CheckResult:
                                               "previous_reasons": doc.get("reasons")}}
     if now.logits is not None:
         result.comparison = now.logits.to_json()
+    elif now.judged_comparison is not None:  # no recorded inputs: the stored rows judged again
+        result.comparison = now.judged_comparison
     if now.bisect is not None:
         result.bisect = now.bisect
     result.reasons, result.verdict = now.reasons, now.verdict
@@ -857,8 +870,10 @@ def bisect_command(result: CheckResult) -> str:
 
     model = result.model if result.model in VARIANTS else (result.provenance.get("model_dir") or result.model)
     par = result.parallel or {}
+    seed = int((result.provenance or {}).get("prompt_seed") or 0)
     return bisect_run.command(result.pin, model, result.config_style, result.dtype, result.unpatched) + \
-        parallel_flags(Parallel(int(par.get("tp") or 1), bool(par.get("ep"))))
+        parallel_flags(Parallel(int(par.get("tp") or 1), bool(par.get("ep")))) + \
+        (f" --prompt-seed {seed}" if seed else "")
 
 
 def check_or_raise(result: CheckResult) -> None:

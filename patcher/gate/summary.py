@@ -482,6 +482,7 @@ class Rejudged:
     logits: Comparison | None        # today's comparison, when the logits could be compared again
     bisect: dict | None              # today's per-module summary (as the check report keeps it), or None
     missing: list[str]               # what today's rule needs that the report does not keep
+    judged_comparison: dict | None = None  # without recorded inputs: the stored comparison, judged today
 
 
 def rejudge(doc: dict, path: Path | None) -> Rejudged:
@@ -502,9 +503,10 @@ def rejudge(doc: dict, path: Path | None) -> Rejudged:
     if path is not None:
         inputs = load_inputs(Path(path))
     if inputs is None:
-        return Rejudged(stored["verdict"], stored["reasons"], None, None, list(stored.get("cannot_judge") or []))
+        return Rejudged(stored["verdict"], stored["reasons"], None, None, list(stored.get("cannot_judge") or []),
+                        judged_comparison=stored.get("comparison"))
     ref, eng, noise, k = inputs
-    comparison = compare(ref, eng, k, noise=noise)
+    comparison = compare(ref, eng, k, noise=noise, routing_flips=(bisect_doc or {}).get("routing_flips"))
     module_reasons = [x for x in stored["reasons"] if x.startswith("per-module comparison")]
     reasons = list(comparison.reasons) + module_reasons
     missing = [m for m in (stored.get("cannot_judge") or []) if "per-module" in m or "bisect" in m]

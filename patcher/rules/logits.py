@@ -438,7 +438,7 @@ def tolerance_for(ref_dtype: str, eng_dtype: str, scale: float | None = None) ->
 
 
 def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = None,
-            noise: LogitReport | None = None) -> Comparison:
+            noise: LogitReport | None = None, routing_flips: dict[str, int] | None = None) -> Comparison:
     """Apply the gate's rule (docs/equivalence.md) to a reference and an engine report.
 
     `top_k` (default: the engine report's) is k; the reference must store at least k.
@@ -447,7 +447,10 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
     own run in the engine's dtype, the same prompts): the engine's mean |Δ| over teacher-forced
     prompt positions against the reference's own (`judge_logits`); without it, the absolute
     `LOW_PRECISION_RULES[dtype]` over the pooled positions. Prompt token ids must still be
-    identical; generation is reported only."""
+    identical; generation is reported only. `routing_flips` (the per-module comparison's
+    `routing_flips`): per prompt the first position a MoE layer routed to another expert set;
+    the low-precision mean |Δ| leaves out that position's prediction and every later one
+    (`judge_logits`)."""
     if reference.dtype not in STRICT_DTYPES:
         raise ReportError(f"the reference ran in {reference.dtype}; it must be float32 or float64",
                           hint="run the HF reference with --dtype float32")
@@ -488,7 +491,8 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
         for r in rows:
             reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
         noise_doc = noise_rows(yard)
-        judgement = judge_logits([asdict(r) for r in rows], noise_doc["rows"], engine.dtype, k)
+        judgement = judge_logits([asdict(r) for r in rows], noise_doc["rows"], engine.dtype, k,
+                                 routing_flips=routing_flips)
         reasons.extend(judgement["reasons"])
         summary.update({key: judgement[key] for key in ("top1", "topk_overlap", "mean_abs", "noise_top1",
                                                          "noise_topk_overlap", "noise_mean_abs", "margin")})
@@ -527,27 +531,65 @@ def noise_rows(yardstick: Comparison) -> dict:
                      for r in yardstick.rows]}
 
 
-def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5) -> dict:
+#: The cone of routing flips is left out only while it leaves at least this share of the positions:
+#: where flips are the rule rather than the exception (a flip at the first position repeats in every
+#: prompt, fabricated weights at real widths make near-ties everywhere), every position is judged.
+CONE_KEEPS_AT_LEAST = 0.5
+
+
+def cone_rows(rows: list[dict], noise_by_id: dict[str, dict], routing_flips: dict[str, int] | None) -> dict[str, int]:
+    """The routing flips whose cones `judge_logits` leaves out: all of them, or none when together
+    they would leave fewer than `CONE_KEEPS_AT_LEAST` of the compared positions."""
+    if not routing_flips:
+        return {}
+    total = inside = 0
+    for row in rows:
+        yard = noise_by_id.get(row["id"])
+        if yard is None:
+            continue
+        cone = routing_flips.get(row["id"])
+        for q, (a, b) in enumerate(zip(row.get("mean_deltas") or [], yard.get("mean_deltas") or [])):
+            if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+                continue
+            total += 1
+            inside += cone is not None and q > cone
+    return dict(routing_flips) if total and total - inside >= CONE_KEEPS_AT_LEAST * total else {}
+
+
+def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5,
+                 routing_flips: dict[str, int] | None = None) -> dict:
     """The noise-relative logit judgement, pure over stored rows (a `Comparison`'s rows as JSON
     and `noise_rows(...)["rows"]`): teacher-forced prompt positions (the prefill phase; decode
     positions are judged per module, at the logits point, on the engine's own tokens) in blocks of
     `noise.BLOCK_POSITIONS` positions per prompt; mean |Δ| engine / reference's own at most the
     limit beyond its evidence; top-1 agreement and top-k overlap at least the reference's own
-    minus their margins. Returns {"passed", "reasons", "prefill": PhaseJudgement JSON, "margin", ...}."""
+    minus their margins. Positions in the cone of a routing flip (`routing_flips`: per prompt the
+    first row position a MoE layer sent to another expert set than float32, in the engine or the
+    reference's own run) leave the mean |Δ|: from that row on the prompt's logits carry a discrete
+    jump that is neither side's arithmetic (expert selection has its own judgement, per module).
+    Where those cones would leave fewer than `CONE_KEEPS_AT_LEAST` of the positions, every position
+    is judged (`cone_rows`). Returns {"passed", "reasons", "prefill": PhaseJudgement JSON, "margin",
+    "left_out", ...}."""
     from patcher.rules.noise import BLOCK_POSITIONS, Blocks, NoiseRule, judge
 
     rule = logit_noise_rule(dtype)
     by_id = {r["id"]: r for r in noise}
+    routing_flips = cone_rows(rows, by_id, routing_flips)
     blocks = Blocks()
-    top1_e, top1_n, ov_e, ov_n, n_pos = 0, 0, 0.0, 0.0, 0
+    top1_e, top1_n, ov_e, ov_n, n_pos, left_out = 0, 0, 0.0, 0.0, 0, 0
     for row in rows:
         yard = by_id.get(row["id"])
         if yard is None:
             continue
         me, mn = row.get("mean_deltas") or [], yard.get("mean_deltas") or []
         acc: dict[int, list[float]] = {}
+        # entry q is the prediction made at row q - 1: a flip at row t reaches entries q > t
+        cone = (routing_flips or {}).get(row["id"])
         for q, (a, b) in enumerate(zip(me, mn)):
             if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+                continue
+            if cone is not None and q > cone:
+                left_out += 1
                 continue
             blk = acc.setdefault(q // BLOCK_POSITIONS, [0.0, 0.0, 0.0])
             blk[0] += a
@@ -566,7 +608,8 @@ def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5) ->
     nr = NoiseRule(limit=rule.limit, floor=rule.floor, false_alarm=rule.false_alarm, power=1)
     j = judge(blocks, nr, "prefill")
     reasons = []
-    out: dict = {"rule": asdict(rule), "positions": n_pos, "prefill": j.to_json() if j else None}
+    out: dict = {"rule": asdict(rule), "positions": n_pos, "prefill": j.to_json() if j else None,
+                 "left_out": left_out}
     if n_pos == 0 or j is None:
         reasons.append("no teacher-forced position could be compared with the reference's own run")
         return {**out, "passed": False, "reasons": reasons, "top1": math.nan, "topk_overlap": math.nan,

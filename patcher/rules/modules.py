@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from patcher.base.errors import DsadaptError
-from patcher.rules.logits import _json_safe
+from patcher.rules.logits import CONE_KEEPS_AT_LEAST, _json_safe
 from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
 
 SCHEMA = "dsadapt.bisect-report/1"
@@ -350,8 +350,9 @@ LOW_PRECISION_POINT_RULES = {
     "float16": LowPrecisionPointRule(factor=1.4, floor=2e-4, per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
     # fp8 (block-FP8 checkpoints): the yardstick is HF's own FP8 arithmetic (activations rounded to
     # e4m3 per token and 128 channels at every FP8 GEMM, bfloat16 elsewhere); docs/equivalence.md,
-    # "Block FP8". The limit is wider than bfloat16's until an FP8 engine's correct stack is measured
-    # (the planted block-scale bugs sit 12-28x above the yardstick at their first point)
+    # "Block FP8". Measured on LMDeploy's FP8 path at DeepSeek-V3's shape (H200): the correct stack's
+    # worst point 0.996x the yardstick (2.01x below this limit), the planted block-scale bugs 19-28x
+    # at their first point (12-28x on CPU)
     "fp8": LowPrecisionPointRule(factor=2.0, floor=4e-3, agreement_margin=0.10,
                                  per_point_floor={"router.weights": _EXPERT_WEIGHTS_FLOOR}),
 }
@@ -426,6 +427,10 @@ class BisectResult:
     missing: list[str] = field(default_factory=list)
     #: the point closest to its limit (pass) or over it by most relative to its limit (fail)
     margin: dict | None = None
+    #: per prompt, the first position at which a MoE layer routed a row to another expert set than
+    #: the float32 reference (engine or the reference's own low-precision run): from there on, that
+    #: prompt's later layers and its logits carry the flip's consequence (`routing_cone`)
+    routing_flips: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -715,17 +720,28 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
         e, r, keys, phase = got
         note = ""
         # A row sent to other experts differs by design from there on (expert selection is judged
-        # by its own point): compare the arithmetic on the rows both sides routed alike so far.
+        # by its own point): compare the arithmetic on the rows both sides routed alike so far, and
+        # in the layers after the flip not the prompt's later rows either (their attention reads
+        # the flipped row's keys and values).
         upto = layer + 1 if layer is not None and pdef.name in ("routed", "mlp", "out") else layer
         skip = [k for lay, k in flipped.items() if upto is None or lay < upto]
         skip = torch.cat(skip) if skip else None
-        if skip is not None and len(skip):
-            keep = ~torch.isin(keys, skip)
+        cone = [k for lay, k in flipped.items() if layer is None or lay < layer]
+        if (skip is not None and len(skip)) or cone:
+            keep = torch.ones_like(keys, dtype=torch.bool)
+            if skip is not None and len(skip):
+                keep &= ~torch.isin(keys, skip)
+            if cone:
+                inside = routing_cone(keys, torch.cat(cone)) & keep
+                # flips the rule rather than the exception (a first-position flip repeats in every
+                # prompt): the point keeps the rows after them (as the logits do, `cone_rows`)
+                if int((keep & ~inside).sum()) >= CONE_KEEPS_AT_LEAST * int(keep.sum()):
+                    keep &= ~inside
             if int(keep.sum()):
-                e, r, keys, phase = e[keep], r[keep], keys[keep], phase[keep]
                 if int((~keep).sum()):
-                    note = f"{int((~keep).sum())} row(s) routed to another expert set upstream (here or in the " \
-                           f"reference's own {dtype} run) left out"
+                    note = f"{int((~keep).sum())} row(s) routed to another expert set upstream, or after such a " \
+                           f"row in their prompt (here or in the reference's own {dtype} run), left out"
+                e, r, keys, phase = e[keep], r[keep], keys[keep], phase[keep]
         lp = None
         noise_note = ""
         if reference_lp is not None:
@@ -784,10 +800,43 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     tensor_point(None, POINT["logits"])
 
     res = judge_points(results, dtype, n_layers, engine_name)
+    res.routing_flips = first_flips(torch_cat(list(flipped.values())), prompts) if flipped else {}
     res.rows = {"engine_calls": engine.get("calls"), "prompts": len(engine["prompts"])}
     res.missing = sorted(set(engine.get("missing", [])))
     res.explanation = explain_bisect(res, config)
     return res
+
+
+def routing_cone(keys, flips):
+    """Mask of the rows at or after the first flipped row of their prompt (`flips`: row keys,
+    prompt * 1e6 + position, routed to another expert set at an earlier layer)."""
+    import torch
+
+    if flips is None or not len(flips):
+        return torch.zeros_like(keys, dtype=torch.bool)
+    prompt, pos = keys // 1_000_000, keys % 1_000_000
+    f_prompt, f_pos = flips // 1_000_000, flips % 1_000_000
+    first = torch.full((int(max(int(prompt.max()), int(f_prompt.max()))) + 1,), 1 << 40, dtype=torch.long)
+    first.scatter_reduce_(0, f_prompt, f_pos, reduce="amin")
+    return pos >= first[prompt]
+
+
+def torch_cat(parts):
+    import torch
+
+    return torch.cat(parts) if parts else None
+
+
+def first_flips(flips, prompts: list[str]) -> dict[str, int]:
+    """{prompt id: its first row position routed to another expert set} (pure over row keys)."""
+    out: dict[str, int] = {}
+    if flips is None:
+        return out
+    for key in flips.tolist():
+        pid = prompts[int(key) // 1_000_000]
+        pos = int(key) % 1_000_000
+        out[pid] = min(pos, out.get(pid, pos))
+    return dict(sorted(out.items()))
 
 
 def judge_points(points: list[PointResult], dtype: str, layers: int, engine_name: str = "engine") -> BisectResult:
@@ -900,6 +949,7 @@ def rescore_bisect(doc: dict) -> BisectResult:
             p.status = "ok"
     res = judge_points(points, doc["dtype"], int(doc.get("layers") or 0), doc.get("engine") or "engine")
     res.rows, res.missing = dict(doc.get("rows") or {}), list(doc.get("missing") or [])
+    res.routing_flips = dict(doc.get("routing_flips") or {})
     res.explanation = explain_bisect(res, {})
     return res
 

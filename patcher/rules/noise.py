@@ -131,8 +131,11 @@ class Blocks:
     @classmethod
     def from_json(cls, rows: list) -> Blocks:
         b = cls()
+        def num(x) -> float:  # JSON keeps a sum that overflowed as null: it was infinite
+            return math.inf if x is None else float(x)
+
         for e, n, s, r in rows:
-            b.add(e, n, s, r)
+            b.add(num(e), num(n), num(s), r)
         return b
 
     def __len__(self) -> int:

@@ -115,9 +115,35 @@ def fit_tokens(ids: list[int], length: int) -> tuple[int, ...]:
     return tuple((ids * reps)[:length])
 
 
+#: Where seeded prompt sets draw their texts from (prose, code, numbers and chat turns).
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
+
+
+def prompt_texts(seed: int = 0) -> tuple[tuple[str, str, int | None, str | None], ...]:
+    """The prompt set's texts: seed 0 the fixed ones; any other seed the same ids, lengths and
+    batch, each text a passage drawn from the shipped corpus by (seed, prompt id): another,
+    independent set of inputs of the same shape (repeated control runs of a deterministic
+    engine need other inputs, not the same ones again)."""
+    if seed < 0:
+        raise PromptError(f"prompt seed {seed} is negative", hint="use 0 (the fixed prompts) or a positive seed")
+    if seed == 0:
+        return PROMPT_TEXTS
+    import random
+
+    corpus = " ".join(CORPUS_PATH.read_text(encoding="utf-8").split())
+    out = []
+    for pid, _text, length, batch in PROMPT_TEXTS:
+        rng = random.Random(f"{seed}:{pid}")
+        span = 4 * (length or MAX_MODEL_LEN) + 64  # characters: a few per token, then cut to length
+        start = rng.randrange(0, max(1, len(corpus) - span))
+        out.append((pid, corpus[start:start + span], length, batch))
+    return tuple(out)
+
+
 def build_prompt_set(model_dir: Path, max_tokens: int = DEFAULT_MAX_TOKENS,
-                     max_model_len: int = MAX_MODEL_LEN) -> list[Prompt]:
-    """Tokenize the fixed texts with ``model_dir/tokenizer.json`` into the prompt set."""
+                     max_model_len: int = MAX_MODEL_LEN, seed: int = 0) -> list[Prompt]:
+    """Tokenize the prompt texts (`prompt_texts(seed)`) with ``model_dir/tokenizer.json`` into
+    the prompt set."""
     from tokenizers import Tokenizer  # the models extra; imported here so the module stays light
 
     model_dir = Path(model_dir)
@@ -130,7 +156,7 @@ def build_prompt_set(model_dir: Path, max_tokens: int = DEFAULT_MAX_TOKENS,
     long_len = long_prompt_length(config, max_tokens, max_model_len)
     vocab = config.get("vocab_size")
     prompts = []
-    for pid, text, length, batch in PROMPT_TEXTS:
+    for pid, text, length, batch in prompt_texts(seed):
         ids = fit_tokens(tok.encode(text).ids, long_len if length is None else length)
         if vocab is not None and max(ids) >= vocab:
             raise PromptError(f"prompt {pid!r} has token id {max(ids)} >= vocab_size {vocab}",

@@ -93,7 +93,8 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
         reasons += list(c.get("reasons") or [])  # the float32 rule is unchanged: its stored verdict
         judged.append("logits (strict, stored)")
     elif c.get("noise"):
-        j = judge_logits(c.get("rows") or [], c["noise"].get("rows") or [], dtype, int(c.get("top_k") or 5))
+        j = judge_logits(c.get("rows") or [], c["noise"].get("rows") or [], dtype, int(c.get("top_k") or 5),
+                         routing_flips=(bisect_report or {}).get("routing_flips"))
         reasons += [r for r in (c.get("reasons") or []) if r.split(":")[0] in {row["id"] for row in c["rows"]}
                     and "token ids" in r]
         reasons += j["reasons"]
@@ -129,7 +130,7 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
             missing.append("the bisect report (every low-precision check has one)")
     verdict = None if missing else ("pass" if not reasons else "fail")
     out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, bisect_summary),
-           "judged": judged}
+           "judged": judged, "comparison": comparison}
     if missing:
         out["cannot_judge"] = missing
     return out

@@ -21,6 +21,7 @@ from patcher.cli.commands.common import (
     parallel_options,
     pass_ctx,
     progress_printer,
+    prompt_seed_option,
     table,
     to_parallel,
     to_ref,
@@ -79,10 +80,11 @@ def render(res: CheckResult, report: dict | None) -> None:
 @click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
 @click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
 @parallel_options
+@prompt_seed_option
 @json_option
 @pass_ctx
 def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, tp, ep,
-               as_json) -> None:
+               prompt_seed, as_json) -> None:
     """Compare every decoder layer's modules with HF transformers on the gate's prompts and name the first
     (layer, module) that diverges. One engine start, one reference run. Exit 0 when every point is within
     its limit, 1 when one is not (the report says where)."""
@@ -103,7 +105,7 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     with workdir_lock(ctx.cfg):
         req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                            unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command,
-                           tp=parallel.tp, ep=parallel.ep)
+                           tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
         res = run_check(ctx.cfg, ctx.lock, req, progress=progress, stream=not as_json, on_line=on_line)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)

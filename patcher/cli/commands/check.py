@@ -21,6 +21,7 @@ from patcher.cli.commands.common import (
     parallel_options,
     pass_ctx,
     progress_printer,
+    prompt_seed_option,
     publish_option,
     table,
     to_parallel,
@@ -169,6 +170,7 @@ def render_bisect_summary(b: dict) -> None:
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
 @parallel_options
+@prompt_seed_option
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Apply the current rule to a saved check report's recorded inputs instead of running anything; "
                    "rewrites the report and its plot (a report made before inputs were kept cannot be rescored: "
@@ -178,7 +180,7 @@ def render_bisect_summary(b: dict) -> None:
 @json_option
 @pass_ctx
 def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, tp, ep, rescore_path, junit, as_json) -> None:
+              reference_device, bisect, tp, ep, prompt_seed, rescore_path, junit, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass.
 
     With --tp N [--ep] the engine runs on N ranks and the same comparison runs against the
@@ -229,7 +231,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
 
         req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
                            unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
-                           command=command, tp=parallel.tp, ep=parallel.ep)
+                           command=command, tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
         host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)  # one build and install for every dtype
         with workdir_lock(ctx.cfg):
             for dt in dtypes:
@@ -280,7 +282,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
                 continue
             try:
                 req = CheckRequest(entry.ref, model=model, config_style=config_style, reference_on=reference_device,
-                                   bisect=mode, command=command, tp=parallel.tp, ep=parallel.ep)
+                                   bisect=mode, command=command, tp=parallel.tp, ep=parallel.ep,
+                                   prompt_seed=prompt_seed)
                 host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)
                 runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
                                   on_line=on_line, host=host)

@@ -129,6 +129,12 @@ def parallel_options(f):
                              "as the engine's contract says); the HF reference stays one process.")(f)
 
 
+prompt_seed_option = click.option(
+    "--prompt-seed", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+    help="0: the gate's fixed prompts; N: another prompt set of the same shape drawn from the shipped corpus "
+         "(repeat a check on independent inputs; its report is named …-seedN).")
+
+
 def to_parallel(tp: int, ep: bool):
     """The parallel configuration of --tp/--ep, or UsageError (exit 2) for --ep without ranks."""
     from patcher.engines.base import Parallel
