@@ -14,17 +14,18 @@
 # MAKE_LAYERS=6 MTP=0 is the 40.0 GB variant with two more MoE layers) 2. `dsadapt model slice
 # --layers 4`: the 3 dense layers and the first MoE layer (17.0 GB; the MTP module and any later
 # layer dropped), then the source is deleted 3. `dsadapt check lmdeploy@v0.18.0 --variant pytorch
-# --model SLICE --dtype fp8 --publish`: HF transformers on the dequantized weights in float32 on the
+# --model SLICE --dtype fp8` (reports in its own work dir): HF transformers on the dequantized weights in float32 on the
 # GPU (56 GiB of weights) against LMDeploy's blocked-FP8 path, logits and every module, each against
 # HF's own FP8 arithmetic 4. the same check on the bundle's `fp8-scale` stack with
-# DSADAPT_PLANTED_FP8_BUG=transposed (must FAIL, first divergence layer 0 q_a_norm), then =inverse,
-# while time is left. Every step runs under tools/measure_cost.py (wall time, CPU seconds, peak RSS
+# DSADAPT_PLANTED_FP8_BUG=transposed and =inverse (each must FAIL, first divergence layer 0
+# q_a_norm), overlapping the correct check (below: at most two engines and one HF reference on
+# the GPU at a time). Every step runs under tools/measure_cost.py (wall time, CPU seconds, peak RSS
 # and GPU memory of reference / engine / the rest) and ends by the call's DEADLINE (its own clock
 # starts when lmdeploy_h200.sh starts EXTRA, after the installs: FP8_DEADLINE, default DEADLINE - 90).
 # Results in $EXTRA_DIR (packed into reports.tgz): fp8-*.json (each command's --json output),
-# fp8-*.log, fp8-*-cost.json, fp8-planted-BUG-reports/ (the planted runs' published reports).
+# fp8-*.log, fp8-*-cost.json, fp8-NAME-reports/ (each check's reports, in its own work dir).
 # Knobs: MAKE_LAYERS (4), MTP (1), SLICE_LAYERS (4), WORKERS (12), FP8_WORK ($B/../fp8-work),
-# FP8_DEADLINE, PLANTED_STACK (fp8-scale).
+# FP8_DEADLINE, PLANTED_STACK (fp8-scale), CORRECT (1), BUGS ("transposed inverse").
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PIN=lmdeploy@v0.18.0
@@ -62,23 +63,40 @@ device() {
   du -sh "$SRC" 2>/dev/null
   step slice 30 "$D" model slice "$SRC" --layers "$SLICE_LAYERS" --out "$SLICE" --json
   rm -rf "$SRC"
-  check_one() {  # NAME PROJECT MIN_SECONDS [VAR=VALUE...]: one fp8 check of the slice in PROJECT's own work dir
+  check_one() {  # NAME PROJECT MIN_SECONDS [VAR=VALUE...]: one fp8 check of the slice in its own work dir
     local name=$1 proj=$2 need=$3; shift 3
-    ( export DSADAPT_VENVS="$proj/.dsadapt/venvs" DSADAPT_WORKDIR="$proj/.wfp8" "$@"
-      step "$name" "$need" "$D" --project "$proj" --publish check "$PIN" --variant pytorch --model "$SLICE" \
-        --dtype fp8 --json )
+    ( export DSADAPT_VENVS="$proj/.dsadapt/venvs" DSADAPT_WORKDIR="$proj/.wfp8-$name" "$@"
+      step "$name" "$need" "$D" --project "$proj" check "$PIN" --variant pytorch --model "$SLICE" \
+        --dtype fp8 --json
+      cp -r "$proj/.wfp8-$name/reports" "$EXTRA_DIR/fp8-$name-reports" 2>/dev/null )
   }
-  check_one correct "$B" 120
-  local E=$B/stacks/$PLANTED_STACK
-  if [ -d "$E" ]; then
-    for bug in transposed inverse; do
-      check_one "planted-$bug" "$E" 90 DSADAPT_PLANTED_FP8_BUG=$bug
-      cp -r "$E/reports" "$EXTRA_DIR/fp8-planted-$bug-reports" 2>/dev/null  # the next run writes the same names
-    done
-  else
-    stamp "no stack $PLANTED_STACK in the bundle: planted runs skipped"
-  fi
-  find "$B/.wfp8/runs" "$E/.wfp8/runs" -name '*.log' -size -2M -exec cp --parents {} "$EXTRA_DIR" \; 2>/dev/null
+  wait_for() {  # LOG PATTERN PID: until the check's log shows PATTERN (or it ended)
+    while kill -0 "$3" 2>/dev/null && ! grep -q "$2" "$1" 2>/dev/null; do sleep 2; done
+  }
+  # The checks overlap: the second starts once the first one's references are cached (its engine
+  # has started), the third once the first engine has exited; the HF references, 56 GiB each in
+  # float32, take the GPU in turn (the gate's reference slot), so at most two engines and one
+  # reference hold GPU memory at any time. CORRECT=0 leaves the correct stack out, BUGS names the
+  # planted bugs (default both).
+  local E=$B/stacks/$PLANTED_STACK names=() pids=()
+  [ "${CORRECT:-1}" = 1 ] && names+=(correct)
+  if [ -d "$E" ]; then for bug in ${BUGS:-transposed inverse}; do names+=("planted-$bug"); done
+  else stamp "no stack $PLANTED_STACK in the bundle: planted runs skipped"; fi
+  local i
+  for i in "${!names[@]}"; do
+    if [ "$i" -ge 1 ]; then wait_for "$EXTRA_DIR/fp8-${names[0]}.log" "engine: lmdeploy" "${pids[0]}"; fi
+    if [ "$i" -ge 2 ]; then wait_for "$EXTRA_DIR/fp8-${names[0]}.log" "bisect: HF" "${pids[0]}"
+      wait_for "$EXTRA_DIR/fp8-${names[1]}.log" "engine: lmdeploy" "${pids[1]}"; fi
+    case ${names[$i]} in
+      correct) check_one correct "$B" 120 & ;;
+      planted-*) check_one "${names[$i]}" "$E" 90 DSADAPT_PLANTED_FP8_BUG="${names[$i]#planted-}" & ;;
+    esac
+    pids+=($!)
+  done
+  wait
+  for w in "$B"/.wfp8-* "$E"/.wfp8-*; do
+    find "$w/runs" -name '*.log' -size -2M -exec cp --parents {} "$EXTRA_DIR" \; 2>/dev/null
+  done
   rm -rf "$SLICE"
   stamp done
   true
@@ -91,6 +109,8 @@ rehearse() {
   local scratch=${REHEARSE_DIR:-/tmp/dsadapt-fp8-rehearsal}
   rm -rf "$scratch" && mkdir -p "$scratch/gpu" "$scratch/extra"
   cp "$ROOT/upstream.lock" "$scratch/gpu/" && cp -r "$ROOT/patches" "$scratch/gpu/"
+  local planted=$scratch/gpu/stacks/$PLANTED_STACK  # a stand-in planted stack: the overlapping checks run too
+  mkdir -p "$planted" && cp "$ROOT/upstream.lock" "$planted/" && cp -r "$ROOT/patches" "$planted/"
   D=${DSADAPT:-$ROOT/.venv/bin/dsadapt} B=$scratch/gpu EXTRA_DIR=$scratch/extra MAKE_LAYERS=2 MTP=0 SLICE_LAYERS=1 \
     WORKERS=${WORKERS_REHEARSE:-2} FP8_DEADLINE=${FP8_DEADLINE:-3600} device
   for f in "$scratch"/extra/fp8-*-cost.json; do echo "$f: $(tr -d '\n ' < "$f")"; done
