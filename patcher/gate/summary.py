@@ -131,13 +131,14 @@ def _fields(data: dict) -> dict | None:
             "parallel": str(parallel or 1)}
 
 
-def verdict_of(data, file: str, *, stale=None) -> Verdict | None:
+def verdict_of(data, file: str, *, stale=None, margin=None) -> Verdict | None:
     """Pure (but for `stale`): the verdict a check report states, or None if the JSON is not a check report.
 
     Accepts `pin`/`verdict` at the top level with `date`/`device`/`stack_hash` either at the top
     level or under `provenance` (where `dsadapt check` puts them). Reports of the unpatched
     engine (`"unpatched": true`, a control run) are not the stack's verdict. `stale(data, file)`
-    says why the verdict may not be the current rule's (None: it is)."""
+    says why the verdict may not be the current rule's (None: it is); `margin(data, file)` stands in
+    for `margin_of` (a cache of it)."""
     if not isinstance(data, dict) or data.get("unpatched") or _is_perf(data):
         return None
     raw_prov = data.get("provenance")
@@ -147,16 +148,17 @@ def verdict_of(data, file: str, *, stale=None) -> Verdict | None:
     fields = _fields(data)
     if fields is None:
         return None
-    return Verdict(file, **fields, stale=stale(data, file) if stale else None, margin=margin_of(data))
+    return Verdict(file, **fields, stale=stale(data, file) if stale else None,
+                   margin=margin(data, file) if margin else margin_of(data))
 
 def margin_of(data: dict) -> str:
     """Pure: a check report's margin in a few words: 'margin 1.63x' (a pass: the worst point is at
     1/1.63 of its limit) or 'over by 2.10x' (a fail), from its stored margins (or, for a report
     written before margins were stored, from its comparison and bisect summary)."""
-    from patcher.rules.verdicts import check_margins
-
     m = data.get("margins")
     if not isinstance(m, dict) or "worst" not in m:
+        from patcher.rules.verdicts import check_margins  # only for reports without stored margins
+
         try:
             m = check_margins(data.get("comparison") or {}, data.get("bisect"))
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -375,22 +377,29 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     known = dict(seen.get("reports") or {})
     fresh: dict[str, list] = {}
 
-    def stale(data: dict, file: str) -> str | None:
+    def judged(data: dict, file: str) -> list:
+        """[stamps, drift, margin] of one report, from the cache while its files are unchanged."""
         f = Path(file)
         key = [_stamp(f), _stamp(inputs_path(f)), _stamp(f.with_name(f.stem + "-bisect.json"))]
         hit = known.get(file)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+        if isinstance(hit, list) and len(hit) == 3 and hit[0] == key:
             fresh[file] = hit
-            return hit[1]
+            return hit
         try:
             drift = rule_drift(data, f)
         except DsadaptError as e:  # a report the rule cannot read is said to be so, never counted as current
             drift = f"cannot be scored by the current rule ({e.message})"
-        fresh[file] = [key, drift]
-        return drift
+        fresh[file] = [key, drift, margin_of(data)]
+        return fresh[file]
+
+    def stale(data: dict, file: str) -> str | None:
+        return judged(data, file)[1]
+
+    def margin(data: dict, file: str) -> str:
+        return judged(data, file)[2]
 
     rows = []
-    verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale))
+    verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale, margin=margin))
     perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of)
     for engine in sorted(lock.engines):
         ad = adapter(engine)
