@@ -66,6 +66,31 @@ def test_calibration_chains_parse_as_dsadapt_commands():
     assert planted == {(s, d) for s in stacks for d in ("bfloat16", "float16")}  # every bug in each dtype
 
 
+def test_every_chains_file_parses_as_dsadapt_commands_on_carried_stacks():
+    """Every committed plan (calibration, seeded control runs, the engine-like-router remeasurement,
+    the H200 round): each line a command dsadapt's own CLI accepts, on the main stack or one the
+    bundle carries."""
+    import click
+
+    from patcher.cli.main import cli
+
+    stacks = _planted_names() | {"tp-absorbed", "tp-group-limit", "fp8-scale"}
+    files = sorted(DEVICE.glob("*.chains"))
+    assert {"calibration.chains", "seeds.chains", "yardstick.chains"} <= {f.name for f in files}
+    for f in files:
+        for chain, stack, *rest in _chain_lines(f.read_text()):
+            while rest and "=" in rest[0] and rest[0].split("=", 1)[0].isupper():
+                rest = rest[1:]  # a command's own environment (NAME=VALUE)
+            cmd, *args = rest
+            assert stack == "main" or stack in stacks, (f.name, chain, stack)
+            full = [cmd, "lmdeploy@v0.18.0", "--variant", "pytorch", "--publish", *args, "--json"]
+            ctx = cli.make_context("dsadapt", ["--project", str(REPO_ROOT), *full], resilient_parsing=False)
+            sub = cli.get_command(ctx, cmd)
+            assert sub is not None, (f.name, cmd)
+            with click.Context(sub, parent=ctx, info_name=cmd) as sctx:
+                sub.parse_args(sctx, full[1:])
+
+
 def test_planted_stacks_are_the_committed_patches():
     """Each planted LMDeploy patch the bundle carries is a normalized stack patch (Upstream-Status
     Inappropriate, Covered-By), touching the engine tree only, one small change."""
