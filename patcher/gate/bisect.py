@@ -117,12 +117,12 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
     ckpt = open_checkpoint(model_dir, check_layout=False)
-    py = python()
-    with reference_slot(ckpt, device, cfg.cache / "locks", progress):
+    with reference_slot(ckpt, device, cfg.cache / "locks", progress):  # the memory check comes first
         if cached.is_file():  # made meanwhile by the check this one waited for
             docs = load_capture(cached)
             if isinstance(docs, dict) and all(d in docs for d in dtypes):
                 return docs
+        py = python()
         if progress:
             progress(f"bisect: HF transformers {REFERENCE_TRANSFORMERS} teacher-forced on the engine's "
                      f"{len(sequences)} sequences ({', '.join(dtypes)}) with capture hooks on {device.upper()}")

@@ -236,10 +236,10 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
             progress(f"reference: reusing cached HF transformers {dtype} report")
         return LogitReport.load(cached)
     ckpt = checkpoint or open_checkpoint(model_dir, check_layout=False)
-    py = reference_python(cfg, progress)
-    with reference_slot(ckpt, device, cfg.cache / "locks", progress):
+    with reference_slot(ckpt, device, cfg.cache / "locks", progress):  # the memory check comes first
         if cached.is_file():  # made meanwhile by the check this one waited for
             return LogitReport.load(cached)
+        py = reference_python(cfg, progress)
         if progress:
             progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
                      + ("" if dtype == "float32" else " (the engine's noise yardstick)")
