@@ -417,3 +417,20 @@ def test_large_references_take_the_device_in_turn_and_small_ones_never_wait(mini
     monkeypatch.setattr(machine, "available_memory", lambda device="cpu": (100 << 20, "GPU 0 free (test)"))
     with pytest.raises(EngineUnavailable, match="needs"), reference_slot(ckpt, "cuda", locks):
         pass
+
+
+def test_a_slice_holds_the_same_tensors_whatever_follows_the_kept_layers(tmp_path):
+    """Weights are seeded by tensor name: the K-layer slice of a longer checkpoint (more layers
+    after, or an MTP module) is byte for byte the same model, so a verdict on one is a verdict on
+    the other (the H200's V3 slices were cut from 4+MTP and from 6 layers)."""
+    make_mini(tmp_path / "a", "deepseek-v3", layers=3, mtp=1)
+    make_mini(tmp_path / "b", "deepseek-v3", layers=4, mtp=0)
+    slice_checkpoint(tmp_path / "a", 2, tmp_path / "sa")
+    slice_checkpoint(tmp_path / "b", 2, tmp_path / "sb")
+    a, b = open_checkpoint(tmp_path / "sa"), open_checkpoint(tmp_path / "sb")
+    assert set(a.weight_map) == set(b.weight_map)
+    for name in a.weight_map:
+        assert read_tensor_bytes(a.shards[a.weight_map[name]], name) == \
+            read_tensor_bytes(b.shards[b.weight_map[name]], name), name
+    assert json.loads((tmp_path / "sa" / "config.json").read_text()) == \
+        json.loads((tmp_path / "sb" / "config.json").read_text())
