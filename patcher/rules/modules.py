@@ -724,24 +724,21 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
         # in the layers after the flip not the prompt's later rows either (their attention reads
         # the flipped row's keys and values).
         upto = layer + 1 if layer is not None and pdef.name in ("routed", "mlp", "out") else layer
-        skip = [k for lay, k in flipped.items() if upto is None or lay < upto]
-        skip = torch.cat(skip) if skip else None
-        cone = [k for lay, k in flipped.items() if layer is None or lay < layer]
-        if (skip is not None and len(skip)) or cone:
-            keep = torch.ones_like(keys, dtype=torch.bool)
-            if skip is not None and len(skip):
-                keep &= ~torch.isin(keys, skip)
-            if cone:
-                inside = routing_cone(keys, torch.cat(cone)) & keep
-                # flips the rule rather than the exception (a first-position flip repeats in every
-                # prompt): the point keeps the rows after them (as the logits do, `cone_rows`)
-                if int((keep & ~inside).sum()) >= CONE_KEEPS_AT_LEAST * int(keep.sum()):
-                    keep &= ~inside
-            if int(keep.sum()):
-                if int((~keep).sum()):
-                    note = f"{int((~keep).sum())} row(s) routed to another expert set upstream, or after such a " \
-                           f"row in their prompt (here or in the reference's own {dtype} run), left out"
-                e, r, keys, phase = e[keep], r[keep], keys[keep], phase[keep]
+        flipped_here = [k for lay, k in flipped.items() if upto is None or lay < upto]
+        flipped_before = [k for lay, k in flipped.items() if layer is None or lay < layer]
+        keep = torch.ones_like(keys, dtype=torch.bool)
+        if flipped_here:
+            keep &= ~torch.isin(keys, torch.cat(flipped_here))
+        if flipped_before:
+            inside = routing_cone(keys, torch.cat(flipped_before)) & keep
+            # flips the rule rather than the exception (a first-position flip repeats in every
+            # prompt): the point keeps the rows after them (as the logits do, `cone_rows`)
+            if int((keep & ~inside).sum()) >= CONE_KEEPS_AT_LEAST * int(keep.sum()):
+                keep &= ~inside
+        if int(keep.sum()) and not bool(keep.all()):
+            note = f"{int((~keep).sum())} row(s) routed to another expert set upstream, or after such a " \
+                   f"row in their prompt (here or in the reference's own {dtype} run), left out"
+            e, r, keys, phase = e[keep], r[keep], keys[keep], phase[keep]
         lp = None
         noise_note = ""
         if reference_lp is not None:
@@ -800,7 +797,7 @@ def compare_captures(engine: dict, reference: dict, config: dict, dtype: str, *,
     tensor_point(None, POINT["logits"])
 
     res = judge_points(results, dtype, n_layers, engine_name)
-    res.routing_flips = first_flips(torch_cat(list(flipped.values())), prompts) if flipped else {}
+    res.routing_flips = first_flips(list(flipped.values()), prompts)
     res.rows = {"engine_calls": engine.get("calls"), "prompts": len(engine["prompts"])}
     res.missing = sorted(set(engine.get("missing", [])))
     res.explanation = explain_bisect(res, config)
@@ -821,20 +818,12 @@ def routing_cone(keys, flips):
     return pos >= first[prompt]
 
 
-def torch_cat(parts):
-    import torch
-
-    return torch.cat(parts) if parts else None
-
-
-def first_flips(flips, prompts: list[str]) -> dict[str, int]:
-    """{prompt id: its first row position routed to another expert set} (pure over row keys)."""
+def first_flips(flips: list, prompts: list[str]) -> dict[str, int]:
+    """{prompt id: its first row position routed to another expert set} (pure over the row keys of
+    each MoE layer's flips)."""
     out: dict[str, int] = {}
-    if flips is None:
-        return out
-    for key in flips.tolist():
-        pid = prompts[int(key) // 1_000_000]
-        pos = int(key) % 1_000_000
+    for key in (int(k) for part in flips for k in part.tolist()):
+        pid, pos = prompts[key // 1_000_000], key % 1_000_000
         out[pid] = min(pos, out.get(pid, pos))
     return dict(sorted(out.items()))
 
