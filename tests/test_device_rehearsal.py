@@ -39,24 +39,29 @@ def _planted_names() -> set[str]:
     return {item.split("=", 1)[0] for item in block.split()}
 
 
-def test_calibration_chains_parse_as_dsadapt_commands():
-    """Every line of the committed plan is a command dsadapt accepts (parsed by its own CLI, not run),
-    on a stack the bundle carries; the plan covers every built-in model in both dtypes three times."""
+def _parse_as_dsadapt(cmd: str, args: list[str]) -> None:
+    """Parse one chain command with dsadapt's own CLI, as the device script would run it (not run)."""
     import click
 
     from patcher.cli.main import cli
 
+    full = [cmd, "lmdeploy@v0.18.0", "--variant", "pytorch", "--publish", *args, "--json"]
+    ctx = cli.make_context("dsadapt", ["--project", str(REPO_ROOT), *full], resilient_parsing=False)
+    sub = cli.get_command(ctx, cmd)
+    assert sub is not None, cmd
+    with click.Context(sub, parent=ctx, info_name=cmd) as sctx:
+        sub.parse_args(sctx, full[1:])
+
+
+def test_calibration_chains_parse_as_dsadapt_commands():
+    """Every line of the committed plan is a command dsadapt accepts (parsed by its own CLI, not run),
+    on a stack the bundle carries; the plan covers every built-in model in both dtypes three times."""
     lines = _chain_lines((DEVICE / "calibration.chains").read_text())
     stacks = _planted_names()
     seen: dict[tuple[str, str], int] = {}
     for chain, stack, cmd, *args in lines:
         assert stack == "main" or stack in stacks, (chain, stack)
-        full = [cmd, "lmdeploy@v0.18.0", "--variant", "pytorch", "--publish", *args, "--json"]
-        ctx = cli.make_context("dsadapt", ["--project", str(REPO_ROOT), *full], resilient_parsing=False)
-        sub = cli.get_command(ctx, cmd)
-        assert sub is not None, cmd
-        with click.Context(sub, parent=ctx, info_name=cmd) as sctx:
-            sub.parse_args(sctx, full[1:])
+        _parse_as_dsadapt(cmd, args)
         if stack == "main" and cmd == "check":
             key = (args[args.index("--model") + 1], args[args.index("--dtype") + 1])
             seen[key] = seen.get(key, 0) + 1
@@ -70,10 +75,6 @@ def test_every_chains_file_parses_as_dsadapt_commands_on_carried_stacks():
     """Every committed plan (calibration, seeded control runs, the engine-like-router remeasurement,
     the H200 round): each line a command dsadapt's own CLI accepts, on the main stack or one the
     bundle carries."""
-    import click
-
-    from patcher.cli.main import cli
-
     stacks = _planted_names() | {"tp-absorbed", "tp-group-limit", "fp8-scale"}
     files = sorted(DEVICE.glob("*.chains"))
     assert {"calibration.chains", "seeds.chains", "yardstick.chains"} <= {f.name for f in files}
@@ -83,12 +84,7 @@ def test_every_chains_file_parses_as_dsadapt_commands_on_carried_stacks():
                 rest = rest[1:]  # a command's own environment (NAME=VALUE)
             cmd, *args = rest
             assert stack == "main" or stack in stacks, (f.name, chain, stack)
-            full = [cmd, "lmdeploy@v0.18.0", "--variant", "pytorch", "--publish", *args, "--json"]
-            ctx = cli.make_context("dsadapt", ["--project", str(REPO_ROOT), *full], resilient_parsing=False)
-            sub = cli.get_command(ctx, cmd)
-            assert sub is not None, (f.name, cmd)
-            with click.Context(sub, parent=ctx, info_name=cmd) as sctx:
-                sub.parse_args(sctx, full[1:])
+            _parse_as_dsadapt(cmd, args)
 
 
 def test_planted_stacks_are_the_committed_patches():

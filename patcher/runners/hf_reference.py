@@ -164,7 +164,6 @@ def route_in_dtype(model, dtype: str):
                 _g.F = saved
 
         mod.forward = forward
-    model.dsadapt_router_dtype = str(low).removeprefix("torch.")
     return model
 
 
