@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -112,7 +113,8 @@ def run(out: Path, controls: list[str], bugs: list[str], dtypes: list[str], repe
 def _pairs(dirs: list[Path]):
     for d in dirs:
         for f in sorted(d.rglob("*.json")):
-            if f.name.endswith("-bisect.json"):
+            # results/: the device script's copies of each command's --json output (no bisect next to them)
+            if f.name.endswith("-bisect.json") or "results" in f.relative_to(d).parts:
                 continue
             try:
                 doc = json.loads(f.read_text())
@@ -141,6 +143,7 @@ def table(dirs: list[Path]) -> int:
     from patcher.rules.verdicts import rescore
 
     worst: dict[tuple[str, str, str], tuple[float, str]] = {}
+    plug_in: dict[str, list[tuple[float, str]]] = defaultdict(list)
     controls: dict[str, list[str]] = defaultdict(list)
     checks = []
     for f, doc, bdoc in _pairs(dirs):
@@ -161,11 +164,15 @@ def table(dirs: list[Path]) -> int:
             key = (dtype, "logits (mean |Δ|)", "prefill")
             if lm["value"] > worst.get(key, (-1.0, ""))[0]:
                 worst[key] = (lm["value"], who)
+        judgement = ((res.get("comparison") or doc.get("comparison") or {}).get("judgement") or {})
+        phases = [judgement[ph] for ph in ("prefill", "decode") if isinstance(judgement.get(ph), dict)]
         if bdoc and any(p.get("evidence") for p in bdoc["points"]):
             for p in rescore_bisect(bdoc).points:
                 for ph, jj in p.phases.items():
+                    phases.append(jj)
                     if "ratio" in jj and jj["ratio"] > worst.get((dtype, p.point, ph), (-1.0, ""))[0]:
                         worst[(dtype, p.point, ph)] = (jj["ratio"], f"{who} {p.where}")
+        plug_in[dtype].append((false_alarm_if_measured_is_true(phases), who))
     print("| stack | model | dtype | verdict | margins | report |\n|---|---|---|---|---|---|")
     for row in sorted(checks, key=lambda r: (r[0] != "main", r[0], str(r[1]), r[2], r[5])):
         print("| " + " | ".join(str(x) for x in row) + " |")
@@ -180,6 +187,39 @@ def table(dirs: list[Path]) -> int:
         print("| point | phase | largest ratio | where |\n|---|---|---|---|")
         for (_, point, phase), (v, who) in rows[:15]:
             print(f"| {point} | {phase} | {v:.3f} | {who} |")
+        probs = sorted(plug_in[dtype], reverse=True)
+        if probs:
+            mean = sum(p for p, _ in probs) / len(probs)
+            print(f"\n{dtype}: false-alarm probability per check if each control check's measured ratios were "
+                  f"the truth (tensor and logit judgements): mean {mean:.2e}, largest {probs[0][0]:.2e} "
+                  f"({probs[0][1]})")
+    return 0
+
+
+def false_alarm_if_measured_is_true(phases: list[dict]) -> float:
+    """The chance that a check fails if every judgement's true ratio were the one measured: for
+    each judgement, P(log r + se·T − z·se > log limit) with T Student's t on blocks − 1 degrees of
+    freedom, combined over the check's judgements as independent. A plug-in estimate from control
+    runs (a ratio measured high by chance counts as a true one: it errs on the side of more alarms);
+    expert-selection counts are not in it."""
+    from statistics import NormalDist
+
+    from patcher.rules.noise import t_quantile
+
+    def t_sf(x: float, df: int) -> float:  # t_quantile inverted by bisection on the normal quantile
+        lo, hi = -40.0, 40.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if t_quantile(mid, df) < x else (lo, mid)
+        return 1.0 - NormalDist().cdf((lo + hi) / 2)
+
+    keep = 1.0
+    for j in phases:
+        se, ratio, limit = j.get("se"), j.get("ratio"), j.get("limit")
+        if not se or not ratio or not limit or not math.isfinite(se) or ratio <= 0:
+            continue
+        keep *= 1.0 - t_sf(j["z"] + (math.log(limit) - math.log(ratio)) / se, max(1, int(j["blocks"]) - 1))
+    return 1.0 - keep
     return 0
 
 
