@@ -54,7 +54,7 @@ def test_bench_measures_builds_and_alternative_and_writes_markdown(project, tmp_
 
 def test_bench_table_prints_and_defaults_to_docs(project):
     pin_wheel(project)
-    r = project.run("bench", "--repeat", "1", "--no-alternative")
+    r = project.run("bench", "--repeat", "1", "--no-alternative", "--sizes", "1,3")
     assert r.rc == 0, r
     assert r.out.startswith("builds (") and "wrote " in r.out
     md = (project.root / "docs" / "benchmarks.md").read_text()
@@ -99,7 +99,7 @@ def test_bench_skips_a_full_build_it_cannot_run_and_says_why(project, monkeypatc
 
     with_variants(monkeypatch, toolchain=("dsadapt-no-such-nvcc",))
     pin_wheel(project, COMPILED_EDITS)
-    r = project.run("bench", "--repeat", "1", "--json", "--out", str(project.tmp / "b.md"))
+    r = project.run("bench", "--repeat", "1", "--sizes", "1,3", "--json", "--out", str(project.tmp / "b.md"))
     assert r.rc == 0, r
     row = {b["pin"]: b for b in r.json()["builds"]}[REF1]
     assert row["status"] == "skipped" and row["kind"] == "full"
