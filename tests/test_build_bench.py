@@ -58,7 +58,7 @@ def test_bench_table_prints_and_defaults_to_docs(project):
     assert r.rc == 0, r
     assert r.out.startswith("builds (") and "wrote " in r.out
     md = (project.root / "docs" / "benchmarks.md").read_text()
-    assert "`dsadapt bench --repeat 1 --no-alternative`" in md and "No check report" in md
+    assert "`dsadapt bench --repeat 1 --no-alternative --sizes 1,3`" in md and "No check report" in md
 
 
 def test_read_check_timings_skips_reports_without_timings(tmp_path):
