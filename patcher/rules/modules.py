@@ -444,12 +444,16 @@ def _index(doc: dict) -> dict[tuple[int | None, str], dict]:
     return {(p["layer"], p["point"]): p for p in doc["points"]}
 
 
+#: A row's key: its prompt's index × ROW_KEY + its position (positions stay below it).
+ROW_KEY = 1_000_000
+
+
 def _keys(doc: dict, entry: dict, prompts: list[str]):
     """Row keys (global prompt index, position) of a capture entry, as one int tensor."""
     import torch
 
     remap = torch.tensor([prompts.index(p) if p in prompts else -1 for p in doc["prompts"]], dtype=torch.long)
-    return remap[entry["prompt"]] * 1_000_000 + entry["pos"]
+    return remap[entry["prompt"]] * ROW_KEY + entry["pos"]
 
 
 def _first_rows(keys):
@@ -541,10 +545,10 @@ def _block_ids(keys, phase):
 
     from patcher.rules.noise import BLOCK_POSITIONS
 
-    prompt, pos = keys // 1_000_000, keys % 1_000_000
-    bkey = (prompt * 2 + phase.long()) * 1_000_000 + pos // BLOCK_POSITIONS
+    prompt, pos = keys // ROW_KEY, keys % ROW_KEY
+    bkey = (prompt * 2 + phase.long()) * ROW_KEY + pos // BLOCK_POSITIONS
     uniq, inv = torch.unique(bkey, return_inverse=True)
-    return inv, (uniq // 1_000_000) % 2, len(uniq)
+    return inv, (uniq // ROW_KEY) % 2, len(uniq)
 
 
 def _tensor_evidence(num2, lp2, den2, keys, phase) -> dict[str, list]:
@@ -591,7 +595,7 @@ def _measure_tensor(e, r, keys, phase, prompts, lp=None) -> _Measure:
         row = num2.sqrt() / den2.sqrt().clamp(min=max(float(den2.sqrt().mean()) * 1e-3, 1e-30))
         k = int(row.argmax())
         key = int(keys[k])
-        worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
+        worst = {"prompt": prompts[key // ROW_KEY], "position": key % ROW_KEY,
                  "phase": "decode" if int(phase[k]) else "prefill", "error": float(row[k])}
     m = _Measure(pooled(every), int(e.shape[0]), prefill=pooled(phase == 0), decode=pooled(phase == 1), worst=worst)
     if len(keys):
@@ -625,7 +629,7 @@ def _measure_router(ids_e, ids_r, w_e, w_r, keys, phase, prompts, n_experts, lp_
     if not bool(same.all()):
         k = int((~same).nonzero()[0])
         key = int(keys[k])
-        worst = {"prompt": prompts[key // 1_000_000], "position": key % 1_000_000,
+        worst = {"prompt": prompts[key // ROW_KEY], "position": key % ROW_KEY,
                  "phase": "decode" if int(phase[k]) else "prefill",
                  "engine": sorted(int(x) for x in ids_e[k]), "reference": sorted(int(x) for x in ids_r[k])}
     sel = _Measure(1.0 - agreement, int(same.shape[0]), value=agreement, worst=worst,
@@ -811,8 +815,8 @@ def routing_cone(keys, flips):
 
     if flips is None or not len(flips):
         return torch.zeros_like(keys, dtype=torch.bool)
-    prompt, pos = keys // 1_000_000, keys % 1_000_000
-    f_prompt, f_pos = flips // 1_000_000, flips % 1_000_000
+    prompt, pos = keys // ROW_KEY, keys % ROW_KEY
+    f_prompt, f_pos = flips // ROW_KEY, flips % ROW_KEY
     first = torch.full((int(max(int(prompt.max()), int(f_prompt.max()))) + 1,), 1 << 40, dtype=torch.long)
     first.scatter_reduce_(0, f_prompt, f_pos, reduce="amin")
     return pos >= first[prompt]
@@ -823,7 +827,7 @@ def first_flips(flips: list, prompts: list[str]) -> dict[str, int]:
     each MoE layer's flips)."""
     out: dict[str, int] = {}
     for key in (int(k) for part in flips for k in part.tolist()):
-        pid, pos = prompts[key // 1_000_000], key % 1_000_000
+        pid, pos = prompts[key // ROW_KEY], key % ROW_KEY
         out[pid] = min(pos, out.get(pid, pos))
     return dict(sorted(out.items()))
 
