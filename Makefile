@@ -49,17 +49,17 @@ lint: setup
 	$(BIN)/lint-imports
 
 ## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
-## `uv pip compile --generate-hashes --no-build` from the recipes in patcher/build/envlocks.py
+## `uv pip compile --generate-hashes --no-build` from the recipes in patcher/artifacts/envlocks.py
 ## (docs/environments.md), each then checked as check-env-locks does. Needs PyPI; the CPU torch
 ## build comes from DSADAPT_TORCH_INDEX (default PyTorch's CPU index) or the wheel folders in
 ## DSADAPT_LOCK_FIND_LINKS.
 lock-envs: setup
-	$(BIN)/python -m patcher.build.envlocks
+	$(BIN)/python -m patcher.artifacts.envlocks
 
 ## Every environment has a lock, and every locked package has a PyPI wheel for the Python and
 ## platform its lock declares (asks PyPI; exit 6 when it cannot; `--offline`: the format only).
 check-env-locks: setup
-	$(BIN)/python -m patcher.build.envlocks --check
+	$(BIN)/python -m patcher.artifacts.envlocks --check
 
 ## Fast feedback: no network, no engines.
 test-fast: setup

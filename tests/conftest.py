@@ -36,7 +36,7 @@ assert Path(patcher.__file__).resolve().parent == REPO_ROOT / "patcher", patcher
 
 # Runner scripts import the runner protocol as a top-level module (`import dsadapt_runner`), as
 # they do in their engine's environment; tests that load a runner script by path need it too.
-from patcher.runners import KIT_DIR  # noqa: E402
+from patcher.runners.launch import KIT_DIR  # noqa: E402
 
 if str(KIT_DIR) not in sys.path:
     sys.path.append(str(KIT_DIR))
@@ -155,7 +155,7 @@ def make_upstream(root: Path) -> Upstream:
 
 # ---------------------------------------------------------------- patches made with real git
 
-TRAILERS = "Upstream-Status: Pending\nCovered-By: tests/test_core_apply.py::test_apply_git_source"
+TRAILERS = "Upstream-Status: Pending\nCovered-By: tests/stack/test_apply.py::test_apply_git_source"
 
 
 def commit_msg(subject: str, body: str = "Because the fixture needs it.", trailers: str = TRAILERS) -> str:
@@ -435,7 +435,7 @@ def artifact_toml(file: str, sha: str, tag: str = TAG1) -> str:
 def swap_engine(monkeypatch, name: str, **attrs):
     """Replace engine `name` for this test by a subclass of its adapter with `attrs` changed
     (class attributes or methods); returns the new adapter."""
-    from patcher import engines
+    from patcher.engines import registry as engines
 
     base = type(engines.engine(name))
     adapter = type(f"Test{base.__name__}", (base,), attrs)()
@@ -452,3 +452,22 @@ def pytest_report_header(config):
     if (free < 12 and not (REPO_ROOT / ".dsadapt" / "venvs").is_dir()):
         lines.append("dsadapt: WARNING less than 12 GiB free and no engine environments yet: the slow tests may fill the disk")
     return lines
+
+
+#: The test folders, one per layer of patcher/ (plus `project`: the repository as a whole, and `tools`:
+#: the scripts under tools/). Every test is marked with its folder's name, so `pytest -m stack` runs the
+#: stack layer's tests; pyproject.toml registers the markers and tests/project/test_architecture.py
+#: keeps the folders, the markers and the layers in step.
+TEST_FOLDERS = ("project", "cli", "bench", "gate", "offline", "artifacts", "stack", "upstream", "engines",
+                "runners", "checkpoints", "rules", "formats", "base", "tools")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            folder = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
+        except ValueError:
+            continue
+        if folder in TEST_FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))

@@ -69,9 +69,9 @@ def load_hf_reference():
 
 
 def make_tiny(out: Path, variant="v3", config_style="deepseek") -> Path:
-    tinymodel = pytest.importorskip("patcher.checkpoints.tiny", reason="patcher.checkpoints.tiny (tiny model maker) not present")
+    tiny = pytest.importorskip("patcher.checkpoints.tiny", reason="patcher.checkpoints.tiny (tiny model maker) not present")
     pytest.importorskip("transformers")
-    tinymodel.make_model(out, variant=variant, config_style=config_style, seed=0)
+    tiny.make_model(out, variant=variant, config_style=config_style, seed=0)
     return out
 
 

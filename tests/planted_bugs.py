@@ -1,6 +1,6 @@
 """Planted bugs in the vLLM 0.32.0 stack: one-line changes that a correct gate must catch.
 
-Shared by the slow gate tests (tests/test_gate_vllm.py plants each through the product: apply,
+Shared by the slow gate tests (tests/gate/test_gate_vllm.py plants each through the product: apply,
 commit in the checkout, refresh, check) and the calibration tool
 (tools/calibrate_low_precision.py), so the bugs the rule is calibrated on are the ones tested.
 Each entry: (model, file in the vLLM tree, old text, new text, text it comes after, logit family).

@@ -59,8 +59,8 @@ def pinned_wheel(pin: str, variant: str | None = None) -> Path:
 def _engine_python(pin: str, unpatched: bool, via: str | None = None) -> Path:
     """The interpreter of the environment `pin` runs in (as `dsadapt install` / `check` make it);
     `via`: the environment another pin runs it in (triton@r26.01 serving vllm@v0.32.0)."""
-    from patcher.build.venvs import install_plan
-    from patcher.engines import engine
+    from patcher.artifacts.venvs import install_plan
+    from patcher.engines.registry import engine
 
     lock = real_lock()
     entry = lock.pin(parse_pinref(via or pin))

@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from patcher.engines import engine as engine_of  # noqa: E402
+from patcher.engines.registry import engine as engine_of  # noqa: E402
 from patcher.rules.logits import compare  # noqa: E402
 from patcher.rules.prompts import build_prompt_set  # noqa: E402
-from patcher.runners import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
+from patcher.runners.launch import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
 
 HF_VARIANTS = {
     "repeat": ("float32", ()),

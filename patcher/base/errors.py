@@ -5,7 +5,7 @@ They are raised by the core library and rendered exactly once, at the CLI edge
 (and, with ``--json``, one JSON error object on stdout).
 
 Every exit code has one meaning, for every command (the table in docs/user-guide.md, kept
-true by tests/test_exit_codes.py):
+true by tests/project/test_exit_codes.py):
 
 ====  ============  ==================================================================
 code  name          meaning

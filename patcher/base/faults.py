@@ -16,7 +16,7 @@ Off unless the environment sets it; read once per process:
 - ``DSADAPT_FAULT_LOG=<file>`` appends one line per event (``<event> <detail>``), so a test can
   count the points an uninterrupted run passes and then kill at each of them.
 
-The fault-injection tests (tests/test_txn_faults.py, tests/test_txn_property.py) drive it.
+The fault-injection tests (tests/stack/test_transaction_faults.py, tests/stack/test_transaction_property.py) drive it.
 It has no other use; nothing in dsadapt behaves differently when it is unset.
 """
 

@@ -201,7 +201,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
     """Rows for the stack-operations table and facts about the tree (files, source)."""
     from patcher.base.config import load_config
     from patcher.formats.pinref import parse_pinref
-    from patcher.stack.materialize import Checkout
+    from patcher.stack.checkout import Checkout
 
     if pin is None:
         pin, rebase_to = default_stack_pin(lock)

@@ -33,7 +33,7 @@ own initialisation, and scaled so that outputs are peaked rather than uniform:
 ``lm_head`` x10, attention projections x2, expert MLPs x2, router bias sigma 0.05.
 
 Peakedness measured with transformers 5.24, float32, over 4 x 128 corpus tokens (the
-prompts of tests/test_tinymodel.py; uniform entropy is ln 1600 = 7.38 nats):
+prompts of tests/checkpoints/test_tiny_models.py; uniform entropy is ln 1600 = 7.38 nats):
 
 - v3: mean entropy 3.51 nats (48% of uniform), mean top-1 probability 0.233 (seed 0);
   seeds 1 / 2: 4.00 (54%) / 3.68 (50%), top-1 0.171 / 0.241

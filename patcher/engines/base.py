@@ -9,7 +9,7 @@ an engine's name or on the kind of its build.
 The adapter never imports dsadapt's orchestration (check, build, workspace, venvs, ...):
 what it needs from it comes in as a *services* object (`BuildServices`, `RunServices`),
 implemented by the orchestration. An import contract (pyproject ``[tool.importlinter]``,
-checked by ``make lint`` and tests/test_architecture.py) holds that boundary.
+checked by ``make lint`` and tests/project/test_architecture.py) holds that boundary.
 
 Most engines ship a release wheel and are patched by overlaying the stack's files onto it:
 they derive from `WheelEngine` and declare data (variants, recipe, runner). Engines built
@@ -35,7 +35,7 @@ from patcher.formats.lock import Artifact, Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.formats.sourcetree import TreeRules
 from patcher.formats.stackfiles import Stack
-from patcher.runners import RunnerSpec
+from patcher.runners.launch import RunnerSpec
 
 if TYPE_CHECKING:
     from patcher.engines.serving import PerfRecipe

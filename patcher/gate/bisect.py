@@ -2,7 +2,7 @@
 
 The pure comparison is `patcher.rules.modules`; this module has the side effects: capture specs
 written next to the run, the HF reference run in capture mode (cached by its inputs), the
-bisect report (JSON) and heat map (PNG) next to the check report. `patcher.gate.check` calls in
+bisect report (JSON) and heat map (PNG) next to the check report. `patcher.gate.equivalence` calls in
 here when a check captures (``--bisect``, every low-precision check) and `dsadapt bisect`
 goes through `run_check` with ``bisect="always"``.
 """
@@ -85,7 +85,7 @@ def load_capture(path: Path) -> dict:
 
 
 def _runner_script() -> Path:
-    from patcher.runners import REFERENCE_RUNNER
+    from patcher.runners.launch import REFERENCE_RUNNER
 
     return REFERENCE_RUNNER.script
 

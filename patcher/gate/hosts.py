@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from patcher.artifacts.venvs import install_plan
 from patcher.base.config import Config
 from patcher.base.workdir import workdir_lock
-from patcher.build.venvs import install_plan
 from patcher.engines.base import EngineEnv, EnvPlan, Progress, Tree
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef

@@ -46,12 +46,12 @@ from patcher.base.procs import (
     repin,
     start_guarded,
 )
-from patcher.engines import engine
 from patcher.engines.base import SINGLE, Parallel, VariantSpec
+from patcher.engines.registry import engine
 from patcher.engines.serving import LoadJob, PerfRecipe, ServeSettings
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
-from patcher.rules import speed as P
+from patcher.rules import speed
 
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
 SERVER_START_S = 900.0
@@ -193,7 +193,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _env(extra: dict[str, str]) -> dict[str, str]:
     """The environment of a server or load generator: ours without engine tuning variables, the
     recipe's `extra`, and the runner protocol (dsadapt_runner) on PYTHONPATH."""
-    from patcher.runners import kit_pythonpath
+    from patcher.runners.launch import kit_pythonpath
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_", "KMP_", "GOMP_"))}
     env.update(extra)
@@ -213,7 +213,7 @@ def start_server(side: str, recipe: PerfRecipe, python: Path, settings: ServeSet
 
 def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> None:
     """Until every server answers its ready URL; ServerFailed (with the log's root cause) when one exits."""
-    from patcher.runners import root_cause
+    from patcher.runners.launch import root_cause
 
     t0 = time.monotonic()
     pending = list(servers)
@@ -291,14 +291,14 @@ class LoadDriver:
 
 @dataclass
 class Measurement:
-    runs: list[P.RunRecord]
+    runs: list[speed.RunRecord]
     peak_rss: dict[str, int]
     peak_gpu: dict[str, int | None]
     timings: dict
 
 
-def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, workload: P.Workload, work: Path,
-            *, sides: tuple[str, str] = (P.PATCHED, P.UNPATCHED), cpus: Sequence[int] = (),
+def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, workload: speed.Workload, work: Path,
+            *, sides: tuple[str, str] = (speed.PATCHED, speed.UNPATCHED), cpus: Sequence[int] = (),
             server_cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
             server_start_s: float = SERVER_START_S, progress: Callable[[str], None] | None = None,
             on_servers: Callable[[dict[str, Server]], None] | None = None) -> Measurement:
@@ -319,7 +319,7 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
     work.mkdir(parents=True, exist_ok=True)
     requests = workload.requests()
     workload_path = recipe.write_workload(requests, settings, work)
-    runs: list[P.RunRecord] = []
+    runs: list[speed.RunRecord] = []
     timings: dict = {}
     with ExitStack() as stack, _sigterm_as_interrupt():
         # this thread and the sampler thread started from it stay off the servers' cores (every
@@ -347,7 +347,7 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
                 repin(srv.proc.pgid, cpus, keep=settings.compute_cpus)
         driver = LoadDriver(recipe, pythons[sides[1]], work, cpus, guard_deadline)
         stack.callback(driver.stop)
-        plan = P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
+        plan = speed.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
         t_runs = time.monotonic()
         step, done = _stepper(progress)
         for order, (rnd, conc, side) in enumerate(plan):
@@ -373,12 +373,12 @@ def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSetting
             driver.run(recipe.job(job), remaining)
             sampler.sample()
             parsed = recipe.parse(job, requests)
-            rec = P.RunRecord(side, rnd, conc, parsed.duration_s, parsed.requests, order, parsed.tool,
+            rec = speed.RunRecord(side, rnd, conc, parsed.duration_s, parsed.requests, order, parsed.tool,
                               sampler.window.get(side) or None, sampler.gpu_window.get(side))
             if rnd >= 0:
                 runs.append(rec)
             if done:
-                m = P.run_metrics(rec)
+                m = speed.run_metrics(rec)
                 done(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
                      f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
                      + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
@@ -511,7 +511,7 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
     serves it, and on CPU builds there are that many compute cores besides the service core),
     whether the engine has a speed-gate recipe for it (exit 6) and whether that serves `dtype`
     (exit 2; checked after the machine, as `check` does)."""
-    from patcher.gate.check import runnable
+    from patcher.gate.equivalence import runnable
 
     command = command or f"dsadapt perf {ref}"
     entry, spec = runnable(lock, ref, variant, command, parallel)
@@ -539,14 +539,14 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
 def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
              dtype: str | None = None, variant: str | None = None, concurrency: Sequence[int] | None = None,
              input_lens: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
-             rounds: int = P.DEFAULT_ROUNDS, requests: int | None = None, warmup_rounds: int = 1,
-             max_model_len: int = 256, threshold: float = P.DEFAULT_THRESHOLD, aa: bool = False,
+             rounds: int = speed.DEFAULT_ROUNDS, requests: int | None = None, warmup_rounds: int = 1,
+             max_model_len: int = 256, threshold: float = speed.DEFAULT_THRESHOLD, aa: bool = False,
              cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
              progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
              on_servers: Callable[[dict[str, Server]], None] | None = None,
              parallel: Parallel = SINGLE) -> PerfResult:
     from patcher.formats.stackfiles import load_stack
-    from patcher.gate.check import model_fingerprint, report_paths, resolve_model
+    from patcher.gate.equivalence import model_fingerprint, report_paths, resolve_model
     from patcher.gate.hosts import RunHost
     from patcher.rules.prompts import rope_original_max
 
@@ -559,7 +559,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
     model_dir, label, style = resolve_model(cfg, model, config_style or "deepseek", progress)
     config = json.loads((model_dir / "config.json").read_text())
     original = rope_original_max(config)
-    workload = P.build_workload(original_context=original, max_model_len=max_model_len, input_lens=input_lens,
+    workload = speed.build_workload(original_context=original, max_model_len=max_model_len, input_lens=input_lens,
                                 output_lens=output_lens, concurrency=concurrency, rounds=rounds, requests=requests,
                                 warmup_rounds=warmup_rounds)
     cpus = tuple(cpus) if cpus else default_cpus()
@@ -572,7 +572,7 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                              tp=parallel.tp, ep=parallel.ep)
     out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf", parallel=parallel)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
-    sides = (P.PATCHED, P.PATCHED + "-2") if aa else (P.PATCHED, P.UNPATCHED)
+    sides = (speed.PATCHED, speed.PATCHED + "-2") if aa else (speed.PATCHED, speed.UNPATCHED)
     t0 = time.monotonic()
     host = RunHost(cfg, lock, progress, stream)
     plan = eng.env_plan(entry, spec, lock)
@@ -618,15 +618,15 @@ def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_
                                       hint="compare on a model both builds load (for vLLM 0.32: --config-style "
                                            f"deepseek); server log: {e.log_path}") from e
         raise
-    points = P.build_points(m.runs, workload.concurrency, sides)
-    verdict, reasons = P.decide(points, threshold, sides)
-    first = P.order_balance(P.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds), sides)
+    points = speed.build_points(m.runs, workload.concurrency, sides)
+    verdict, reasons = speed.decide(points, threshold, sides)
+    first = speed.order_balance(speed.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds), sides)
     prov = {**base_prov, "load_average_after": _loadavg(), "peak_rss": m.peak_rss, "peak_gpu": m.peak_gpu,
             "logs": {"work": str(work)}, "went_first": {str(c): n for c, n in first.items()},
             "wakeup_requests": {str(c): wakeup_requests(c) for c in workload.concurrency}}
     timings = {"install_s": install_s, **m.timings, "total_s": round(time.monotonic() - t_start, 2)}
     result = PerfResult(**common, verdict=verdict, reasons=reasons, points=[p.to_json() for p in points],  # type: ignore[arg-type]
-                        band=P.band(points, threshold), plot_path=None, provenance=prov, timings=timings,
+                        band=speed.band(points, threshold), plot_path=None, provenance=prov, timings=timings,
                         runs=[r.to_json() for r in m.runs])
     try:
         from patcher.rules.plots import plot_perf
@@ -645,24 +645,24 @@ def rescore(path: Path, threshold: float | None = None, pin: str | None = None) 
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{path}: not a readable perf report ({e})", hint="pass a reports/.../perf-*.json") from None
-    if not isinstance(doc, dict) or doc.get("schema") != P.SCHEMA or not isinstance(doc.get("runs"), list):
-        raise UsageError(f"{path}: not a {P.SCHEMA} report with recorded runs", hint="pass a reports/.../perf-*.json")
+    if not isinstance(doc, dict) or doc.get("schema") != speed.SCHEMA or not isinstance(doc.get("runs"), list):
+        raise UsageError(f"{path}: not a {speed.SCHEMA} report with recorded runs", hint="pass a reports/.../perf-*.json")
     if pin is not None and pin != doc.get("pin"):
         raise UsageError(f"{path} is a report of {doc.get('pin')}, not {pin}", hint=f"name {doc.get('pin')} or no pin")
     threshold = float(doc["threshold"] if threshold is None else threshold)
     check_threshold(threshold)
     sides = tuple(doc["sides"])
-    runs = [P.RunRecord(r["side"], r["round"], r["concurrency"], r["duration_s"],
-                        [P.RequestRecord(**q) for q in r["requests"]], r.get("order", 0), r.get("tool") or {},
+    runs = [speed.RunRecord(r["side"], r["round"], r["concurrency"], r["duration_s"],
+                        [speed.RequestRecord(**q) for q in r["requests"]], r.get("order", 0), r.get("tool") or {},
                         r.get("peak_rss"), r.get("peak_gpu")) for r in doc["runs"]]
     conc = tuple(doc["workload"]["concurrency"])
-    points = P.build_points(runs, conc, sides) if runs else []
-    verdict, reasons = P.decide(points, threshold, sides) if runs else (doc["verdict"], doc["reasons"])
+    points = speed.build_points(runs, conc, sides) if runs else []
+    verdict, reasons = speed.decide(points, threshold, sides) if runs else (doc["verdict"], doc["reasons"])
     prov = {**doc["provenance"], "rescored": {"date": _now(), "dsadapt": _dsadapt_version(), "threshold": threshold}}
     fields = {k: doc[k] for k in ("pin", "engine", "variant", "model", "config_style", "dtype", "mode", "sides",
                                   "workload", "report_path", "timings")}
     result = PerfResult(**fields, verdict=verdict, reasons=reasons, threshold=threshold,
-                        points=[p.to_json() for p in points], band=P.band(points, threshold) if points else {},
+                        points=[p.to_json() for p in points], band=speed.band(points, threshold) if points else {},
                         plot_path=None, provenance=prov, runs=doc["runs"],
                         parallel=doc.get("parallel") or SINGLE.to_json())
     out = Path(path)
@@ -683,7 +683,7 @@ def _write(out: Path, result: PerfResult) -> None:
     if result.plot_path is None:
         out.with_suffix(".png").unlink(missing_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"schema": P.SCHEMA, **result.to_json()}, indent=1, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps({"schema": speed.SCHEMA, **result.to_json()}, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, out)
 
 

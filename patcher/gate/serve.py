@@ -17,8 +17,8 @@ from pathlib import Path
 from patcher.base.config import Config
 from patcher.base.errors import UsageError
 from patcher.base.procs import free_port, start_guarded
-from patcher.engines import engine
 from patcher.engines.base import NotSupported, Served
+from patcher.engines.registry import engine
 from patcher.engines.serving import ServeSettings
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef

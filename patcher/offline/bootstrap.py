@@ -65,7 +65,7 @@ def make_venv(venv: Path, lend: bool) -> Path:
     if lend:
         purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                  capture_output=True, text=True, check=True).stdout.strip()
-        # the same file dsadapt writes (patcher/build/venvs.py host_pth_text): each folder through
+        # the same file dsadapt writes (patcher/artifacts/venvs.py host_pth_text): each folder through
         # site.addsitedir, after the environment's own site-packages
         (Path(purelib) / "dsadapt-host-packages.pth").write_text(
             "# written by dsadapt: the host's site-packages, seen after this environment's own\n"

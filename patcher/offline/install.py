@@ -21,10 +21,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from patcher.artifacts.venvs import InstallResult, host_dirs, install_plan, pip_command, venv_python
 from patcher.base.config import Config
 from patcher.base.errors import EngineUnavailable, UsageError, VerificationError, show
-from patcher.build.venvs import InstallResult, host_dirs, install_plan, pip_command, venv_python
-from patcher.engines import engine
+from patcher.engines.registry import engine
 from patcher.formats.bundle import (
     Manifest,
     OfflineRecord,

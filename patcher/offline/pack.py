@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.artifacts.builder import BuildResult, build_pin, unpatched_build
+from patcher.artifacts.envlocks import EnvSpec, compile_lock, find_lock, locked_hashes, plan_env_name
 from patcher.base.config import Config
 from patcher.base.errors import (
     BuildError,
@@ -54,9 +56,7 @@ from patcher.base.errors import (
     show,
 )
 from patcher.base.fsutil import atomic_write_text, sha256_file
-from patcher.build.builder import BuildResult, build_pin, unpatched_build
-from patcher.build.envlocks import EnvSpec, compile_lock, find_lock, locked_hashes, plan_env_name
-from patcher.engines import engine
+from patcher.engines.registry import engine
 from patcher.formats.bundle import MANIFEST, BuiltWheel, Manifest, Part
 from patcher.formats.lock import Lock, format_lock
 from patcher.formats.pinref import PinRef
@@ -306,7 +306,7 @@ def _version(v: str):
 
 
 def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
-    from patcher.build.venvs import pip_cause
+    from patcher.artifacts.venvs import pip_cause
 
     note = getattr(progress, "note", None)
     lines: list[str] = []
@@ -758,7 +758,7 @@ def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, 
     dir sharing this one's cache of release artifacts), never the pin's checkout."""
     import dataclasses
 
-    from patcher.build.builder import BuildHost
+    from patcher.artifacts.builder import BuildHost
 
     out: dict[str, dict] = {}
     entry = lock.pin(ref)
@@ -791,7 +791,7 @@ def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
     torch; None when it says so, or the environment's lock holds no torch."""
     from packaging.utils import canonicalize_name
 
-    from patcher.build.envlocks import locked_hashes
+    from patcher.artifacts.envlocks import locked_hashes
 
     if "torch" in host:
         return None
@@ -817,7 +817,7 @@ def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
 def _lock_platform(eng, entry, spec, lock: Lock, python: str) -> str | None:
     """The pip platform tag of the engine environment's committed lock (`x86_64-manylinux_2_31` ->
     `manylinux_2_31_x86_64`), or None (no lock, or none for that Python)."""
-    from patcher.build.envlocks import lock_path, lock_platform
+    from patcher.artifacts.envlocks import lock_path, lock_platform
 
     try:
         plan = eng.env_plan(entry, spec, lock)
@@ -894,7 +894,7 @@ def _engine_plugin(name: str) -> tuple[str, str | None] | None:
 
     from packaging.utils import canonicalize_name
 
-    from patcher.engines import DIST, entries
+    from patcher.engines.registry import DIST, entries
 
     e = entries().get(name)
     if e is None or e.dist == DIST:

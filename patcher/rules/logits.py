@@ -652,7 +652,7 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
     Exact up to YaRN's original_max_position_embeddings and diverging only beyond
     points to YaRN scaling. Singles exact but batch members diverging points to
     batching/masking. (Each claim is checked by planting the bug in the HF model:
-    tests/test_equivalence_explain.py.)"""
+    tests/rules/test_explain.py.)"""
     c = comparison
     located = bisect_lines(bisect)
     if c.passed:

@@ -2,7 +2,7 @@
 
 Every runner script (the HF reference and each engine's) imports this module and nothing of
 ``patcher``: runners run in their engine's own environment, where dsadapt is not installed.
-dsadapt puts this module's directory on the runner's PYTHONPATH (`patcher.runners.run_runner`);
+dsadapt puts this module's directory on the runner's PYTHONPATH (`patcher.runners.launch.run_runner`);
 a runner script is run as
 
     PYTHON SCRIPT --model DIR --prompts prompts.json --dtype DTYPE \\

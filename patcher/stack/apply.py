@@ -16,7 +16,7 @@ from patcher.engines.base import Tree
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, touches_links
-from patcher.stack.materialize import (
+from patcher.stack.checkout import (
     BACKUP_PREFIX,
     BASE_REF,
     STACK_REF,

@@ -20,7 +20,7 @@ from patcher.formats.lock import Lock
 from patcher.formats.patchfile import Patch, parse_patch
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import format_series, parse_series, stack_dir, stack_hash
-from patcher.stack.materialize import STACK_REF, Checkout, head_state
+from patcher.stack.checkout import STACK_REF, Checkout, head_state
 from patcher.stack.state import Applied, Op, Orig
 from patcher.stack.transaction import MBOX_FROM, NoHooks, StackResult, Transaction, flat_tree_id, register
 

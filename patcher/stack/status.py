@@ -14,7 +14,7 @@ from patcher.base.gitutil import GitError
 from patcher.base.workdir import lock_holder
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.stackfiles import Stack, load_stack
-from patcher.stack.materialize import BACKUP_PREFIX, BASE_REF, Checkout, all_checkouts, branch_lag, head_state
+from patcher.stack.checkout import BACKUP_PREFIX, BASE_REF, Checkout, all_checkouts, branch_lag, head_state
 from patcher.stack.transaction import am_done, describe_op
 
 __all__ = ["CheckoutStatus", "checkout_status", "status_all", "unpinned_status"]

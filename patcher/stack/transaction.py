@@ -47,7 +47,7 @@ from patcher.base.gitutil import (
     work_fingerprint,
     work_snapshot,
 )
-from patcher.stack.materialize import OP_PREFIX, STACK_REF, Checkout, Progress, changed_links, tree_links
+from patcher.stack.checkout import OP_PREFIX, STACK_REF, Checkout, Progress, changed_links, tree_links
 from patcher.stack.state import SCHEMA, AmRun, Applied, Op, PatchOutcome, State
 
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -109,30 +109,30 @@ def register(kind: OpKind) -> OpKind:
     return kind
 
 
+#: dsadapt's own op kinds (name -> module), the same table as its pyproject's `dsadapt.ops` entry
+#: points (tests/project/test_architecture.py keeps the two equal): asking for one of them reads no
+#: distribution's metadata, and a stale installed metadata cannot hide one.
+OWN: dict[str, str] = {
+    "apply": "patcher.stack.apply",
+    "refresh": "patcher.stack.refresh",
+    "rebase": "patcher.stack.rebase.carry",
+}
+
+
 def _declared_kinds() -> dict[str, str]:
-    """Op kinds by name -> module: the `dsadapt.ops` entry points, and dsadapt's own declaration in
-    pyproject.toml where its installed metadata predates a kind (a source tree)."""
+    """Op kinds by name -> module: dsadapt's own (`OWN`), then other packages' `dsadapt.ops`
+    entry points (one of dsadapt's own names cannot be replaced by a plugin)."""
     from importlib.metadata import entry_points
 
     found = {ep.name: ep.value for ep in entry_points(group=OPS_GROUP)}
-    try:
-        import tomllib
-
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-        if data.get("project", {}).get("name") == "dsadapt":
-            for k, v in data["project"].get("entry-points", {}).get(OPS_GROUP, {}).items():
-                found.setdefault(k, v)
-    except (OSError, ValueError, KeyError):
-        pass
-    return found
+    return {**found, **OWN}
 
 
 def kind_of(name: str) -> OpKind:
     if name not in KINDS:  # kinds register themselves when their module is imported (entry points)
         import importlib
 
-        module = _declared_kinds().get(name)
+        module = OWN.get(name) or _declared_kinds().get(name)
         if module:
             importlib.import_module(module.partition(":")[0].strip())
     if name not in KINDS:

@@ -37,7 +37,7 @@ from patcher.formats.stackfiles import (
     touches_links,
     tree_link_problems,
 )
-from patcher.stack.materialize import ensure_checkout, tree_links
+from patcher.stack.checkout import ensure_checkout, tree_links
 
 CACHE_LIMIT = 200_000  # ids kept in a compile cache file; past that it starts again from the newest half
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from patcher.base.config import Config
-from patcher.engines import engine
 from patcher.engines.base import Engine, Parallel, VariantSpec
+from patcher.engines.registry import engine
 from patcher.formats.lock import Lock, LockEntry
 from patcher.upstream.tags import TagsResult
 

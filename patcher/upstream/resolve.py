@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from patcher.base.config import Config
 from patcher.base.errors import SourceError, VerificationError
-from patcher.engines import adapter
+from patcher.engines.registry import adapter
 from patcher.formats.lock import Artifact, Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.upstream.sources import Unreachable, engine_cache, git_remote_tags, pypi_files

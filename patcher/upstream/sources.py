@@ -354,7 +354,7 @@ def from_pypi(cfg: Config, decl: EngineDecl, entry: LockEntry, checkout: Git, pr
         raise Unreachable(f"{entry} has no release artifact in the lock")
     path = fetch_artifact(cfg, entry, art, progress)
     check_wheel(path)  # an unsafe artifact is refused before anything is said or written
-    from patcher.engines import engine
+    from patcher.engines.registry import engine
 
     rules = engine(decl.name).tree_rules
     with zipfile.ZipFile(path) as z:  # a full disk too is answered before the slow step: the files, their objects

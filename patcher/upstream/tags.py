@@ -15,8 +15,8 @@ from packaging.version import InvalidVersion, Version
 
 from patcher.base.config import Config
 from patcher.base.errors import SourceError
-from patcher.engines import adapter
 from patcher.engines.base import EngineAdapter
+from patcher.engines.registry import adapter
 from patcher.formats.lock import Lock, LockEntry, version_key
 from patcher.upstream.sources import Unreachable, git_remote_tags, pypi_versions
 

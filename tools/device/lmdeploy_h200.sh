@@ -23,7 +23,7 @@
 # summary.json (the same, with every check's --json result), install.json, host-pip-list.json,
 # reports.tgz (every report dsadapt published, per stack; each command's --json output and log;
 # EXTRA's files; the environments' install records; runner logs while the archive stays < 15 MB).
-# Rehearsed on CPU with the toy engine: tests/test_device_rehearsal.py.
+# Rehearsed on CPU with the toy engine: tests/tools/test_device_rehearsal.py.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 HERE=$(cd "$(dirname "$0")" && pwd)

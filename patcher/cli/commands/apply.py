@@ -48,7 +48,7 @@ def _op_ref(ctx: Context, pin):
     outlive its pin: a rebase killed before pinning NEW, an abort killed after unpinning it)."""
     ref = to_ref(pin)
     if ref is not None and str(ref) not in ctx.lock.pins:
-        from patcher.stack.materialize import has_op
+        from patcher.stack.checkout import has_op
 
         if not has_op(ctx.cfg, ref):
             ctx.lock.pin(ref)  # the usual "not pinned" error

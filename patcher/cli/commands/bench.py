@@ -36,7 +36,8 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     """Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md."""
     from patcher.base.errors import UsageError
     from patcher.base.workdir import workdir_lock
-    from patcher.bench.builds import BUILD_COLUMNS, CHECK_COLUMNS, build_table, check_table, format_markdown, run_bench
+    from patcher.bench.driver import run_bench
+    from patcher.bench.page import BUILD_COLUMNS, CHECK_COLUMNS, build_table, check_table, format_markdown
 
     try:
         ns = tuple(sorted({int(x) for x in sizes.split(",") if x.strip()}))

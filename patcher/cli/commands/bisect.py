@@ -26,8 +26,8 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.engines import engine
-from patcher.gate.check import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
+from patcher.engines.registry import engine
+from patcher.gate.equivalence import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
 
 
 def _num(x, spec=".3g") -> str:

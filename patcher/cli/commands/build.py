@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
+from patcher.artifacts.builder import build_pin, buildable_here
+from patcher.artifacts.venvs import install_plan
 from patcher.base.errors import DsadaptError, SourceError, UsageError
 from patcher.base.workdir import workdir_lock
-from patcher.build.builder import build_pin, buildable_here
-from patcher.build.venvs import install_plan
 from patcher.cli.commands.common import (
     Context,
     emit_json,
@@ -23,7 +23,7 @@ from patcher.cli.commands.common import (
     ref_of,
     table,
 )
-from patcher.engines import engine
+from patcher.engines.registry import engine
 
 
 @click.command("build")

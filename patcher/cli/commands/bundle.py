@@ -17,7 +17,7 @@ from patcher.cli.commands.common import (
     progress_printer,
     ref_of,
 )
-from patcher.engines import engine
+from patcher.engines.registry import engine
 from patcher.offline.pack import make_bundle, parse_size, parse_stacks
 
 

@@ -27,9 +27,9 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.engines import engine
+from patcher.engines.registry import engine
 from patcher.formats.stackfiles import load_stack
-from patcher.gate.check import (
+from patcher.gate.equivalence import (
     CheckRequest,
     CheckResult,
     bisect_command,
@@ -191,7 +191,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
             raise UsageError("pass --rescore REPORT or a pin (or --all), not both",
                              hint="the report names its pin; e.g. dsadapt check --rescore reports/vllm/v0.32.0/"
                                   "v3-transformers-float32.json")
-        from patcher.gate.check import rescore_check
+        from patcher.gate.equivalence import rescore_check
 
         res = rescore_check(rescore_path)
         if as_json:
@@ -222,9 +222,9 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
         _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel,
                             config=model_config)
-        from patcher.gate.check import reference_device as where_reference
+        from patcher.gate.equivalence import where_reference_runs
 
-        where_reference(reference_device, spec)
+        where_reference_runs(reference_device, spec)
         dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant, config=model_config)
         done: list[CheckResult] = []
         from patcher.gate.hosts import RunHost

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from patcher.checkpoints import tiny as tinymodel
+from patcher.checkpoints import tiny
 from patcher.cli.commands import common
 from patcher.cli.commands.common import Context, emit_json, json_option, progress_printer
 
@@ -47,7 +47,7 @@ def model() -> None:
 
 
 @model.command("make")
-@click.option("--variant", type=click.Choice(tinymodel.VARIANTS), default=None,
+@click.option("--variant", type=click.Choice(tiny.VARIANTS), default=None,
               help="A built-in tiny model: v3 (sigmoid + noaux_tc), v2-lite (softmax, greedy), v2 (group-limited). "
                    "Default v3 unless --like.")
 @click.option("--like", type=click.Choice(LIKE), default=None,
@@ -56,7 +56,7 @@ def model() -> None:
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="With --like: decoder layers to keep (from the first).")
 @click.option("--mtp", type=click.IntRange(min=0), default=None,
               help="With --like deepseek-v3: MTP modules to write (default: as released, 1; each is a full MoE layer).")
-@click.option("--config-style", type=click.Choice(tinymodel.CONFIG_STYLES), default="deepseek", show_default=True,
+@click.option("--config-style", type=click.Choice(tiny.CONFIG_STYLES), default="deepseek", show_default=True,
               help="Built-in models: deepseek (the keys DeepSeek's released config.json states) or transformers (what save_pretrained writes).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Weight seed.")
 @click.option("--shard-size", default="4.3GB", show_default=True, help="With --like: shard size (DeepSeek's releases: about 4.3 GB).")
@@ -74,7 +74,7 @@ def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int
     if like is None:
         if layers is not None or mtp is not None:
             raise UsageError("--layers and --mtp go with --like", hint="e.g. dsadapt model make --like deepseek-v3 --layers 4 --out DIR")
-        info = tinymodel.make_model(out, variant=variant or "v3", config_style=config_style, seed=seed)
+        info = tiny.make_model(out, variant=variant or "v3", config_style=config_style, seed=seed)
         data = info.to_json()
         if as_json:
             emit_json(data, schema="dsadapt.model/1")

@@ -133,7 +133,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     outs = parse_int_list(output_len, "--output-len")
     cpu_list = parse_cpus(cpus)
     parallel = to_parallel(tp, ep)
-    from patcher.gate.check import check_split
+    from patcher.gate.equivalence import check_split
 
     check_split(model, parallel)
     # the workload's own checks (lengths, rounds, requests), before anything is made

@@ -85,7 +85,7 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
         raise UsageError("missing argument 'ENGINE@TAG' or option '--onto': the stack to carry and the tag to carry it onto",
                          hint="e.g. dsadapt rebase vllm@v0.32.0 --onto v0.33.0; after a conflict: "
                               "dsadapt rebase --continue")
-    from patcher.stack.rebase import load_report, rebase_stack, report_paths
+    from patcher.stack.rebase.carry import load_report, rebase_stack, report_paths
 
     old = ref_of(pin)
     new_tag = _onto(old.engine, onto)

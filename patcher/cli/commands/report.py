@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, table
-from patcher.gate.summary import SCHEMA, build_report
+from patcher.gate.report import SCHEMA, build_report
 
 
 @click.command("report")
@@ -56,7 +56,7 @@ COMMANDS = [report_cmd]
 
 
 def _where(v: dict) -> str:
-    from patcher.gate.summary import _GPU_RE
+    from patcher.gate.report import _GPU_RE
 
     return "GPU" if _GPU_RE.search(v.get("device") or "") else "CPU"
 

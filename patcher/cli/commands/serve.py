@@ -21,9 +21,9 @@ from patcher.cli.commands.common import (
     progress_printer,
     ref_of,
 )
-from patcher.engines import engine
 from patcher.engines.base import GateRun
-from patcher.gate.check import resolve_model, served_engine_of
+from patcher.engines.registry import engine
+from patcher.gate.equivalence import resolve_model, served_engine_of
 from patcher.gate.hosts import RunHost
 
 
@@ -104,7 +104,7 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
 
 
 def _serving_engines() -> list[str]:
-    from patcher.engines import engine_names
+    from patcher.engines.registry import engine_names
 
     out = []
     for name in engine_names():

@@ -11,9 +11,9 @@ from patcher.cli.commands.common import Context, emit_json, json_option, note, o
 
 def checkout_status(cfg, lock, entry, running=None):
     """One pin's status (stack.status.checkout_status, imported when a status is asked for)."""
-    from patcher.stack.status import checkout_status as status_of
+    import patcher.stack.status
 
-    return status_of(cfg, lock, entry, running)
+    return patcher.stack.status.checkout_status(cfg, lock, entry, running)
 
 
 def _stack_info(ctx: Context, entry):
@@ -34,7 +34,7 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     """Engines, pins, patch counts, build kind, and whether each pin can run here."""
     from collections import Counter
 
-    from patcher.engines import engine
+    from patcher.engines.registry import engine
 
     rows, data = [], []
     probed: dict[str, str | None] = {}
@@ -120,9 +120,9 @@ def gc_cmd(ctx: Context, dry_run: bool, runs: bool, leftovers_only: bool, as_jso
     """Remove what killed runs left behind (half-made checkouts, partial downloads, temporary files,
     stale temporary worktrees) and derived data no pin uses (engine environments, dist/ wheels of
     other stacks, runs/ of unpinned pins). Never your work, reports or backups."""
+    from patcher.artifacts.prune import find_unused
     from patcher.base import leftovers
     from patcher.base.workdir import workdir_lock
-    from patcher.build.prune import find_unused
 
     lock = ctx.lock  # a broken project (malformed lock) is refused before anything is removed
     with workdir_lock(ctx.cfg):

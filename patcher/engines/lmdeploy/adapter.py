@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from patcher.engines.base import COMPILED_DEFAULT, Deferred, ParallelSupport, VariantSpec, WheelEngine, version_at_least
 from patcher.formats.lock import LockEntry
-from patcher.runners import RunnerSpec
+from patcher.runners.launch import RunnerSpec
 
 if TYPE_CHECKING:
     from patcher.engines.lmdeploy.perf import LmdeployPerfRecipe

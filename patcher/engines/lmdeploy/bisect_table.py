@@ -6,7 +6,7 @@ single-GPU ``uni`` executor and ``enable_mp_engine=False`` the model lives in th
 process at ``pipeline.async_engine.engine.executor.model_agent.patched_model`` (``.get_model()``
 once wrapped by the graph runner), so hooks are registered on it at run time. **Not run on
 this machine (no CUDA)**: the name mapping and its conversions are unit-tested against a
-module tree with LMDeploy's names and shapes (tests/test_bisect_units.py, tests/test_lmdeploy_runner.py); the GPU run is the
+module tree with LMDeploy's names and shapes (tests/runners/test_capture_units.py, tests/engines/test_lmdeploy_runner.py); the GPU run is the
 procedure in docs/equivalence.md.
 
 What differs from HF transformers, and how the table brings LMDeploy's values to HF's:

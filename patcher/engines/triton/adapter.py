@@ -38,7 +38,7 @@ from patcher.engines.base import (
 )
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.stackfiles import Stack
-from patcher.runners import RunnerSpec
+from patcher.runners.launch import RunnerSpec
 
 HERE = Path(__file__).resolve().parent
 
@@ -149,7 +149,7 @@ class TritonEngine(EngineBase):
     # -- environment: the served engine's own, with the server added
 
     def env_plan(self, entry: LockEntry, spec: VariantSpec, lock: Lock) -> EnvPlan:
-        from patcher.engines import engine
+        from patcher.engines.registry import engine
 
         if not entry.serves:
             raise EngineUnavailable(f"{entry} serves no pinned engine ({entry.note or 'see upstream.lock'})",
@@ -209,13 +209,13 @@ class TritonEngine(EngineBase):
 
     @property
     def bisect_table(self):
-        from patcher.engines import engine
+        from patcher.engines.registry import engine
 
         return engine("vllm").bisect_table
 
     @contextmanager
     def bisect_session(self, run: GateRun, svc: RunServices) -> Iterator[GateSession]:
-        from patcher.engines import engine
+        from patcher.engines.registry import engine
 
         plan = self.env_plan(run.entry, run.variant, svc.lock)
         env = svc.environment(plan, unpatched=run.unpatched_engine)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from patcher.base.errors import EngineUnavailable, MachineError, UsageError
 from patcher.base.procs import free_port, http_ok, stop_group
-from patcher.runners import RunnerFailed, RunnerTimeout
+from patcher.runners.launch import RunnerFailed, RunnerTimeout
 
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 INSTALL_COMMAND = f"pip install {PYTRITON_REQUIREMENT} 'numpy<2'"

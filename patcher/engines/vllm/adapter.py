@@ -16,7 +16,7 @@ from patcher.engines.base import (
     version_at_least,
 )
 from patcher.formats.lock import LockEntry
-from patcher.runners import RunnerSpec
+from patcher.runners.launch import RunnerSpec
 
 if TYPE_CHECKING:
     from patcher.engines.vllm.perf import VllmPerfRecipe
