@@ -552,6 +552,16 @@ def lint_patch(p: Patch, text: str, where: str) -> list[str]:
     return problems
 
 
+#: what the lint problems a commit message causes (no body, missing or malformed trailers) say: they
+#: are fixed by rewording the commit in the checkout, not by editing the diff
+MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-When")
+
+
+def is_message_problem(problem: str) -> bool:
+    """Whether a `lint_patch` problem is about the commit message."""
+    return any(k in problem for k in MESSAGE_PROBLEMS)
+
+
 def drop_when_error(spec: str) -> str | None:
     from packaging.requirements import InvalidRequirement, Requirement
 

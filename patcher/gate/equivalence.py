@@ -28,12 +28,11 @@ from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint
 from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, reference_slot, run_time_limit
 from patcher.engines.base import SINGLE, Engine, GateRun, Parallel, VariantSpec
-from patcher.engines.registry import engine
-from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import Stack, load_stack
+from patcher.formats.stackfiles import Stack
 from patcher.gate import bisect
 from patcher.gate.hosts import RunHost
+from patcher.gate.plan import CheckPlan, CheckRequest, parallel_flags
 from patcher.gate.report import (  # noqa: F401 - current_rule and rule_drift: this module's public names too
     current_rule,
     inputs_path,
@@ -53,8 +52,6 @@ from patcher.rules.prompts import build_prompt_set, write_prompts_json
 from patcher.rules.verdicts import check_margins
 from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 
-#: The gate's dtype for block-FP8 checkpoints: the engine's FP8 path (activations bfloat16).
-FP8 = "fp8"
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
 CONFIG_STYLES = ("transformers", "deepseek")
@@ -127,34 +124,6 @@ def model_fingerprint(d: Path, cache: Path | None = None, progress=None) -> str:
     return fingerprint(open_checkpoint(d, check_layout=False), cache, progress).sha256
 
 
-def model_preflight(entry: LockEntry, spec: VariantSpec, config: dict, dtype: str | None) -> None:
-    """What a checkpoint's config.json says before anything runs: a block-FP8 checkpoint is checked in
-    fp8 only (the engine's FP8 path against HF on the dequantized weights), fp8 needs one, and the
-    engine may know it cannot run this checkpoint here (exit 6)."""
-    from patcher.checkpoints.layout import LayoutError, fp8_scheme
-
-    eng = engine(entry.engine)
-    try:
-        fp8 = fp8_scheme(config) is not None
-    except LayoutError as e:
-        raise UsageError(f"--model: config.json: {e}", hint="the gate checks DeepSeek checkpoints as released") from None
-    if fp8 and dtype is not None and dtype != FP8:
-        raise UsageError(f"the model is a block-FP8 checkpoint: the gate checks it in {FP8} (the engine's FP8 path "
-                         f"against HF transformers on the dequantized weights), not {dtype}",
-                         hint=f"pass --dtype {FP8} or leave --dtype out")
-    if not fp8 and dtype == FP8:
-        raise UsageError(f"--dtype {FP8} is for block-FP8 checkpoints (quantization_config quant_method fp8); "
-                         "this model has none", hint="pass --dtype float32, bfloat16 or float16, or an FP8 checkpoint "
-                                                     "(`dsadapt model make --like deepseek-v3`)")
-    blocker = eng.checkpoint_blocker(entry, spec, config)
-    if fp8 and blocker is None and FP8 not in eng.gate_dtypes(spec):
-        blocker = f"its gate runner has no FP8 path (it serves {', '.join(eng.gate_dtypes(spec))})"
-    if blocker:
-        what = "this block-FP8 checkpoint" if fp8 else "this checkpoint"
-        raise EngineUnavailable(f"{entry.ref} ({spec.name}) cannot run {what} here: {blocker}",
-                                hint=f"run it on a machine that has what it needs ({eng.docs_page or 'the engine docs'})")
-
-
 # ---------------------------------------------------------------- environments
 
 
@@ -196,25 +165,6 @@ def _hash_json(obj) -> str:
 
 
 # ---------------------------------------------------------------- the check
-
-
-REFERENCE_DEVICES = ("auto", "cpu", "cuda")
-
-
-def where_reference_runs(asked: str, spec: VariantSpec) -> str:
-    """Where the float32 reference runs: `asked`, or for "auto" the GPU when the engine itself runs
-    on CUDA and this machine has one (a big machine's CPU, shared with the engine, can be far
-    slower than its GPU for the reference's many small forwards), else the CPU."""
-    from patcher.engines.base import has_cuda
-
-    if asked not in REFERENCE_DEVICES:
-        raise UsageError(f"--reference-device {asked!r}", hint=f"one of {', '.join(REFERENCE_DEVICES)}")
-    if asked == "cuda" and not has_cuda():
-        raise EngineUnavailable("--reference-device cuda: no CUDA GPU on this machine",
-                                hint="use --reference-device cpu (the default where there is no GPU)")
-    if asked == "auto":
-        return "cuda" if spec.device == "cuda" and has_cuda() else "cpu"
-    return asked
 
 
 def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: Path, prompts_doc: dict,
@@ -265,196 +215,55 @@ def report_paths(cfg: Config, ref: PinRef, label: str, style: str | None, dtype:
     return cfg.reports_root / ref.engine / ref.tag / f"{name}.json"
 
 
-def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str,
-             parallel: Parallel = SINGLE) -> tuple[LockEntry, VariantSpec]:
-    """The pin's entry and variant, or EngineUnavailable (exit 6) saying why it cannot run here
-    (in `parallel`: what that configuration needs) and where `command` can (shared by check,
-    bisect and perf)."""
-    entry = lock.pin(ref)
-    eng = engine(ref.engine)
-    spec = eng.variant_for(entry, variant)
-    blocker = eng.run_blocker(entry, spec)
-    if blocker:
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run on this machine: {blocker}",
-                                hint=f"run `{command}` on a machine that has what it needs "
-                                     f"({eng.docs_page or 'the engine docs'} says where it was verified)")
-    blocker = eng.parallel_blocker(entry, spec, parallel)
-    if blocker:
-        elsewhere = [v.name for v in eng.pinned_variants(entry)
-                     if v.name != spec.name and eng.parallel_support(entry, v).tp
-                     and (eng.parallel_support(entry, v).ep or not parallel.ep)]
-        offered = eng.parallel_support(entry, spec).tp and (eng.parallel_support(entry, spec).ep or not parallel.ep)
-        where = (f"run `{command}` where it can (variant {', '.join(elsewhere)} offers it)" if elsewhere
-                 else f"run `{command}` on a machine that has what it needs" if offered
-                 else f"no variant of {ref} offers {parallel.describe()}: check it in one process (without --tp)")
-        raise EngineUnavailable(f"{ref} ({spec.name}) cannot run {parallel.describe()} here: {blocker}",
-                                hint=f"{where}; {eng.docs_page or 'the engine docs'} says what each variant offers")
-    return entry, spec
-
-
-def parallel_fits(config: dict, parallel: Parallel) -> str | None:
-    """Why a model of this config.json cannot be split over `parallel`'s ranks (what is not
-    divisible), or None. Each rank must hold a whole share of the attention heads and of the
-    MoE's experts (expert parallelism) or of each expert's intermediate size (tensor parallelism),
-    and of the router's expert groups."""
-    if parallel.single:
-        return None
-    n = parallel.tp
-    checks = [("num_attention_heads", "attention heads")]
-    if config.get("n_routed_experts"):
-        checks += [("n_routed_experts", "routed experts")] if parallel.ep else \
-            [("moe_intermediate_size", "expert intermediate size")]
-        if parallel.ep and int(config.get("n_group") or 1) > 1:
-            checks += [("n_group", "expert groups")]
-    if config.get("intermediate_size"):
-        checks += [("intermediate_size", "dense MLP intermediate size")]
-    for key, what in checks:
-        value = config.get(key)
-        if isinstance(value, int) and value % n:
-            return f"its {what} ({key} = {value}) do not split over {n} ranks"
-    return None
-
-
-def check_split(model: str, parallel: Parallel) -> None:
-    """UsageError (exit 2) when `model` (a built-in name or a directory) cannot be split over
-    `parallel`'s ranks; read from its config alone, before anything is made."""
-    if parallel.single:
-        return
-    from patcher.checkpoints.tiny import VARIANTS, deepseek_config
-
-    if model in VARIANTS:
-        config = deepseek_config(model)  # both config styles have the same shapes
-    else:
-        try:
-            config = json.loads((Path(model) / "config.json").read_text())
-        except (OSError, ValueError):
-            return  # resolve_model says what is wrong with it
-    unfit = parallel_fits(config if isinstance(config, dict) else {}, parallel)
-    if unfit:
-        raise UsageError(f"--model {model} cannot run {parallel.describe()}: {unfit}",
-                         hint="choose a tensor parallel size that divides the model's heads and expert sizes")
-
-
-def preflight(lock: Lock, ref: PinRef, variant: str | None, command: str | None = None,
-              dtype: str | None = None, unpatched_engine: bool = False,
-              parallel: Parallel = SINGLE, config: dict | None = None) -> tuple[LockEntry, VariantSpec]:
-    """What `check` can tell before it touches anything: the pin, the variant, whether it can run
-    here (exit 6; in `parallel`: whether the engine offers it and the machine has the devices),
-    and whether its runner takes `dtype` (exit 2; checked after the machine, so a dtype a GPU-only
-    engine supports is never reported as bad input on a machine without a GPU).
-    `unpatched_engine` only means something for a pin that serves another pinned engine."""
-    if unpatched_engine:
-        served_engine_of(lock, ref)
-    entry, spec = runnable(lock, ref, variant, command or f"dsadapt check {ref}", parallel)
-    eng = engine(ref.engine)
-    if config is not None:
-        model_preflight(entry, spec, config, dtype)
-    if dtype is not None:
-        dtypes = eng.gate_dtypes(spec)
-        if dtype not in dtypes:
-            raise UsageError(f"{ref} ({spec.name}) does not run in {dtype} for the gate",
-                             hint=f"its runner supports {', '.join(dtypes)}: pass --dtype {dtypes[0]}"
-                             if dtypes else f"see {eng.docs_page}")
-    return entry, spec
-
-
-def served_engine_of(lock: Lock, ref: PinRef) -> str:
-    """The pinned engine `ref` serves (`serves` in upstream.lock): what --unpatched-engine leaves
-    unpatched. A pin that serves none is bad input for that option."""
-    entry = lock.pin(ref)
-    if not entry.serves:
-        raise UsageError(f"{ref} serves no other engine: --unpatched-engine has nothing to leave unpatched",
-                         hint="it is for pins that serve another pinned engine (`serves` in upstream.lock); "
-                              "use --unpatched for the pristine release of this one")
-    return entry.serves
-
-
-def check_dtypes(lock: Lock, ref: PinRef, variant: str | None = None, config: dict | None = None) -> tuple[str, ...]:
-    """Every dtype the engine's gate runner serves for this pin (float32 first where it has it,
-    then bfloat16, float16): what `check` runs without --dtype. A block-FP8 checkpoint (`config`)
-    runs in fp8 only."""
-    from patcher.checkpoints.layout import LayoutError, fp8_scheme
-
-    entry = lock.pin(ref)
-    eng = engine(entry.engine)
-    served = eng.gate_dtypes(eng.variant_for(entry, variant))
-    try:
-        if config is not None and fp8_scheme(config) is not None:
-            return (FP8,)
-    except LayoutError:
-        pass
-    plain = [d for d in served if d != FP8]
-    return tuple(d for d in ("float32", "bfloat16", "float16") if d in plain) or tuple(plain[:1])
-
-
-@dataclass(frozen=True)
-class CheckRequest:
-    """One gate run as the user asked for it, carried unchanged from the command line to the engine
-    (`gate_run` makes the engine's part of it, `engines.base.GateRun`)."""
-
-    pin: PinRef
-    model: str = "v3"                 # a built-in model name or a model directory
-    config_style: str | None = None   # the built-in model's config.json style (None: the engine's)
-    dtype: str = "float32"
-    variant: str | None = None
-    unpatched: bool = False           # the pristine upstream release instead of the stack
-    unpatched_engine: bool = False    # served engines: the served engine pristine, the stack applied
-    reference_on: str = "auto"        # where the float32 reference runs (`reference_device`)
-    bisect: str | None = None         # None, "on-fail" or "always" (`patcher.gate.bisect.wanted`)
-    explain: bool = True
-    command: str | None = None        # the command line, for provenance
-    tp: int = 1                       # the engine's tensor parallel size (the reference stays one process)
-    ep: bool = False                  # expert parallelism over those ranks
-    prompt_seed: int = 0              # 0: the fixed prompt set; N: another set of the same shape (`prompt_texts`)
-
-    @property
-    def parallel(self) -> Parallel:
-        return Parallel(self.tp, self.ep)
-
-    def with_dtype(self, dtype: str) -> CheckRequest:
-        return replace(self, dtype=dtype)
-
-    def default_command(self, style: str | None) -> str:
-        return (f"dsadapt check {self.pin} --model {self.model}" + (f" --config-style {style}" if style else "")
-                + f" --dtype {self.dtype}" + parallel_flags(self.parallel) + (" --unpatched" if self.unpatched else "")
-                + (f" --prompt-seed {self.prompt_seed}" if self.prompt_seed else ""))
-
-
-def parallel_flags(parallel: Parallel) -> str:
-    """The command-line flags of a parallel configuration (empty for one process)."""
-    return "" if parallel.single else f" --tp {parallel.tp}" + (" --ep" if parallel.ep else "")
-
-
 @dataclass
 class _Run:
-    """What one check has resolved before the engine runs (shared by the verdict, the bisect and
-    the failure report)."""
+    """What one run of a plan (one dtype) has resolved before the engine runs (shared by the
+    verdict, the bisect and the failure report)."""
 
-    req: CheckRequest
-    cfg: Config
-    entry: LockEntry
-    spec: VariantSpec
-    eng: Engine
-    stack: Stack
+    plan: CheckPlan
+    req: CheckRequest          # the plan's request, in this run's dtype
+    dtype: str
     model_dir: Path
     label: str
     style: str | None
     fingerprint: str
-    config: dict
     checkpoint: Checkpoint
     model_files: dict
     out: Path
     work: Path
     gate: GateRun
     host: RunHost
-    progress: Callable[[str], None] | None
     on_line: Callable[[str], None] | None
     t_start: float
     timings: dict = field(default_factory=dict)
 
     @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def spec(self) -> VariantSpec:
+        return self.plan.spec
+
+    @property
+    def eng(self) -> Engine:
+        return self.plan.eng
+
+    @property
+    def stack(self) -> Stack:
+        return self.plan.stack
+
+    @property
+    def config(self) -> dict:
+        return self.checkpoint.config
+
+    @property
+    def progress(self) -> Callable[[str], None] | None:
+        return self.host.progress
+
+    @property
     def title(self) -> str:
-        return f"{self.req.pin} {self.label} {self.style or ''} {self.req.dtype}" + \
+        return f"{self.req.pin} {self.label} {self.style or ''} {self.dtype}" + \
             ("" if self.req.parallel.single else f" {self.req.parallel.label}") + \
             (" (unpatched)" if self.req.unpatched else "")
 
@@ -481,48 +290,45 @@ class _Run:
         self.timings["total_s"] = round(time.monotonic() - self.t_start, 2)
         return CheckResult(
             pin=str(self.req.pin), engine=self.req.pin.engine, variant=self.spec.name, model=self.label,
-            config_style=self.style, dtype=self.req.dtype, unpatched=self.req.unpatched, verdict=verdict,
+            config_style=self.style, dtype=self.dtype, unpatched=self.req.unpatched, verdict=verdict,
             reasons=reasons, explanation=explanation, report_path=str(self.out), plot_path=None,
             provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected,
             parallel=self.req.parallel.to_json())
 
 
-def _prepare(cfg: Config, lock: Lock, req: CheckRequest, progress, stream: bool, on_line,
-             host: RunHost | None = None) -> _Run:
+def _prepare(plan: CheckPlan, dtype: str, host: RunHost, on_line) -> _Run:
+    """The run's model (a built-in one made here; a folder as the plan opened it), its fingerprint,
+    report and work paths: nothing the plan checked is asked again."""
     t_start = time.monotonic()
-    entry, spec = preflight(lock, req.pin, req.variant, req.command, req.dtype, req.unpatched_engine,
-                            req.parallel)
-    eng = engine(req.pin.engine)
-    stack = load_stack(cfg.patches_root, req.pin)
-    check_split(req.model, req.parallel)
-    model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
-                                            default_style=eng.model_config_style)
-    ckpt = open_checkpoint(model_dir)
-    model_preflight(entry, spec, ckpt.config, req.dtype)
+    req, cfg, progress = plan.request(dtype), plan.cfg, host.progress
+    if plan.model.checkpoint is None:
+        model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
+                                                default_style=plan.eng.model_config_style)
+        ckpt = open_checkpoint(model_dir)
+    else:
+        ckpt = plan.model.checkpoint
+        model_dir, label, style = ckpt.path.resolve(), ckpt.path.name, req.config_style
     fp = fingerprint(ckpt, cfg.cache, progress)
-    out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, req.unpatched_engine,
+    out = report_paths(cfg, req.pin, label, style, dtype, req.unpatched, req.unpatched_engine,
                        parallel=req.parallel, prompt_seed=req.prompt_seed)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
-    gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched, unpatched_engine=req.unpatched_engine,
-                   tp=req.tp, ep=req.ep)
-    return _Run(req=req, cfg=cfg, entry=entry, spec=spec, eng=eng, stack=stack, model_dir=model_dir, label=label,
-                style=style, fingerprint=fp.sha256, config=ckpt.config, checkpoint=ckpt, model_files=fp.files,
-                out=out, work=work, gate=gate,
-                host=host or RunHost(cfg, lock, progress, stream), progress=progress, on_line=on_line,
+    gate = GateRun(plan.entry, plan.spec, dtype, model_dir, unpatched=req.unpatched,
+                   unpatched_engine=req.unpatched_engine, tp=req.tp, ep=req.ep)
+    return _Run(plan=plan, req=req, dtype=dtype, model_dir=model_dir, label=label, style=style, fingerprint=fp.sha256,
+                checkpoint=ckpt, model_files=fp.files, out=out, work=work, gate=gate, host=host, on_line=on_line,
                 t_start=t_start)
 
 
-def run_check(cfg: Config, lock: Lock, req: CheckRequest, *, progress: Callable[[str], None] | None = None,
-              stream: bool = True, on_line: Callable[[str], None] | None = None,
-              host: RunHost | None = None) -> CheckResult:
-    """The gate for one pin and dtype. `req.bisect` ("on-fail" or "always", see `patcher.gate.bisect`)
-    adds the per-module comparison; low-precision checks always run it (part of their verdict).
-    `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is
-    built and installed once."""
-    r = _prepare(cfg, lock, req, progress, stream, on_line, host)
-    ref_device = where_reference_runs(req.reference_on, r.spec)
-    dtype = req.dtype
+def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
+              on_line: Callable[[str], None] | None = None) -> CheckResult:
+    """The gate for one planned pin in one of the plan's dtypes. `req.bisect` ("on-fail" or
+    "always", see `patcher.gate.bisect`) adds the per-module comparison; low-precision checks
+    always run it (part of their verdict). `host`: one `RunHost` shared by the runs of one command
+    (several dtypes), so the engine is built and installed once; it carries the progress."""
+    host = host or RunHost(plan.cfg, plan.lock)
+    r = _prepare(plan, dtype, host, on_line)
+    req, cfg, progress, ref_device = r.req, plan.cfg, host.progress, plan.reference_device
     prompts = build_prompt_set(r.model_dir, MAX_TOKENS, seed=req.prompt_seed)
     prompts_path = write_prompts_json(prompts, r.work / "prompts.json")
     prompts_doc = json.loads(prompts_path.read_text())
@@ -764,7 +570,7 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
     to the check report. Returns `bisect.summary` (the failure in `reasons` when it cannot run)."""
     from patcher.rules.modules import BisectError
 
-    dtype, progress, on_line = r.req.dtype, r.progress, r.on_line
+    dtype, progress, on_line = r.dtype, r.progress, r.on_line
 
     def failed(why: str, passed: bool | None = False) -> dict:
         return {"passed": passed, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
@@ -798,7 +604,7 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
         engine_doc = bisect.load_capture(capture)
         ref_docs = bisect.reference_capture(r.cfg, r.model_dir, r.fingerprint, engine_doc, dtype, r.work,
                                                 lambda: reference_python(r.cfg, progress), progress, on_line,
-                                                device=where_reference_runs(r.req.reference_on, r.spec))
+                                                device=r.plan.reference_device)
         result = bisect.compare(engine_doc, ref_docs, r.config, dtype, r.req.pin.engine, table)
     except (BisectError, EngineRunFailed, EngineUnavailable) as e:
         return failed(f"bisect could not run: {e.message}")

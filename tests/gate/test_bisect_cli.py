@@ -14,6 +14,7 @@ from test_check_cli import PIN, Proj, failing_engine, model_dir, needs_cpu_only,
 from patcher.engines.base import EngineEnv
 from patcher.engines.registry import engine
 from patcher.gate import equivalence as check_mod
+from patcher.gate import plan as plan_mod
 from patcher.runners.launch import RunnerSpec
 
 
@@ -61,9 +62,9 @@ def test_check_dtypes_follow_the_engines_runner(proj):
     from patcher.formats.lock import load_lock
 
     lock = load_lock(proj.root / "upstream.lock")
-    assert check_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
-    assert check_mod.check_dtypes(lock, "lmdeploy@v0.18.0") == ("bfloat16", "float16")  # no float32 path
-    assert check_mod.check_dtypes(lock, "triton@r26.01") == ("float32", "bfloat16", "float16")
+    assert plan_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
+    assert plan_mod.check_dtypes(lock, "lmdeploy@v0.18.0") == ("bfloat16", "float16")  # no float32 path
+    assert plan_mod.check_dtypes(lock, "triton@r26.01") == ("float32", "bfloat16", "float16")
 
 
 @needs_cpu_only

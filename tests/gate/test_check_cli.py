@@ -325,10 +325,13 @@ def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
         raise KeyboardInterrupt  # stop before anything runs
 
     monkeypatch.setattr(check_mod, "resolve_model", fake_resolve)
+    from patcher.gate.plan import CheckRequest, plan_check
+
     for asked in (None, "transformers"):
         with pytest.raises(KeyboardInterrupt):
-            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
-                                check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
+            plan = plan_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
+                              CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
+            check_mod.run_check(plan, "float32")
     assert seen == ["deepseek", "transformers"]
 
 

@@ -26,6 +26,7 @@ from patcher.engines.registry import engine
 from patcher.formats.lock import load_lock
 from patcher.formats.pinref import PinRef
 from patcher.gate import equivalence as check_mod
+from patcher.gate import plan as plan_mod
 
 torch = pytest.importorskip("torch")
 
@@ -72,7 +73,7 @@ def test_reports_of_each_configuration_have_their_own_name(proj):  # noqa: F811
              for s in ("transformers", "deepseek") for d in ("float32", "bfloat16") for u in (False, True)
              for p in (SINGLE, Parallel(2), Parallel(2, True), Parallel(4))}
     assert len(names) == 2 * 2 * 2 * 4
-    req = check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
+    req = plan_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
     assert req.parallel == Parallel(2) and "--tp 2" in req.default_command("deepseek")
 
 
@@ -81,14 +82,14 @@ def test_the_model_must_split_over_the_ranks():
 
     for v in VARIANTS:  # every built-in model splits over 2 ranks, with and without expert parallelism
         c = deepseek_config(v)
-        assert check_mod.parallel_fits(c, Parallel(2)) is None and check_mod.parallel_fits(c, Parallel(2, True)) is None
+        assert plan_mod.parallel_fits(c, Parallel(2)) is None and plan_mod.parallel_fits(c, Parallel(2, True)) is None
         assert c["num_attention_heads"] % 2 == 0 and c["n_routed_experts"] % 2 == 0
         assert c["moe_intermediate_size"] % 2 == 0 and c["n_group"] in (1, 2, 4)
     v3 = deepseek_config("v3")
-    assert "attention heads (num_attention_heads = 8)" in check_mod.parallel_fits(v3, Parallel(3))
-    assert check_mod.parallel_fits({**v3, "n_routed_experts": 6}, Parallel(4, True)).startswith("its routed experts")
-    assert check_mod.parallel_fits({**v3, "n_group": 3}, Parallel(2, True)).startswith("its expert groups")
-    assert check_mod.parallel_fits(v3, SINGLE) is None
+    assert "attention heads (num_attention_heads = 8)" in plan_mod.parallel_fits(v3, Parallel(3))
+    assert plan_mod.parallel_fits({**v3, "n_routed_experts": 6}, Parallel(4, True)).startswith("its routed experts")
+    assert plan_mod.parallel_fits({**v3, "n_group": 3}, Parallel(2, True)).startswith("its expert groups")
+    assert plan_mod.parallel_fits(v3, SINGLE) is None
 
 
 # ---------------------------------------------------------------- the contract: what runs where
@@ -187,14 +188,14 @@ def test_ci_matrix_cells_carry_the_parallel_configurations(proj):  # noqa: F811
 
 
 def test_a_runner_that_ignores_the_parallel_options_is_refused():
-    req = check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
+    req = plan_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
     with pytest.raises(DsadaptError) as e:
         check_mod._check_parallel(req, {"enforce_eager": True})  # no settings.parallel: it ran one process
     assert "asked for TP 2, the engine's runner ran one process" in e.value.message
     check_mod._check_parallel(req, {"parallel": {"tp": 2, "ep": False}})
-    check_mod._check_parallel(check_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {})
+    check_mod._check_parallel(plan_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {})
     with pytest.raises(DsadaptError):
-        check_mod._check_parallel(check_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {"parallel": {"tp": 2}})
+        check_mod._check_parallel(plan_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {"parallel": {"tp": 2}})
 
 
 # ---------------------------------------------------------------- the runners' parallel paths

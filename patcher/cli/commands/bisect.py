@@ -9,9 +9,8 @@ from pathlib import Path
 
 import click
 
-from patcher.base.errors import CheckFailed, DsadaptError, EngineUnavailable
+from patcher.base.errors import CheckFailed, DsadaptError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -26,8 +25,9 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.engines.registry import engine
-from patcher.gate.equivalence import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
+from patcher.gate.equivalence import CheckResult, run_check
+from patcher.gate.hosts import RunHost
+from patcher.gate.plan import CheckRequest, check_split, choose_model, plan_check
 
 
 def _num(x, spec=".3g") -> str:
@@ -90,23 +90,21 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    model_config = _check_model(model)
+    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(model, parallel)
+    check_split(choice, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
-    preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel, config=model_config)
-    if getattr(engine(ref.engine), "bisect_table", None) is None:
-        raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
-                                hint="see docs/equivalence.md (Bisect) for the engines that can")
-    dtype = dtype or check_dtypes(ctx.lock, ref, variant, config=model_config)[0]
+    req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant, unpatched=unpatched,
+                       unpatched_engine=unpatched_engine, bisect="always", command=command, tp=parallel.tp,
+                       ep=parallel.ep, prompt_seed=prompt_seed)
+    # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration, no capture table):
+    # before anything is made
+    plan = plan_check(ctx.cfg, ctx.lock, req, choice, capture=True)
+    dtype = plan.dtypes[0]
     progress = progress_printer()
-    on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
-        req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
-                           unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command,
-                           tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
-        res = run_check(ctx.cfg, ctx.lock, req, progress=progress, stream=not as_json, on_line=on_line)
+        res = run_check(plan, dtype, host=RunHost(ctx.cfg, ctx.lock, progress, not as_json),
+                        on_line=progress.note if progress is not None else None)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
         if as_json:

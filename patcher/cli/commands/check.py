@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import click
 
-from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
+from patcher.base.errors import ExitCode, UsageError
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
@@ -27,21 +28,9 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.engines.registry import engine
-from patcher.formats.stackfiles import load_stack
-from patcher.gate.equivalence import (
-    CheckRequest,
-    CheckResult,
-    bisect_command,
-    check_dtypes,
-    check_or_raise,
-    check_split,
-    failure_where,
-    preflight,
-    run_check,
-)
-
-BUILTIN_MODELS = ("v3", "v2-lite", "v2")
+from patcher.formats.pinref import PinRef
+from patcher.gate.equivalence import CheckResult, bisect_command, check_or_raise
+from patcher.gate.plan import CheckRequest, ModelChoice, check_split, choose_model
 
 
 def command_line(click_ctx: click.Context) -> str:
@@ -63,23 +52,6 @@ def command_line(click_ctx: click.Context) -> str:
         elif value is not None:
             parts += [param.opts[0], shlex.quote(str(value))]
     return " ".join(parts)
-
-
-def _check_model(model: str) -> dict | None:
-    """--model is a built-in name or a checkpoint folder whose config.json and weights agree (checked
-    before anything runs, from the safetensors headers alone); returns the folder's config."""
-    if model in BUILTIN_MODELS:
-        from patcher.checkpoints.tiny import deepseek_config
-
-        return deepseek_config(model)  # the architecture; no built-in model is quantized
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
-                         "directory with config.json",
-                         hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
-    from patcher.checkpoints.model_dir import open_checkpoint  # reads config.json once, and checks the weights
-
-    return open_checkpoint(Path(model)).config
 
 
 def _fmt(x, spec=".2g"):
@@ -191,139 +163,108 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
             raise UsageError("pass --rescore REPORT or a pin (or --all), not both",
                              hint="the report names its pin; e.g. dsadapt check --rescore reports/vllm/v0.32.0/"
                                   "v3-transformers-float32.json")
-        from patcher.gate.equivalence import rescore_check
-
-        res = rescore_check(rescore_path)
-        if as_json:
-            emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
-        else:
-            render(res)
-        report_ci([res], junit)
-        check_or_raise(res)
+        _rescore(rescore_path, junit, as_json)
         return
     if bool(pin) == all_pins:
         raise UsageError("name one ENGINE@TAG or pass --all", hint="e.g. dsadapt check vllm@v0.32.0 --model v3")
     if all_pins and unpatched_engine:
         raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
                          hint="dsadapt check ENGINE@TAG --unpatched-engine")
-    model_config = _check_model(model)
+    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(model, parallel)
-    command = command_line(click.get_current_context())
-    progress = progress_printer()
-    on_line = progress.note if progress is not None else None
-    mode = "on-fail" if bisect else None
-    if not all_pins:
-        ref = to_ref(pin)
-        assert ref is not None
-        from patcher.cli.commands.build import default_variant
-
-        variant = default_variant(ctx, ref, variant)
-        # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
-        _, spec = preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel,
-                            config=model_config)
-        from patcher.gate.equivalence import where_reference_runs
-
-        where_reference_runs(reference_device, spec)
-        dtypes = (dtype,) if dtype else check_dtypes(ctx.lock, ref, variant, config=model_config)
-        done: list[CheckResult] = []
-        from patcher.gate.hosts import RunHost
-
-        req = CheckRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
-                           unpatched_engine=unpatched_engine, reference_on=reference_device, bisect=mode,
-                           command=command, tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
-        host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)  # one build and install for every dtype
-        with workdir_lock(ctx.cfg):
-            for dt in dtypes:
-                res = run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
-                                on_line=on_line, host=host)
-                done.append(res)
-                if not as_json:
-                    render(res)
-                    if explain and res.passed:
-                        out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
-        if as_json:
-            emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(ref), done),
-                      schema="dsadapt.check-report/1")
-        elif len(done) > 1:
-            word = "PASS" if all(r.passed for r in done) else "FAIL"
-            out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
-        report_ci(done, junit)
-        failed_runs = [r for r in done if not r.passed]
-        if failed_runs and len(done) > 1:
-            first = failed_runs[0]
-            try:
-                check_or_raise(first)
-            except CheckFailed as e:
-                raise CheckFailed(f"{ref} failed the equivalence gate in {', '.join(r.dtype for r in failed_runs)}: "
-                                  f"{first.dtype}{failure_where(first)}: {'; '.join(first.reasons[:2])}",
-                                  hint=e.hint) from None
-        for r in failed_runs:
-            check_or_raise(r)
+    check_split(choice, parallel)
+    request = partial(CheckRequest, model=model, config_style=config_style, dtype=dtype, reference_on=reference_device,
+                      bisect="on-fail" if bisect else None, command=command_line(click.get_current_context()),
+                      tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
+    if all_pins:
+        what = dtype or "every dtype each engine serves"
+        _check_all(ctx, request, choice, f"dsadapt check --all (model {model}, {what}"
+                   f"{'' if parallel.single else ', ' + parallel.describe()})", junit, as_json)
         return
-    results: list[dict[str, object]] = []
-    rows: list[list[str]] = []
-    all_runs: list[CheckResult] = []
-    failed = False
-    from patcher.gate.hosts import RunHost
-    with workdir_lock(ctx.cfg):
-        for entry in ctx.lock.sorted_pins():
-            eng = engine(entry.engine)
-            spec = eng.variant_for(entry, None)
-            blocker = eng.run_blocker(entry, spec) or eng.parallel_blocker(entry, spec, parallel)
-            if blocker is None and dtype is not None and dtype not in eng.gate_dtypes(spec):
-                blocker = f"runs in {', '.join(eng.gate_dtypes(spec)) or 'no dtype'} only, not {dtype}"
-            if not load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False).exists:
-                blocker = "no stack"
-            if blocker:
-                results.append({"pin": str(entry.ref), "verdict": "not run", "reason": blocker,
-                                "parallel": parallel.to_json()})
-                rows.append([str(entry.ref), "not run", blocker])
-                continue
-            try:
-                req = CheckRequest(entry.ref, model=model, config_style=config_style, reference_on=reference_device,
-                                   bisect=mode, command=command, tp=parallel.tp, ep=parallel.ep,
-                                   prompt_seed=prompt_seed)
-                host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)
-                runs = [run_check(ctx.cfg, ctx.lock, req.with_dtype(dt), progress=progress, stream=not as_json,
-                                  on_line=on_line, host=host)
-                        for dt in ((dtype,) if dtype else check_dtypes(ctx.lock, entry.ref, config=model_config))]
-                all_runs += runs
-                ok = all(r.passed for r in runs)
-                bad = [r for r in runs if not r.passed]
-                results.append({"pin": str(entry.ref), "verdict": "pass" if ok else "fail",
-                                "parallel": parallel.to_json(), "dtypes": {r.dtype: r.verdict for r in runs},
-                                "report": runs[0].report_path if len(runs) == 1 else [r.report_path for r in runs],
-                                "reasons": [f"{r.dtype}: {x}" if len(runs) > 1 else x for r in bad for x in r.reasons]})
-                rows.append([str(entry.ref) + ("" if len(runs) == 1 else " (" + ", ".join(
-                    f"{r.dtype} {r.verdict}" for r in runs) + ")"), "pass" if ok else "fail",
-                    runs[0].report_path if ok and len(runs) == 1 else
-                    ("; ".join(f"{r.dtype}: {'; '.join(r.reasons[:1])}" for r in bad) if bad else "every dtype passed")])
-                failed |= not ok
-            except DsadaptError as e:
-                if e.exit_code == ExitCode.CANNOT_RUN:  # not runnable here (no GPU, no source): never a pass
-                    results.append({"pin": str(entry.ref), "verdict": "not run", "reason": e.message})
-                    rows.append([str(entry.ref), "not run", e.message])
-                    continue
-                results.append({"pin": str(entry.ref), "verdict": "error", "reason": e.message,
-                                "exit_code": int(e.exit_code)})
-                rows.append([str(entry.ref), "error", e.message])
-                failed = True
-    ran = [r for r in results if r["verdict"] in ("pass", "fail")]
-    report_ci(all_runs, junit, [(str(r["pin"]), str(r["reason"]), r["verdict"] == "error") for r in results
-                                if r["verdict"] in ("not run", "error")])
+    from patcher.formats.bundle import default_variant
+
+    ref = to_ref(pin)
+    assert ref is not None
+    _check_one(ctx, request(ref, variant=default_variant(ctx.cfg, ref, variant), unpatched=unpatched,
+                            unpatched_engine=unpatched_engine), choice, explain, junit, as_json)
+
+
+def _rescore(path: Path, junit, as_json: bool) -> None:
+    from patcher.gate.equivalence import rescore_check
+
+    res = rescore_check(path)
     if as_json:
-        emit_json({"results": results, "ok": bool(ran) and not failed}, schema="dsadapt.check-all/1")
+        emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
     else:
-        table(f"dsadapt check --all (model {model}, {dtype or 'every dtype each engine serves'}"
-              f"{'' if parallel.single else ', ' + parallel.describe()})",
-              ["pin", "verdict", "detail"], rows)
-        out(f"{sum(r['verdict'] == 'pass' for r in results)} passed, {sum(r['verdict'] in ('fail', 'error') for r in results)} "
-            f"failed, {sum(r['verdict'] == 'not run' for r in results)} not run here (never counted as passes)")
+        render(res)
+    report_ci([res], junit)
+    check_or_raise(res)
+
+
+def _check_one(ctx: Context, req: CheckRequest, choice: ModelChoice, explain: bool, junit, as_json: bool) -> None:
+    """One pin, every dtype asked: planned first (bad input, cannot run here: before anything is
+    made), then run on one host (one build and install)."""
+    from patcher.gate.hosts import RunHost
+    from patcher.gate.overall import check_pin, overall_json, pin_or_raise
+    from patcher.gate.plan import plan_check
+
+    plan = plan_check(ctx.cfg, ctx.lock, req, choice)
+    progress = progress_printer()
+
+    def shown(res: CheckResult) -> None:
+        render(res)
+        if explain and res.passed:
+            out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+
+    with workdir_lock(ctx.cfg):
+        done = check_pin(plan, RunHost(ctx.cfg, ctx.lock, progress, not as_json),
+                         progress.note if progress is not None else None, None if as_json else shown)
+    if as_json:
+        emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(req.pin), done),
+                  schema="dsadapt.check-report/1")
+    elif len(done) > 1:
+        word = "PASS" if all(r.passed for r in done) else "FAIL"
+        out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
+    report_ci(done, junit)
+    pin_or_raise(str(req.pin), done)
+
+
+def _check_all(ctx: Context, request: Callable[[PinRef], CheckRequest], choice: ModelChoice, title: str, junit,
+               as_json: bool) -> None:
+    from patcher.gate.hosts import RunHost
+    from patcher.gate.overall import check_all
+
+    progress = progress_printer()
+    with workdir_lock(ctx.cfg):
+        outcomes = check_all(ctx.cfg, ctx.lock, request, choice,
+                             lambda: RunHost(ctx.cfg, ctx.lock, progress, not as_json),
+                             progress.note if progress is not None else None)
+    report_ci([r for o in outcomes for r in o.runs], junit,
+              [(o.pin, o.reason or "", o.verdict == "error") for o in outcomes if not o.ran])
+    failed = any(o.verdict in ("fail", "error") for o in outcomes)
+    if as_json:
+        emit_json({"results": [o.to_json() for o in outcomes], "ok": any(o.ran for o in outcomes) and not failed},
+                  schema="dsadapt.check-all/1")
+    else:
+        table(title, ["pin", "verdict", "detail"], [_all_row(o) for o in outcomes])
+        out(f"{sum(o.verdict == 'pass' for o in outcomes)} passed, "
+            f"{sum(o.verdict in ('fail', 'error') for o in outcomes)} failed, "
+            f"{sum(o.verdict == 'not run' for o in outcomes)} not run here (never counted as passes)")
     if failed:
         sys.exit(ExitCode.FAILED)
-    if not ran:
+    if not any(o.ran for o in outcomes):
         sys.exit(ExitCode.CANNOT_RUN)
+
+
+def _all_row(o) -> list[str]:
+    """A row of `check --all`'s table: the pin (with each dtype's verdict), the verdict, the detail."""
+    if not o.ran:
+        return [o.pin, o.verdict, o.reason or ""]
+    runs, bad = o.runs, [r for r in o.runs if not r.passed]
+    name = o.pin + ("" if len(runs) == 1 else " (" + ", ".join(f"{r.dtype} {r.verdict}" for r in runs) + ")")
+    detail = (runs[0].report_path if o.verdict == "pass" and len(runs) == 1 else
+              "; ".join(f"{r.dtype}: {'; '.join(r.reasons[:1])}" for r in bad) if bad else "every dtype passed")
+    return [name, o.verdict, detail]
 
 
 def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, str, bool]] = ()) -> None:
@@ -347,13 +288,6 @@ def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, st
     rows += [[pin, "-", "ERROR" if error else "not run", "-", why, "-"] for pin, why, error in not_run]
     step_summary("### dsadapt check\n\n" + md_table(["pin", "configuration", "verdict", "max |Δ|", "why", "report"],
                                                        rows))
-
-
-def overall_json(pin: str, results: list[CheckResult]) -> dict:
-    """`check PIN --json` over several dtypes: one verdict per dtype and one overall."""
-    return {"schema": "dsadapt.check-dtypes/1", "pin": pin, "parallel": results[0].parallel,
-            "verdict": "pass" if all(r.passed for r in results) else "fail",
-            "dtypes": {r.dtype: r.verdict for r in results}, "results": [r.to_json() for r in results]}
 
 
 COMMANDS = [check_cmd]

@@ -23,8 +23,9 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines.base import GateRun
 from patcher.engines.registry import engine
-from patcher.gate.equivalence import resolve_model, served_engine_of
+from patcher.gate.equivalence import resolve_model
 from patcher.gate.hosts import RunHost
+from patcher.gate.plan import served_engine_of
 
 
 @click.command("serve")

@@ -18,9 +18,7 @@ from patcher.cli.commands.common import (
     progress_printer,
     ref_of,
 )
-
-#: lint problems a commit message causes (no body, missing or bad trailers): fixed in the checkout
-MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-When")
+from patcher.formats.patchfile import is_message_problem
 
 
 @click.command("verify")
@@ -83,7 +81,7 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool)
                 f"compile, source {r.source or '-'}", verdict=verdict)
             for p in r.problems:
                 out(f"  - {p}")
-            if any(k in p for p in r.problems for k in MESSAGE_PROBLEMS):
+            if any(is_message_problem(p) for p in r.problems):
                 out(f"  fix: reword the commit(s) in the checkout (git -C {ctx.cfg.checkout_dir(*r.ref.split('@'))} "
                     f"rebase -i --root, `reword`), give each a body and the trailers docs/patch-format.md#trailers "
                     f"requires, then `dsadapt refresh {r.ref}`")
