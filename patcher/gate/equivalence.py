@@ -19,11 +19,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from patcher.base.errors import BuildError, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint
 from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, reference_slot, run_time_limit
@@ -32,7 +32,7 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack
 from patcher.gate import bisect
 from patcher.gate.hosts import RunHost
-from patcher.gate.plan import CheckPlan, CheckRequest, parallel_flags
+from patcher.gate.plan import CheckPlan, CheckRequest
 from patcher.gate.report import (  # noqa: F401 - current_rule and rule_drift: this module's public names too
     current_rule,
     inputs_path,
@@ -41,9 +41,12 @@ from patcher.gate.report import (  # noqa: F401 - current_rule and rule_drift: t
     rule_drift,
     save_inputs,
 )
+from patcher.gate.result import REPORT_SCHEMA, CheckResult, verdict_reasons, write_report
+from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.logits import (
     LOW_PRECISION_DTYPES,
     REFERENCE_TRANSFORMERS,
+    Comparison,
     LogitReport,
     compare,
     explain,
@@ -55,39 +58,6 @@ from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
 CONFIG_STYLES = ("transformers", "deepseek")
-
-
-@dataclass
-class CheckResult:
-    pin: str
-    engine: str
-    variant: str
-    model: str
-    config_style: str | None
-    dtype: str
-    unpatched: bool
-    verdict: str
-    reasons: list[str]
-    explanation: list[str]
-    report_path: str
-    plot_path: str | None
-    provenance: dict
-    timings: dict
-    comparison: dict = field(repr=False, default_factory=dict)
-    #: the per-module comparison (`patcher.gate.bisect.summary`) when this check ran one
-    bisect: dict | None = None
-    #: how far the worst judged quantity is from its limit (`patcher.rules.verdicts.check_margins`)
-    margins: dict | None = None
-    #: how the engine was spread: {"tp", "ep", "world_size", "label"} (`Parallel.to_json`);
-    #: reports of different parallel configurations have different names and never replace each other
-    parallel: dict = field(default_factory=SINGLE.to_json)
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "pass"
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------- inputs
@@ -286,13 +256,14 @@ class _Run:
         }
 
     def result(self, verdict: str, reasons: list[str], explanation: list[str], provenance: dict,
-               comparison: dict, bisected: dict | None = None) -> CheckResult:
+               comparison: Comparison | None, bisected: ModuleVerdict | None = None,
+               no_logits: str | None = None) -> CheckResult:
         self.timings["total_s"] = round(time.monotonic() - self.t_start, 2)
         return CheckResult(
             pin=str(self.req.pin), engine=self.req.pin.engine, variant=self.spec.name, model=self.label,
             config_style=self.style, dtype=self.dtype, unpatched=self.req.unpatched, verdict=verdict,
             reasons=reasons, explanation=explanation, report_path=str(self.out), plot_path=None,
-            provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected,
+            provenance=provenance, timings=self.timings, comparison=comparison, bisect=bisected, no_logits=no_logits,
             parallel=self.req.parallel.to_json())
 
 
@@ -386,9 +357,9 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
         t0 = time.monotonic()
         bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
         timings["bisect_s"] = round(time.monotonic() - t0, 2)
-        if bisected.get("routing_flips") and comparison.rule == "low-precision":
+        if bisected.routing_flips and comparison.rule == "low-precision":
             # the logits judged without the predictions that follow a routing flip (judge_logits)
-            comparison = compare(reference, report, ENGINE_TOP_K, noise=noise, routing_flips=bisected["routing_flips"])
+            comparison = compare(reference, report, ENGINE_TOP_K, noise=noise, routing_flips=bisected.routing_flips)
     explanation = explain(comparison, r.config, bisected) if req.explain else []
     reasons = verdict_reasons(comparison.reasons, dtype, bisected)
     provenance = {
@@ -402,9 +373,8 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
         "reference_settings": {k: v for k, v in (reference.settings or {}).items()
                                if k in ("device", "gpu", "cuda", "tf32", "threads", "attn", "experts")},
     }
-    result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison.to_json(),
-                      bisected)
-    result.margins = check_margins(result.comparison, bisected)
+    result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison, bisected)
+    result.margins = check_margins(comparison.to_json(), bisected.margin if bisected else None)
     r.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         from patcher.rules.plots import plot_deltas
@@ -430,79 +400,6 @@ def _check_parallel(req: CheckRequest, settings: dict | None) -> None:
         raise DsadaptError(f"{req.pin}: asked for {req.parallel.describe()}, the engine's runner ran "
                            f"{got.describe()}", hint="the engine's runner ignores the parallel options: see its "
                                                      "page in docs/engines/")
-
-
-def check_markdown(result: CheckResult) -> str:
-    """Pure: the human-readable check report written next to the JSON (<report>.md): the verdict,
-    why, its margin, one row per prompt, and where it ran."""
-    c = result.comparison or {}
-    prov = result.provenance or {}
-
-    def f(x, spec: str = ".2g") -> str:
-        return "-" if x is None else format(x, spec)
-
-    par = result.parallel or {}
-    title = (f"# {result.pin} ({result.variant}{', unpatched' if result.unpatched else ''}"
-             f"{', ' + str(par.get('label')) if int(par.get('tp') or 1) > 1 else ''}) vs HF transformers: "
-             f"{result.verdict.upper()}")
-    lines = [title, "",
-             f"Model {result.model}" + (f" ({result.config_style} config)" if result.config_style else "")
-             + f", {result.dtype}, {c.get('rule') or 'no'} rule" + (f", tolerance {c['tolerance']:g}" if c.get("tolerance") else "")
-             + ".", ""]
-    if result.reasons:
-        lines += ["**Why it fails**", "", *(f"- {r}" for r in result.reasons[:20]), ""]
-    if result.margins and result.margins.get("words"):
-        lines += [f"**Margin**: {result.margins['words']}", ""]
-    rows = c.get("rows") or []
-    if rows:
-        lines += ["| prompt | positions | max \\|Δ\\| | mean \\|Δ\\| | top-1 agree | greedy | 1st divergence | verdict |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in rows:
-            greedy = {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match"))
-            first = "-" if r.get("first_divergence") is None else str(r["first_divergence"])
-            lines.append(f"| {r['id']} | {r.get('positions', '')} | {f(r.get('max_abs'))} | {f(r.get('mean_abs'))} | "
-                         f"{f(r.get('top1_agreement'), '.3f')} | {greedy} | {first} | "
-                         f"{'pass' if r.get('passed') else 'FAIL'} |")
-        lines.append("")
-    if result.bisect and result.bisect.get("report_path"):
-        lines += [f"Per-module comparison: `{Path(result.bisect['report_path']).name}`"
-                  + (f", heat map `{Path(result.bisect['plot_path']).name}`" if result.bisect.get("plot_path") else ""), ""]
-    if result.explanation and not result.passed:
-        lines += ["**Where it points**", "", *(f"- {e}" for e in result.explanation), ""]
-    if result.plot_path:
-        lines += [f"![per-position |Δ logprob|]({Path(result.plot_path).name})", ""]
-    lines += ["| provenance | |", "| --- | --- |",
-              f"| date | {prov.get('date', '-')} |", f"| device | {prov.get('device', '-')} |",
-              f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({len(prov.get('patches') or [])} patches) |",
-              f"| engine | {prov.get('engine_version') or '-'} ({(prov.get('installed') or {}).get('artifact', '-')}) |",
-              f"| reference | transformers {(prov.get('reference_versions') or {}).get('transformers', '-')} on "
-              f"{prov.get('reference_device', '-')} |",
-              f"| command | `{prov.get('command', '-')}` |"]
-    if prov.get("rescored"):
-        lines.append(f"| rescored | {prov['rescored'].get('date')} (was {prov['rescored'].get('previous_verdict')}) |")
-    return "\n".join(lines) + "\n"
-
-
-REPORT_SCHEMA = "dsadapt.check-report/1"
-INPUTS_SCHEMA = "dsadapt.check-inputs/1"
-
-
-def write_report(result: CheckResult, out: Path) -> None:
-    """The check report: JSON (schema dsadapt.check-report/1) and its Markdown twin, each written whole."""
-    from patcher.base.fsutil import atomic_write_text
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps({"schema": REPORT_SCHEMA, **result.to_json()}, indent=2, sort_keys=True) + "\n")
-    atomic_write_text(out.with_suffix(".md"), check_markdown(result))
-
-
-def verdict_reasons(logit_reasons: list[str], dtype: str, bisected: dict | None) -> list[str]:
-    """Why a check fails (empty: it passes): the logit rule's reasons and, in low precision, a module
-    beyond its limit (docs/equivalence.md)."""
-    reasons = list(logit_reasons)
-    if bisected is not None and dtype in LOW_PRECISION_DTYPES and bisected.get("passed") is False:
-        reasons += [f"per-module comparison ({dtype}): {r}" for r in (bisected.get("reasons") or [])[:1]]
-    return reasons
 
 
 # ---------------------------------------------------------------- rescoring
@@ -532,19 +429,19 @@ def rescore_check(path: Path) -> CheckResult:
     if now.verdict is None:
         raise UsageError(f"--rescore {path}: today's rule needs {', '.join(now.missing)}, which the report does not keep",
                          hint=f"rerun `{cmd}` to score it under the current rule")
-    fields = {f.name for f in dataclasses.fields(CheckResult)}
-    result = CheckResult(**{k: v for k, v in doc.items() if k in fields})
+    result = CheckResult.from_json(doc)
     result.provenance = {**prov, "rescored": {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                                               "dsadapt": _dsadapt_version(), "previous_verdict": doc.get("verdict"),
                                               "previous_reasons": doc.get("reasons")}}
     if now.logits is not None:
-        result.comparison = now.logits.to_json()
+        result.comparison = now.logits
     elif now.judged_comparison is not None:  # no recorded inputs: the stored rows judged again
-        result.comparison = now.judged_comparison
+        result.comparison = Comparison.from_json(now.judged_comparison)
     if now.bisect is not None:
-        result.bisect = now.bisect
+        result.bisect = ModuleVerdict.from_json(now.bisect)
     result.reasons, result.verdict = now.reasons, now.verdict
-    result.margins = check_margins(result.comparison, result.bisect)
+    result.margins = check_margins(result.comparison.to_json() if result.comparison else {},
+                                   result.bisect.margin if result.bisect else None)
     result.report_path = str(path)
     model_dir = prov.get("model_dir")
     if now.logits is not None and model_dir and (Path(model_dir) / "config.json").is_file():
@@ -564,17 +461,16 @@ def rescore_check(path: Path) -> CheckResult:
     return result
 
 
-def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None) -> dict:
+def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None) -> ModuleVerdict:
     """The per-module comparison of this check: the engine's capture (taken in the gate's own
     engine run, or where the engine's `bisect_session` says), the reference's, the report next
-    to the check report. Returns `bisect.summary` (the failure in `reasons` when it cannot run)."""
+    to the check report. Returns what the check keeps of it (the failure in `reasons` when it cannot run)."""
     from patcher.rules.modules import BisectError
 
     dtype, progress, on_line = r.dtype, r.progress, r.on_line
 
-    def failed(why: str, passed: bool | None = False) -> dict:
-        return {"passed": passed, "rule": None, "dtype": dtype, "first": None, "above": [], "compared": 0,
-                "reasons": [why], "explanation": [], "report_path": None, "plot_path": None}
+    def failed(why: str, passed: bool | None = False) -> ModuleVerdict:
+        return ModuleVerdict.could_not_run(dtype, why, passed)
 
     if table is None:  # nothing to compare with: the gate's verdict stands alone
         return failed(f"{r.eng.name} has no capture table: it cannot be bisected", passed=None)
@@ -631,7 +527,7 @@ def _engine_failed(r: _Run, err: EngineRunFailed, installed: dict) -> CheckResul
         "fail", [_failure_reason(err, log)],
         ["the engine did not produce logits: see the log tail in the report (a load failure "
          "usually means a config key or weight the engine does not understand)"],
-        provenance, {"rule": None, "rows": [], "passed": False, "reasons": [err.message]})
+        provenance, None, no_logits=err.message)
     r.out.parent.mkdir(parents=True, exist_ok=True)
     r.out.with_suffix(".png").unlink(missing_ok=True)
     inputs_path(r.out).unlink(missing_ok=True)  # an earlier run's inputs are not this run's
@@ -668,44 +564,3 @@ def _dsadapt_version() -> str:
     from patcher import __version__
 
     return __version__
-
-
-def bisect_command(result: CheckResult) -> str:
-    """The `dsadapt bisect` command that localizes this check's failure (in its own dtype)."""
-    from patcher.checkpoints.tiny import VARIANTS
-
-    model = result.model if result.model in VARIANTS else (result.provenance.get("model_dir") or result.model)
-    par = result.parallel or {}
-    seed = int((result.provenance or {}).get("prompt_seed") or 0)
-    return bisect.command(result.pin, model, result.config_style, result.dtype, result.unpatched) + \
-        parallel_flags(Parallel(int(par.get("tp") or 1), bool(par.get("ep")))) + \
-        (f" --prompt-seed {seed}" if seed else "")
-
-
-def check_or_raise(result: CheckResult) -> None:
-    if not result.passed:
-        hint = f"report: {result.report_path}"
-        if result.bisect and result.bisect.get("report_path"):
-            hint += f"; bisect report: {result.bisect['report_path']}"
-        else:
-            hint += f"; localize the layer and module with `{bisect_command(result)}`"
-        if not (result.explanation and "--explain" in (result.provenance.get("command") or "")):
-            hint += "; rerun with --explain for the likely layer family"
-        raise CheckFailed(f"{result.pin} failed the equivalence gate{failure_where(result)}: {'; '.join(result.reasons[:2])}",
-                          hint=hint)
-
-
-def failure_where(result: CheckResult) -> str:
-    """Where the per-module comparison says the engine leaves the reference, in the failure's first
-    words (layer, module, its family, and the rank of a parallel run), when one ran."""
-    first = (result.bisect or {}).get("first") or {}
-    if not first:
-        return ""
-    where = f"layer {first['layer']} {first['label']}" if first.get("layer") is not None else first["label"]
-    if first.get("layout") == "partial":
-        where += ", the ranks' partial sums added"
-    elif first.get("layout") and first.get("rank") is not None:
-        where += f" on rank {first['rank']}"
-    par = result.parallel or {}
-    at = f" at {par['label']}" if int(par.get("tp") or 1) > 1 else ""
-    return f"{at} (first divergence: {where}, {first.get('family')})"

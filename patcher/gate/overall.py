@@ -16,9 +16,10 @@ from patcher.engines.registry import engine
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import load_stack
-from patcher.gate.equivalence import CheckResult, check_or_raise, failure_where, run_check
+from patcher.gate.equivalence import run_check
 from patcher.gate.hosts import RunHost
 from patcher.gate.plan import CheckPlan, CheckRequest, ModelChoice, dtype_blocker, plan_check, run_blocker
+from patcher.gate.result import CheckResult, check_or_raise, failure_where
 
 OnResult = Callable[[CheckResult], None]
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.errors import DsadaptError
+from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
@@ -304,6 +305,11 @@ class PromptRow:
     def passed(self) -> bool:
         return not self.failures
 
+    @classmethod
+    def from_json(cls, d: dict) -> PromptRow:
+        """A row as a check report stores it (non-finite numbers stored as null stay None)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
 
 @dataclass
 class Comparison:
@@ -325,12 +331,23 @@ class Comparison:
     def row(self, pid: str) -> PromptRow | None:
         return next((r for r in self.rows if r.id == pid), None)
 
+    def row_passed(self, row: PromptRow) -> bool:
+        """A row's verdict as reports state it: low precision pools every prompt, so no row
+        passes while the pooled rule fails."""
+        return row.passed and (self.passed or self.rule != "low-precision")
+
     def to_json(self) -> dict:
         d = asdict(self)
         for r, row in zip(d["rows"], self.rows):
-            # low precision: the rule is pooled, so no row passes while the pooled rule fails
-            r["passed"] = row.passed and (self.passed or self.rule != "low-precision")
+            r["passed"] = self.row_passed(row)
         return _json_safe(d)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Comparison:
+        """A comparison as a check report stores it (`to_json`)."""
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        kw["rows"] = [PromptRow.from_json(r) for r in d.get("rows") or []]
+        return cls(**kw)
 
 
 def _json_safe(x):
@@ -642,7 +659,7 @@ POSITIONWISE_HINT = ("a position-independent layer: MoE routing (scoring_func={s
                      "e_score_correction_bias), MLP/experts, RMSNorm, embeddings or lm_head")
 
 
-def explain(comparison: Comparison, config: dict, bisect: dict | None = None) -> list[str]:
+def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None = None) -> list[str]:
     """Where the first divergence happens and the layer family it points to.
 
     Principle: at query position 0 attention attends to a single key (softmax
@@ -658,33 +675,32 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
     if c.passed:
         lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
                  f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
-        if bisect and bisect.get("passed") is False:
-            lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
-        elif bisect and bisect.get("passed"):
-            lines.append(f"per-module comparison ({bisect.get('dtype')}): {bisect.get('compared')} points within "
-                         "their limits")
+        if bisect and bisect.passed is False:
+            lines += [f"but the per-module comparison ({bisect.dtype}) is not:"] + located
+        elif bisect and bisect.passed:
+            lines.append(f"per-module comparison ({bisect.dtype}): {bisect.compared} points within their limits")
         return lines
     if located:
         # the per-module comparison names the layer and module: it comes first, the logit-shape
         # heuristics below only add context
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
     lines = _explain_logits(c, config)
-    if bisect and bisect.get("passed"):
-        lines.append(f"bisect: every module of every layer matches ({bisect.get('compared')} points, each prompt "
+    if bisect and bisect.passed:
+        lines.append(f"bisect: every module of every layer matches ({bisect.compared} points, each prompt "
                      "run alone, prefill and decode): the difference is outside the model's forward — "
                      "batching (only batch members diverge?), the sampler or logprob post-processing")
     return lines
 
 
-def bisect_lines(bisect: dict | None) -> list[str]:
-    """explain() lines from a per-module comparison summary (`patcher.gate.bisect.summary`)."""
+def bisect_lines(bisect: ModuleVerdict | None) -> list[str]:
+    """explain() lines from a check's per-module comparison."""
     if not bisect:
         return []
-    if bisect.get("first"):
-        return ["bisect: " + ln for ln in bisect.get("explanation") or []] + \
-            ([f"bisect report: {bisect['report_path']}"] if bisect.get("report_path") else [])
-    if bisect.get("passed") is False:
-        return ["bisect: " + r for r in bisect.get("reasons") or []]
+    if bisect.first is not None:
+        return ["bisect: " + ln for ln in bisect.explanation] + \
+            ([f"bisect report: {bisect.report_path}"] if bisect.report_path else [])
+    if bisect.passed is False:
+        return ["bisect: " + r for r in bisect.reasons]
     return []
 
 

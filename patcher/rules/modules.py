@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from patcher.base.errors import DsadaptError
+from patcher.rules.divergence import FirstDivergence
 from patcher.rules.logits import CONE_KEEPS_AT_LEAST, _json_safe
 from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
 
@@ -858,7 +859,7 @@ def judge_points(points: list[PointResult], dtype: str, layers: int, engine_name
     first = above[0] if above else None
     reasons = []
     if first:
-        reasons.append(f"first divergence: {first.where} ({first.module}): {describe(first)}")
+        reasons.append(f"{first_divergence(first).words()}: {describe(first)}")
         if len(above) > 1:
             reasons.append(f"{len(above) - 1} later point(s) above their limits (downstream of it)")
     if not compared:
@@ -1095,9 +1096,6 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
         q.ranks_above = sorted(above_on.get(k, ())) or None
     # the verdict over the merged points, as the one-process comparison makes it
     res = judge_points(points, dtype, last.layers, engine_name)
-    if res.first is not None:
-        res.reasons[0] = (f"first divergence: {res.first.where} ({res.first.module}){_on_rank(res.first, world)}: "
-                          f"{describe(res.first)}")
     res.rows = {**last.rows, "world_size": world, "ranks": sorted(docs)}
     res.missing = sorted({m for d in docs.values() for m in d.get("missing", [])})
     res.explanation = explain_bisect(res, config)
@@ -1131,14 +1129,12 @@ def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResul
     return []
 
 
-def _on_rank(p: PointResult, world: int) -> str:
-    if world <= 1 or p.layout is None:
-        return ""
-    if p.layout == "partial":
-        return f" (the sum of the {world} ranks' partial sums)"
-    if p.layout == "sharded":
-        return f" on rank {p.rank} of {world} (its share of the features)"
-    return f" on rank {p.rank} of {world}"
+def first_divergence(p: PointResult) -> FirstDivergence:
+    """The typed first divergence of a point above its limit (its one wording: `words`)."""
+    return FirstDivergence(
+        layer=p.layer, point=p.point, label=p.label, family=p.family, module=p.module, engine_module=p.engine_module,
+        error=p.error, limit=p.limit, noise=p.noise, value=p.value, worst=p.worst, phase=p.phase, ratio=p.ratio,
+        margin=p.margin, phases=dict(p.phases), rank=p.rank, layout=p.layout)
 
 
 def describe(p: PointResult) -> str:
@@ -1184,7 +1180,7 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
         return lines
     pdef = POINT[p.point]
     world = int(res.rows.get("world_size") or 1)
-    lines = [f"first divergence at {p.where} — {p.module}{_on_rank(p, world)}: {describe(p)}"]
+    lines = [f"{first_divergence(p).words()}: {describe(p)}"]
     if p.worst:
         w = p.worst
         lines.append(f"worst row: prompt {w['prompt']} position {w['position']} ({w['phase']})"

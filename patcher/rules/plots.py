@@ -153,7 +153,7 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from patcher.rules.modules import heatmap_grid
+    from patcher.rules.modules import first_divergence, heatmap_grid
 
     rows, cols, values, status = heatmap_grid(result)
     is_frac = np.array([[c == "experts_sel"] * 1 for c in cols]).ravel()
@@ -184,7 +184,7 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     if im2 is not None:
         fig.colorbar(im2, ax=ax, label="expert selection: agreement", ticks=[0.5, 0.75, 0.9, 1])
     first = result.first
-    sub = (f"first divergence: {first.where}" + (f" ({first.phase})" if first.phase else "") if first
+    sub = (first_divergence(first).words() + (f" ({first.phase})" if first.phase else "") if first
            else "no point above its limit") + f" ({result.rule} rule)"
     m = getattr(result, "margin", None)
     if m and m.get("margin") is not None:

@@ -9,6 +9,7 @@ anything (`rescore`), and every report says how far its worst point is from its 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 from patcher.rules.logits import judge_logits
 from patcher.rules.modules import rescore_bisect
@@ -44,12 +45,31 @@ def _logit_margin(c: dict) -> dict | None:
     return None
 
 
-def check_margins(comparison: dict, bisect: dict | None) -> dict:
-    """{"logits": ..., "modules": ..., "worst": the tighter of the two, "words": one line}. For a
-    pass, `margin` is limit / value (2.0: the worst point sits at half its limit); for a fail,
-    value / limit (1.3: 30 % over)."""
+@dataclass(frozen=True)
+class Margins:
+    """How far a check's worst judged quantities are from their limits: the logit rule's and the
+    per-module rule's (each {"quantity", "value", "limit", "margin", "above", ...} as stored), which
+    of the two is the tighter (`worst`), and one line in words."""
+
+    logits: dict | None
+    modules: dict | None
+    worst: str | None
+    words: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Margins:
+        return cls(d.get("logits"), d.get("modules"), d.get("worst"), str(d.get("words") or ""))
+
+
+def check_margins(comparison: dict, module_margin: dict | None) -> Margins:
+    """The margins of a stored comparison and of the per-module comparison's margin
+    (`rules.modules.point_margin`). For a pass, `margin` is limit / value (2.0: the worst point
+    sits at half its limit); for a fail, value / limit (1.3: 30 % over)."""
     logits = _logit_margin(comparison)
-    modules = (bisect or {}).get("margin")
+    modules = module_margin
     if modules is not None:
         modules = {**modules, "quantity": ("engine / reference's own error" if modules.get("ratio") is not None
                                            else "relative error")}
@@ -58,8 +78,7 @@ def check_margins(comparison: dict, bisect: dict | None) -> dict:
     if cands:
         over = [(k, m) for k, m in cands if m["above"]]
         worst = max(over, key=lambda km: km[1]["margin"]) if over else min(cands, key=lambda km: km[1]["margin"])
-    return {"logits": logits, "modules": modules, "worst": worst[0] if worst else None,
-            "words": margin_line(logits, modules)}
+    return Margins(logits, modules, worst[0] if worst else None, margin_line(logits, modules))
 
 
 def margin_line(logits: dict | None, modules: dict | None) -> str:
@@ -87,7 +106,7 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
     missing: list[str] = []
     if c.get("rule") is None:  # the engine produced no logits: its stored verdict is the verdict
         return {"verdict": check_report.get("verdict"), "reasons": list(check_report.get("reasons") or []),
-                "margins": check_margins({}, None), "judged": ["engine failure (stored)"]}
+                "margins": check_margins({}, None).to_json(), "judged": ["engine failure (stored)"]}
     comparison = dict(c)
     if c["rule"] == "strict":
         reasons += list(c.get("reasons") or [])  # the float32 rule is unchanged: its stored verdict
@@ -102,15 +121,12 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
         judged.append("logits (noise-relative)")
     else:
         missing.append("the reference's own low-precision logits (noise yardstick)")
-    bisect_summary = None
+    module_margin = None
     if bisect_report is not None:
         has_evidence = any(p.get("evidence") for p in bisect_report.get("points") or [])
         if has_evidence:
             res = rescore_bisect(bisect_report)
-            bisect_summary = {"passed": res.passed, "margin": res.margin,
-                              "first": None if res.first is None else {"layer": res.first.layer,
-                                                                       "point": res.first.point,
-                                                                       "phase": res.first.phase}}
+            module_margin = res.margin
             if not res.passed:
                 reasons += [f"per-module comparison ({dtype}): {x}" for x in res.reasons[:1]]
             judged.append("modules")
@@ -129,7 +145,7 @@ def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
         else:
             missing.append("the bisect report (every low-precision check has one)")
     verdict = None if missing else ("pass" if not reasons else "fail")
-    out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, bisect_summary),
+    out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, module_margin).to_json(),
            "judged": judged, "comparison": comparison}
     if missing:
         out["cannot_judge"] = missing

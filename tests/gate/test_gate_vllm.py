@@ -394,7 +394,7 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
                                                        "post_norm", "router.logits"))]
     assert len(upstream) == 22 and all(p["status"] == "ok" for p in upstream), upstream
     assert any("scoring_func" in ln for ln in doc["explanation"])
-    assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.out + run.err
+    assert run.report["verdict"] == "fail" and "first divergence at layer 1" in run.out + run.err
 
 
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs

@@ -123,6 +123,7 @@ def test_planted_parallel_bug_fails_only_at_tp2(gate):
         assert (first["layer"], first["point"], first["family"]) == (0, "attn.q_rope", "attention"), first
         assert (first["rank"], first["layout"]) == (1, "sharded")
         assert any("rank 1" in ln for ln in rep["explanation"]), rep["explanation"]
-        assert "at tp2 (first divergence: layer 0 q_rope on rank 1, attention)" in run.err, run.err
+        assert "at tp2 (first divergence at layer 0 q_rope on rank 1 — " in run.err and "; attention)" in run.err, \
+            run.err
     finally:
         gate.restore_stack()

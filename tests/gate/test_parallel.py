@@ -405,7 +405,7 @@ def test_a_rank_dependent_shard_is_named_with_its_rank():
     bad = change(ranks_of(ref), 1, 0, "attn.core", lambda v: v.roll(1, dims=1))  # rank 1's heads shifted
     res = compare_captures(bad, ref, CONFIG, "float32", engine_table=VLLM_TABLE)
     assert not res.passed and (res.first.layer, res.first.point, res.first.rank) == (0, "attn.core", 1)
-    assert "on rank 1 of 2" in res.reasons[0]
+    assert "on rank 1" in res.reasons[0]
     assert any("only rank 1's share leaves the reference" in ln and "rank-dependent split" in ln for ln in res.explanation)
     # rank 0's own comparison of that point is clean: it is not compared with a full tensor
     ok = compare_captures(change(ranks_of(ref), 1, 0, "attn.core", lambda v: v), ref, CONFIG, "float32",
@@ -466,18 +466,27 @@ def test_list_shows_what_each_variant_offers_in_parallel(proj):  # noqa: F811
 
 def test_a_failed_check_names_where_its_modules_leave_the_reference():
     from patcher.base.errors import CheckFailed
+    from patcher.gate import result as result_mod
+    from patcher.rules.divergence import FirstDivergence, ModuleVerdict
 
-    res = check_mod.CheckResult(
+    q_rope = FirstDivergence(layer=0, point="q_rope", label="q_rope", family="attention",
+                             module="model.layers.0.self_attn", rank=1, layout="sharded")
+    res = result_mod.CheckResult(
         pin=PIN, engine="vllm", variant="cpu", model="v3", config_style="transformers", dtype="float32",
         unpatched=False, verdict="fail", reasons=["short: max |Δ| 1.4"], explanation=[], report_path="r.json",
         plot_path=None, provenance={}, timings={}, parallel=Parallel(2).to_json(),
-        bisect={"report_path": "b.json", "first": {"layer": 0, "label": "q_rope", "family": "attention", "rank": 1,
-                                                    "layout": "sharded"}})
+        bisect=ModuleVerdict(passed=False, rule="strict", dtype="float32", report_path="b.json", first=q_rope))
     with pytest.raises(CheckFailed) as e:
-        check_mod.check_or_raise(res)
-    assert "failed the equivalence gate at tp2 (first divergence: layer 0 q_rope on rank 1, attention)" in e.value.message
-    res.bisect["first"] = {"layer": 1, "label": "routed", "family": "moe", "rank": None, "layout": "partial"}
+        result_mod.check_or_raise(res)
+    assert ("failed the equivalence gate at tp2 (first divergence at layer 0 q_rope on rank 1 — "
+            "model.layers.0.self_attn; attention)") in e.value.message
+    assert res.bisect is not None
+    res.bisect.first = FirstDivergence(layer=1, point="routed", label="routed", family="moe",
+                                       module="model.layers.1.mlp.experts", layout="partial")
     res.parallel = SINGLE.to_json()
-    assert check_mod.failure_where(res) == " (first divergence: layer 1 routed, the ranks' partial sums added, moe)"
+    assert result_mod.failure_where(res) == (" (first divergence at layer 1 routed (the ranks' partial sums added) — "
+                                             "model.layers.1.mlp.experts; moe)")
+    # what a report stores is what it reads back
+    assert result_mod.CheckResult.from_json(res.to_json()) == res
     res.bisect = None
-    assert check_mod.failure_where(res) == ""
+    assert result_mod.failure_where(res) == ""

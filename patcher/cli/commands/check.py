@@ -29,8 +29,10 @@ from patcher.cli.commands.common import (
     to_ref,
 )
 from patcher.formats.pinref import PinRef
-from patcher.gate.equivalence import CheckResult, bisect_command, check_or_raise
 from patcher.gate.plan import CheckRequest, ModelChoice, check_split, choose_model
+from patcher.gate.result import CheckResult, bisect_command, check_or_raise, heading, num
+from patcher.rules.divergence import ModuleVerdict
+from patcher.rules.logits import Comparison, PromptRow
 
 
 def command_line(click_ctx: click.Context) -> str:
@@ -54,71 +56,56 @@ def command_line(click_ctx: click.Context) -> str:
     return " ".join(parts)
 
 
-def _fmt(x, spec=".2g"):
-    return "-" if x is None else format(x, spec)
-
-
-def _row_verdict(c: dict, r: dict) -> str:
-    if c.get("rule") != "low-precision":
-        return "pass" if r.get("passed") else "FAIL"
+def _row_verdict(c: Comparison, r: PromptRow) -> str:
+    if c.rule != "low-precision":
+        return "pass" if c.row_passed(r) else "FAIL"
     # the low-precision rule is pooled over all prompts: a row only fails by itself on token ids
-    if r.get("failures"):
+    if r.failures:
         return "FAIL"
-    return "pooled: pass" if c.get("passed") else "pooled: FAIL"
+    return "pooled: pass" if c.passed else "pooled: FAIL"
 
 
 def render(res: CheckResult) -> None:
     c = res.comparison
-    rows = []
-    for r in c["rows"]:
-        rows.append([r["id"], str(r.get("positions", "")), _fmt(r.get("max_abs")), _fmt(r.get("mean_abs")),
-                     _fmt(r.get("top1_agreement"), ".3f"),
-                     {True: "yes", False: "NO", None: "-"}.get(r.get("greedy_match")),
-                     "-" if r.get("first_divergence") is None else str(r["first_divergence"]),
-                     _row_verdict(c, r)])
-    par = res.parallel or {}
-    title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}"
-             f"{', ' + par['label'] if int(par.get('tp') or 1) > 1 else ''}) vs HF transformers — "
-             f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
-             f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
-    if not rows:
+    if c is None or not c.rows:
         out(f"{res.pin}: the engine produced no logits")
     else:
+        rows = [[r.id, str(r.positions), num(r.max_abs), num(r.mean_abs), num(r.top1_agreement, ".3f"),
+                 {True: "yes", False: "NO", None: "-"}.get(r.greedy_match),
+                 "-" if r.first_divergence is None else str(r.first_divergence), _row_verdict(c, r)]
+                for r in c.rows]
+        title = (f"{heading(res)} — model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, "
+                 f"{res.dtype}, {c.rule} rule" + (f", tol {c.tolerance:g}" if c.tolerance else ""))
         table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
                       "verdict"], rows)
     if res.bisect:
         render_bisect_summary(res.bisect)
     out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
         verdict=res.verdict.upper())
-    if res.margins and res.margins.get("words"):
-        out(f"margins: {res.margins['words']}")
+    if res.margins and res.margins.words:
+        out(f"margins: {res.margins.words}")
     for line in res.explanation if not res.passed else []:
         out(f"  explain: {line}")
     out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
-    if not res.passed and not (res.bisect and res.bisect.get("report_path")):
+    if not res.passed and not (res.bisect and res.bisect.report_path):
         out(f"localize it: {bisect_command(res)}")
 
 
-def render_bisect_summary(b: dict) -> None:
+def render_bisect_summary(b: ModuleVerdict) -> None:
     """The per-module comparison in a check's output: where it leaves the reference, or that it does not."""
-    if b.get("first"):
-        f = b["first"]
-        where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
-        if f.get("layout") == "partial":
-            where += " (every rank's partial sums added)"
-        elif f.get("rank") is not None and f.get("layout"):
-            where += f" on rank {f['rank']}"
-        phase = f", {f['phase']} rows" if f.get("phase") else ""
-        ratio = f", {f['ratio']:.2f}x the reference's own error" if f.get("ratio") is not None else ""
-        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
-            f"{phase}{ratio}); {len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
-    elif b.get("passed"):
-        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
+    f = b.first
+    if f is not None:
+        phase = f", {f.phase} rows" if f.phase else ""
+        ratio = f", {f.ratio:.2f}x the reference's own error" if f.ratio is not None else ""
+        out(f"per-module ({b.dtype}, {b.rule} rule): {f.words()}{phase}{ratio}; "
+            f"{len(b.above)} point(s) above their limits of {b.compared}")
+    elif b.passed:
+        out(f"per-module ({b.dtype}, {b.rule} rule): {b.compared} points within their limits")
     else:
-        for r in b.get("reasons") or []:
+        for r in b.reasons:
             out(f"per-module: {r}")
-    if b.get("report_path"):
-        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+    if b.report_path:
+        out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
 
 
 @click.command("check")
@@ -283,7 +270,7 @@ def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, st
     cases += [Case(pin, "dsadapt.check", failure=why if error else None, skipped=None if error else why)
               for pin, why, error in not_run]
     write_junit(junit, "dsadapt check", cases)
-    rows = [[r.pin, label(r), r.verdict.upper(), _fmt((r.comparison.get("summary") or {}).get("max_abs")),
+    rows = [[r.pin, label(r), r.verdict.upper(), num(r.max_abs),
              "; ".join(r.reasons[:2]) or "-", Path(r.report_path).name] for r in results]
     rows += [[pin, "-", "ERROR" if error else "not run", "-", why, "-"] for pin, why, error in not_run]
     step_summary("### dsadapt check\n\n" + md_table(["pin", "configuration", "verdict", "max |Δ|", "why", "report"],
