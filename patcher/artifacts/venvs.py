@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.artifacts.builder import BuildResult, build_pin, unpatched_build
@@ -174,26 +174,47 @@ def installed_marker(venv: Path) -> dict | None:
         return None
 
 
-def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (), remove: tuple[str, ...] = (),
-               post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
-               stream: bool = True, lock_name: str | None = None, host_packages: bool = False,
-               lock_file: Path | None = None, pip_args: Sequence[str] = (),
-               details: dict | None = None, siblings: Sequence[Path] = ()) -> tuple[bool, list[str]]:
-    """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
+@dataclass(frozen=True)
+class EnvContents:
+    """What an engine environment is made to hold: the engine wheel (by sha256) and where its
+    dependencies come from.
 
     With `lock_name` (what dsadapt's own callers pass for every locked environment) the
     dependencies, `post` requirements included, come from that environment's hash lock; `extra`
     and `remove` are then moot (the lock leaves those packages out). Without it (a `host_packages`
     environment, or a library caller's own) the wheel is installed by pip with `extra`, `post`
     requirements in a second pip call, and `remove` uninstalled afterwards.
-    Returns (reused, removed packages). A new build of the same engine is swapped in with
-    --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     `host_packages`: the environment also sees the packages of the one dsadapt runs in
     (`host_site`), after its own, so a host's torch is reused instead of installed.
     `lock_file` names the hash lock directly (an offline bundle's), `pip_args` go to every pip
-    install (`--no-index --find-links BUNDLE/wheels`), `details` into the install marker.
-    `siblings`: environments of the same pin and variant a new one may be copied from (`_seed_for`).
+    install (`--no-index --find-links BUNDLE/wheels`); `marker` and `details` go into the install
+    marker. `siblings`: environments of the same pin and variant a new one may be copied from
+    (`_seed_for`)."""
+
+    wheel: Path
+    sha256: str
+    extra: Sequence[str] = ()
+    remove: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+    lock_name: str | None = None
+    lock_file: Path | None = None
+    host_packages: bool = False
+    pip_args: Sequence[str] = ()
+    marker: dict | None = None
+    details: dict | None = None
+    siblings: Sequence[Path] = ()
+
+
+def ensure_env(venv: Path, contents: EnvContents, *, progress=None, stream: bool = True) -> tuple[bool, list[str]]:
+    """Make `venv` hold exactly `contents` (the engine wheel, by sha256, plus its dependencies).
+
+    Returns (reused, removed packages). A new build of the same engine is swapped in with
+    --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     """
+    c = contents
+    wheel, sha256, extra, remove, post, marker, details = c.wheel, c.sha256, c.extra, c.remove, c.post, c.marker, c.details
+    lock_file, host_packages, pip_args, siblings = c.lock_file, c.host_packages, c.pip_args, c.siblings
+    lock_name = c.lock_name
     if lock_file is None and lock_name:
         lock_file = find_lock(lock_name)  # no lock here: fails before anything is made
     deps = file_digest(lock_file) if lock_file else None
@@ -458,31 +479,31 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
     venv = venv or base.with_name(base.name + ("-unpatched" if unpatched else "") + plan.suffix)
     offline = find_record(cfg, entry.ref, spec.name) if not plan.suffix and build is None else None
     if offline is not None:
-        wheel, sha256, marker, kw = _offline_install(cfg, lock, entry, spec.name, offline, unpatched)
+        contents = _offline_install(cfg, entry, spec.name, offline, unpatched)
     else:
         lock_name = plan_lock_name(plan)
         if lock_name:
             find_lock(lock_name)  # before building: an environment without a lock cannot be made here (exit 6)
+        marker: dict
         if not unpatched:
             build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
             marker = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
         else:
             build = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
             marker = {"ref": str(entry.ref), "variant": spec.name, "unpatched": True, "unpatched_build": build.kind}
-        wheel, sha256 = Path(build.artifact), build.sha256
-        kw = {"lock_name": lock_name, "host_packages": recipe.host_packages}
+        contents = EnvContents(Path(build.artifact), build.sha256, marker=marker, lock_name=lock_name,
+                               host_packages=recipe.host_packages)
     siblings = [base.with_name(base.name + side + suffix) for suffix in dict.fromkeys(("", plan.suffix))
                 for side in ("", "-unpatched")]
-    reused, removed = ensure_env(venv, wheel, sha256, extra=list(recipe.extra), remove=recipe.remove,
-                                 post=recipe.post, progress=progress, stream=stream, marker=marker,
-                                 siblings=siblings, **kw)
+    contents = replace(contents, extra=list(recipe.extra), remove=recipe.remove, post=recipe.post, siblings=siblings)
+    reused, removed = ensure_env(venv, contents, progress=progress, stream=stream)
+    wheel, sha256 = contents.wheel, contents.sha256
     return InstallResult(str(entry.ref), spec.name, str(venv), str(venv_python(venv)), str(wheel), sha256, reused,
                          round(time.monotonic() - t0, 2), removed, details=_env_details(venv))
 
 
-def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineRecord,
-                     unpatched: bool) -> tuple[Path, str, dict, dict]:
-    """(wheel, sha256, marker, ensure_env arguments) of an environment installed from a bundle."""
+def _offline_install(cfg: Config, entry, variant: str, rec: OfflineRecord, unpatched: bool) -> EnvContents:
+    """What an environment installed from a bundle holds (its build, the bundle's lock and wheels)."""
     side = "unpatched" if unpatched else "patched"
     if not unpatched:
         stack = load_stack(cfg.patches_root, entry.ref)
@@ -505,9 +526,8 @@ def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineR
     # the host's packages this environment relies on, at the versions found when it was installed
     # (bundle.json has the requirements that apply to each)
     details = {"bundle": rec.bundle, "host_packages_used": {n: h.get("here") for n, h in sorted(rec.host.items())}}
-    kw = {"lock_file": Path(rec.lock), "host_packages": rec.host_packages,
-          "pip_args": ("--no-index", "--find-links", rec.wheels, "--ignore-installed"), "details": details}
-    return wheel, build["sha256"], marker, kw
+    return EnvContents(wheel, build["sha256"], marker=marker, lock_file=Path(rec.lock), host_packages=rec.host_packages,
+                       pip_args=("--no-index", "--find-links", rec.wheels, "--ignore-installed"), details=details)
 
 
 def _env_details(venv: Path) -> dict:

@@ -53,7 +53,7 @@ from patcher.rules.logits import (
 )
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
 from patcher.rules.verdicts import check_margins
-from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
+from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerJob, run_runner
 
 ENGINE_TOP_K = 5
 MAX_TOKENS = 16
@@ -164,8 +164,8 @@ def run_reference(cfg: Config, model_dir: Path, fingerprint: str, prompts_path: 
             progress(f"reference: HF transformers {REFERENCE_TRANSFORMERS} {dtype} on {device.upper()}"
                      + ("" if dtype == "float32" else " (the engine's noise yardstick)")
                      + (" (block-FP8 weights dequantized)" if (checkpoint and checkpoint.fp8) else ""))
-        return run_runner(spec, py, model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
-                          fingerprint=fingerprint, on_line=on_line,
+        return run_runner(spec, py, RunnerJob(model_dir, prompts_path, dtype, REFERENCE_TOP_K, max_tokens, cached,
+                                              fingerprint), on_line=on_line,
                           timeout=run_time_limit(checkpoint) if checkpoint else 900.0)
 
 
@@ -230,6 +230,11 @@ class _Run:
     @property
     def progress(self) -> Callable[[str], None] | None:
         return self.host.progress
+
+    def job(self, prompts: Path, report: str) -> RunnerJob:
+        """The engine runner's job in this run: its report `report` in the run's work dir."""
+        return RunnerJob(self.model_dir, prompts, self.dtype, ENGINE_TOP_K, MAX_TOKENS, self.work / report,
+                         self.fingerprint)
 
     @property
     def title(self) -> str:
@@ -330,8 +335,7 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
                 progress(f"engine: {req.pin} ({r.spec.name}{', unpatched' if req.unpatched else ''}) {dtype} via "
                          f"{runner.name} runner" + (" (with bisect capture)" if inline_capture else ""))
             t0 = time.monotonic()
-            report = run_runner(runner, session.python, r.model_dir, prompts_path, dtype, ENGINE_TOP_K,
-                                MAX_TOKENS, r.work / "engine.json", env=session.env, fingerprint=r.fingerprint,
+            report = run_runner(runner, session.python, r.job(prompts_path, "engine.json"), env=session.env,
                                 on_line=on_line, timeout=run_time_limit(r.checkpoint))
             timings["engine_s"] = round(time.monotonic() - t0, 2)
         if progress is not None and hasattr(progress, "end"):
@@ -489,9 +493,8 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
                                  + bisect.capture_args(r.work, table, r.config, dtype))
                 if progress:
                     progress(f"bisect: {r.req.pin} {dtype} via {runner.name} runner with capture")
-                run_runner(runner, session.python, r.model_dir, r.work / "prompts.json", dtype, ENGINE_TOP_K,
-                           MAX_TOKENS, r.work / "bisect-engine.json", env=session.env, fingerprint=r.fingerprint,
-                           on_line=on_line, timeout=run_time_limit(r.checkpoint))
+                run_runner(runner, session.python, r.job(r.work / "prompts.json", "bisect-engine.json"),
+                           env=session.env, on_line=on_line, timeout=run_time_limit(r.checkpoint))
         if not capture.is_file():
             report = r.work / ("engine.json" if inline_capture else "bisect-engine.json")
             why = (json.loads(report.read_text()).get("settings") or {}).get("capture_error") if report.is_file() else None
