@@ -51,6 +51,7 @@ from patcher.rules.logits import (
     compare,
     explain,
 )
+from patcher.rules.modules import CaptureTable
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
 from patcher.rules.verdicts import check_margins
 from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerJob, run_runner
@@ -302,48 +303,93 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
     "always", see `patcher.gate.bisect`) adds the per-module comparison; low-precision checks
     always run it (part of their verdict). `host`: one `RunHost` shared by the runs of one command
     (several dtypes), so the engine is built and installed once; it carries the progress."""
-    host = host or RunHost(plan.cfg, plan.lock)
-    r = _prepare(plan, dtype, host, on_line)
-    req, cfg, progress, ref_device = r.req, plan.cfg, host.progress, plan.reference_device
-    prompts = build_prompt_set(r.model_dir, MAX_TOKENS, seed=req.prompt_seed)
-    prompts_path = write_prompts_json(prompts, r.work / "prompts.json")
-    prompts_doc = json.loads(prompts_path.read_text())
-    timings = r.timings
-    t0 = time.monotonic()
-    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line, ref_device,
-                              checkpoint=r.checkpoint)
-    noise = None
-    if dtype in LOW_PRECISION_DTYPES:  # the reference's own rounding in this dtype: the yardstick
-        noise = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, on_line,
-                              ref_device, dtype=dtype, checkpoint=r.checkpoint)
-    timings["reference_s"] = round(time.monotonic() - t0, 2)
-    t0 = time.monotonic()
-    installed: dict = {}
-    bisect_mode = bisect.wanted(dtype, req.bisect)
-    table = bisect.table_for(r.eng) if bisect_mode else None
+    r = _prepare(plan, dtype, host or RunHost(plan.cfg, plan.lock), on_line)
+    prompts = write_prompts_json(build_prompt_set(r.model_dir, MAX_TOKENS, seed=r.req.prompt_seed),
+                                 r.work / "prompts.json")
+    reference, noise = _references(r, prompts)
+    mode = bisect.wanted(dtype, r.req.bisect)
+    table = bisect.table_for(r.eng) if mode else None
     # capture in the gate's own engine run (one engine start) unless the engine says where else
     inline_capture = table is not None and r.eng.bisect_session(r.gate, r.host) is None
+    report, installed, failed = _run_engine(r, prompts, table if inline_capture else None)
+    if failed is not None:  # the engine could not load or run the model: that is a verdict, not an accident
+        return _engine_failed(r, failed, installed)
+    assert report is not None
+    _check_engine(r.req, report, installed)
+    t0 = time.monotonic()
+    comparison = compare(reference, report, ENGINE_TOP_K, noise=noise)
+    r.timings["compare_s"] = round(time.monotonic() - t0, 3)
+    bisected = None
+    if mode == "always" or (mode == "on-fail" and not comparison.passed):
+        t0 = time.monotonic()
+        bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
+        r.timings["bisect_s"] = round(time.monotonic() - t0, 2)
+        if bisected.routing_flips and comparison.rule == "low-precision":
+            # the logits judged without the predictions that follow a routing flip (judge_logits)
+            comparison = compare(reference, report, ENGINE_TOP_K, noise=noise, routing_flips=bisected.routing_flips)
+    reasons = verdict_reasons(comparison.reasons, dtype, bisected)
+    result = r.result("pass" if not reasons else "fail", reasons,
+                      explain(comparison, r.config, bisected) if r.req.explain else [],
+                      {**r.provenance(installed), **_run_provenance(r.eng, reference, report)}, comparison, bisected)
+    result.margins = check_margins(comparison.to_json(), bisected.margin if bisected else None)
+    r.out.parent.mkdir(parents=True, exist_ok=True)
+    result.plot_path = _plot(r, comparison)
+    save_inputs(r.out, reference, report, ENGINE_TOP_K, noise=noise)
+    result.provenance["inputs"] = inputs_path(r.out).name
+    write_report(result, r.out)
+    return result
+
+
+def _references(r: _Run, prompts: Path) -> tuple[LogitReport, LogitReport | None]:
+    """The float32 reference and, for a low-precision engine, the reference's own run in its dtype
+    (the yardstick of its rounding)."""
+    t0 = time.monotonic()
+    doc = json.loads(prompts.read_text())
+    cfg, progress, device = r.cfg, r.progress, r.plan.reference_device
+    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts, doc, progress, r.on_line, device,
+                              checkpoint=r.checkpoint)
+    noise = None
+    if r.dtype in LOW_PRECISION_DTYPES:
+        noise = run_reference(cfg, r.model_dir, r.fingerprint, prompts, doc, progress, r.on_line, device,
+                              dtype=r.dtype, checkpoint=r.checkpoint)
+    r.timings["reference_s"] = round(time.monotonic() - t0, 2)
+    return reference, noise
+
+
+def _run_engine(r: _Run, prompts: Path, capture: CaptureTable | None
+                ) -> tuple[LogitReport | None, dict, EngineRunFailed | None]:
+    """The engine's run in its gate session (with the capture hooks when `capture` names the
+    table): (its report, what was installed, None), or (None, installed, the failure)."""
+    t0 = time.monotonic()
+    installed: dict = {}
     try:
         with r.eng.gate_session(r.gate, r.host) as session:
             installed = session.installed
-            timings["install_s"] = round(time.monotonic() - t0, 2)
+            r.timings["install_s"] = round(time.monotonic() - t0, 2)
             runner = session.runner
-            if inline_capture and table is not None:
-                runner = replace(runner, extra_args=runner.extra_args + bisect.capture_args(r.work, table,
-                                                                                                r.config, dtype))
-            if progress:
-                progress(f"engine: {req.pin} ({r.spec.name}{', unpatched' if req.unpatched else ''}) {dtype} via "
-                         f"{runner.name} runner" + (" (with bisect capture)" if inline_capture else ""))
+            if capture is not None:
+                runner = replace(runner, extra_args=runner.extra_args + bisect.capture_args(r.work, capture,
+                                                                                                r.config, r.dtype))
+            if r.progress:
+                r.progress(f"engine: {r.req.pin} ({r.spec.name}{', unpatched' if r.req.unpatched else ''}) {r.dtype} "
+                           f"via {runner.name} runner" + (" (with bisect capture)" if capture is not None else ""))
             t0 = time.monotonic()
-            report = run_runner(runner, session.python, r.job(prompts_path, "engine.json"), env=session.env,
-                                on_line=on_line, timeout=run_time_limit(r.checkpoint))
-            timings["engine_s"] = round(time.monotonic() - t0, 2)
-        if progress is not None and hasattr(progress, "end"):
-            progress.end()  # its time is said before the verdict, not after it
+            report = run_runner(runner, session.python, r.job(prompts, "engine.json"), env=session.env,
+                                on_line=r.on_line, timeout=run_time_limit(r.checkpoint))
+            r.timings["engine_s"] = round(time.monotonic() - t0, 2)
+        if r.progress is not None and hasattr(r.progress, "end"):
+            r.progress.end()  # its time is said before the verdict, not after it
     except EngineRunFailed as e:
-        # The engine could not load or run the model: that is a verdict, not an accident.
-        timings["engine_s"] = round(time.monotonic() - t0, 2)
-        return _engine_failed(r, e, installed)
+        r.timings["engine_s"] = round(time.monotonic() - t0, 2)
+        return None, installed, e
+    for k, v in report.timings.items():
+        r.timings[f"engine_{k}"] = v
+    return report, installed, None
+
+
+def _check_engine(req: CheckRequest, report: LogitReport, installed: dict) -> None:
+    """The engine that ran is the pin's (its package from the pin's environment), in the parallel
+    configuration asked for."""
     _check_parallel(req, report.settings)
     venv = installed.get("venv")
     engine_path = report.engine_path or ""
@@ -351,48 +397,35 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
             not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
         raise DsadaptError(f"{req.pin}: the engine imported {engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
-    for k, v in report.timings.items():
-        timings[f"engine_{k}"] = v
-    t0 = time.monotonic()
-    comparison = compare(reference, report, ENGINE_TOP_K, noise=noise)
-    timings["compare_s"] = round(time.monotonic() - t0, 3)
-    bisected = None
-    if bisect_mode == "always" or (bisect_mode == "on-fail" and not comparison.passed):
-        t0 = time.monotonic()
-        bisected = _bisect(r, table, inline_capture, engine_path=report.engine_path)
-        timings["bisect_s"] = round(time.monotonic() - t0, 2)
-        if bisected.routing_flips and comparison.rule == "low-precision":
-            # the logits judged without the predictions that follow a routing flip (judge_logits)
-            comparison = compare(reference, report, ENGINE_TOP_K, noise=noise, routing_flips=bisected.routing_flips)
-    explanation = explain(comparison, r.config, bisected) if req.explain else []
-    reasons = verdict_reasons(comparison.reasons, dtype, bisected)
-    provenance = {
-        **r.provenance(installed),
+
+
+def _run_provenance(eng: Engine, reference: LogitReport, report: LogitReport) -> dict:
+    """What a check report records of the engine and the reference that ran."""
+    ref_settings = reference.settings or {}
+    return {
         "engine_version": report.engine_version, "engine_versions": report.versions,
         "engine_path": report.engine_path,
-        "engine_settings": {k: v for k, v in (report.settings or {}).items() if k in r.eng.run_settings},
+        "engine_settings": {k: v for k, v in (report.settings or {}).items() if k in eng.run_settings},
         "reference_versions": reference.versions,
         # HF transformers in float32 (hf_reference.py), on this machine's CPU or GPU (`reference_device`)
-        "reference_device": (reference.settings or {}).get("device", "cpu"),
-        "reference_settings": {k: v for k, v in (reference.settings or {}).items()
+        "reference_device": ref_settings.get("device", "cpu"),
+        "reference_settings": {k: v for k, v in ref_settings.items()
                                if k in ("device", "gpu", "cuda", "tf32", "threads", "attn", "experts")},
     }
-    result = r.result("pass" if not reasons else "fail", reasons, explanation, provenance, comparison, bisected)
-    result.margins = check_margins(comparison.to_json(), bisected.margin if bisected else None)
-    r.out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _plot(r: _Run, comparison: Comparison) -> str | None:
+    """The per-position plot next to the report (None without matplotlib)."""
+    from patcher.rules.prompts import rope_original_max
+
+    png = r.out.with_suffix(".png")
     try:
         from patcher.rules.plots import plot_deltas
-        from patcher.rules.prompts import rope_original_max
 
-        png = r.out.with_suffix(".png")
         plot_deltas(comparison, png, title=r.title, original_max=rope_original_max(r.config))
-        result.plot_path = str(png)
     except ImportError:  # matplotlib is optional
-        result.plot_path = None
-    save_inputs(r.out, reference, report, ENGINE_TOP_K, noise=noise)
-    result.provenance["inputs"] = inputs_path(r.out).name
-    write_report(result, r.out)
-    return result
+        return None
+    return str(png)
 
 
 def _check_parallel(req: CheckRequest, settings: dict | None) -> None:
