@@ -28,6 +28,7 @@ from patcher.artifacts.envlocks import file_digest, find_lock, locked_hashes, lo
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, EngineUnavailable, VerificationError
 from patcher.base.fsutil import link_tree
+from patcher.base.procs import OutputTail, run_logged
 from patcher.engines.base import EnvPlan
 from patcher.engines.registry import engine
 from patcher.formats.bundle import OfflineRecord, find_record
@@ -73,6 +74,10 @@ def pip_command(py: Path) -> list[str]:
     return [sys.executable, "-m", "pip", "--python", str(py)]
 
 
+#: pip's own configuration warnings: kept in the log, not shown as what an install waits on
+PIP_QUIET = ("WARNING: ",)
+
+
 def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | None = None) -> None:
     """pip in the environment; its output goes to <venv>/dsadapt-pip.log and, line by line, to the
     progress display (what the install is waiting on), never as a flood on the terminal. A failure
@@ -81,22 +86,10 @@ def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | Non
     cmd = [*pip_command(py), "--disable-pip-version-check", "--no-input", *args[:1], *quiet, *args[1:]]
     venv = py.parent.parent
     log_path = log_path or venv / "dsadapt-pip.log"
-    note = getattr(progress, "note", None)
-    lines: list[str] = []
+    tail = OutputTail(progress, "pip: ", quiet=PIP_QUIET)
     with open(log_path, "a", encoding="utf-8") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            line = line.rstrip()
-            if line:
-                lines.append(line)
-                del lines[:-400]
-                if note and not line.startswith("WARNING: "):  # pip's config warnings are not progress
-                    note(f"pip: {line}")
-        rc = proc.wait()
+        rc = run_logged(cmd, log, None, on_line=tail).returncode
+    lines = tail.lines
     if rc != 0:
         cause, fix = pip_cause(lines)
         raise BuildError(f"pip {' '.join(args[:2])} failed in {venv}: {cause}",

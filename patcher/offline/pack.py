@@ -307,25 +307,15 @@ def _version(v: str):
 
 
 def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
-    from patcher.artifacts.venvs import pip_cause
+    from patcher.artifacts.venvs import PIP_QUIET, pip_cause
+    from patcher.base.procs import OutputTail, run_logged
 
-    note = getattr(progress, "note", None)
-    lines: list[str] = []
+    tail = OutputTail(progress, "pip: ", quiet=PIP_QUIET)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
-        f.write("$ " + " ".join(args) + "\n")
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            line = line.rstrip()
-            if line:
-                lines = (lines + [line])[-400:]
-                if note and not line.startswith("WARNING: "):
-                    note(f"pip: {line}")
-        rc = proc.wait()
+        rc = run_logged(args, f, None, on_line=tail).returncode
     if rc != 0:
-        cause, fix = pip_cause(lines)
+        cause, fix = pip_cause(tail.lines)
         # no wheel of a locked version for the target: this bundle cannot be made (6); anything else is
         # the machine's (the network, a proxy, the disk: 7)
         unfit = "No matching distribution" in cause or "requires a different Python" in cause
