@@ -1168,17 +1168,7 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     """Where the engine leaves the reference and what that module family points to."""
     p = res.first
     if p is None:
-        compared = sum(q.status != "not compared" for q in res.points)
-        lines = [f"every compared point is within its {res.rule} limit ({compared} points over "
-                 f"{res.layers} layers)"]
-        m = res.margin
-        if m and m.get("margin") is not None:
-            what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \
-                f"relative error {m['error']:.3g}"
-            lines.append(f"closest to its limit: {m['where']} ({m['phase']}), {what}: "
-                         f"{margin_words(m['margin'], False)}")
-        return lines
-    pdef = POINT[p.point]
+        return _within_limits(res)
     world = int(res.rows.get("world_size") or 1)
     lines = [f"{first_divergence(p).words()}: {describe(p)}"]
     if p.worst:
@@ -1193,7 +1183,36 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     if upstream and p.layer is not None:
         lines.append("its inputs in this layer match (" + ", ".join(q.label for q in upstream) + "): the "
                      f"difference starts in {p.label}")
-    hint = pdef.hint
+    lines += _where_to_look(p, config)
+    down = [q for q in res.points if q.above and q is not p]
+    if down:
+        lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
+                     f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
+    not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
+    if not_cmp:
+        lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
+    return lines
+
+
+def _within_limits(res: BisectResult) -> list[str]:
+    """The explanation of a comparison with no point above its limit: how many, and the closest."""
+    compared = sum(q.status != "not compared" for q in res.points)
+    lines = [f"every compared point is within its {res.rule} limit ({compared} points over "
+             f"{res.layers} layers)"]
+    m = res.margin
+    if m and m.get("margin") is not None:
+        what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \
+            f"relative error {m['error']:.3g}"
+        lines.append(f"closest to its limit: {m['where']} ({m['phase']}), {what}: "
+                     f"{margin_words(m['margin'], False)}")
+    return lines
+
+
+def _where_to_look(p: PointResult, config: dict) -> list[str]:
+    """What the first divergence's module points to: its hint, the block-FP8 dequantization where
+    FP8 weights feed it, YaRN for the RoPE points, and the phase that alone fails."""
+    lines = []
+    hint = POINT[p.point].hint
     if p.point == "mlp" and p.family == "moe":
         hint = "the MoE combine: routed and shared experts each match, their sum does not " \
                "(routed_scaling_factor applied to the wrong term, or a term dropped)"
@@ -1218,13 +1237,6 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     elif failed == {"prefill"}:
         lines.append("decode rows match, prefill rows do not: the prefill path (prefill attention "
                      "kernel, the kv_b_proj expansion used only in prefill)")
-    down = [q for q in res.points if q.above and q is not p]
-    if down:
-        lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
-                     f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
-    not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
-    if not_cmp:
-        lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
     return lines
 
 
