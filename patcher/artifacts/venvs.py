@@ -205,12 +205,8 @@ def ensure_env(venv: Path, contents: EnvContents, *, progress=None, stream: bool
     --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     """
     c = contents
-    wheel, sha256, extra, remove, post, marker, details = c.wheel, c.sha256, c.extra, c.remove, c.post, c.marker, c.details
-    lock_file, host_packages, pip_args, siblings = c.lock_file, c.host_packages, c.pip_args, c.siblings
-    lock_name = c.lock_name
-    if lock_file is None and lock_name:
-        lock_file = find_lock(lock_name)  # no lock here: fails before anything is made
-    deps = file_digest(lock_file) if lock_file else None
+    lock_file = c.lock_file if c.lock_file is not None or not c.lock_name else find_lock(c.lock_name)
+    deps = file_digest(lock_file) if lock_file else None  # no lock here: failed above, before anything is made
     py = venv_python(venv)
     old = installed_marker(venv)
     if old and old.get("deps_lock") != deps:
@@ -218,10 +214,31 @@ def ensure_env(venv: Path, contents: EnvContents, *, progress=None, stream: bool
             progress(f"{venv.name}: its locked dependencies changed; rebuilding the environment")
         shutil.rmtree(venv)  # derived data, remade below from the lock
         old = None
-    if old and old.get("sha256") == sha256 and py.exists() and old.get("post", []) == list(post):
+    if old and old.get("sha256") == c.sha256 and py.exists() and old.get("post", []) == list(c.post):
         return True, []
+    old = _make_venv(venv, c, deps, old, progress)
+    removed: list[str] = []
+    if lock_file is not None:
+        torch_build = _install_locked(py, venv, c, lock_file, old, stream, progress)
+    else:
+        torch_build = None
+        removed = _install_unlocked(py, venv, c, old, stream, progress)
+    if progress is not None and hasattr(progress, "end"):
+        progress.end()
+    (venv / MARKER).write_text(json.dumps({**(c.marker or {}), **(c.details or {}), "artifact": str(c.wheel),
+                                           "sha256": c.sha256, "post": list(c.post), "deps_lock": deps,
+                                           "deps_lock_file": lock_file.name if lock_file else None,
+                                           "torch_build": torch_build, "host_packages": c.host_packages},
+                                          indent=2, sort_keys=True) + "\n")
+    return False, removed
+
+
+def _make_venv(venv: Path, c: EnvContents, deps: str | None, old: dict | None, progress) -> dict | None:
+    """The environment's interpreter, made where there is none: copied from a sibling with the same
+    dependencies where one exists, else a fresh venv. Returns the install marker it now has."""
+    py = venv_python(venv)
     if not py.exists() and not old:
-        seed = _seed_for(venv, siblings, post, deps)
+        seed = _seed_for(venv, c.siblings, c.post, deps)
         if seed is not None:
             # Same engine, same dependencies: a copy plus a swapped engine package takes
             # seconds where a fresh resolve and install of torch and friends takes minutes.
@@ -233,43 +250,46 @@ def ensure_env(venv: Path, contents: EnvContents, *, progress=None, stream: bool
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
-        make_venv(venv, host_packages=host_packages)
-    removed: list[str] = []
+        make_venv(venv, host_packages=c.host_packages)
+    return old
+
+
+def _install_locked(py: Path, venv: Path, c: EnvContents, lock_file: Path, old: dict | None, stream: bool,
+                    progress) -> str | None:
+    """The dependencies from the hash lock (a new environment only), then the engine wheel by itself.
+    Returns the torch build the lock installed (or the one it had)."""
     torch_build = None
-    if lock_file is not None:
-        n_locked = len(locked_packages(lock_file.read_text()))
-        if not old and n_locked:
-            torch_build = install_lock(py, venv, lock_file, pip_args, stream=stream, progress=progress)
-        elif old:
-            torch_build = old.get("torch_build")
-        if progress:
-            progress(f"installing {wheel.name} into {venv} (--no-deps; sha256 {sha256[:12]}… checked by dsadapt)")
-        _pip(py, "install", *pip_args, "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
+    if not old and locked_packages(lock_file.read_text()):
+        torch_build = install_lock(py, venv, lock_file, c.pip_args, stream=stream, progress=progress)
+    elif old:
+        torch_build = old.get("torch_build")
+    if progress:
+        progress(f"installing {c.wheel.name} into {venv} (--no-deps; sha256 {c.sha256[:12]}… checked by dsadapt)")
+    _pip(py, "install", *c.pip_args, "--force-reinstall", "--no-deps", str(c.wheel), stream=stream, progress=progress)
+    return torch_build
+
+
+def _install_unlocked(py: Path, venv: Path, c: EnvContents, old: dict | None, stream: bool, progress) -> list[str]:
+    """The engine wheel with pip resolving its dependencies (and `extra`), `post` in a second call,
+    then `remove` uninstalled. Returns what was removed."""
+    if progress:
+        progress(f"installing {c.wheel.name}{' and its dependencies' if not old else ''} into {venv}"
+                 f"{' (pip; minutes on first run)' if not old else ''}")
+    if old:
+        _pip(py, "install", "--force-reinstall", "--no-deps", str(c.wheel), stream=stream, progress=progress)
     else:
+        _pip(py, "install", str(c.wheel), *c.extra, stream=stream, progress=progress)
+    if c.post and (not old or old.get("post", []) != list(c.post)):
         if progress:
-            progress(f"installing {wheel.name}{' and its dependencies' if not old else ''} into {venv}"
-                     f"{' (pip; minutes on first run)' if not old else ''}")
-        if old:
-            _pip(py, "install", "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
-        else:
-            _pip(py, "install", str(wheel), *extra, stream=stream, progress=progress)
-        if post and (not old or old.get("post", []) != list(post)):
-            if progress:
-                progress(f"adding {' '.join(post)}")
-            _pip(py, "install", *post, stream=stream, progress=progress)
-        for name in remove:
-            shown = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
-            if shown.returncode == 0:
-                _pip(py, "uninstall", "-y", name, stream=False)
-                removed.append(name)
-    if progress is not None and hasattr(progress, "end"):
-        progress.end()
-    (venv / MARKER).write_text(json.dumps({**(marker or {}), **(details or {}), "artifact": str(wheel), "sha256": sha256,
-                                           "post": list(post), "deps_lock": deps,
-                                           "deps_lock_file": lock_file.name if lock_file else None,
-                                           "torch_build": torch_build, "host_packages": host_packages},
-                                          indent=2, sort_keys=True) + "\n")
-    return False, removed
+            progress(f"adding {' '.join(c.post)}")
+        _pip(py, "install", *c.post, stream=stream, progress=progress)
+    removed = []
+    for name in c.remove:
+        shown = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
+        if shown.returncode == 0:
+            _pip(py, "uninstall", "-y", name, stream=False)
+            removed.append(name)
+    return removed
 
 
 def index_args(pip_args: Sequence[str] = ()) -> list[str]:
