@@ -353,85 +353,117 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
     """Walk `roots` ((requirement, who needs it)) for the target: what to carry, what the host
     gives, what is left out (module docstring). `versions(name)` is (version, sha256s) from the
     environment's lock, or None when the lock has no such package."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.specifiers import SpecifierSet
-    from packaging.utils import canonicalize_name
-
-    env = target.markers()
-    res = Resolution()
-    host_specs: dict[str, list[tuple[SpecifierSet, str]]] = {}
-    expanded: dict[str, set[str]] = {}       # carried name -> extras whose requirements were walked
-    requires: dict[str, list[str]] = {}
+    w = _Walk(target, host, versions, left_out, label)
     # (requirement, who needs it, the extras of who needs it: what its marker is evaluated with)
     pending: list[tuple[str, str, tuple[str, ...]]] = [(text, by, ("",)) for text, by in roots]
     while pending:
         to_fetch: dict[str, tuple[str, tuple[str, ...]]] = {}
         walk: list[tuple[str, set[str]]] = []
         for text, by, context in pending:
-            try:
-                req = Requirement(text)
-            except InvalidRequirement as e:
-                raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
-                                 hint="the wheel's metadata is broken") from None
-            extras = set(req.extras)
-            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in context):
-                continue
-            name = str(canonicalize_name(req.name))
-            spec = f"{req.specifier or '(any)'} ({by})"
-            if name in left_out:
-                res.left_out.setdefault(name, left_out[name])
-                continue
-            if name in res.carried:
-                c = res.carried[name]
-                if not req.specifier.contains(c.version, prereleases=True):
-                    raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={c.version}",
-                                     hint="the environment's lock does not fit this target; regenerate it")
-                c.needed_by.append(by)
-                new = extras - expanded.get(name, set())
-                if new:
-                    walk.append((name, new))
-                continue
-            if name in host and name not in to_fetch:
-                have = host.packages[name]
-                if have is None or req.specifier.contains(have, prereleases=True):
-                    res.host.setdefault(name, {"have": have, "need": []})["need"].append(spec)
-                    host_specs.setdefault(name, []).append((req.specifier, by))
-                    continue
-            locked = versions(name)
-            if locked is None:
-                why = (f"the host has {name} {host.packages[name]}, which does not satisfy {req}"
-                       if name in host else f"{name} is not on the host (--have)")
-                raise UsageError(f"{label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
-                                 f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
-                                                   f"environment with it (`make lock-envs`)")
-            if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
-                raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={locked[0]}",
-                                 hint="the environment's lock does not fit these requirements; regenerate it")
-            res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
-            for earlier, who in host_specs.pop(name, []):
-                if not earlier.contains(locked[0], prereleases=True):
-                    raise UsageError(f"{label}: {who} needs {name}{earlier}, {by} needs {req}: neither the host's "
-                                     f"{host.packages[name]} nor the locked {locked[0]} fits both",
-                                     hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
-                                          "--have)")
-            local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
-            to_fetch[name] = (local, locked[1]) if local else locked  # the build asked for, where it is served
-            res.carried[name] = Carried(name, locked[0], Path(), "", [by])
-            walk.append((name, extras))
+            w.need(text, by, context, to_fetch, walk)
         if to_fetch:
-            for name, path in fetcher.fetch(to_fetch).items():
-                from packaging.utils import parse_wheel_filename
+            w.fetched(fetcher.fetch(to_fetch))
+        pending = w.next_requirements(walk)
+    return w.res
 
-                c = res.carried[name]
-                c.wheel, c.sha256 = path, sha256_file(path)
-                c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
-                requires[name] = wheel_requires(path)[2]
-        pending = []
+
+class _Walk:
+    """The state of `resolve`'s walk: what is carried, what the host gives and under which
+    requirements, which extras of each carried package were walked, each one's requirements."""
+
+    def __init__(self, target: Target, host: HostPackages, versions: Versions, left_out: dict[str, str], label: str):
+        self.env, self.host, self.versions, self.left_out, self.label = target.markers(), host, versions, left_out, label
+        self.res = Resolution()
+        self.host_specs: dict[str, list] = {}          # name -> [(SpecifierSet, who)] the host's version serves
+        self.expanded: dict[str, set[str]] = {}        # carried name -> extras whose requirements were walked
+        self.requires: dict[str, list[str]] = {}
+
+    def need(self, text: str, by: str, context: tuple[str, ...], to_fetch: dict, walk: list) -> None:
+        """One requirement of `by`: left out, already carried (its new extras walked), the host's,
+        or carried at the lock's version (fetched with the others of this round)."""
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.utils import canonicalize_name
+
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as e:
+            raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
+                             hint="the wheel's metadata is broken") from None
+        extras = set(req.extras)
+        if req.marker is not None and not any(req.marker.evaluate({**self.env, "extra": e}) for e in context):
+            return
+        name = str(canonicalize_name(req.name))
+        if name in self.left_out:
+            self.res.left_out.setdefault(name, self.left_out[name])
+        elif name in self.res.carried:
+            self._again(name, req, by, extras, walk)
+        elif not (name in self.host and name not in to_fetch and self._hosts(name, req, by)):
+            to_fetch[name] = self._carry(name, req, by)
+            walk.append((name, extras))
+
+    def _again(self, name: str, req, by: str, extras: set[str], walk: list) -> None:
+        c = self.res.carried[name]
+        if not req.specifier.contains(c.version, prereleases=True):
+            raise UsageError(f"{self.label}: {by} needs {req}, the lock has {name}=={c.version}",
+                             hint="the environment's lock does not fit this target; regenerate it")
+        c.needed_by.append(by)
+        new = extras - self.expanded.get(name, set())
+        if new:
+            walk.append((name, new))
+
+    def _hosts(self, name: str, req, by: str) -> bool:
+        """Whether the host's version serves `req` (recorded as the host's if so)."""
+        have = self.host.packages[name]
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            return False
+        self.res.host.setdefault(name, {"have": have, "need": []})["need"].append(f"{req.specifier or '(any)'} ({by})")
+        self.host_specs.setdefault(name, []).append((req.specifier, by))
+        return True
+
+    def _carry(self, name: str, req, by: str) -> tuple[str, tuple[str, ...]]:
+        """`name` carried at the lock's version; returns what to fetch (the build asked for, where
+        the lock's version serves either build)."""
+        locked = self.versions(name)
+        if locked is None:
+            why = (f"the host has {name} {self.host.packages[name]}, which does not satisfy {req}"
+                   if name in self.host else f"{name} is not on the host (--have)")
+            raise UsageError(f"{self.label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
+                             f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
+                                               f"environment with it (`make lock-envs`)")
+        if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
+            raise UsageError(f"{self.label}: {by} needs {req}, the lock has {name}=={locked[0]}",
+                             hint="the environment's lock does not fit these requirements; regenerate it")
+        self.res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
+        for earlier, who in self.host_specs.pop(name, []):
+            if not earlier.contains(locked[0], prereleases=True):
+                raise UsageError(f"{self.label}: {who} needs {name}{earlier}, {by} needs {req}: neither the host's "
+                                 f"{self.host.packages[name]} nor the locked {locked[0]} fits both",
+                                 hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
+                                      "--have)")
+        self.res.carried[name] = Carried(name, locked[0], Path(), "", [by])
+        local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
+        return (local, locked[1]) if local else locked
+
+    def fetched(self, paths: dict[str, Path]) -> None:
+        """The wheels of this round: their digests, the build each is, their requirements."""
+        from packaging.utils import parse_wheel_filename
+
+        for name, path in paths.items():
+            c = self.res.carried[name]
+            c.wheel, c.sha256 = path, sha256_file(path)
+            c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
+            self.requires[name] = wheel_requires(path)[2]
+
+    def next_requirements(self, walk: list[tuple[str, set[str]]]) -> list[tuple[str, str, tuple[str, ...]]]:
+        """The requirements of what this round carried (or whose new extras it asked for)."""
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        pending: list[tuple[str, str, tuple[str, ...]]] = []
         for name, extras in walk:
-            done = expanded.setdefault(name, set())
+            done = self.expanded.setdefault(name, set())
             fresh = {""} | extras if not done else extras - done
             done |= fresh
-            for text in requires.get(name, []):
+            for text in self.requires.get(name, []):
                 try:
                     r = Requirement(text)
                 except InvalidRequirement:
@@ -439,7 +471,7 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                     continue
                 if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
                     pending.append((text, name, tuple(sorted(fresh))))
-    return res
+        return pending
 
 
 def _either_build(req, locked: str) -> bool:
