@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base import faults
+from patcher.base.checkout_layout import CheckoutLayout
 from patcher.base.errors import DsadaptError
 
 # Fixed identity and dates for the commits dsadapt itself makes (base snapshots, applied
@@ -326,7 +327,7 @@ class Git:
         return None, (text if len(text) == 40 else self.rev("HEAD")), refs
 
     def scratch_dir(self) -> Path:
-        d = self.git_dir() / "dsadapt" / "tmp"
+        d = CheckoutLayout.of_git_dir(self.git_dir()).scratch
         d.mkdir(parents=True, exist_ok=True)
         return d
 
