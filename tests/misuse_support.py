@@ -127,10 +127,46 @@ def work_now(p: Project) -> Work:
     return Work(user_commits(co), user_files(co), subjects_in_patches(p.stack_dir()))
 
 
+def _patch_id(co: Path, rev: str) -> str | None:
+    show = subprocess.run(["git", "show", "--format=", "--no-color", rev], cwd=co, capture_output=True, text=True)
+    out = subprocess.run(["git", "patch-id", "--stable"], cwd=co, input=show.stdout, capture_output=True,
+                         text=True).stdout.split()
+    return out[0] if out else None
+
+
+def carried(co: Path, commit: str) -> bool:
+    """A commit no ref reaches whose change a reachable commit carries (same patch-id): rebased,
+    as `git rebase` and `git cherry` count it."""
+    pid = _patch_id(co, commit)
+    if pid is None:
+        return False
+    log = subprocess.run(["git", "log", "--all", "-p", "--no-color", "--no-merges", "--format=commit %H"], cwd=co,
+                         capture_output=True, text=True).stdout
+    ids = subprocess.run(["git", "patch-id", "--stable"], cwd=co, input=log, capture_output=True, text=True).stdout
+    return any(l.split()[0] == pid for l in ids.splitlines() if l.split())
+
+
+def change_in(co: Path, commit: str, rev: str, scratch: Path) -> bool:
+    """Whether `rev`'s tree already holds `commit`'s change (its diff reverse-applies there)."""
+    diff = subprocess.run(["git", "diff", "--binary", "--full-index", f"{commit}^", commit], cwd=co,
+                          capture_output=True, text=True).stdout
+    if not diff.strip():
+        return True
+    scratch.mkdir(parents=True, exist_ok=True)
+    idx = scratch / f"index-{commit[:12]}"
+    env = {**os.environ, "GIT_INDEX_FILE": str(idx)}
+    subprocess.run(["git", "read-tree", rev], cwd=co, env=env, check=True)
+    r = subprocess.run(["git", "apply", "--cached", "--check", "-R"], cwd=co, input=diff, text=True, env=env,
+                       capture_output=True)
+    idx.unlink(missing_ok=True)
+    return r.returncode == 0
+
+
 def lost(p: Project, before: Work) -> list[str]:
-    """What of `before` is gone now (empty: nothing)."""
+    """What of `before` is gone now (empty: nothing). A commit counts as kept when a ref or HEAD
+    reaches it, or a commit they reach carries its change (it was rebased)."""
     co = p.checkout()
-    out = [f"commit {c[:12]}" for c in sorted(before.commits) if not reachable(co, c)]
+    out = [f"commit {c[:12]}" for c in sorted(before.commits) if not reachable(co, c) and not carried(co, c)]
     out += [f"{f.kind} {f.path}" for f in before.files if not file_kept(co, f)]
     gone = before.patches - subjects_in_patches(p.stack_dir())
     if gone:

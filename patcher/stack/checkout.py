@@ -414,14 +414,16 @@ class HeadState:
         n = len(self.lacks)
         if n == 0:
             return f"`git checkout -B {br}` makes them the stack branch's{then}"
+        keep = (f"`git branch {br}-was-{(self.branch_head or '')[:8]} {br}` keeps the stack branch as it is "
+                f"(its {n} commit(s) HEAD lacks included), then ")
         if self.replaced == n:
-            return (f"`git checkout -B {br}` makes them the stack branch's: they replace its last {n} commit(s), "
-                    f"by subject (those stay in git's reflog){then}")
+            return (f"{keep}`git checkout -B {br}` makes them the stack branch's (they replace its last {n} "
+                    f"commit(s), by subject){then}")
         if self.replaced:
             last = self.lacks[self.replaced - 1][0][:12]
-            return (f"`git rebase --onto {target} {last} {br}` puts the {n - self.replaced} commit(s) of {br} after "
-                    f"the one(s) you replaced on top of yours{then}")
-        return f"`git rebase {target} {br}` puts the {n} commit(s) of {br} that HEAD lacks on top of yours{then}"
+            return (f"{keep}`git rebase --onto {target} {last} {br}` puts the {n - self.replaced} commit(s) of {br} "
+                    f"after the one(s) you replaced on top of yours{then}")
+        return f"{keep}`git rebase {target} {br}` puts the {n} commit(s) of {br} that HEAD lacks on top of yours{then}"
 
 
 def head_state(co: Checkout) -> HeadState:

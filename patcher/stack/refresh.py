@@ -8,6 +8,7 @@ for byte by `dsadapt abort`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,10 +63,11 @@ def branch_commits(git: Git, base: str, head: str, branch: str | None = None) ->
             rows.append((f[1], f[2], f[3:], subject))
     merges = [c for c, _t, parents, _s in rows if len(parents) > 1]
     if merges:
+        tip = branch or head[:12]
         raise WorkspaceError(f"merge commit {merges[0][:12]} in the stack branch: a stack is linear, one patch per commit",
-                             hint=f"`git -C {git.path} rebase {base[:12]} {branch or head[:12]}` makes the branch "
-                                  "linear (git leaves the merge out and replays the commits it brought), then "
-                                  "refresh again")
+                             hint=f"`git -C {git.path} branch merged-{merges[0][:12]} {tip}` keeps the branch as it "
+                                  f"is, then `git -C {git.path} rebase {base[:12]} {tip}` makes it linear (git leaves "
+                                  "the merge out and replays the commits it brought); then refresh again")
     return [BranchCommit(c, s, bool(parents) and trees.get(parents[0]) == t) for c, t, parents, s in rows]
 
 
@@ -88,7 +90,26 @@ def export_commits(git: Git, base: str, head: str, empty: list[BranchCommit] | N
     pieces = text.split(MBOX_FROM)[1:]
     if len(pieces) != len(commits):  # (format-patch leaves out what it finds empty: one at a time)
         pieces = [git.run(*FORMAT_PATCH, "-1", c.commit).out.split(MBOX_FROM, 1)[-1] for c in commits]
+    pieces = [with_mode_only_index(git, c.commit, p) for c, p in zip(commits, pieces)]
     return [parse_patch(MBOX_FROM + p, where=f"commit {c.commit[:12]}") for c, p in zip(commits, pieces)]
+
+
+_MODE_ONLY = re.compile(r"^diff --git a/(?P<path>[^\n]+?) b/(?P=path)\nold mode (\d+)\nnew mode (\d+)\n(?!index )", re.M)
+
+
+def with_mode_only_index(git: Git, commit: str, piece: str) -> str:
+    """A file whose commit only changes its mode gets the index line git leaves out (`index B..B`,
+    its blob id on both sides): the patch then names the file's pre-image like every other (the
+    lint and the release-artifact pre-image check need it), and git applies it as before."""
+    hits = list(_MODE_ONLY.finditer(piece))
+    if not hits:
+        return piece
+    blobs = git.blobs_at(commit, sorted({m.group("path") for m in hits}))
+    for m in reversed(hits):
+        oid = blobs.get(m.group("path"))
+        if oid:
+            piece = piece[:m.end()] + f"index {oid}..{oid}\n" + piece[m.end():]
+    return piece
 
 
 def exported_files(patches: list[Patch], old_series: str | None) -> tuple[dict[str, bytes], list[str]]:
