@@ -19,6 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conftest import TAG1, Project, git
+from hypothesis import settings
+
+# The hypothesis profile of CI (HYPOTHESIS_PROFILE=ci, or any CI that sets CI): the same examples on
+# every run, so a red run is the code's doing, never the draw's. Example counts are each test's own,
+# bounded (and raised locally through their environment variables).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "explore"))
 
 FIXED_CT = "1700000000"   # dsadapt's own commits carry this committer date (gitutil.FIXED_DATE)
 BRANCH = f"dsadapt/{TAG1}"
@@ -178,7 +186,7 @@ def lost(p: Project, before: Work) -> list[str]:
 # ---------------------------------------------------------------- status tells the truth
 
 
-def expected_tree(co: Path, patches_dir: Path, scratch: Path) -> str | None:
+def expected_tree(co: Path, patches_dir: Path, scratch: Path, base: str = "refs/dsadapt/base") -> str | None:
     """The tree patches/ gives on the base (git apply --cached in a scratch index and object dir):
     the oracle for "stack applied"."""
     series = [l.split("#", 1)[0].strip() for l in (patches_dir / "series").read_text().splitlines()]
@@ -189,7 +197,7 @@ def expected_tree(co: Path, patches_dir: Path, scratch: Path) -> str | None:
     (d / "objects").mkdir(parents=True)
     env = {"GIT_INDEX_FILE": str(d / "index"), "GIT_OBJECT_DIRECTORY": str(d / "objects"),
            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(co / ".git" / "objects")}
-    git(co, "read-tree", "refs/dsadapt/base", env=env)
+    git(co, "read-tree", base, env=env)
     for name in series:
         r = subprocess.run(["git", "apply", "--cached"], cwd=co, input=(patches_dir / name).read_text(),
                            text=True, capture_output=True, env={**os.environ, **env})
@@ -218,15 +226,15 @@ def status_problems(p: Project, scratch: Path) -> list[str]:
             out.append("status says 'stack applied' but HEAD is not the branch's head")
         if git(co, "status", "--porcelain", "--untracked-files=all", check=False):
             out.append("status says 'stack applied' over uncommitted changes")
-        want = expected_tree(co, p.stack_dir(), scratch) if (p.stack_dir() / "series").is_file() else None
+        base = p.upstream.commits[TAG1]  # what the lock pinned when the checkout was made (not dsadapt's ref)
+        want = expected_tree(co, p.stack_dir(), scratch, base) if (p.stack_dir() / "series").is_file() else None
         if want is None or git(co, "rev-parse", "HEAD^{tree}", check=False) != want:
             out.append("status says 'stack applied' but the branch is not what patches/ gives")
         if _worktree_holds_branch(co):
             out.append("status says 'stack applied' while another worktree holds the branch")
         if not _lock_matches(p, co):
             out.append("status says 'stack applied' but the base is not what upstream.lock pins")
-    if st["state"] == "clean base" and git(co, "rev-parse", "HEAD", check=False) != \
-            git(co, "rev-parse", "refs/dsadapt/base", check=False):
+    if st["state"] == "clean base" and git(co, "rev-parse", "HEAD", check=False) != p.upstream.commits[TAG1]:
         out.append("status says 'clean base' but HEAD is not the base")
     return [f"{o} [{st['state']}: {st['detail']}]" for o in out]
 
@@ -238,7 +246,7 @@ def _worktree_holds_branch(co: Path) -> bool:
 def _lock_matches(p: Project, co: Path) -> bool:
     text = (p.root / "upstream.lock").read_text()
     m = re.search(rf'\[pins."vllm@{re.escape(TAG1)}"\][^\[]*?commit = "([0-9a-f]+)"', text, re.S)
-    return m is None or m.group(1) == git(co, "rev-parse", "refs/dsadapt/base", check=False)
+    return m is None or m.group(1) == p.upstream.commits[TAG1]
 
 
 # ---------------------------------------------------------------- hints, followed

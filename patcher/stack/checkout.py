@@ -185,7 +185,14 @@ class Checkout:
             self.save(state)
             self.notes.append(f"{self.rebuilt}" + (f"; the damaged record is kept as {kept}" if kept else ""))
             self.rebuilt = None
-        refs = dict(g.refs(REFS))
+        refs = dict(g.refs(REFS, self.branch_ref))
+        for ref in self._broken_refs(refs):  # git skips them (with a warning on every command): kept aside
+            self._set_aside_broken(ref)
+            if ref == self.branch_ref:  # the branch's last value is in its reflog
+                last = self._reflog_tip(ref)
+                if last and g.rev(last):
+                    g.update_ref(ref, last, why="dsadapt: the branch's ref was damaged; its reflog's last value")
+                    self.notes.append(f"made branch {self.branch} again at {last[:12]}, its reflog's last value")
         want = [(BASE_REF, state.base)]
         if state.op is None and state.applied is not None:
             want.append((STACK_REF, state.applied.snapshot))
@@ -195,19 +202,37 @@ class Checkout:
         for ref, commit in want:
             if not commit or ref in refs or not g.rev(commit):
                 continue
-            self._set_aside_broken(ref)
             g.update_ref(ref, commit)
             made.append(ref)
         if made:
             self.notes.append(f"made {', '.join(made)} again from the checkout's record (missing or damaged)")
         return state
 
+    def _broken_refs(self, valid: dict[str, str]) -> list[str]:
+        """Loose ref files of dsadapt's (refs/dsadapt/**, the stack branch) that git cannot read."""
+        gd = self.layout.git_dir
+        files = [self.branch_ref] if (gd / self.branch_ref).is_file() else []
+        root = gd / REFS
+        if root.is_dir():
+            for dirpath, _dirs, names in os.walk(root):
+                files += [str((Path(dirpath) / n).relative_to(gd)) for n in names if not n.startswith(".")
+                          and not n.endswith(".lock")]
+        return sorted(f for f in files if f not in valid)
+
+    def _reflog_tip(self, ref: str) -> str | None:
+        try:
+            lines = (self.layout.git_dir / "logs" / ref).read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return None
+        parts = lines[-1].split() if lines else []
+        return parts[1] if len(parts) > 1 and len(parts[1]) == 40 else None
+
     def _set_aside_broken(self, ref: str) -> None:
         """A loose ref file git cannot read (git skips it as broken) is kept aside before the ref is
         written again."""
         f = self.layout.git_dir / ref
         if f.is_file() or f.is_symlink():
-            aside = self.layout.own / "damaged" / f"{ref.replace('/', '-')}-{time.strftime('%Y%m%dT%H%M%S')}"
+            aside = self.layout.own / "damaged" / f"{ref.replace('/', '-')}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             aside.parent.mkdir(parents=True, exist_ok=True)
             os.replace(f, aside)
             self.notes.append(f"kept the damaged {ref} as {aside}")

@@ -229,3 +229,19 @@ def test_the_copy_of_the_record_follows_every_write_and_is_the_same_commit_for_t
     now = git(co, "rev-parse", "refs/dsadapt/state")
     c.save(c.load())
     assert git(co, "rev-parse", "refs/dsadapt/state") == now
+
+
+def test_a_damaged_stack_branch_ref_is_made_again_from_its_reflog(project, clean_stack, tmp_path):
+    co = _applied_with_a_commit(project)
+    mine = git(co, "rev-parse", "HEAD")
+    git(co, "pack-refs", "--all")
+    (co / ".git" / "refs" / "heads" / "dsadapt").mkdir(parents=True, exist_ok=True)
+    (co / ".git" / "refs" / "heads" / "dsadapt" / TAG1).write_text("damaged\n")
+    before = work_now(project)
+    assert status_problems(project, tmp_path / "oracle") == []
+    r = project.run("apply", REF1)
+    assert r.rc == 4 and "not exported" in r.err and "reflog" in r.err, r  # the branch is back, with the commit
+    assert git(co, "rev-parse", f"refs/heads/dsadapt/{TAG1}") == mine
+    assert project.run("refresh", REF1).rc == 0
+    assert lost(project, before) == []
+    assert project.run("status", "--json").json()["checkouts"][0]["state"] == "stack applied"
