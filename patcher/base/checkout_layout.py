@@ -72,6 +72,11 @@ class CheckoutLayout:
         return self.git_dir / "rebase-apply"
 
     @property
+    def rebase_merge(self) -> Path:
+        """git's own: the state of a `git rebase` (merge backend) in progress."""
+        return self.git_dir / "rebase-merge"
+
+    @property
     def worktrees(self) -> Path:
         """git's own: the registrations of linked worktrees (`git worktree add`)."""
         return self.git_dir / "worktrees"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base import faults
-from patcher.base.checkout_layout import CheckoutLayout
+from patcher.base.checkout_layout import REFS, CheckoutLayout
 from patcher.base.errors import DsadaptError
 
 # Fixed identity and dates for the commits dsadapt itself makes (base snapshots, applied
@@ -315,7 +315,7 @@ class Git:
     def head(self) -> tuple[str | None, str | None, dict[str, str]]:
         """(branch HEAD is on or None, HEAD's commit, {ref: commit} of refs/heads/ and refs/dsadapt/),
         with one process: `for-each-ref` plus reading .git/HEAD."""
-        refs = dict(self.refs("refs/heads/", "refs/dsadapt/"))
+        refs = dict(self.refs("refs/heads/", REFS))
         try:
             text = (self.git_dir() / "HEAD").read_text().strip()
         except OSError:

@@ -75,7 +75,7 @@ class Checkout:
 
     def _marked(self) -> bool:
         lay = self.layout
-        if lay.own.is_dir() or (lay.git_dir / "refs" / "dsadapt").is_dir() \
+        if lay.own.is_dir() or (lay.git_dir / REFS).is_dir() \
                 or (lay.git_dir / self.branch_ref).is_file():
             return True
         try:
@@ -328,7 +328,7 @@ def shared_branch(co: Checkout) -> list[Worktree]:
     out = []
     for w in sorted(d.iterdir()):
         held = False
-        for f in (w / "HEAD", w / "rebase-merge" / "head-name", w / "rebase-apply" / "head-name"):
+        for f in (w / "HEAD", w / "rebase-merge" / "head-name", w / "rebase-apply" / "head-name"):  # (git's own names)
             try:
                 text = f.read_text(encoding="utf-8", errors="replace").strip()
             except OSError:
@@ -361,8 +361,9 @@ def shared_words(co: Checkout, wts: list[Worktree]) -> tuple[str, str]:
 def git_in_progress(co: Checkout, has_op: bool) -> tuple[str, str] | None:
     """(what, how to finish it) when a git operation of the user's is half done in the checkout: a
     rebase, a merge, a cherry-pick or revert, a bisect, or a `git am` no dsadapt op started."""
-    gd, ref = co.layout.git_dir, co.ref
-    if (gd / "rebase-merge").is_dir() or (gd / "rebase-apply" / "rebasing").exists():
+    lay, ref = co.layout, co.ref
+    gd = lay.git_dir
+    if lay.rebase_merge.is_dir() or (lay.am_dir / "rebasing").exists():
         return ("a git rebase is in progress", "finish it with `git rebase --continue` (or undo it with "
                 f"`git rebase --abort`), then run the command again; or `dsadapt apply {ref} --force` keeps the "
                 "work tree, HEAD and the branch in backup refs and applies patches/ again")
@@ -459,7 +460,7 @@ def head_state(co: Checkout) -> HeadState:
     st = HeadState(branch, head, refs.get(co.branch_ref), refs)
     if head and branch is None and head != st.branch_head:
         st.only_head = int(g.out("rev-list", "--count", head, "--not", "--branches", "--tags", "--remotes",
-                                 "--glob=refs/dsadapt/*") or 0)
+                                 f"--glob={REFS}*") or 0)
     elif head and branch is not None and branch != co.branch:
         since = st.branch_head or g.rev(BASE_REF)
         st.beyond = int(g.out("rev-list", "--count", head, *([f"^{since}"] if since else [])) or 0)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.base.checkout_layout import BASE_REF, STACK_REF, STATE_REF, CheckoutLayout
+from patcher.base.checkout_layout import BASE_REF, REFS, STACK_REF, STATE_REF, CheckoutLayout
 from patcher.base.errors import DsadaptError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, file_identity, git_blob_id
 from patcher.base.gitutil import FIXED_DATE, Git
@@ -297,7 +297,7 @@ def derive(g: Git, layout: CheckoutLayout, ref: str, branch_ref: str, entry: Loc
     series order, stack hash), or None where it cannot be read. WorkspaceError when the base
     cannot be told."""
     how: list[str] = []
-    refs = dict(g.refs("refs/heads/", "refs/dsadapt/"))
+    refs = dict(g.refs("refs/heads/", REFS))
     tip = refs.get(branch_ref) or g.rev("HEAD")
     base = refs.get(BASE_REF)
     source: dict = {}

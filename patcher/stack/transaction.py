@@ -428,11 +428,13 @@ class Transaction:
         base = self.co.base()
         if self.co.am_in_progress():
             remove_tree(self.co.am_dir)
-        if (self.co.layout.git_dir / "rebase-merge").is_dir():  # a rebase of the user's (apply --force saved it)
+        if self.co.layout.rebase_merge.is_dir():  # a rebase of the user's (apply --force saved it)
             g.run("rebase", "--quit", check=False)
         if op.orig.dirty or (not self._fresh and g.is_dirty()):
-            g.run("reset", "-q", "--hard")
+            g.run("reset", "-q", "--hard")  # (also ends a merge, cherry-pick or revert of the user's)
             g.run("clean", "-fdq")
+        if (self.co.layout.git_dir / "BISECT_LOG").exists():
+            g.run("bisect", "reset", check=False)
         g.run("checkout", "-q", "-f", "-B", self.co.branch, base)
         self._new_am(base)
 

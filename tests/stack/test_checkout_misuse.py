@@ -386,8 +386,10 @@ def test_a_git_operation_left_half_done_is_refused_naming_how_to_finish_it(what,
     assert r.rc == 0, r
     assert lost(q, before) == [], what
     assert not any((q.checkout() / ".git" / f).exists()
-                   for f in ("rebase-merge", "rebase-apply", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"))
+                   for f in ("rebase-merge", "rebase-apply", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD", "BISECT_LOG"))
     assert status_problems(q, tmp_path / "oracle") == []
+    r = q.run("apply", REF1)
+    assert r.rc == 0 and "already applied" in r.out, r  # nothing of the user's operation is left to refuse
 
 
 # ---------------------------------------------------------------- the lock changed under a checkout
