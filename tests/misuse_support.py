@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import TAG1, Project, git
+from conftest import TAG1, Project, clean_stack_edits, git, lock_text, make_patches, make_upstream
 from hypothesis import settings
 
 # The hypothesis profile of CI (HYPOTHESIS_PROFILE=ci, or any CI that sets CI): the same examples on
@@ -27,6 +27,25 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "explore"))
+
+def fixture_project(root: Path, *, stack: bool = True) -> Project:
+    """A fixture upstream, a project pinning it (git source only) and, with `stack`, the three-patch
+    clean stack on v1.0.0: what the generated suites start every example from."""
+    root.mkdir(parents=True)
+    up = make_upstream(root)
+    proj = root / "project"
+    proj.mkdir()
+    env = {"DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "work"),
+           "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
+           "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5", "DSADAPT_GIT_WAIT": "2"}
+    (root / "artifacts").mkdir()
+    (root / "work").mkdir()
+    p = Project(proj, up, env, root)
+    p.write_lock(lock_text(up))
+    if stack:
+        p.write_stack(make_patches(up, root / "mk", TAG1, clean_stack_edits()))
+    return p
+
 
 FIXED_CT = "1700000000"   # dsadapt's own commits carry this committer date (gitutil.FIXED_DATE)
 BRANCH = f"dsadapt/{TAG1}"

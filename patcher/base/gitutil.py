@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base import faults
-from patcher.base.checkout_layout import REFS, CheckoutLayout
+from patcher.base.dotgit import REFS, CheckoutLayout
 from patcher.base.errors import DsadaptError
 
 # Fixed identity and dates for the commits dsadapt itself makes (base snapshots, applied

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from patcher.base.checkout_layout import CheckoutLayout
+from patcher.base.dotgit import CheckoutLayout
 from patcher.base.fsutil import pid_alive
 
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)(?:-.*)?$")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from patcher.base.checkout_layout import BACKUP_PREFIX, BASE_REF, STACK_REF
 from patcher.base.config import Config
+from patcher.base.dotgit import BACKUP_PREFIX, BASE_REF, STACK_REF
 from patcher.base.errors import WorkspaceError
 from patcher.base.gitutil import work_fingerprint
 from patcher.engines.base import Tree

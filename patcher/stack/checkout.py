@@ -3,7 +3,7 @@ dsadapt state (the record, the refs dsadapt keeps there), read as git shows it.
 
 `ensure_checkout` materializes a pin's tree (git, mirror or release artifact, verified against the
 lock) into `checkouts/<engine>/<tag>/`, and re-verifies an existing checkout whenever the lock's
-pin changed; `Checkout` names what lives in it (base.checkout_layout) and reads its record
+pin changed; `Checkout` names what lives in it (base.dotgit) and reads its record
 (record.py: rebuilt from git when damaged or missing). What the user did by hand is read here
 before any command acts: where HEAD is and which commits only it holds (`head_state`), another
 worktree holding the stack branch (`shared_branch`), a git operation of the user's in progress
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.base import leftovers
-from patcher.base.checkout_layout import (
+from patcher.base.config import Config
+from patcher.base.dotgit import (
     BACKUP_PREFIX,
     BASE_REF,
     OP_PREFIX,
@@ -30,7 +31,6 @@ from patcher.base.checkout_layout import (
     CheckoutLayout,
     branch_name,
 )
-from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, VerificationError, WorkspaceError
 from patcher.base.fsutil import atomic_write_bytes
 from patcher.base.gitutil import FIXED_DATE, Git, clear_stale_locks, init_repo

@@ -1,7 +1,7 @@
 """The checkout's state record on disk: read, written durably with a copy in git, and rebuilt from
 git when it is damaged or missing.
 
-`.git/dsadapt/state.json` (base.checkout_layout) is the record. Every write first puts the same
+`.git/dsadapt/state.json` (base.dotgit) is the record. Every write first puts the same
 bytes, with the files of the op in progress (`.git/dsadapt/op/`), into a commit under
 `refs/dsadapt/state` (loose objects and a loose ref, written without starting git), then writes
 the record itself (temporary file, fsync, rename). A record deleted, truncated, half written or
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patcher.base.checkout_layout import BASE_REF, REFS, STACK_REF, STATE_REF, CheckoutLayout
+from patcher.base.dotgit import BASE_REF, REFS, STACK_REF, STATE_REF, CheckoutLayout
 from patcher.base.errors import DsadaptError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, file_identity, git_blob_id
 from patcher.base.gitutil import FIXED_DATE, Git

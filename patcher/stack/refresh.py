@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.base import leftovers
-from patcher.base.checkout_layout import STACK_REF
 from patcher.base.config import Config
+from patcher.base.dotgit import STACK_REF
 from patcher.base.errors import DsadaptError, RefusedToClobber, WorkspaceError
 from patcher.base.fsutil import atomic_write_bytes, remove_file
 from patcher.base.gitutil import Git

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from patcher.base.checkout_layout import BACKUP_PREFIX, BASE_REF
 from patcher.base.config import Config
+from patcher.base.dotgit import BACKUP_PREFIX, BASE_REF
 from patcher.base.errors import DsadaptError, StackError, VerificationError, WorkspaceError, plural
 from patcher.base.gitutil import GitError
 from patcher.base.workdir import lock_holder

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from patcher.base.checkout_layout import OP_PREFIX, REFS, STACK_REF
+from patcher.base.dotgit import OP_PREFIX, REFS, STACK_REF
 from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, remove_tree
 from patcher.base.gitutil import (

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from patcher.base import leftovers
-from patcher.base.checkout_layout import BASE_REF
 from patcher.base.config import Config
+from patcher.base.dotgit import BASE_REF
 from patcher.base.errors import (
     DsadaptError,
     LockError,

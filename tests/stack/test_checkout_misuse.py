@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import REF1, TAG1, Project, clean_stack_edits, commit_msg, git, lock_text, make_patches, make_upstream
+from conftest import REF1, TAG1, Project, commit_msg, git, lock_text
 from fault_harness import copy_project
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +23,7 @@ from misuse_support import (
     alternatives,
     change_in,
     error_shape,
+    fixture_project,
     follow,
     hint_of,
     lost,
@@ -33,19 +34,7 @@ from misuse_support import (
 
 
 def _project(root: Path) -> Project:
-    root.mkdir(parents=True)
-    up = make_upstream(root)
-    proj = root / "project"
-    proj.mkdir()
-    env = {"DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "work"),
-           "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-           "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5", "DSADAPT_GIT_WAIT": "2"}
-    (root / "artifacts").mkdir()
-    (root / "work").mkdir()
-    p = Project(proj, up, env, root)
-    p.write_lock(lock_text(up))
-    p.write_stack(make_patches(up, root / "mk", TAG1, clean_stack_edits()))
-    return p
+    return fixture_project(root)
 
 
 def _commit(co: Path, path: str, text: str, subject: str, amend: bool = False) -> None:

@@ -34,15 +34,23 @@ from conftest import (
     conflicting_stack,
     edit,
     git,
-    lock_text,
     make_patches,
-    make_upstream,
 )
 from fault_harness import fork_run
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from misuse_support import BRANCH, alternatives, error_shape, follow, hint_of, lost, status_problems, work_now
+from misuse_support import (
+    BRANCH,
+    alternatives,
+    error_shape,
+    fixture_project,
+    follow,
+    hint_of,
+    lost,
+    status_problems,
+    work_now,
+)
 
 SHRINK = os.environ.get("MISUSE_SHRINK") == "1"  # shrinking a sequence of git and dsadapt steps takes minutes
 
@@ -54,19 +62,7 @@ TALLY = {"sequences": 0, "steps": 0, "dsadapt": 0, "kills": 0, "hints followed":
 
 
 def _project(root: Path) -> Project:
-    root.mkdir(parents=True)
-    up = make_upstream(root)
-    proj = root / "project"
-    proj.mkdir()
-    env = {"DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "work"),
-           "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-           "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5", "DSADAPT_GIT_WAIT": "2"}
-    (root / "artifacts").mkdir()
-    (root / "work").mkdir()
-    p = Project(proj, up, env, root)
-    p.write_lock(lock_text(up))
-    p.write_stack(make_patches(up, root / "mk", TAG1, clean_stack_edits()))
-    return p
+    return fixture_project(root)
 
 
 class Checkout(RuleBasedStateMachine):
@@ -368,6 +364,10 @@ class Checkout(RuleBasedStateMachine):
             ran.append(f"{stt['state']}: {cmd} -> {res.rc} {res.err.strip()[-200:]}")
             if res.rc and "Traceback" in res.err:
                 self._fail("wrong", f"{cmd}: {res.err[-500:]}")
+            if res.rc and "worktree" in res.err:  # the user frees the branch as the hint says (their worktree)
+                alts = alternatives(hint_of(res.err))
+                if alts:
+                    follow(self.p, alts[0])
         else:
             self._fail("manual", f"dsadapt's own commands did not finish the checkout: {ran}")
         gone = lost(self.p, before)

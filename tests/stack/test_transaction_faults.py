@@ -279,23 +279,9 @@ def _base(name: str, tmp_path, project_factory) -> tuple[Project, Scenario]:
 
 @pytest.fixture
 def project_factory():
-    from conftest import lock_text, make_upstream
+    from misuse_support import fixture_project
 
-    def make(root):
-        root.mkdir(parents=True)
-        up = make_upstream(root)
-        proj_root = root / "project"
-        proj_root.mkdir()
-        env = {"DSADAPT_PROJECT": str(proj_root), "DSADAPT_WORKDIR": str(root / "work"),
-               "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-               "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5"}
-        (root / "artifacts").mkdir()
-        (root / "work").mkdir()
-        p = Project(proj_root, up, env, root)
-        p.write_lock(lock_text(up))
-        return p
-
-    return make
+    return lambda root: fixture_project(root, stack=False)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

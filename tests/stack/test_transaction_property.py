@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from conftest import REF1, TAG1, Project, commit_msg, git, lock_text, make_patches, make_upstream
+from conftest import REF1, TAG1, Project, commit_msg, git, make_patches
 from fault_harness import (
     Scenario,
     Work,
@@ -24,7 +24,7 @@ from fault_harness import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from misuse_support import expected_tree  # (also loads the hypothesis profile: derandomized in CI)
+from misuse_support import expected_tree, fixture_project  # (also loads the hypothesis profile: derandomized in CI)
 
 FILES = ["vllm/mod.py", "vllm/util.py", "README.md", "vllm/__init__.py"]
 edit = st.tuples(st.sampled_from(FILES), st.integers(0, 12), st.sampled_from(["alpha", "beta", "gamma", "delta"]),
@@ -61,18 +61,7 @@ def _texts(up, work: Path, edits, independent: bool) -> list[str]:
 
 
 def _project(root: Path) -> Project:
-    root.mkdir(parents=True)
-    up = make_upstream(root)
-    proj = root / "project"
-    proj.mkdir()
-    env = {"DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "work"),
-           "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-           "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5", "DSADAPT_GIT_WAIT": "2"}
-    (root / "artifacts").mkdir()
-    (root / "work").mkdir()
-    p = Project(proj, up, env, root)
-    p.write_lock(lock_text(up))
-    return p
+    return fixture_project(root, stack=False)
 
 
 KILLS: list[bool] = []

@@ -25,8 +25,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from patcher.base.checkout_layout import BASE_REF, REBASE_FROM_BASE, REBASE_FROM_HEAD, STACK_REF
 from patcher.base.config import Config
+from patcher.base.dotgit import BASE_REF, REBASE_FROM_BASE, REBASE_FROM_HEAD, STACK_REF
 from patcher.base.errors import StackError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, remove_file
 from patcher.base.gitutil import Git, link_objects

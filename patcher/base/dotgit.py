@@ -1,4 +1,4 @@
-"""What dsadapt keeps inside a checkout, named once: every path under `.git/` and every ref.
+"""What dsadapt keeps inside a checkout's .git, named once: every path and every ref.
 
 A checkout is a normal git repository (`checkouts/ENGINE/TAG/`). dsadapt's own files live in
 `.git/dsadapt/` and its refs under `refs/dsadapt/`; git's own `rebase-apply/` is where a `git am`
@@ -9,7 +9,7 @@ that dsadapt (or the user) started keeps its state. Everything that reads or wri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # ---------------------------------------------------------------- refs
@@ -37,49 +37,27 @@ class CheckoutLayout:
     """The paths of one checkout (`root` is its work tree; `.git` is a directory in it)."""
 
     root: Path
+    git_dir: Path = field(init=False)       # .git
+    own: Path = field(init=False)           # .git/dsadapt/: everything of dsadapt's that is a file
+    state: Path = field(init=False)         # the state record (source, pin, what is applied, the op)
+    op_dir: Path = field(init=False)        # the files of the op in progress (its patches as mbox files)
+    scratch: Path = field(init=False)       # temporary indexes and ref files of running commands (PID-named)
+    am_dir: Path = field(init=False)        # git's own: a `git am` in progress
+    rebase_merge: Path = field(init=False)  # git's own: a `git rebase` (merge backend) in progress
+    worktrees: Path = field(init=False)     # git's own: linked worktrees (`git worktree add`)
+
+    def __post_init__(self) -> None:
+        root = Path(self.root)
+        git_dir = root / ".git"
+        own = git_dir / "dsadapt"
+        for name, path in (("root", root), ("git_dir", git_dir), ("own", own), ("state", own / "state.json"),
+                           ("op_dir", own / "op"), ("scratch", own / "tmp"), ("am_dir", git_dir / "rebase-apply"),
+                           ("rebase_merge", git_dir / "rebase-merge"), ("worktrees", git_dir / "worktrees")):
+            object.__setattr__(self, name, path)
 
     @classmethod
     def of_git_dir(cls, git_dir: Path) -> CheckoutLayout:
         return cls(Path(git_dir).parent)
-
-    @property
-    def git_dir(self) -> Path:
-        return self.root / ".git"
-
-    @property
-    def own(self) -> Path:
-        """`.git/dsadapt/`: everything of dsadapt's that is a file."""
-        return self.git_dir / "dsadapt"
-
-    @property
-    def state(self) -> Path:
-        """The state record (where the tree came from, what is applied, the op in progress)."""
-        return self.own / "state.json"
-
-    @property
-    def op_dir(self) -> Path:
-        """The files of the op in progress (its patches as mbox files)."""
-        return self.own / "op"
-
-    @property
-    def scratch(self) -> Path:
-        """Temporary indexes (`index-PID-…`) of running commands."""
-        return self.own / "tmp"
-
-    @property
-    def am_dir(self) -> Path:
-        """git's own: the state of a `git am` in progress."""
-        return self.git_dir / "rebase-apply"
-
-    @property
-    def rebase_merge(self) -> Path:
-        """git's own: the state of a `git rebase` (merge backend) in progress."""
-        return self.git_dir / "rebase-merge"
-
-    @property
-    def worktrees(self) -> Path:
-        """git's own: the registrations of linked worktrees (`git worktree add`)."""
-        return self.git_dir / "worktrees"
 
     def damaged_state(self, stamp: str) -> Path:
         """Where an unreadable state record is kept when it is rebuilt (never removed by dsadapt)."""
