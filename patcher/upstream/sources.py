@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from patcher.base import leftovers
 from patcher.base.config import Config
+from patcher.base.dotgit import BASE_REF
 from patcher.base.errors import (
     DsadaptError,
     LockError,
@@ -156,7 +157,7 @@ def _import_commit(checkout: Git, cache: Git, commit: str, tag: str) -> None:
     # --update-shallow: the cache may be shallow (pin fetches --depth 1); without it the checkout
     # gets the commit but not the shallow marker, and every walk past it fails (log, range-diff).
     checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
-                 f"+refs/dsadapt/fetched/{tag}:refs/dsadapt/base")
+                 f"+refs/dsadapt/fetched/{tag}:{BASE_REF}")
     if not checkout.rev(commit):
         raise MachineError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
 
