@@ -14,8 +14,10 @@ from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
+    build_options,
     emit_json,
     json_option,
+    model_options,
     out,
     parallel_options,
     pass_ctx,
@@ -67,15 +69,11 @@ def render(res: CheckResult, b: ModuleVerdict, points: list[PointResult] | None)
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
-@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+@model_options
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="The engine's dtype (default: float32 where the engine has it, else its first; fp8 for a "
                    "block-FP8 checkpoint).")
-@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
-@click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
+@build_options("Bisect")
 @parallel_options
 @prompt_seed_option
 @json_option
