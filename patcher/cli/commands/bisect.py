@@ -29,7 +29,7 @@ from patcher.cli.commands.common import (
 )
 from patcher.gate.equivalence import run_check
 from patcher.gate.hosts import RunHost
-from patcher.gate.plan import CheckRequest, check_split, choose_model, plan_check
+from patcher.gate.plan import CheckRequest, choose_model, plan_check
 from patcher.gate.result import CheckResult, heading, num
 from patcher.rules.divergence import FirstDivergence, ModuleVerdict
 from patcher.rules.modules import PointResult
@@ -85,9 +85,8 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(choice, parallel)
+    choice = choose_model(model, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant, unpatched=unpatched,
                        unpatched_engine=unpatched_engine, bisect="always", command=command, tp=parallel.tp,

@@ -31,7 +31,7 @@ from patcher.cli.commands.common import (
     to_ref,
 )
 from patcher.formats.pinref import PinRef
-from patcher.gate.plan import CheckRequest, ModelChoice, check_split, choose_model
+from patcher.gate.plan import CheckRequest, ModelChoice, choose_model
 from patcher.gate.result import CheckResult, bisect_command, check_or_raise, heading, num
 from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.logits import Comparison, PromptRow
@@ -153,9 +153,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if all_pins and unpatched_engine:
         raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
                          hint="dsadapt check ENGINE@TAG --unpatched-engine")
-    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(choice, parallel)
+    choice = choose_model(model, parallel)
     request = partial(CheckRequest, model=model, config_style=config_style, dtype=dtype, reference_on=reference_device,
                       bisect="on-fail" if bisect else None, command=command_line(click.get_current_context()),
                       tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
