@@ -521,7 +521,7 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
             raise BisectError(f"the engine run wrote no capture{': ' + why if why else ''}",
                               hint=f"see the runner's log next to {report}")
         engine_doc = bisect.load_capture(capture)
-        ref_docs = bisect.reference_capture(r.cfg, r.model_dir, r.fingerprint, engine_doc, dtype, r.work,
+        ref_docs = bisect.reference_capture(r.cfg, r.checkpoint, r.fingerprint, engine_doc, dtype, r.work,
                                                 lambda: reference_python(r.cfg, progress), progress, on_line,
                                                 device=r.plan.reference_device)
         result = bisect.compare(engine_doc, ref_docs, r.config, dtype, r.req.pin.engine, table)
