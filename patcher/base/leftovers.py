@@ -107,52 +107,71 @@ def _scan_tmp(d: Path, kind: str, recursive: bool = False) -> list[Leftover]:
 def find(cfg, *, sizes: bool = False) -> list[Leftover]:
     """Leftovers of dead runs in the project, the work dir and the cache."""
     out: list[Leftover] = []
-    project = cfg.project
-    out += _scan_tmp(project, "temp file")
-    out += _scan_tmp(cfg.patches_root, "temp file", recursive=True)
-    out += _scan_tmp(cfg.reports_root, "temp file", recursive=True)
-    out += _scan_tmp(cfg.dist_dir, "temp file")
-    wd = cfg.workdir
-    checkouts = wd / "checkouts"
-    if checkouts.is_dir():
-        for engine_dir in sorted(checkouts.iterdir()):
-            if not engine_dir.is_dir():
-                continue
-            for entry in sorted(engine_dir.iterdir()):
-                m = TMP_RE.match(entry.name)
-                if m and entry.is_dir() and not pid_alive(int(m.group("pid"))):
-                    out.append(Leftover(str(entry), "checkout tmp",
-                                        f"checkout being made by a dead run (pid {m.group('pid')})"))
-                elif not entry.name.startswith(".") and (entry / ".git").is_dir():
-                    out += _checkout_leftovers(entry)
-    arts = cfg.cache / "artifacts"
-    if arts.is_dir():
-        for entry in sorted(arts.iterdir()):
-            m = DOWNLOAD_RE.match(entry.name)
-            if m and not pid_alive(int(m.group("pid"))):
-                out.append(Leftover(str(entry), "download", f"partial download of a dead run (pid {m.group('pid')})"))
-            elif entry.is_dir() and entry.name.startswith("tmp") and _old(entry):
-                out.append(Leftover(str(entry), "download", "partial download of an interrupted run (older dsadapt)"))
-            elif TMP_RE.match(entry.name) and _pid_dead(TMP_RE.match(entry.name)):
-                out.append(Leftover(str(entry), "download", "temporary file of a dead run"))
-    if (wd / "tmp").is_dir():
-        for entry in sorted((wd / "tmp").iterdir()):
-            m = SCRATCH_DIR_RE.match(entry.name)
-            if m and not pid_alive(int(m.group("pid"))):
-                out.append(Leftover(str(entry), "scratch", f"verify's scratch objects of a dead run (pid {m.group('pid')})"))
-    if wd.is_dir():
-        for entry in sorted(wd.glob("bench-*")):
-            if entry.is_dir() and _old(entry):
-                out.append(Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`"))
-    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
-    for pat in (f"{p}*" for p in TEMP_WORKTREES):
-        for entry in sorted(tmp.glob(pat)):
-            if entry.is_dir() and _old(entry):
-                out.append(Leftover(str(entry), "worktree", "temporary worktree of an interrupted run (older dsadapt)"))
+    for d, recursive in ((cfg.project, False), (cfg.patches_root, True), (cfg.reports_root, True), (cfg.dist_dir, False)):
+        out += _scan_tmp(d, "temp file", recursive=recursive)
+    out += _in_checkouts(cfg.workdir / "checkouts")
+    out += _in_downloads(cfg.cache / "artifacts")
+    out += _in_scratch(cfg.workdir / "tmp")
+    out += _bench_dirs(cfg.workdir)
+    out += _temp_worktrees(Path(os.environ.get("TMPDIR") or "/tmp"))
     if sizes:
         for lo in out:
             lo.bytes = _size(Path(lo.path))
     return out
+
+
+def _entries(d: Path, pattern: str = "*") -> list[Path]:
+    """`d`'s entries matching `pattern`, sorted; none when `d` is not a directory."""
+    return sorted(d.glob(pattern)) if d.is_dir() else []
+
+
+def _in_checkouts(checkouts: Path) -> list[Leftover]:
+    """Checkouts a dead run was making, and what dead runs left inside each checkout."""
+    out: list[Leftover] = []
+    for engine_dir in _entries(checkouts):
+        for entry in _entries(engine_dir):
+            m = TMP_RE.match(entry.name)
+            if m and entry.is_dir() and not pid_alive(int(m.group("pid"))):
+                out.append(Leftover(str(entry), "checkout tmp",
+                                    f"checkout being made by a dead run (pid {m.group('pid')})"))
+            elif not entry.name.startswith(".") and (entry / ".git").is_dir():
+                out += _checkout_leftovers(entry)
+    return out
+
+
+def _in_downloads(arts: Path) -> list[Leftover]:
+    """Partial downloads and temporary files in the artifact cache."""
+    out: list[Leftover] = []
+    for entry in _entries(arts):
+        m = DOWNLOAD_RE.match(entry.name)
+        if m and not pid_alive(int(m.group("pid"))):
+            out.append(Leftover(str(entry), "download", f"partial download of a dead run (pid {m.group('pid')})"))
+        elif entry.is_dir() and entry.name.startswith("tmp") and _old(entry):
+            out.append(Leftover(str(entry), "download", "partial download of an interrupted run (older dsadapt)"))
+        elif _pid_dead(TMP_RE.match(entry.name)):
+            out.append(Leftover(str(entry), "download", "temporary file of a dead run"))
+    return out
+
+
+def _in_scratch(tmp: Path) -> list[Leftover]:
+    """verify's scratch objects (the work dir's tmp/) of dead runs."""
+    out: list[Leftover] = []
+    for entry in _entries(tmp):
+        m = SCRATCH_DIR_RE.match(entry.name)
+        if m and not pid_alive(int(m.group("pid"))):
+            out.append(Leftover(str(entry), "scratch", f"verify's scratch objects of a dead run (pid {m.group('pid')})"))
+    return out
+
+
+def _bench_dirs(wd: Path) -> list[Leftover]:
+    return [Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`")
+            for entry in _entries(wd, "bench-*") if entry.is_dir() and _old(entry)]
+
+
+def _temp_worktrees(tmp: Path) -> list[Leftover]:
+    return [Leftover(str(entry), "worktree", "temporary worktree of an interrupted run (older dsadapt)")
+            for prefix in TEMP_WORKTREES for entry in sorted(tmp.glob(f"{prefix}*"))
+            if entry.is_dir() and _old(entry)]
 
 
 def _checkout_leftovers(co_path: Path) -> list[Leftover]:
