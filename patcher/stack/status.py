@@ -25,6 +25,7 @@ from patcher.stack.checkout import (
     shared_branch,
     shared_words,
 )
+from patcher.stack.refresh import branch_commits
 from patcher.stack.transaction import am_done, describe_op, kind_of
 
 __all__ = ["CheckoutStatus", "checkout_status", "status_all", "unpinned_status"]
@@ -186,10 +187,16 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
                                            f"of the applied stack; `dsadapt refresh {ref}` drops their patches from "
                                            f"the stack, `dsadapt apply {ref} --force` applies patches/ again")
     else:
-        st.state, st.detail = "diverged", (f"{ahead if ahead is not None else '?'} new commit(s) on {co.branch}"
-                                           + (f" ({behind} of the applied stack's replaced)" if behind else "")
-                                           + f"; run `dsadapt refresh {ref}` to export them")
-        st.next = f"dsadapt refresh {ref}"
+        new = f"{ahead if ahead is not None else '?'} new commit(s) on {co.branch}" + \
+            (f" ({behind} of the applied stack's replaced)" if behind else "")
+        try:
+            branch_commits(g, st.base or since or "", st.head)
+        except WorkspaceError as merge:  # refresh would refuse it: say so, and what gets out of it
+            st.state, st.detail = "diverged", (f"{new}, {merge.message}: {merge.hint}; or `dsadapt apply {ref} "
+                                               "--force` (the branch is kept in a backup ref)")
+        else:
+            st.state, st.detail = "diverged", f"{new}; run `dsadapt refresh {ref}` to export them"
+            st.next = f"dsadapt refresh {ref}"
     st.detail += elsewhere + lock_note
     return st
 
