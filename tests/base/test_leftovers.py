@@ -85,3 +85,22 @@ def test_nothing_is_found_where_nothing_was_ever_written(tmp_path, monkeypatch):
                           reports_root=tmp_path / "p" / "reports", dist_dir=tmp_path / "p" / "dist",
                           workdir=tmp_path / "w", cache=tmp_path / "c")
     assert leftovers.find(cfg) == []
+
+
+def test_the_cleans_before_a_write_take_dead_runs_leftovers_and_leave_live_ones(tmp_path):
+    dead, live = _dead_pid(), os.getpid()
+    engine_dir, arts, scratch, stack = (tmp_path / n for n in ("checkouts", "artifacts", "tmp", "stack"))
+    gone = [_touch(engine_dir / f".v1.tmp-{dead}", directory=True), _touch(arts / f".download-{dead}-a.whl"),
+            _touch(arts / f".b.whl.tmp-{dead}", directory=True), _touch(scratch / f"verify-{dead}-1", directory=True),
+            _touch(stack / f".series.tmp-{dead}")]
+    stay = [_touch(engine_dir / f".v2.tmp-{live}", directory=True), _touch(arts / f".download-{live}-a.whl"),
+            _touch(arts / "a.whl"), _touch(scratch / f"verify-{live}-1", directory=True),
+            _touch(stack / f".series.tmp-{live}"), _touch(stack / "series")]
+    leftovers.clean_checkout_tmps(engine_dir)
+    leftovers.clean_downloads(arts)
+    leftovers.clean_scratch(scratch)
+    leftovers.clean_tmp_files(stack)
+    for missing in (tmp_path / "none",):  # a folder not made yet: nothing to clean, no error
+        leftovers.clean_checkout_tmps(missing), leftovers.clean_downloads(missing), leftovers.clean_scratch(missing)
+        leftovers.clean_tmp_files(missing)
+    assert [p for p in gone if p.exists()] == [] and all(p.exists() for p in stay)
