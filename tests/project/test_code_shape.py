@@ -32,7 +32,6 @@ KNOWN: dict[tuple[str, str], int] = {
     ("complexity", "patcher/stack/refresh.py:refresh_stack"): 40,
     ("complexity", "patcher/stack/apply.py:apply_stack"): 38,
     ("complexity", "patcher/stack/transaction.py:Transaction.abort"): 33,
-    ("complexity", "patcher/stack/status.py:_status_of"): 42,
 }
 
 
