@@ -13,33 +13,46 @@ from patcher.upstream.sources import Unreachable, engine_cache, git_remote_tags,
 
 
 def select_pypi_artifacts(engine: str, dist_files: dict[str, list[dict]], version: str) -> list[Artifact]:
-    """The artifacts worth pinning for a version: per dist, one x86_64 wheel (abi3 or cp311) else the sdist."""
-    from packaging.utils import parse_wheel_filename
+    """The artifacts worth pinning for a version: per dist, one x86_64 wheel (abi3 or cp311 first;
+    a pure-Python `py3-none-any` wheel runs anywhere).
+
+    Pure and canonical: the same PyPI file lists give the same artifacts in the same order
+    whatever order the lists (or the files in them) come in: by the engine's variant order, then
+    distribution and file name; the first is the `source` (the artifact a checkout unpacks), so
+    for vLLM the CPU build's wheel where a release has one, else the CUDA wheel."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    from packaging.version import InvalidVersion, Version
 
     ad = adapter(engine)
+    order = {v.dist: i for i, v in reversed(list(enumerate(ad.variants)))}
+    try:
+        want = Version(version)
+    except InvalidVersion:
+        want = None
     arts: list[Artifact] = []
-    for dist, files in dist_files.items():
+    for dist in sorted(dist_files):
         variant = next((v.name for v in ad.variants if v.dist == dist), dist)
-        best = None
-        for f in files:
+        ranked = []
+        for f in dist_files[dist]:
             name = f["filename"]
             if not name.endswith(".whl"):
                 continue
             try:
                 _n, ver, _b, tags = parse_wheel_filename(name)
-            except Exception:
+            except (InvalidWheelFilename, InvalidVersion):
                 continue
-            if str(ver) != version:
+            if (ver != want) if want is not None else (str(ver) != version):
                 continue
             tagset = {str(t) for t in tags}
-            if not any("x86_64" in t for t in tagset):
+            if not any("x86_64" in t or t.endswith("-any") for t in tagset):
                 continue
-            score = 2 if any(t.startswith(("cp311-", "cp38-abi3")) or "abi3" in t for t in tagset) else 1
-            if best is None or score > best[0]:
-                best = (score, f)
-        if best:
-            f = best[1]
+            score = 3 if any(t.startswith(("cp311-", "cp38-abi3")) or "abi3" in t for t in tagset) else \
+                2 if any(t.endswith("-none-any") for t in tagset) else 1
+            ranked.append((-score, name, f))
+        if ranked:
+            f = min(ranked, key=lambda r: (r[0], r[1]))[2]
             arts.append(Artifact(dist, variant, f["filename"], f["hashes"]["sha256"], size=f.get("size")))
+    arts.sort(key=lambda a: (order.get(a.dist, len(order)), a.dist, a.file))
     if arts:
         arts[0] = replace(arts[0], source=True)
     return arts
