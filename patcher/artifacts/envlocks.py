@@ -1,9 +1,12 @@
 """Hash locks for every environment dsadapt creates (docs/environments.md).
 
 Each environment (the HF reference, each pin × wheel variant, the Triton serving environment)
-has a requirements file under ``patcher/data/envs/<name>-py<X.Y>.txt``: every package at an
-exact version with its sha256 hashes, produced by ``uv pip compile --generate-hashes`` from the
-recipe below (`make lock-envs`). Installs use ``pip install --require-hashes --no-deps -r`` on
+has a requirements file ``<name>-py<X.Y>.txt``: every package at an exact version with its
+sha256 hashes, produced by ``uv pip compile --generate-hashes`` from the recipe below. A
+project's own locks live next to its upstream.lock, in ``env-locks/`` (`dsadapt lock PIN`
+writes them: the package folder is read-only for users); dsadapt ships the locks of the
+releases it pins itself in ``patcher/data/envs/`` (`make lock-envs`), used where the project
+has none. Installs use ``pip install --require-hashes --no-deps -r`` on
 it; the engine itself then comes from the wheel dsadapt built or fetched (sha256 checked against
 upstream.lock) with ``--no-deps``, so nothing is resolved at install time.
 
@@ -73,11 +76,35 @@ class EnvSpec:
 
     @property
     def path(self) -> Path:
+        """Where dsadapt ships this lock (the package folder)."""
         return lock_path(self.name, self.python)
 
 
-def lock_path(name: str, python: str) -> Path:
-    return LOCK_DIR / f"{name}-py{python}.txt"
+#: A project's own environment locks, next to its upstream.lock.
+PROJECT_LOCK_DIR = "env-locks"
+
+
+def project_lock_dir(project: Path) -> Path:
+    return project / PROJECT_LOCK_DIR
+
+
+def lock_path(name: str, python: str, project: Path | None = None) -> Path:
+    """The file of environment `name`'s lock for `python`: the project's (`env-locks/`) when a
+    project is named, else the one dsadapt ships (`patcher/data/envs/`)."""
+    return (project_lock_dir(project) if project is not None else LOCK_DIR) / f"{name}-py{python}.txt"
+
+
+def existing_lock(name: str, python: str, project: Path | None = None) -> Path | None:
+    """The lock an environment installs from: the project's own, else the shipped one, else None."""
+    for path in ([lock_path(name, python, project)] if project is not None else []) + [lock_path(name, python)]:
+        if path.is_file():
+            return path
+    return None
+
+
+def lock_origin(path: Path) -> str:
+    """'shipped' for a lock of dsadapt's package folder, else 'project'."""
+    return "shipped" if path.parent == LOCK_DIR else "project"
 
 
 def env_name(engine: str, tag: str, artifact_variant: str, suffix: str = "") -> str:
@@ -143,6 +170,172 @@ def env_specs(lock) -> list[EnvSpec]:
     return specs
 
 
+# ---------------------------------------------------------------- one pin's locks (`dsadapt lock`)
+
+
+def lock_command(pin: str, variant: str | None = None, python: str | None = None) -> str:
+    """The command that makes a pin's environment lock (what hints name)."""
+    return (f"dsadapt lock {pin}" + (f" --variant {variant}" if variant else "")
+            + (f" --python {python}" if python and python != DEFAULT_PYTHON else ""))
+
+
+@dataclass
+class PinEnv:
+    """One environment a pin's variant runs in, and the recipe of its lock (None: it needs none)."""
+
+    pin: str
+    variant: str
+    env: str | None            # the lock's environment name; None for a `host_packages` recipe
+    spec: EnvSpec | None
+    why_none: str = ""         # why it has no lock (host packages, no pinned wheel)
+
+
+def pin_envs(lock, ref, variant: str | None = None, python: str | None = None) -> list[PinEnv]:
+    """The environments of a pin's variants (`variant`, or every variant it pins a release artifact
+    for), each with its lock's recipe; variants sharing one lock are listed once. `python`: lock
+    for that Python instead of the pin's."""
+    from dataclasses import replace
+
+    from patcher.engines.registry import engine
+
+    entry = lock.pin(ref)
+    eng = engine(entry.engine)
+    variants = [eng.variant_for(entry, variant)] if variant else list(eng.pinned_variants(entry))
+    if not variants:
+        raise UsageError(f"{entry.ref} pins no release artifact: it has no environment to lock",
+                         hint=f"pin its release with `dsadapt pin {entry.ref}` where PyPI is reachable")
+    out: list[PinEnv] = []
+    seen: set[str] = set()
+    for v in variants:
+        plan = eng.env_plan(entry, v, lock)
+        if plan.recipe.host_packages:
+            out.append(PinEnv(str(entry.ref), v.name, None, None, "its environment uses the host's packages "
+                                                                  "(host_packages): nothing to lock"))
+            continue
+        spec = plan_spec(lock, plan)
+        if spec is None:
+            out.append(PinEnv(str(entry.ref), v.name, None, None,
+                              f"{plan.pin} pins no wheel for variant {v.name}: nothing to lock"))
+            continue
+        if python:
+            spec = replace(spec, python=python)
+        if spec.name in seen:
+            continue
+        seen.add(spec.name)
+        out.append(PinEnv(str(entry.ref), v.name, spec.name, spec))
+    return out
+
+
+@dataclass
+class LockDone:
+    """What `dsadapt lock` did for one environment."""
+
+    pin: str
+    variant: str
+    env: str | None
+    python: str | None
+    state: str                  # made | updated | unchanged | exists | not needed
+    path: str | None = None
+    origin: str | None = None   # project | shipped
+    packages: int = 0
+    platform: str | None = None
+    torch_builds: tuple[str, ...] = ()
+    note: str = ""
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "torch_builds": list(self.torch_builds)}
+
+
+def _done(pe: PinEnv, state: str, path: Path, note: str = "") -> LockDone:
+    text = path.read_text(encoding="utf-8")
+    declared = lock_platform(text)
+    assert pe.spec is not None
+    return LockDone(pe.pin, pe.variant, pe.env, pe.spec.python, state, str(path), lock_origin(path),
+                    len(locked_packages(text)), declared[1] if declared else None, torch_builds(text), note)
+
+
+def lock_pin(project: Path, lock, ref, variant: str | None = None, *, python: str | None = None,
+             update: bool = False, progress=None) -> list[LockDone]:
+    """Make the hash lock of each environment of a pin (`pin_envs`) that has none, into the
+    project's `env-locks/` (`update`: make it again there, keeping its versions where they fit;
+    a shipped lock is then copied over into the project's, re-resolved). PyPI alone is enough:
+    where no source of PyTorch's CPU build answers, a CPU environment's lock takes PyPI's torch
+    build (a note says so). All or nothing: every lock is resolved before any is written."""
+    envs = pin_envs(lock, ref, variant, python)
+    done: list[LockDone | None] = []
+    staged: list[tuple[PinEnv, Path, Path, str]] = []
+    try:
+        for pe in envs:
+            if pe.spec is None:
+                done.append(LockDone(pe.pin, pe.variant, None, None, "not needed", note=pe.why_none))
+                continue
+            have = existing_lock(pe.spec.name, pe.spec.python, project)
+            if have is not None and not update:
+                done.append(_done(pe, "exists", have))
+                continue
+            final = lock_path(pe.spec.name, pe.spec.python, project)
+            tmp = final.with_name(f".{final.name}.new-{os.getpid()}")
+            if have is not None:
+                shutil.copyfile(have, tmp)  # its versions are kept where they still fit
+            compile_lock(pe.spec, out=tmp, progress=progress, pypi_only=True,
+                         producer=f"`{lock_command(pe.pin, pe.variant, python)}`")
+            state = "made" if have is None else "unchanged" if have.read_bytes() == tmp.read_bytes() else "updated"
+            staged.append((pe, tmp, final, state))
+            done.append(None)
+    except BaseException:
+        for _, tmp, _, _ in staged:
+            tmp.unlink(missing_ok=True)
+        for pe in envs:  # a compile killed half way leaves its own temporary file
+            if pe.spec is not None:
+                final = lock_path(pe.spec.name, pe.spec.python, project)
+                final.with_name(f".{final.name}.new-{os.getpid()}").unlink(missing_ok=True)
+        raise
+    made = iter(staged)
+    out: list[LockDone] = []
+    for d in done:
+        if d is not None:
+            out.append(d)
+            continue
+        pe, tmp, final, state = next(made)
+        os.replace(tmp, final)
+        note = "" if "cpu" in torch_builds(final.read_text()) or not pe.spec or not pe.spec.cpu_torch else (
+            f"no source of PyTorch's CPU build answered: this lock takes PyPI's torch build only (it runs on the "
+            f"CPU, with its CUDA libraries); with {TORCH_INDEX_VAR} or {FIND_LINKS_VAR} reachable, "
+            f"`{lock_command(pe.pin, pe.variant, python)} --update` adds the CPU build")
+        out.append(_done(pe, state, final, note))
+    return out
+
+
+def lock_blocker(project: Path, lock, entry, spec, python: str | None = None) -> str | None:
+    """Why the environment of (pin, variant) cannot be made here for want of a hash lock, with the
+    command that makes it; None when it has one or needs none."""
+    from patcher.base.errors import DsadaptError
+    from patcher.engines.registry import engine
+
+    try:
+        plan = engine(entry.engine).env_plan(entry, spec, lock)
+    except DsadaptError:
+        return None  # (a pin whose environment cannot be planned says so where it is run)
+    if plan.recipe.host_packages:
+        return None
+    name, python = plan_env_name(plan), python or here_python()
+    if existing_lock(name, python, project) is not None:
+        return None
+    return (f"no hash lock for its environment {name} on Python {python}: "
+            f"`{lock_command(str(entry.ref), spec.name, python)}` makes it")
+
+
+def require_lock(project: Path, lock, entry, spec) -> None:
+    """EngineUnavailable (exit 6) up front when the pin's environment has no hash lock here."""
+    why = lock_blocker(project, lock, entry, spec)
+    if why:
+        raise EngineUnavailable(f"{entry.ref} ({spec.name}) cannot be installed here: {why.split(':', 1)[0]}",
+                                hint=f"make it: `{lock_command(str(entry.ref), spec.name, here_python())}` "
+                                     f"(PyPI only; docs/environments.md)")
+
+
 def _python(entry) -> str:
     return entry.python.split(",")[0].strip() if entry.python else DEFAULT_PYTHON
 
@@ -196,19 +389,26 @@ def locked_hashes(text: str) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
-def find_lock(name: str, python: str | None = None) -> Path:
-    """The lock file for environment `name` on this Python; a typed error when there is none."""
+def find_lock(name: str, python: str | None = None, project: Path | None = None, make: str | None = None) -> Path:
+    """The lock file for environment `name` on this Python (the project's own first, then the one
+    dsadapt ships); a typed error (exit 6) when there is none. `make`: the command that makes it,
+    for the hint (`dsadapt lock ENGINE@TAG --variant V`)."""
     python = python or here_python()
-    path = lock_path(name, python)
-    if not path.is_file():
-        have = sorted(p.name for p in LOCK_DIR.glob(f"{name}-py*.txt")) if LOCK_DIR.is_dir() else []
+    path = existing_lock(name, python, project)
+    if path is None:
+        dirs = [d for d in ([project_lock_dir(project)] if project is not None else []) + [LOCK_DIR] if d.is_dir()]
+        have = sorted({p.name for d in dirs for p in d.glob(f"{name}-py*.txt")})
+        how = f"`{make}{'' if python == DEFAULT_PYTHON or '--python' in make else f' --python {python}'}`" \
+            if make else "`make lock-envs` (docs/environments.md)"
         raise EngineUnavailable(
             f"no hash lock for environment {name} on Python {python}" + (f" (locked: {', '.join(have)})" if have else ""),
-            hint=f"use Python {have[0].rsplit('-py', 1)[1][:-4]} for it, or lock it: `make lock-envs PYTHONS={python}`"
-            if have else "lock it with `make lock-envs` (docs/environments.md)")
+            hint=(f"use Python {have[0].rsplit('-py', 1)[1][:-4]} for it, or make one: {how}" if have
+                  else f"make it: {how}"))
     problems = lock_problems(path.read_text(encoding="utf-8"))
     if problems:
-        raise UsageError(f"{path}: {problems[0]}", hint="regenerate it with `make lock-envs`")
+        raise UsageError(f"{path}: {problems[0]}",
+                         hint=f"make it again: `{make} --update`" if make and lock_origin(path) == "project"
+                         else "regenerate it with `make lock-envs`")
     return path
 
 
@@ -286,7 +486,8 @@ def merge_torch_builds(cpu: str, pypi: str) -> tuple[str, str]:
 def uv_command() -> list[str]:
     exe = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
     if not Path(exe).exists():
-        raise MissingDependency("uv not found", hint="pip install uv (it is in dsadapt's `dev` extra)")
+        raise MissingDependency("uv not found (dsadapt makes hash locks with `uv pip compile`)",
+                                hint="pip install uv (a dependency of dsadapt: reinstall dsadapt, or install it alone)")
     return [exe]
 
 
@@ -306,10 +507,54 @@ def cpu_torch_sources(find_links: tuple[str, ...] | None = None) -> list[str]:
     return args
 
 
+def url_answers(url: str, timeout: float = 15) -> str | None:
+    """None when `url` answers (any HTTP status below 500), else why not, in a few words."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError as e:
+        return None if e.code < 500 else f"HTTP {e.code}"
+    except Exception as e:  # noqa: BLE001 - DNS, refused, TLS, timeout: the source does not answer
+        reason = getattr(e, "reason", None) or e
+        return f"{e.__class__.__name__}: {reason}"[:160]
+
+
+def answering_cpu_sources(find_links: tuple[str, ...] | None = None,
+                          probe: Callable[[str], str | None] = url_answers,
+                          log: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(the uv arguments of the CPU torch sources that answer, the others): an index or page that
+    does not answer is left out before uv runs (uv would fail the whole lock); why it did not
+    answer goes to `log`."""
+    log = [] if log is None else log
+    args = cpu_torch_sources(find_links)
+    usable: list[str] = []
+    silent: list[str] = []
+    for flag, value in zip(args[::2], args[1::2]):
+        if value.startswith(("http://", "https://")):
+            why = probe(value.rstrip("/") + "/torch/" if flag == "--extra-index-url" else value)
+            if why:
+                silent.append(value)  # (the lock names the source, not this machine's error text)
+                log.append(f"{value}: {why}")
+                continue
+        usable += [flag, value]
+    return usable, silent
+
+
 class _Unresolvable(Exception):
-    def __init__(self, tail: str, wheels: bool):
+    def __init__(self, tail: str, wheels: bool, text: str = ""):
         super().__init__(tail)
-        self.tail, self.wheels = tail, wheels
+        self.tail, self.wheels, self.text = tail, wheels, text
+
+
+class CpuTorchUnavailable(EngineUnavailable):
+    """No source of PyTorch's CPU build answers, and the lock being made must list it."""
+
+
+#: uv's words for a requirement of a local build of torch (the engine pins `torch==2.13.0+cpu`)
+_LOCAL_TORCH = re.compile(r"\btorch(?:\{[^}]*\})?==(\d[\w.]*)\+[\w.]+")
 
 
 def _uv_compile(spec: EnvSpec, platform: str, work: Path, *, sources: list[str], overrides: tuple[str, ...] = (),
@@ -321,7 +566,7 @@ def _uv_compile(spec: EnvSpec, platform: str, work: Path, *, sources: list[str],
     out.write_text(prefer)  # uv keeps the versions of an existing output file where they fit
     args = [*uv_command(), "pip", "compile", str(req), "--generate-hashes", "--python-version", spec.python,
             "--python-platform", platform, "--no-header", "--no-annotate", "--quiet", "-o", str(out),
-            "--no-build", "--index-strategy", "unsafe-best-match", *sources]
+            "--no-build", "--index-strategy", "unsafe-best-match", *_index_args(), *sources]
     for pkg in spec.exclude:
         args += ["--no-emit-package", pkg]
     if overrides:
@@ -331,18 +576,41 @@ def _uv_compile(spec: EnvSpec, platform: str, work: Path, *, sources: list[str],
         (work / "constraints.txt").write_text("".join(r + "\n" for r in constraints))
         args += ["--constraint", str(work / "constraints.txt")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}
-    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, env=env)
+    except OSError as e:
+        raise MissingDependency(f"uv could not be started ({e.strerror or e})", hint="reinstall uv (pip install uv)") from None
     if r.returncode != 0:
         lines = [x.strip() for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
         text = " ".join(lines)
-        raise _Unresolvable(" | ".join(lines[-3:]), "wheel" in text.lower() or "platform tag" in text)
+        raise _Unresolvable(" | ".join(lines[-3:]), "wheel" in text.lower() or "platform tag" in text, text)
     return out.read_text()
 
 
-def _resolve(spec: EnvSpec, platform: str, work: Path, prefer: str, sources: list[str]) -> tuple[str, str, str]:
-    """(main section, CUDA section, torch note) of `spec` for `platform`."""
-    cpu = _uv_compile(spec, platform, work, sources=sources if spec.cpu_torch else [], overrides=spec.overrides,
-                      prefer=prefer)
+def _index_args() -> list[str]:
+    """uv's index: DSADAPT_PYPI_INDEX where set (a PyPI mirror), else uv's default (PyPI)."""
+    from patcher.upstream.sources import PYPI_INDEX_VAR, pypi_index
+
+    return ["--index-url", pypi_index()] if os.environ.get(PYPI_INDEX_VAR, "").strip() else []
+
+
+def _resolve(spec: EnvSpec, platform: str, work: Path, prefer: str, sources: list[str],
+             silent: list[str], pypi_only: bool) -> tuple[str, str, str]:
+    """(main section, CUDA section, torch note) of `spec` for `platform`.
+
+    A CPU environment with an answering source of the CPU torch build gets both builds (three
+    resolutions, docs/environments.md). Without one, `pypi_only` makes a lock of PyPI's build
+    alone (its CUDA libraries in the main section; it installs and runs on the CPU); otherwise
+    that is an error (CpuTorchUnavailable)."""
+    if spec.cpu_torch and not sources:
+        return _resolve_pypi_only(spec, platform, work, prefer, silent)
+    try:
+        cpu = _uv_compile(spec, platform, work, sources=sources if spec.cpu_torch else [], overrides=spec.overrides,
+                          prefer=prefer)
+    except _Unresolvable as e:
+        if spec.cpu_torch and pypi_only and _LOCAL_TORCH.search(e.text):  # the sources lack that build
+            return _resolve_pypi_only(spec, platform, work, prefer, [*silent, *sources[1::2]])
+        raise
     torch = dict((n, v) for n, v, _ in lock_blocks(cpu)).get("torch")
     if not spec.cpu_torch or torch is None or "+" not in torch:
         return cpu, "", ""
@@ -359,25 +627,51 @@ def _resolve(spec: EnvSpec, platform: str, work: Path, prefer: str, sources: lis
     return main, cuda, note
 
 
+def _resolve_pypi_only(spec: EnvSpec, platform: str, work: Path, prefer: str, silent: list[str]) -> tuple[str, str, str]:
+    """A CPU environment's lock from PyPI alone: PyPI's torch build (the version the engine asks
+    for, without its local label) with everything it loads."""
+    try:
+        pypi = _uv_compile(spec, platform, work, sources=[], overrides=spec.overrides, prefer=prefer)
+    except _Unresolvable as e:
+        m = _LOCAL_TORCH.search(e.text)
+        if not m:
+            raise
+        pypi = _uv_compile(spec, platform, work, sources=[], overrides=(*spec.overrides, f"torch=={m.group(1)}"),
+                           prefer=prefer)
+    torch = dict((n, v) for n, v, _ in lock_blocks(pypi)).get("torch")
+    note = (f"# torch=={torch}: PyPI's build only (it runs on the CPU; its CUDA libraries are listed too): no "
+            f"source of PyTorch's CPU build served it ({', '.join(silent) or 'none named'}).\n") if torch else ""
+    return pypi, "", note
+
+
 def compile_lock(spec: EnvSpec, find_links: tuple[str, ...] | None = None, out: Path | None = None,
-                 progress=None) -> Path:
+                 progress=None, *, pypi_only: bool = False, producer: str = "`make lock-envs`") -> Path:
     """Resolve `spec` with uv (wheels only, for the oldest platform of PLATFORMS every package has a
-    wheel for) and write its hash lock. Versions of the lock already there are kept where they fit."""
+    wheel for) and write its hash lock to `out` (default: the package's), atomically: a failure or
+    a kill leaves the file as it was. Versions of the lock already there are kept where they fit.
+    `pypi_only`: where no source of the CPU torch build answers, lock PyPI's build alone (else
+    CpuTorchUnavailable). `producer`: the command the lock's header names."""
     import tempfile
 
     out = out or spec.path
-    out.parent.mkdir(parents=True, exist_ok=True)
     prefer = "".join(b for _, _, b in lock_blocks(out.read_text())) if out.is_file() else ""
-    prefer = re.sub(r"^torch==(\S+) ", lambda m: f"torch=={m.group(1)} ", prefer, flags=re.M)
-    sources = cpu_torch_sources(find_links)
+    why: list[str] = []
+    sources, silent = answering_cpu_sources(find_links, log=why) if spec.cpu_torch else ([], [])
     if progress:
         progress(f"locking {spec.name} (Python {spec.python}): {' '.join(spec.requirements)}")
+        for w in why:
+            progress(f"not answering: {w}")
+    if spec.cpu_torch and not sources and not pypi_only:
+        raise CpuTorchUnavailable(
+            f"no source of PyTorch's CPU build answers ({'; '.join(why) or 'none named'}): the lock of {spec.name} "
+            "lists that build", hint=f"name a folder holding its wheel ({FIND_LINKS_VAR}=/path/to/wheels) or a "
+                                     f"reachable index ({TORCH_INDEX_VAR}=URL)")
     failure: _Unresolvable | None = None
     resolved: tuple[str, str, str] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for platform in PLATFORMS:
             try:
-                resolved = _resolve(spec, platform, Path(tmp), prefer, sources)
+                resolved = _resolve(spec, platform, Path(tmp), prefer, sources, silent, pypi_only)
                 break
             except _Unresolvable as e:
                 failure = e
@@ -393,13 +687,24 @@ def compile_lock(spec: EnvSpec, find_links: tuple[str, ...] | None = None, out: 
               f"# Requirements: {' '.join(spec.requirements)}"
               + (f"; overriding the engine's own: {' '.join(spec.overrides)}" if spec.overrides else "")
               + (f"; not installed from here: {' '.join(spec.exclude)}" if spec.exclude else "") + "\n"
-              "# Produced by `make lock-envs` (uv pip compile --generate-hashes --no-build); do not edit by hand.\n"
+              f"# Produced by {producer} (uv pip compile --generate-hashes --no-build); do not edit by hand.\n"
               + note)
     text = header + main + (f"{CUDA_TORCH_SECTION}\n{cuda}" if cuda else "")
-    tmp_out = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp_out.write_text(text)
-    os.replace(tmp_out, out)
+    from patcher.base.fsutil import atomic_write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, text)
     return out
+
+
+def torch_builds(text: str) -> tuple[str, ...]:
+    """Pure: the builds of torch a lock accepts, from its header: ('pypi', 'cpu'), ('pypi',) or ()."""
+    head = "".join(line for line in text.splitlines(keepends=True)[:8] if line.startswith("#"))
+    if re.search(r"^# torch==\S+: PyPI's build \(with the last section\) or the CPU build", head, re.M):
+        return ("pypi", "cpu")
+    if re.search(r"^# torch==\S+: PyPI's build only", head, re.M):
+        return ("pypi",)
+    return ("pypi",) if "torch" in locked_packages(text) else ()
 
 
 # ---------------------------------------------------------------- fit for the declared platform
@@ -634,9 +939,13 @@ def pypi_files_cached(workers: int = 16) -> Callable[[str], list[dict]]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m patcher.artifacts.envlocks [--only NAME ...] [--check [--offline]]`: write (or check) the hash locks.
 
-    --check: every environment has a lock with a hash on every line, and (unless --offline) every
-    locked package installs from PyPI on the Python and platform its lock declares. Exit 0: fit;
-    1: a problem; 6: PyPI could not be read (nothing was checked: never a pass)."""
+    Each lock is written where it lives: the project's `env-locks/` when the project has one for
+    that environment, else dsadapt's package folder (what `make lock-envs` maintains). --check:
+    every environment has a lock with a hash on every line, and (unless --offline) every locked
+    package installs from PyPI on the Python and platform its lock declares. Exit 0: fit; 1: a
+    problem; 6: PyPI (or the CPU torch build's source) could not be read: nothing was checked or
+    written, never a pass. Errors are one line and a hint, as dsadapt's own."""
+    from patcher.base.errors import DsadaptError, one_line
     from patcher.formats.lock import load_lock
 
     ap = argparse.ArgumentParser(prog="python -m patcher.artifacts.envlocks", description=main.__doc__)
@@ -645,43 +954,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only check the committed locks (format and platform)")
     ap.add_argument("--offline", action="store_true", help="with --check: the format only, no PyPI queries")
     args = ap.parse_args(argv)
-    lock = load_lock(args.project / "upstream.lock")
-    specs = [s for s in env_specs(lock) if not args.only or s.name in args.only]
-    if not args.check:
-        for spec in specs:
-            path = compile_lock(spec, progress=lambda m: print(f"… {m}", file=sys.stderr, flush=True))
-            print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path} "
-                  f"({len(locked_packages(path.read_text()))} packages)")
-        args.check = True  # what was written is checked against its platform, as CI does
-    return check_locks(specs, offline=args.offline)
+    try:
+        lock = load_lock(args.project / "upstream.lock")
+        specs = [s for s in env_specs(lock) if not args.only or s.name in args.only]
+        if not args.check:
+            for spec in specs:
+                path = compile_lock(spec, out=existing_lock(spec.name, spec.python, args.project) or spec.path,
+                                    progress=lambda m: print(f"… {m}", file=sys.stderr, flush=True))
+                print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path} "
+                      f"({len(locked_packages(path.read_text()))} packages)")
+            args.check = True  # what was written is checked against its platform, as CI does
+        return check_locks(specs, offline=args.offline, project=args.project)
+    except DsadaptError as e:
+        print(f"error: {one_line(e.message)}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {one_line(e.hint)}", file=sys.stderr)
+        return int(e.exit_code)
 
 
-def check_locks(specs: list[EnvSpec], *, offline: bool = False, out=None) -> int:
-    """Print one line per lock (and one per problem); the exit status of `--check`."""
+def check_locks(specs: list[EnvSpec], *, offline: bool = False, out=None, project: Path | None = None) -> int:
+    """Print one line per lock (and one per problem); the exit status of `--check`. A project's
+    own lock (`env-locks/`) is checked where it has one, else the shipped one."""
     out = out or sys.stdout
     bad = unreadable = 0
+    paths = {s.name: existing_lock(s.name, s.python, project) or s.path for s in specs}
     files_of = None if offline else pypi_files_cached()
     if files_of is not None:
-        names = [n for s in specs if s.path.is_file() for n, _, _ in lock_blocks(s.path.read_text())]
+        names = [n for s in specs if paths[s.name].is_file() for n, _, _ in lock_blocks(paths[s.name].read_text())]
         files_of.prefetch(names)  # type: ignore[attr-defined]
     extra = extra_sources()
     for spec in specs:
-        if not spec.path.is_file():
-            print(f"MISSING {spec.path.name}: run `make lock-envs`", file=out)
+        path = paths[spec.name]
+        if not path.is_file():
+            print(f"MISSING {path.name}: run `make lock-envs` (or, in a project, `dsadapt lock ENGINE@TAG`)", file=out)
             bad += 1
             continue
-        problems = lock_problems(spec.path.read_text())
+        problems = lock_problems(path.read_text())
         notes: list[str] = []
         where = ""
         unread: list[str] = []
         if not problems and files_of is not None:
-            res = check_platform(spec.path, files_of, extra)
+            res = check_platform(path, files_of, extra)
             where = f" (Python {res.python}, {res.platform}, {res.packages} packages)"
             notes = res.notes
             unread = [p for p in res.problems if "could not be read" in p]
             problems = [p for p in res.problems if p not in unread]
         state = "BAD    " if problems else "UNCHECKED" if unread else "ok     "
-        print(f"{state} {spec.path.name}{where}", file=out)
+        print(f"{state} {path.name}{where}", file=out)
         for p in problems:
             print(f"    problem: {p}", file=out)
         if unread:

@@ -24,7 +24,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.artifacts.builder import BuildResult, build_pin, unpatched_build
-from patcher.artifacts.envlocks import file_digest, find_lock, locked_hashes, locked_packages, plan_env_name
+from patcher.artifacts.envlocks import (
+    file_digest,
+    find_lock,
+    lock_command,
+    locked_hashes,
+    locked_packages,
+    plan_env_name,
+)
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, EngineUnavailable, VerificationError
 from patcher.base.fsutil import link_tree
@@ -495,8 +502,11 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
         contents = _offline_install(cfg, entry, spec.name, offline, unpatched)
     else:
         lock_name = plan_lock_name(plan)
-        if lock_name:
-            find_lock(lock_name)  # before building: an environment without a lock cannot be made here (exit 6)
+        # before building: an environment without a lock cannot be made here (exit 6); the
+        # project's own lock (env-locks/) wins over the one dsadapt ships
+        lock_file = find_lock(lock_name, project=cfg.project,
+                              make=lock_command(str(plan.pin), spec.name) if not plan.suffix else None) \
+            if lock_name else None
         marker: dict
         if not unpatched:
             build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
@@ -505,7 +515,7 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
             build = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
             marker = {"ref": str(entry.ref), "variant": spec.name, "unpatched": True, "unpatched_build": build.kind}
         contents = EnvContents(Path(build.artifact), build.sha256, marker=marker, lock_name=lock_name,
-                               host_packages=recipe.host_packages)
+                               lock_file=lock_file, host_packages=recipe.host_packages)
     siblings = [base.with_name(base.name + side + suffix) for suffix in dict.fromkeys(("", plan.suffix))
                 for side in ("", "-unpatched")]
     contents = replace(contents, extra=list(recipe.extra), remove=recipe.remove, post=recipe.post, siblings=siblings)

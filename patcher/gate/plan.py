@@ -354,6 +354,9 @@ def plan_check(cfg: Config, lock: Lock, req: CheckRequest, model: ModelChoice | 
         raise SourceError(f"{req.pin} cannot be checked here: {no_tree}",
                           hint="configure a mirror (DSADAPT_MIRRORS), allow PyPI, or check the network; "
                                "`dsadapt list` says which pins can run here")
+    from patcher.artifacts.envlocks import require_lock
+
+    require_lock(cfg.project, lock, entry, spec)  # no environment lock: one line, before any work (exit 6)
     dtypes = (req.dtype,) if req.dtype else dtypes_served(eng, spec, model.config)
     if capture:
         dtypes = dtypes[:1]

@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     import zipfile
 
 PYPI_SIMPLE = "https://pypi.org/simple"
+#: A package index to ask instead of PyPI (a mirror such as devpi or Artifactory serving the JSON
+#: simple API, PEP 691): release lists, artifact hashes, downloads and environment locks.
+PYPI_INDEX_VAR = "DSADAPT_PYPI_INDEX"
+
+
+def pypi_index() -> str:
+    """The simple index dsadapt asks about releases: DSADAPT_PYPI_INDEX, else PyPI's."""
+    return (os.environ.get(PYPI_INDEX_VAR, "").strip() or PYPI_SIMPLE).rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> Non
     from packaging.utils import parse_wheel_filename
 
     args = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-            "-d", str(dest)]
+            "-d", str(dest), *(["--index-url", pypi_index()] if os.environ.get(PYPI_INDEX_VAR, "").strip() else [])]
     if art.is_wheel:
         _, _, _, tags = parse_wheel_filename(art.file)
         tag = sorted(tags, key=str)[0]
@@ -426,7 +434,7 @@ def _pypi_index(dist: str, timeout: float) -> dict:
     """PyPI's PEP 691 JSON simple-API page for a distribution."""
     import urllib.request  # (not at import: `dsadapt tags` against a git remote never needs HTTP)
 
-    req = urllib.request.Request(f"{PYPI_SIMPLE}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(f"{pypi_index()}/{dist}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)

@@ -90,7 +90,11 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     ref = ref_of(pin)
     entry = ctx.lock.pin(ref)
     eng = engine(ref.engine)
-    plan = eng.env_plan(entry, eng.variant_for(entry, default_variant(ctx.cfg, ref, variant)), ctx.lock)
+    spec = eng.variant_for(entry, default_variant(ctx.cfg, ref, variant))
+    plan = eng.env_plan(entry, spec, ctx.lock)
+    from patcher.artifacts.envlocks import require_lock
+
+    require_lock(ctx.cfg.project, ctx.lock, entry, spec)  # no lock: one line, before anything is made (exit 6)
     with workdir_lock(ctx.cfg):
         res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(), stream=not as_json)
     if as_json:

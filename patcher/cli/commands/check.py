@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from patcher.base.errors import ExitCode, UsageError
+from patcher.base.errors import DsadaptError, ExitCode, UsageError
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
@@ -190,7 +191,9 @@ def _check_one(ctx: Context, req: CheckRequest, choice: ModelChoice, explain: bo
     from patcher.gate.overall import check_pin, overall_json, pin_or_raise
     from patcher.gate.plan import plan_check
 
-    plan = plan_check(ctx.cfg, ctx.lock, req, choice)
+    name = f"{req.pin}{' ' + req.variant if req.variant else ''}"
+    with skipped_case_on_cannot_run(junit, name):  # cannot run here (no lock, no GPU): a skipped JUnit case
+        plan = plan_check(ctx.cfg, ctx.lock, req, choice)
     progress = progress_printer()
 
     def shown(res: CheckResult) -> None:
@@ -198,7 +201,7 @@ def _check_one(ctx: Context, req: CheckRequest, choice: ModelChoice, explain: bo
         if explain and res.passed:
             out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
 
-    with workdir_lock(ctx.cfg):
+    with skipped_case_on_cannot_run(junit, f"{req.pin} {plan.spec.name}"), workdir_lock(ctx.cfg):
         done = check_pin(plan, RunHost(ctx.cfg, ctx.lock, progress, not as_json),
                          progress.note if progress is not None else None, None if as_json else shown)
     if as_json:
@@ -247,6 +250,18 @@ def _all_row(o) -> list[str]:
     detail = (runs[0].report_path if o.verdict == "pass" and len(runs) == 1 else
               "; ".join(f"{r.dtype}: {'; '.join(r.reasons[:1])}" for r in bad) if bad else "every dtype passed")
     return [name, o.verdict, detail]
+
+
+@contextlib.contextmanager
+def skipped_case_on_cannot_run(junit, name: str):
+    """A check that cannot run here (exit 6: no GPU, no environment lock, no source) still leaves
+    its JUnit case, skipped with the reason: never a pass, never missing from CI's test report."""
+    try:
+        yield
+    except DsadaptError as e:
+        if e.exit_code == ExitCode.CANNOT_RUN:
+            report_ci([], junit, [(name, e.message, False)])
+        raise
 
 
 def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, str, bool]] = ()) -> None:

@@ -546,3 +546,38 @@ def version_info() -> dict:
             "executable": sys.executable, "environment": sys.prefix, "venv": sys.prefix != sys.base_prefix,
             "source": str(Path(patcher.__file__).resolve().parent),
             "packages": {n: v(n) for n in ("torch", "transformers", "click", "GitPython", "uv")}}
+
+
+def rel_path(path, root) -> str:
+    """`path` relative to `root` where it lies inside it, else as it is."""
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def lock_for_new_pin(ctx: Context, ref, *, as_json: bool = False) -> dict:
+    """What `pin` and `rebase --onto` do for the pin they add: make the hash lock of each of its
+    environments that has none (PyPI only). When that is not possible, one line, said at once,
+    names why and the command to run later; the pin itself stands. Returns the JSON part."""
+    from patcher.artifacts.envlocks import lock_command, lock_pin
+    from patcher.base.errors import DsadaptError, one_line
+
+    lock = ctx.reload_lock()
+    try:
+        done = lock_pin(ctx.cfg.project, lock, ref, progress=progress_printer())
+    except DsadaptError as e:
+        line = f"no environment lock for {ref}: {one_line(e.message)}; run `{lock_command(str(ref))}` when that is fixed"
+        warn(f"warning: {line}")
+        return {"locks": [], "lock_error": {"message": e.message, "hint": e.hint, "exit_code": int(e.exit_code),
+                                            "command": lock_command(str(ref))}}
+    if not as_json:
+        for d in done:
+            if d.env is None:
+                out(f"  environment lock ({d.variant}): not needed ({d.note})")
+            else:
+                where = rel_path(d.path, ctx.cfg.project) if d.origin == "project" else f"{d.path} (shipped with dsadapt)"
+                out(f"  environment lock ({d.variant}): {d.state} {where}")
+            if d.note and d.env is not None:
+                note(f"  note: {d.note}")
+    return {"locks": [d.to_json() for d in done]}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table
+from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table, warn
 
 
 def checkout_status(cfg, lock, entry, running=None):
@@ -54,12 +54,18 @@ def _pin_line(ctx: Context, ad, entry, probed: dict[str, str | None]) -> tuple[d
     each can run here: the machine, then whether a source can provide its tree)."""
     from collections import Counter
 
+    from patcher.artifacts.envlocks import lock_blocker
+
     st, err = _stack_info(ctx, entry)
     kind = ad.build_kind(st) if st is not None else None
     statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
     # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
     variants = ad.pinned_variants(entry)
-    blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
+    blockers = {v.name: ad.run_blocker(entry, v) or lock_blocker(ctx.cfg.project, ctx.lock, entry, v)
+                for v in variants}
+    for v, b in blockers.items():  # a missing environment lock first, in one line each
+        if b and b.startswith("no hash lock"):
+            warn(f"{entry.ref} ({v}): {b}")
     if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
         src = _source_blocker(ctx, entry, probed)
         blockers = {v: b or src for v, b in blockers.items()}
