@@ -235,8 +235,9 @@ def _natural(tag: str) -> tuple:
 
 
 def status_all(cfg: Config, lock: Lock, status_of=None) -> list[CheckoutStatus]:
-    """Status of every pin, plus checkouts on disk that hold an op but whose pin is gone (a rebase
-    killed before it pinned NEW)."""
+    """Status of every pin, plus every checkout on disk whose tag is not pinned: one that holds an
+    op (a rebase killed before it pinned NEW) or a leftover (a rebase aborted, a pin removed),
+    which a later `apply` or `rebase --onto` of that tag reuses as it is."""
     running = lock_holder(cfg)
     entries = sorted(lock.pins.values(), key=lambda e: (e.engine, _natural(e.tag)))
     out = []
@@ -247,6 +248,13 @@ def status_all(cfg: Config, lock: Lock, status_of=None) -> list[CheckoutStatus]:
             out.append(CheckoutStatus(str(e.ref), str(cfg.checkout_dir(e.engine, e.tag)), "broken", err.message))
     pinned = {str(e.ref) for e in entries}
     for co in all_checkouts(cfg):
-        if str(co.ref) not in pinned and co.has_op():
-            out.append(unpinned_status(cfg, co, running))
+        if str(co.ref) not in pinned:
+            try:
+                st = unpinned_status(cfg, co, running)
+            except (StackError, WorkspaceError, VerificationError, GitError) as err:
+                st = CheckoutStatus(str(co.ref), str(co.path), "broken", err.message, pinned=False)
+            if st.op is None:
+                st.detail += (f"; not pinned: a later `dsadapt rebase … --onto {co.ref.tag}` (or `apply`) reuses this "
+                              f"checkout as it is; move it away to have it made again")
+            out.append(st)
     return out

@@ -419,10 +419,31 @@ def _report(tx: Transaction, base: str, head: str, names: list[str], new_hash: s
     old_ref = PinRef(*ex["from"].split("@", 1))
     return RebaseReport(
         engine=co.ref.engine, old=old_ref.tag, new=co.ref.tag, old_version=ex["from_version"],
-        new_version=ex["to_version"], date=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        new_version=ex["to_version"], date=report_date(),
         old_source=ex["from_source"], new_source=_source_words(tx.state.source),
         pinned_new=ex.get("lock_before") is not None, old_stack_hash=op.stack_hash,
-        new_stack_hash=new_hash, range_diff_command=rd_cmd, patches=reports)
+        new_stack_hash=new_hash, range_diff_command=rd_cmd, patches=reports,
+        direction=ex.get("direction") or direction(ex["from_version"], ex["to_version"]))
+
+
+def report_date() -> str:
+    """The report's `date`: SOURCE_DATE_EPOCH where it is set (reproducible reports: the upstream
+    workflow sets it to the project commit's time), else now (UTC, ISO 8601)."""
+    import os
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    when = datetime.fromtimestamp(int(epoch), UTC) if epoch.isdigit() else datetime.now(UTC)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def direction(old_version: str, new_version: str) -> str:
+    """'forward' (onto a newer release), 'backward' (onto an older one: a backport) or 'same'."""
+    from patcher.formats.lock import version_key
+
+    a, b = version_key(old_version), version_key(new_version)
+    if a[0] != b[0]:
+        return "forward" if a[0] > b[0] else "backward"  # (a release version sorts before a branch name)
+    return "forward" if b > a else "backward" if b < a else "same"
 
 
 def _detail(outcome: Outcome, recorded: str | None) -> str:
@@ -459,7 +480,45 @@ def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, b
 
 
 def _source_words(src: dict | None) -> str:
-    return f"{src.get('kind')} {src.get('origin')}" if src else "unknown"
+    """The tree a checkout holds, in words that depend on the lock's pin only: `pypi FILE` (the
+    release artifact unpacked) or `git tree ID` (a git clone or a mirror, verified against the
+    lock: never this machine's mirror path)."""
+    if not src:
+        return "unknown"
+    if src.get("kind") == "pypi":
+        return f"pypi {src.get('origin')}"
+    return f"git tree {src.get('tree')}"
+
+
+def source_mismatch(src: dict | None, entry) -> str | None:
+    """Why an existing checkout does not hold the tree the lock pins now (made from another
+    release artifact, or under another commit), or None."""
+    if not src:
+        return None
+    if src.get("kind") == "pypi":
+        art = entry.source_artifact()
+        if art is not None and src.get("origin") != art.file:
+            return f"it was unpacked from {src.get('origin')}; the lock's source artifact is {art.file}"
+        return None
+    if (entry.commit and src.get("commit") == entry.commit) or (entry.tree and src.get("tree") == entry.tree):
+        return None
+    if entry.commit or entry.tree:
+        return f"it holds tree {str(src.get('tree'))[:12]}, not the one the lock pins"
+    return None
+
+
+def _reused(co: Checkout, created: bool, entry) -> None:
+    """Refuse a checkout made earlier from something the lock no longer pins (a leftover of another
+    lock): the rebase would silently carry the stack onto another tree."""
+    if created:
+        return
+    why = source_mismatch(co.load().source, entry)
+    if why:
+        from patcher.base.errors import VerificationError
+
+        raise VerificationError(f"{entry.ref}: the existing checkout {co.path} does not match upstream.lock: {why}",
+                                hint=f"move it away (`mv {co.path} {co.path}.old`); the next rebase makes it "
+                                     "again from the lock")
 
 
 def load_report(cfg: Config, engine: str, old: str, new: str) -> dict:
@@ -533,8 +592,16 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
             for n in notes:
                 progress(n)
     new_entry = lock.pin(new_ref)
-    old_co, _ = ensure_checkout(cfg, lock, old_entry, progress)
-    co, _ = ensure_checkout(cfg, lock, new_entry, progress)
+    way = direction(old_entry.version, new_entry.version)
+    if way == "backward":
+        notes.append(f"backward: {new_ref} ({new_entry.version}) is older than {old_ref} ({old_entry.version}): "
+                     "the stack is carried back (a backport)")
+        if progress:
+            progress(notes[-1])
+    old_co, made = ensure_checkout(cfg, lock, old_entry, progress)
+    _reused(old_co, made, old_entry)
+    co, made = ensure_checkout(cfg, lock, new_entry, progress)
+    _reused(co, made, new_entry)
     tx = Transaction.open(co, on_patch, progress)
     head_branch = _check_target(co, tx, new_ref)
     base = co.base()
@@ -556,6 +623,7 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
                    "from_source": _source_words(old_co.load().source), "dists": [ad.name, *ad.pypi],
                    "lock_before": lock_before, "lock_after": lock_after, "details": {}, "identity": identity,
                    "stack_dir": str(new_dir.relative_to(cfg.project)), "stop_prefix": f"rebasing {old_ref}: ",
+                   "direction": way,
                    "replaces_stack": replaced is not None})
     tx.begin(op, [e.text for e in old_stack.entries],
              stack_files(old_stack) if identity else stack_files(replaced) if replaced is not None else None)

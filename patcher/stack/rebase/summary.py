@@ -44,6 +44,7 @@ class RebaseReport:
     new_stack_hash: str
     range_diff_command: str
     patches: list[PatchReport] = field(default_factory=list)
+    direction: str = "forward"  # forward | backward (onto an older release: a backport) | same
 
     @property
     def counts(self) -> dict[str, int]:
@@ -83,7 +84,8 @@ def split_range_diff(text: str) -> dict[int, str]:
 def format_markdown(r: RebaseReport) -> str:
     counts = ", ".join(f"{n} {k}" for k, n in r.counts.items()) or "empty stack"
     out = [
-        f"# Rebase of {r.engine}@{r.old} onto {r.new}",
+        f"# Rebase of {r.engine}@{r.old} onto {r.new}" + (" (backward: onto an older release)"
+                                                          if r.direction == "backward" else ""),
         "",
         f"- date: {r.date}",
         f"- from: {r.engine}@{r.old} ({r.old_version}), source {r.old_source}, stack {r.old_stack_hash[:10]}",
