@@ -81,6 +81,26 @@ class Patch:
         return [v for k, v in self.trailers if k.lower() == key.lower()]
 
     @property
+    def covered_by(self) -> list[str]:
+        """Every Covered-By entry (trailers may repeat; one may list several, comma-separated)."""
+        return [x.strip() for v in self.trailer_values("Covered-By") for x in v.split(",") if x.strip()]
+
+    @property
+    def gate_configs(self) -> list[GateConfig]:
+        """The gate configurations its Covered-By names (`dsadapt check …` entries), in order, once
+        each; malformed ones are left out (`lint_patch` reports them)."""
+        out: list[GateConfig] = []
+        for entry in self.covered_by:
+            if is_gate_entry(entry):
+                try:
+                    cfg = parse_gate_config(entry)
+                except ValueError:
+                    continue
+                if cfg not in out:
+                    out.append(cfg)
+        return out
+
+    @property
     def upstream_status(self) -> str | None:
         v = self.trailer("Upstream-Status")
         return v.split()[0] if v else None
@@ -98,6 +118,108 @@ class Patch:
         if self.trailers:
             parts.append("\n".join(f"{k}: {v}" for k, v in self.trailers))
         return "\n\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------- Covered-By: gate configurations
+
+#: The dtypes a gate configuration may name (the values of `dsadapt check --dtype`).
+GATE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+GATE_CONFIG_STYLES = ("transformers", "deepseek")
+GATE_PREFIX = "dsadapt check"
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """One configuration of the equivalence gate that exercises a patch: the `dsadapt check`
+    options of a `Covered-By: dsadapt check --model v2 --dtype float16` entry (the pin is the
+    stack's own). Unset options take `check`'s defaults (model v3; dtype: every dtype the engine
+    serves; the engine's config style; one process)."""
+
+    model: str = "v3"
+    dtype: str | None = None
+    config_style: str | None = None
+    tp: int = 1
+    ep: bool = False
+
+    def args(self) -> list[str]:
+        """The `dsadapt check` options, in a canonical order."""
+        out = ["--model", self.model]
+        if self.config_style:
+            out += ["--config-style", self.config_style]
+        if self.dtype:
+            out += ["--dtype", self.dtype]
+        if self.tp > 1:
+            out += ["--tp", str(self.tp)]
+        if self.ep:
+            out.append("--ep")
+        return out
+
+    @property
+    def label(self) -> str:
+        """A short name: `v2 float16`, `v3 transformers float32 tp2`."""
+        return " ".join(x for x in (self.model, self.config_style, self.dtype or "every dtype",
+                                    f"tp{self.tp}" if self.tp > 1 else "", "ep" if self.ep else "") if x)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype, "config_style": self.config_style, "tp": self.tp,
+                "ep": self.ep, "args": self.args(), "label": self.label}
+
+
+def is_gate_entry(entry: str) -> bool:
+    """Whether a Covered-By entry names a gate configuration (else it is a test id)."""
+    return entry.strip().startswith(GATE_PREFIX + " ") or entry.strip() == GATE_PREFIX
+
+
+def parse_gate_config(entry: str) -> GateConfig:
+    """Pure: a `dsadapt check [--model M] [--dtype D] [--config-style S] [--tp N] [--ep]` entry.
+    ValueError (with what is wrong) for anything else: a pin, another option, a path as model."""
+    import shlex
+
+    words = shlex.split(entry)
+    if words[:2] != ["dsadapt", "check"]:
+        raise ValueError(f"{entry!r} does not start with `{GATE_PREFIX}`")
+    opts: dict[str, str | bool] = {}
+    rest = words[2:]
+    i = 0
+    while i < len(rest):
+        w = rest[i]
+        key, eq, val = w.partition("=")
+        if key == "--ep":
+            if eq:
+                raise ValueError("--ep takes no value")
+            opts["ep"] = True
+            i += 1
+            continue
+        if key not in ("--model", "--dtype", "--config-style", "--tp"):
+            raise ValueError(f"{w!r} is not a gate option (--model, --dtype, --config-style, --tp, --ep; the pin "
+                             "is the stack's own)")
+        if not eq:
+            if i + 1 >= len(rest):
+                raise ValueError(f"{key} needs a value")
+            val = rest[i + 1]
+            i += 1
+        i += 1
+        name = key[2:].replace("-", "_")
+        if name in opts:
+            raise ValueError(f"{key} given twice")
+        opts[name] = val
+    model = str(opts.get("model", "v3"))
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", model):
+        raise ValueError(f"--model {model!r}: name a built-in model (v3, v2, v2-lite); a checkpoint folder is "
+                         "not portable")
+    dtype = opts.get("dtype")
+    if dtype is not None and dtype not in GATE_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(GATE_DTYPES)}")
+    style = opts.get("config_style")
+    if style is not None and style not in GATE_CONFIG_STYLES:
+        raise ValueError(f"--config-style {style!r} is not one of {', '.join(GATE_CONFIG_STYLES)}")
+    tp_text = str(opts.get("tp", "1"))
+    if not tp_text.isdigit() or int(tp_text) < 1:
+        raise ValueError(f"--tp {tp_text!r} is not a positive whole number")
+    ep = bool(opts.get("ep", False))
+    if ep and int(tp_text) < 2:
+        raise ValueError("--ep needs --tp 2 or more")
+    return GateConfig(model, str(dtype) if dtype else None, str(style) if style else None, int(tp_text), ep)
 
 
 # ---------------------------------------------------------------- parsing
@@ -564,8 +686,15 @@ def lint_patch(p: Patch, text: str, where: str) -> list[str]:
         err = drop_when_error(spec)
         if err:
             problems.append(f"{where}: Drop-When {spec!r}: {err}")
-    if not p.trailer_values("Covered-By"):
-        problems.append(f"{where}: missing Covered-By trailer (the test ids that exercise the patch)")
+    if not p.covered_by:
+        problems.append(f"{where}: missing Covered-By trailer (the test ids or `dsadapt check …` gate "
+                        "configurations that exercise the patch)")
+    for entry in p.covered_by:
+        if is_gate_entry(entry):
+            try:
+                parse_gate_config(entry)
+            except ValueError as e:
+                problems.append(f"{where}: Covered-By {entry!r}: {e}")
     if not p.files:
         problems.append(f"{where}: the diff touches no file")
     for f in p.files:

@@ -10,6 +10,7 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    lock_for_new_pin,
     note,
     op_flags,
     out,
@@ -18,6 +19,7 @@ from patcher.cli.commands.common import (
     progress_printer,
     publish_option,
     ref_of,
+    rel_path,
     run_op,
     table,
     warn,
@@ -68,17 +70,21 @@ def _onto(engine: str, onto: str) -> str:
 @click.option("--force", is_flag=True,
               help="Replace patches/ENGINE/NEW when it exists already (the stack there is kept in a backup ref "
                    "of the NEW checkout, named in the output).")
+@click.option("--no-lock", "no_lock", is_flag=True,
+              help="Do not make the hash locks of NEW's environments when the rebase is done (`dsadapt lock`).")
 @op_flags
 @publish_option
 @json_option
 @pass_ctx
-def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_continue: bool, op_skip: bool,
-               op_abort: bool, as_json: bool) -> None:
+def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, no_lock: bool, op_continue: bool,
+               op_skip: bool, op_abort: bool, as_json: bool) -> None:
     """Carry ENGINE@OLD's stack onto --onto NEW: pin and fetch NEW, replay patch by patch (3-way),
     classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}.
 
     On a conflict it stops; resolve, then `dsadapt rebase --continue` (or `dsadapt continue`),
-    `--skip` or `--abort`, as for apply."""
+    `--skip` or `--abort`, as for apply. NEW may be older than OLD (a backport): the output and
+    the report say so (`direction`). When done, NEW's environments get their hash locks
+    (`dsadapt lock NEW`; --no-lock leaves that)."""
     if run_op(click.get_current_context(), ctx, pin,
               {"op_continue": op_continue, "op_skip": op_skip, "op_abort": op_abort}, "rebase"):
         return
@@ -97,33 +103,27 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, op_
     with workdir_lock(ctx.cfg):
         res, notes = rebase_stack(ctx.cfg, ctx.lock, old, new_tag, progress=progress_printer(),
                                   on_patch=on_patch, force=force)
-    notes = [*notes, *[n for n in getattr(res, "notes", []) if n not in notes]]
-    report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
-    md, js = report_paths(ctx.cfg, old.engine, old.tag, new_tag)
-    if as_json:
+        notes = [*notes, *[n for n in getattr(res, "notes", []) if n not in notes]]
+        report = load_report(ctx.cfg, old.engine, old.tag, new_tag)
+        md, js = report_paths(ctx.cfg, old.engine, old.tag, new_tag)
         from patcher.cli.ci import step_summary
 
         if md.is_file():
             step_summary(md.read_text(encoding="utf-8"))
-        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report},
-                  schema="dsadapt.rebase/1")
-        return
-    from patcher.cli.ci import step_summary
+        if not as_json:
+            counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
+            back = " (backward: onto an older release)" if report.get("direction") == "backward" else ""
+            out(f"{old} → {old.engine}@{new_tag}{back}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
+            out(f"  report: {rel_path(md, ctx.cfg.project)} (+ .json)")
+            for n in notes:
+                out(f"  note: {n}")
+        new_ref = ref_of(f"{old.engine}@{new_tag}")
+        locks = {} if no_lock or not ctx.reload_lock().pin(new_ref).artifacts else \
+            lock_for_new_pin(ctx, new_ref, as_json=as_json)
+    if as_json:
+        emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report,
+                   **locks}, schema="dsadapt.rebase/1")
 
-    if md.is_file():
-        step_summary(md.read_text(encoding="utf-8"))
-    counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items()) or "empty stack"
-    out(f"{old} → {old.engine}@{new_tag}: {counts}; stack written to patches/{old.engine}/{new_tag}/")
-    out(f"  report: {_rel(md, ctx.cfg.project)} (+ .json)")
-    for n in notes:
-        out(f"  note: {n}")
-
-
-def _rel(path, root) -> str:
-    try:
-        return str(path.relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 @click.command("matrix")
@@ -136,7 +136,8 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
     """The CI matrix: one cell per (pin, variant) and per newer upstream tag not yet pinned.
 
     --json prints {"include": [...]}, ready for a GitHub Actions strategy.matrix."""
-    from patcher.upstream.matrix import blocker_here, build_matrix, github_matrix
+    from patcher.engines.registry import engine as engine_of
+    from patcher.upstream.matrix import blocker_here, build_matrix, cell_python, github_matrix
 
     tags = {}
     if only != "pinned":
@@ -145,14 +146,23 @@ def matrix_cmd(ctx: Context, only: str | None, pre: bool, as_json: bool) -> None
                 tags[engine] = upstream_tags(ctx.cfg, ctx.lock, engine, pre=pre)
             except DsadaptError as e:  # no source answered: that engine gets no new-tag cells
                 warn(f"  {engine}: no new-tag cells ({e.message})")
-    cells = build_matrix(ctx.cfg, ctx.lock, tags, only)
+    from patcher.artifacts.envlocks import lock_blocker
+
+    cells = build_matrix(ctx.cfg, ctx.lock, tags, only,
+                         lambda entry, v: lock_blocker(ctx.cfg.project, ctx.lock, entry, v, cell_python(entry)))
     if as_json:
         emit_json(github_matrix(cells), schema="dsadapt.matrix/1")
         return
-    table("CI matrix", ["cell", "runs on", "python", "steps", "parallel", "skipped", "check here"],
-          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps),
+    missing = {c.name: lock_blocker(ctx.cfg.project, ctx.lock, ctx.lock.pin(c.pin), engine_of(c.engine).variant(c.variant),
+                                    c.python) for c in cells if c.kind == "pinned" and "lock" in c.steps}
+    for c in cells:  # a missing lock first, one line each: the cell's `lock` step makes it
+        if missing.get(c.name):
+            warn(f"{c.pin} ({c.variant}): {missing[c.name]}")
+    table("CI matrix", ["cell", "runs on", "python", "steps", "checks", "parallel", "skipped", "check here"],
+          [[c.name, ",".join(c.runs_on), c.python, " → ".join(c.steps), ", ".join(k["label"] for k in c.checks) or "-",
             ", ".join(f"{p['label']} ({p['needs']})" for p in c.parallel) or "-", "; ".join(c.skip) or "-",
-            blocker_here(c, ctx.lock) or "yes"] for c in cells])
+            blocker_here(c, ctx.lock) or (f"no ({missing[c.name]})" if missing.get(c.name) else "yes")]
+           for c in cells])
 
 
 COMMANDS = [tags_cmd, rebase_cmd, matrix_cmd]
