@@ -71,17 +71,25 @@ def newer_tags(ad: EngineAdapter, candidates: dict[str, tuple[str | None, tuple[
 
 
 def upstream_tags(cfg: Config, lock: Lock, engine: str, *, pre: bool = False) -> TagsResult:
+    base = baseline_pin(lock, engine, lambda p: (cfg.patches_root / p.engine / p.tag / "series").is_file())
+    return _tags(cfg, lock, engine, base.tag if base else None, base.version if base else None, pre)
+
+
+def release_tags(cfg: Config, lock: Lock, engine: str, *, pre: bool = False) -> TagsResult:
+    """Every release tag of the engine (oldest first) from the first source that answers, pinned or
+    not, whatever the stacks: what `dsadapt replay` walks through."""
+    return _tags(cfg, lock, engine, None, None, pre)
+
+
+def _tags(cfg: Config, lock: Lock, engine: str, baseline: str | None, floor: str | None, pre: bool) -> TagsResult:
     decl = lock.engine(engine)
     ad = adapter(engine)
-    base = baseline_pin(lock, engine, lambda p: (cfg.patches_root / p.engine / p.tag / "series").is_file())
     pinned = {p.tag for p in lock.pins_of(engine)}
-    floor = base.version if base else None
     passed: list[str] = []
     try:
         remote = git_remote_tags(decl.git, cfg.git_timeout)
         cands: dict[str, tuple[str | None, tuple[str, ...]]] = {t: (c, ()) for t, c in remote.items()}
-        return TagsResult(engine, f"git {decl.git}", base.tag if base else None,
-                          newer_tags(ad, cands, floor, pinned, pre), passed)
+        return TagsResult(engine, f"git {decl.git}", baseline, newer_tags(ad, cands, floor, pinned, pre), passed)
     except Unreachable as e:
         passed.append(f"git: {e.message}")
     except subprocess.TimeoutExpired:
@@ -100,5 +108,5 @@ def upstream_tags(cfg: Config, lock: Lock, engine: str, *, pre: bool = False) ->
         raise SourceError(f"no source lists {engine}'s releases: {'; '.join(passed)}",
                           hint="check the network (git remote or PyPI)")
     cands = {ad.version_to_tag(v): (None, tuple(d)) for v, d in by_version.items()}
-    return TagsResult(engine, "pypi " + ", ".join(decl.pypi), base.tag if base else None,
-                      newer_tags(ad, cands, floor, pinned, pre), passed)
+    return TagsResult(engine, "pypi " + ", ".join(decl.pypi), baseline, newer_tags(ad, cands, floor, pinned, pre),
+                      passed)
