@@ -41,20 +41,24 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Lint, types and architecture (CI's first job): ruff (E,F,W,I,B,UP,SIM) over the project, mypy
-## over patcher/, and the import contracts in pyproject.toml [tool.importlinter] (engines never
+## over patcher/, the import contracts in pyproject.toml [tool.importlinter] (engines never
 ## import the orchestration; the core has no CLI in it; library modules stay below the orchestration),
-## and the code's shape (tests/project/test_code_shape.py: parameters, command length, radon grade).
+## the code's shape (tests/project/test_code_shape.py: parameters, command length, radon grade),
+## and actionlint over the GitHub workflows (a binary wheel from PyPI, in the dev extra).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy patcher
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/project/test_code_shape.py
+	$(BIN)/actionlint .github/workflows/*.yml
 
-## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
-## `uv pip compile --generate-hashes --no-build` from the recipes in patcher/artifacts/envlocks.py
-## (docs/environments.md), each then checked as check-env-locks does. Needs PyPI; the CPU torch
-## build comes from DSADAPT_TORCH_INDEX (default PyTorch's CPU index) or the wheel folders in
-## DSADAPT_LOCK_FIND_LINKS.
+## Hash locks of every environment of upstream.lock's pins, by `uv pip compile --generate-hashes
+## --no-build` from the recipes in patcher/artifacts/envlocks.py (docs/environments.md), each written
+## where it lives (the project's env-locks/ when it has one there, else the ones dsadapt ships in
+## patcher/data/envs/) and checked as check-env-locks does. Needs PyPI and a source of the CPU torch
+## build: DSADAPT_TORCH_INDEX (default PyTorch's CPU index) or the wheel folders in
+## DSADAPT_LOCK_FIND_LINKS; without one it stops in one line. One new pin's locks, from PyPI alone:
+## `dsadapt lock ENGINE@TAG`.
 lock-envs: setup
 	$(BIN)/python -m patcher.artifacts.envlocks
 
