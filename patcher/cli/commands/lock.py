@@ -33,7 +33,7 @@ def lock_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, up
 
     A lock the project or dsadapt already has is kept (--update resolves it again). Nothing is
     written unless every lock asked for could be made."""
-    from patcher.artifacts.envlocks import lock_pin
+    from patcher.artifacts.envlocks import lock_pin, pin_envs
     from patcher.base.errors import UsageError
     from patcher.base.workdir import workdir_lock
     from patcher.cli.commands.common import progress_printer
@@ -48,6 +48,7 @@ def lock_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, up
 
         if not re.fullmatch(r"3\.\d{1,2}", python):
             raise UsageError(f"--python {python!r} is not a Python version X.Y", hint="e.g. --python 3.12")
+    pin_envs(ctx.lock, ref, variant, python)  # a pin with nothing to lock is bad input, before any work
     with workdir_lock(ctx.cfg):
         done = lock_pin(ctx.cfg.project, ctx.lock, ref, variant, python=python, update=update,
                         progress=progress_printer())

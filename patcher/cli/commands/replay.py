@@ -43,9 +43,10 @@ def replay_cmd(ctx: Context, engine: str, start: str, end: str | None, stack: st
     replay there. The project's upstream.lock, patches/ and checkouts are not touched: it runs
     in a scratch project under the work dir."""
     from patcher.base.workdir import workdir_lock
-    from patcher.gate.replay import check_words, replay
+    from patcher.gate.replay import check_words, plan_replay, replay
 
     ref = to_ref(stack)
+    plan = plan_replay(ctx.cfg, ctx.lock, engine, start, end, stack=ref, variant=variant, pre=pre)  # (writes nothing)
     progress = progress_printer()
 
     def on_row(row) -> None:
@@ -56,8 +57,7 @@ def replay_cmd(ctx: Context, engine: str, start: str, end: str | None, stack: st
         out(f"  {row.tag} ({row.step}: {row.outcome}): {classes} | {checks} ({row.seconds:.0f} s)")
 
     with workdir_lock(ctx.cfg):
-        report, js, md = replay(ctx.cfg, ctx.lock, engine, start, end, stack=ref, variant=variant, control=control,
-                                keep=keep, pre=pre, progress=progress, on_row=on_row,
+        report, js, md = replay(ctx.cfg, ctx.lock, plan, control=control, keep=keep, progress=progress, on_row=on_row,
                                 on_line=progress.note if progress else None)
     if as_json:
         emit_json({**report.to_json(), "report": str(js), "markdown": str(md)})
