@@ -9,6 +9,7 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    lock_for_new_pin,
     op_flags,
     out,
     pass_ctx,
@@ -61,6 +62,28 @@ def _on_patch(as_json: bool):
     return None if as_json else (lambda o: out(_line(o)))
 
 
+def _rebase_in_progress(ctx: Context, ref) -> bool:
+    """Whether the op `continue` / `skip` would finish is a rebase (its NEW pin then gets its locks)."""
+    from patcher.base.errors import DsadaptError
+    from patcher.stack.checkout import in_progress
+
+    try:
+        op = in_progress(ctx.cfg, ref).load().op
+    except DsadaptError:
+        return False
+    return op is not None and op.kind == "rebase"
+
+
+def _lock_after_rebase(ctx: Context, res, as_json: bool) -> None:
+    """A rebase finished by `continue` / `skip` makes NEW's environment locks, as `rebase` does."""
+    from patcher.formats.pinref import parse_pinref
+
+    ref = parse_pinref(res.ref)
+    entry = ctx.reload_lock().pins.get(str(ref))
+    if entry is not None and entry.artifacts:
+        lock_for_new_pin(ctx, ref, as_json=as_json)
+
+
 @click.command("apply")
 @pinref_arg(required=False, pinned=False)
 @click.option("--force", is_flag=True, help="Apply over uncommitted changes or unexported commits (kept in backup refs).")
@@ -101,13 +124,17 @@ def op_command(name: str):
 
 def _go_on(ctx: Context, pin: str | None, as_json: bool, step) -> None:
     """`continue` and `skip`: the op's pin checked before the work-dir lock (bad input leaves
-    nothing behind), then `step` (the stack layer's continue or skip) under it."""
+    nothing behind), then `step` (the stack layer's continue or skip) under it, and a rebase it
+    finishes gets NEW's environment locks."""
     from patcher.base.workdir import workdir_lock
 
     ref = _op_ref(ctx, pin)
+    rebase = _rebase_in_progress(ctx, ref)
     with workdir_lock(ctx.cfg):
         res = step(ctx.cfg, ref, on_patch=_on_patch(as_json), progress=progress_printer())
-    _report(res, as_json, "applied")
+        _report(res, as_json, "applied")
+        if rebase:  # a rebase finished by continue / skip makes NEW's environment locks, as rebase does
+            _lock_after_rebase(ctx, res, as_json)
 
 
 @op_command("continue")
