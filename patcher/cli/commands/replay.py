@@ -60,7 +60,7 @@ def replay_cmd(ctx: Context, engine: str, start: str, end: str | None, stack: st
         report, js, md = replay(ctx.cfg, ctx.lock, plan, control=control, keep=keep, progress=progress, on_row=on_row,
                                 on_line=progress.note if progress else None)
     if as_json:
-        emit_json({**report.to_json(), "report": str(js), "markdown": str(md)})
+        emit_json({**report.to_json(), "report": str(js), "markdown": str(md)}, schema="dsadapt.replay/1")
         return
     from patcher.gate.replay import table_rows
 
