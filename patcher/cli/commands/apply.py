@@ -79,8 +79,7 @@ def _lock_after_rebase(ctx: Context, res, as_json: bool) -> None:
     from patcher.formats.pinref import parse_pinref
 
     ref = parse_pinref(res.ref)
-    entry = ctx.reload_lock().pins.get(str(ref))
-    if entry is not None and entry.artifacts:
+    if str(ref) in ctx.reload_lock().pins:
         lock_for_new_pin(ctx, ref, as_json=as_json)
 
 

@@ -560,10 +560,16 @@ def lock_for_new_pin(ctx: Context, ref, *, as_json: bool = False) -> dict:
     """What `pin` and `rebase --onto` do for the pin they add: make the hash lock of each of its
     environments that has none (PyPI only). When that is not possible, one line, said at once,
     names why and the command to run later; the pin itself stands. Returns the JSON part."""
-    from patcher.artifacts.envlocks import lock_command, lock_pin
+    from patcher.artifacts.envlocks import lock_command, lock_pin, pin_envs
     from patcher.base.errors import DsadaptError, one_line
 
     lock = ctx.reload_lock()
+    try:
+        envs = pin_envs(lock, ref)
+    except DsadaptError:  # nothing to lock (a pin without release artifacts, a served engine not pinned)
+        return {}
+    if all(e.spec is None for e in envs):
+        return {}
     try:
         done = lock_pin(ctx.cfg.project, lock, ref, progress=progress_printer())
     except DsadaptError as e:

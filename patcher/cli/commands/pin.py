@@ -43,7 +43,7 @@ def pin_cmd(ctx: Context, pin: str, update: bool, no_lock: bool, as_json: bool) 
             for n in notes:
                 out(f"  {n}")
             out(f"{ref}: {'pinned' if old is None else ('updated' if changed else 'unchanged')} in upstream.lock")
-        locks = {} if no_lock or not entry.artifacts else lock_for_new_pin(ctx, ref, as_json=as_json)
+        locks = {} if no_lock else lock_for_new_pin(ctx, ref, as_json=as_json)
     if as_json:
         emit_json(schema="dsadapt.pin/1", data={"ref": str(ref), "changed": changed, "notes": notes,
                    "entry": {"version": entry.version, "commit": entry.commit, "tree": entry.tree,

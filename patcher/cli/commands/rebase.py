@@ -118,8 +118,7 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, no_
             for n in notes:
                 out(f"  note: {n}")
         new_ref = ref_of(f"{old.engine}@{new_tag}")
-        locks = {} if no_lock or not ctx.reload_lock().pin(new_ref).artifacts else \
-            lock_for_new_pin(ctx, new_ref, as_json=as_json)
+        locks = {} if no_lock else lock_for_new_pin(ctx, new_ref, as_json=as_json)
     if as_json:
         emit_json({"status": "rebased", "notes": notes, "checkout": res.checkout, "report": str(js), **report,
                    **locks}, schema="dsadapt.rebase/1")
