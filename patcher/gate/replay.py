@@ -168,11 +168,14 @@ def _scratch_lock(sc: Config) -> Lock:
 
 
 def _lock(sc: Config, lock: Lock, ref: PinRef, variant: str | None, progress) -> dict:
+    """The hash lock of the environment the release is checked in (the variant it runs as here)."""
     from patcher.artifacts.envlocks import lock_pin
+    from patcher.engines.registry import engine
 
     t0 = time.monotonic()
     try:
-        done = lock_pin(sc.project, lock, ref, variant, progress=progress)
+        name = engine(ref.engine).variant_for(lock.pin(ref), variant).name
+        done = lock_pin(sc.project, lock, ref, name, progress=progress)
     except DsadaptError as e:
         return {"error": e.message, "exit_code": int(e.exit_code), "seconds": round(time.monotonic() - t0, 1)}
     return {"locks": [{"variant": d.variant, "env": d.env, "state": d.state, "origin": d.origin,
