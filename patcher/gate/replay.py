@@ -339,6 +339,8 @@ def replay(cfg: Config, lock: Lock, plan: ReplayPlan, *, control: bool = False, 
                         on_row(row)
                     keep = True  # the stopped checkout is what the user looks at
                     continue
+                if step == "port":  # the stack now lives at --from; the release it came from is replayed too
+                    shutil.rmtree(sc.patches_root / engine_name / stack_ref.tag, ignore_errors=True)
             else:
                 patches = [{"name": e.name, "subject": e.patch.subject, "outcome": "start", "detail": ""}
                            for e in st.entries]

@@ -85,3 +85,19 @@ def test_replay_carries_the_stack_release_by_release_until_the_conflict(toy_rele
     assert not (work / "checkouts").exists()  # the scratch project has its own work dir
     # a conflict keeps the scratch project: its stopped checkout is what a person looks at
     assert (work / "replay" / "toy-v0.1.0-to-v0.4.0" / "work" / "checkouts" / "toy" / "v0.4.0").is_dir()
+
+
+def test_a_stack_ported_to_from_first_that_conflicts_there_ends_the_replay(toy_releases):
+    """--stack: the pin's stack is ported to --from first (here forward, onto v0.4.0, where it
+    conflicts): the port's row says so, the releases after it are not reached, nothing is checked."""
+    root, work, env = toy_releases["root"], toy_releases["work"], toy_releases["env"]
+    before = _project_files(root)
+    r = run(env, "replay", "toy", "--from", "v0.4.0", "--to", "v0.5.0", "--stack", "toy@v0.1.0", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert [(row["tag"], row["step"], row["outcome"]) for row in doc["rows"]] == [
+        ("v0.4.0", "port", "conflict"), ("v0.5.0", "rebase", "not reached")]
+    assert all(row["checks"] == [] for row in doc["rows"]) and doc["stack"] == "toy@v0.1.0"
+    md = (work / "reports" / "replay" / "toy-v0.4.0-to-v0.5.0.md").read_text()
+    assert "| v0.4.0 | port: conflict |" in md and "| v0.5.0 | rebase: not reached |" in md
+    assert _project_files(root) == before
