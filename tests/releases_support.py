@@ -25,9 +25,7 @@ import threading
 from pathlib import Path
 
 from conftest import REPO_ROOT, git, make_wheel
-from toy_engine_support import GIT_ENV
-
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "toyengine"
+from toy_engine_support import FIXTURE, GIT_ENV
 
 RELEASES = ("v0.1.0", "v0.2.0", "v0.3.0", "v0.4.0", "v0.5.0")
 OLD_ROPE = '''    """Rotate `x` [..., seq, dim] by position: the two halves of the head dimension form the pairs."""
