@@ -185,11 +185,12 @@ def _lock(sc: Config, lock: Lock, ref: PinRef, variant: str | None, progress) ->
 
 def _checks(sc: Config, lock: Lock, ref: PinRef, variant: str | None, configs: list, control: bool,
             progress, on_line) -> list[CheckCell]:
-    """Every configuration's check at this release (one build and install for all of them)."""
-    from patcher.artifacts.envlocks import lock_blocker
+    """Every configuration's check at this release (one build and install for all of them): each
+    planned as `check` plans it (exit 6, no lock, no GPU: `cannot run`), then run."""
     from patcher.engines.registry import engine
-    from patcher.gate.equivalence import CheckRequest, preflight, run_check
+    from patcher.gate.equivalence import run_check
     from patcher.gate.hosts import RunHost
+    from patcher.gate.plan import CheckRequest, plan_check
 
     entry = lock.pin(ref)
     eng = engine(ref.engine)
@@ -197,7 +198,7 @@ def _checks(sc: Config, lock: Lock, ref: PinRef, variant: str | None, configs: l
         spec = eng.variant_for(entry, variant)
     except DsadaptError as e:
         return [CheckCell(c.label, c.args(), "cannot run", e.message) for c in configs]
-    host = RunHost(sc, lock, progress, stream=False)
+    host = RunHost(sc, lock, progress, False)
     out: list[CheckCell] = []
     runs = [(c, False) for c in configs] + ([(configs[0], True)] if control and configs else [])
     for cfg_, unpatched in runs:
@@ -208,27 +209,21 @@ def _checks(sc: Config, lock: Lock, ref: PinRef, variant: str | None, configs: l
             args = [*cfg_.args(), *([] if cfg_.dtype else ["--dtype", dt]), *(["--unpatched"] if unpatched else [])]
             t0 = time.monotonic()
             try:
-                from patcher.engines.base import Parallel
-
-                preflight(lock, ref, spec.name, None, dt, parallel=Parallel(cfg_.tp, cfg_.ep))
-                why = lock_blocker(sc.project, lock, entry, spec)
-                if why:
-                    out.append(CheckCell(label, args, "cannot run", why, unpatched=unpatched))
-                    continue
-                res = run_check(sc, lock, CheckRequest(ref, model=cfg_.model, config_style=cfg_.config_style,
-                                                       dtype=dt, variant=spec.name, unpatched=unpatched,
-                                                       tp=cfg_.tp, ep=cfg_.ep),
-                                progress=progress, stream=False, on_line=on_line, host=host)
+                plan = plan_check(sc, lock, CheckRequest(ref, model=cfg_.model, config_style=cfg_.config_style,
+                                                         dtype=dt, variant=spec.name, unpatched=unpatched,
+                                                         tp=cfg_.tp, ep=cfg_.ep))
+                res = run_check(plan, dt, host=host, on_line=on_line)
             except DsadaptError as e:
                 verdict = "cannot run" if e.exit_code == ExitCode.CANNOT_RUN else \
                     "fail" if e.exit_code == ExitCode.FAILED else "error"
                 out.append(CheckCell(label, args, verdict, e.message, seconds=round(time.monotonic() - t0, 1),
                                      unpatched=unpatched))
                 continue
-            summary = res.comparison.get("summary") or {}
-            out.append(CheckCell(label, args, res.verdict, "; ".join(res.reasons[:2]), summary.get("max_abs"),
-                                 res.comparison.get("tolerance"), res.comparison.get("rule"),
-                                 round(time.monotonic() - t0, 1), unpatched))
+            c = res.comparison
+            summary = c.summary if c is not None else {}
+            out.append(CheckCell(label, args, res.verdict, "; ".join(res.reasons[:2]) or (res.no_logits or ""),
+                                 summary.get("max_abs"), c.tolerance if c is not None else None,
+                                 c.rule if c is not None else None, round(time.monotonic() - t0, 1), unpatched))
     return out
 
 
