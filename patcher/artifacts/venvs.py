@@ -186,7 +186,8 @@ class EnvContents:
     requirements in a second pip call, and `remove` uninstalled afterwards.
     `host_packages`: the environment also sees the packages of the one dsadapt runs in
     (`host_site`), after its own, so a host's torch is reused instead of installed.
-    `lock_file` names the hash lock directly (an offline bundle's), `pip_args` go to every pip
+    `lock_file` names the hash lock directly (an offline bundle's, or the one `install_plan`
+    found: the project's env-locks/ first), `pip_args` go to every pip
     install (`--no-index --find-links BUNDLE/wheels`); `marker` and `details` go into the install
     marker. `siblings`: environments of the same pin and variant a new one may be copied from
     (`_seed_for`)."""

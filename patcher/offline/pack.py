@@ -43,7 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.artifacts.builder import BuildResult, build_pin, unpatched_build
-from patcher.artifacts.envlocks import EnvSpec, compile_lock, find_lock, locked_hashes, plan_env_name
+from patcher.artifacts.envlocks import (
+    EnvSpec,
+    compile_lock,
+    find_lock,
+    lock_command,
+    locked_hashes,
+    plan_env_name,
+)
 from patcher.base.config import Config
 from patcher.base.errors import (
     BuildError,
@@ -697,7 +704,7 @@ def _check_bundle(cfg: Config, lock: Lock, req: BundleRequest, progress) -> _Bun
     py = parse_python(req.python, (entry.python or "").split(",")[0].strip() or
                       f"{sys.version_info.major}.{sys.version_info.minor}")
     # the platform the environment's lock was made for (its wheels exist there)
-    platform = req.platform if req.platform is not None else _lock_platform(eng, entry, spec, lock, py)
+    platform = req.platform if req.platform is not None else _lock_platform(cfg, eng, entry, spec, lock, py)
     target = Target(py, parse_platform(platform))
     if entry.python and target.python not in [p.strip() for p in entry.python.split(",")]:
         raise UsageError(f"{ref} runs on Python {entry.python}, not {target.python}",
@@ -710,7 +717,9 @@ def _check_bundle(cfg: Config, lock: Lock, req: BundleRequest, progress) -> _Bun
     if plan.pin != ref or plan.suffix:
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
                                 hint=f"see {eng.docs_page}")
-    lock_file = None if plan.recipe.host_packages else find_lock(plan_env_name(plan), target.python)
+    lock_file = None if plan.recipe.host_packages else find_lock(
+        plan_env_name(plan), target.python, project=cfg.project,
+        make=lock_command(str(ref), spec.name, target.python))  # the project's lock first, as install reads it
     if lock_file is not None:
         _check_torch(ref, spec, torch_to_carry(lock_file, target, host, spec.device), req.max_size, progress)
     out = (req.out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
@@ -930,15 +939,15 @@ def torch_to_carry(lock_file: Path, target: Target, host: HostPackages,
     return locked["torch"][0], names, size
 
 
-def _lock_platform(eng, entry, spec, lock: Lock, python: str) -> str | None:
-    """The pip platform tag of the engine environment's committed lock (`x86_64-manylinux_2_31` ->
-    `manylinux_2_31_x86_64`), or None (no lock, or none for that Python)."""
-    from patcher.artifacts.envlocks import lock_path, lock_platform
+def _lock_platform(cfg: Config, eng, entry, spec, lock: Lock, python: str) -> str | None:
+    """The pip platform tag of the engine environment's lock (the project's, else the shipped one:
+    `x86_64-manylinux_2_31` -> `manylinux_2_31_x86_64`), or None (no lock, or none for that Python)."""
+    from patcher.artifacts.envlocks import existing_lock, lock_platform
 
     try:
         plan = eng.env_plan(entry, spec, lock)
-        path = lock_path(plan_env_name(plan), python)
-        declared = lock_platform(path.read_text(encoding="utf-8")) if path.is_file() else None
+        path = existing_lock(plan_env_name(plan), python, cfg.project)
+        declared = lock_platform(path.read_text(encoding="utf-8")) if path is not None else None
     except (OSError, DsadaptError):
         return None
     if declared is None:

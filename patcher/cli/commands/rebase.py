@@ -124,7 +124,6 @@ def rebase_cmd(ctx: Context, pin: str | None, onto: str | None, force: bool, no_
                    **locks}, schema="dsadapt.rebase/1")
 
 
-
 @click.command("matrix")
 @click.option("--only", type=click.Choice(["pinned", "new"]), default=None,
               help="Only the pinned cells, or only the new-upstream-tag cells.")
