@@ -54,21 +54,12 @@ def _pin_line(ctx: Context, ad, entry, probed: dict[str, str | None]) -> tuple[d
     each can run here: the machine, then whether a source can provide its tree)."""
     from collections import Counter
 
-    from patcher.artifacts.envlocks import lock_blocker
-
     st, err = _stack_info(ctx, entry)
     kind = ad.build_kind(st) if st is not None else None
     statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
     # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
     variants = ad.pinned_variants(entry)
-    blockers = {v.name: ad.run_blocker(entry, v) or lock_blocker(ctx.cfg.project, ctx.lock, entry, v)
-                for v in variants}
-    for v, b in blockers.items():  # a missing environment lock first, in one line each
-        if b and b.startswith("no hash lock"):
-            warn(f"{entry.ref} ({v}): {b}")
-    if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
-        src = _source_blocker(ctx, entry, probed)
-        blockers = {v: b or src for v, b in blockers.items()}
+    blockers = _run_blockers(ctx, ad, entry, variants, probed)
     runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
     d = {"pin": str(entry.ref), "engine": entry.engine, "tag": entry.tag, "version": entry.version,
          "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
@@ -84,6 +75,22 @@ def _pin_line(ctx: Context, ad, entry, probed: dict[str, str | None]) -> tuple[d
     row = [str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
            kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs]
     return d, row
+
+
+def _run_blockers(ctx: Context, ad, entry, variants, probed: dict[str, str | None]) -> dict[str, str | None]:
+    """Why each variant of the pin cannot run here (None: it can): the machine, a missing
+    environment lock (said first, one line each), then whether a source can provide its tree."""
+    from patcher.artifacts.envlocks import lock_blocker
+
+    blockers = {v.name: ad.run_blocker(entry, v) or lock_blocker(ctx.cfg.project, ctx.lock, entry, v)
+                for v in variants}
+    for v, b in blockers.items():
+        if b and b.startswith("no hash lock"):
+            warn(f"{entry.ref} ({v}): {b}")
+    if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
+        src = _source_blocker(ctx, entry, probed)
+        blockers = {v: b or src for v, b in blockers.items()}
+    return blockers
 
 
 def _source_blocker(ctx: Context, entry, probed: dict[str, str | None]) -> str | None:
