@@ -6,8 +6,8 @@ module runs it. One engine start per dtype: the engine's runner is started in it
 each job's logit report (and, in low precision, its capture) is judged by the gate's own rule
 exactly as `dsadapt check` judges a run in that dtype (`judge`), while the runner already works
 on the next job. The jobs of a round are queued together: first the run without hooks, the
-control (every hook at eps 0) and each cell's eps_max and eps_min, then one bisection step per
-cell per round (`patcher.rules.power.next_eps`) until every cell is settled.
+control (every hook at eps 0) and each cell's first eps, then one bisection step per cell per
+round (`patcher.rules.power.next_eps`) until every cell is settled.
 
 The low-precision rule compares each capture with the HF reference teacher-forced on exactly
 that run's token sequences: a perturbation that changes a greedy token makes new sequences,
@@ -179,12 +179,14 @@ class PowerRunner:
         return PowerError(f"the {self.proc.name} exited", hint=f"log: {self.log}\n{log_tail(self.log, 15)}")
 
     def stop(self) -> None:
+        """End the runner: at the end of its input once every job is answered (it leaves by itself),
+        at once (its process group) while jobs are still queued (a run cut short)."""
         try:
             if self.proc.proc.stdin:
-                self.proc.proc.stdin.close()  # the runner leaves at the end of its input
+                self.proc.proc.stdin.close()
         except OSError:
             pass
-        end = time.monotonic() + 30
+        end = time.monotonic() + (30 if self.answered == self.n else 0)
         while self.proc.alive() and time.monotonic() < end:
             time.sleep(0.1)
         self.proc.stop(grace_s=5)
@@ -396,7 +398,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
             # in low precision the logits are judged on the prompt's positions only (generation is
             # reported, never judged): one greedy token is enough there, the capture pass decodes
             done = runner.submit({"setting": {"id": sid, "perturb": plan}, "report": str(report_path),
-                                  "capture": str(cap) if cap else None, "max_tokens": 1 if capture else None})
+                                  "capture": str(cap) if cap else None, "max_tokens": 1 if judge.modules else None})
             return sid, done, report_path, cap
 
         def finish(job) -> LogitReport:
@@ -411,8 +413,10 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         control_job = submit("control", P.control_plan(cells, req.kind), capture=judge.modules)
         queued = []
         for i, cell in enumerate(cells):
-            for eps in (req.search.eps_max, req.search.eps_min):
-                queued.append((cell, eps, submit(f"c{i}-{eps:g}", [P.plan_item(cell, req.kind, eps)], judge.modules)))
+            first = P.next_eps(cell, req.search)
+            assert first is not None  # a new cell is searching
+            queued.append((cell, first, submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)],
+                                               judge.modules)))
         baseline = finish(baseline_job)
         engine_info = {"engine_version": baseline.engine_version, "engine_path": baseline.engine_path,
                        "engine_start_s": baseline.timings.get("engine_start_s", baseline.timings.get("load_s")),

@@ -230,37 +230,35 @@ def _round(eps: float) -> float:
 def next_eps(cell: Cell, search: Search) -> float | None:
     """The next eps to try in `cell`, or None once its search is done (its `status` says how).
 
-    First eps_max (not flagged there: nothing in range is), then eps_min (flagged there: the MDE
-    is at most eps_min), then the geometric middle of the bracket until it is within the
-    resolution."""
+    Bisection in log(eps) over the range: the geometric middle of the current bracket (the
+    smallest eps flagged so far, else eps_max; the largest below it not flagged, else eps_min)
+    until the bracket is within the resolution; then an end of the range that no trial has
+    bounded yet is tried itself (never flagged below eps_max: eps_max; always flagged: eps_min),
+    so that both reported bounds were judged, or the cell is "not flagged" / "below range"."""
     if cell.status != "searching":
         return None
     if any(t.flagged is None for t in cell.trials):
         cell.status = "not planted"
         return None
-    tried = {t.eps for t in cell.trials}
-    judged = cell.judged()
-    if search.eps_max not in tried:
-        return search.eps_max
-    top = next(t for t in judged if t.eps == search.eps_max)
-    if not top.flagged:
+    judged = {t.eps: bool(t.flagged) for t in cell.judged()}
+    if judged.get(search.eps_max) is False:
         cell.status = "not flagged"
         return None
-    if search.eps_min not in tried:
-        return search.eps_min
-    if next(t for t in judged if t.eps == search.eps_min).flagged:
+    if judged.get(search.eps_min) is True:
         cell.status = "below range"
         return None
     hi, lo = cell.flagged_at, cell.clear_at
-    assert hi is not None and lo is not None  # eps_max flagged, eps_min not
-    if hi / lo <= search.resolution:
-        cell.status = "flagged"
-        return None
-    mid = _round(math.sqrt(hi * lo))
-    if mid in tried or not lo < mid < hi:  # rounding left no new eps between them
-        cell.status = "flagged"
-        return None
-    return mid
+    upper = hi if hi is not None else search.eps_max
+    lower = lo if lo is not None else search.eps_min
+    mid = _round(math.sqrt(upper * lower))
+    if upper / lower > search.resolution and lower < mid < upper and mid not in judged:
+        return mid
+    if hi is None:
+        return search.eps_max
+    if lo is None:
+        return search.eps_min
+    cell.status = "flagged"
+    return None
 
 
 def plan_item(cell: Cell, kind: str, eps: float, seed: int = 0) -> dict:

@@ -648,20 +648,22 @@ class Perturber:
             return t
         x = t.movedim(axis, 0)
         keep = keep.to(x.device)
-        rows = x[keep].float()
+        rows = x[keep].double()
         flat = rows.reshape(rows.shape[0], -1)
         if item.get("kind", "scale") == "noise":
             rms = flat.square().mean(-1, keepdim=True).sqrt()
-            z = torch.randn(flat.shape, generator=self._gen[k]).to(flat.device)
+            z = torch.randn(flat.shape, generator=self._gen[k], dtype=torch.float64).to(flat.device)
             new = (flat + eps * rms * z).reshape(rows.shape)
         else:
             new = rows * (1.0 + eps)
-        new = new.to(x.dtype)
+        # rounded to the engine's dtype: a change smaller than half its spacing (bfloat16: 2^-9 of the
+        # value) is rounded away, and the change the run took (`stats`) says so
+        new = new.to(x.dtype) if eps else x[keep]
         out = x.clone()
         out[keep] = new
         if not count:
             return out.movedim(0, axis)
-        took = (new.detach().float() - rows.detach()).reshape(rows.shape[0], -1).square().sum(-1)
+        took = (new.detach().double() - rows.detach()).reshape(rows.shape[0], -1).square().sum(-1)
         size = flat.detach().square().sum(-1)
         row_phase = ph.to(x.device)[keep]
         for p in (0, 1):

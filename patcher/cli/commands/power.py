@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 
 import click
 
@@ -125,7 +126,7 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
     done: list[P.PowerResult] = []
     with workdir_lock(ctx.cfg):
         for dt in todo:
-            res = run_power(ctx.cfg, ctx.lock, PowerRequest(**{**req.__dict__, "dtype": dt}), progress=progress,
+            res = run_power(ctx.cfg, ctx.lock, replace(req, dtype=dt), progress=progress,
                             stream=not as_json, on_line=on_line, host=host)
             done.append(res)
             if not as_json:
