@@ -1,13 +1,13 @@
 """`dsadapt power`: how small a bug the gate sees, measured with perturbations planted in the engine.
 
-The pure parts (targets, the search, the result, its Markdown) are `patcher.rules.power`; this
+The pure parts (targets, the search, the result, its Markdown) are `patcher.rules.mde`; this
 module runs it. One engine start per dtype: the engine's runner is started in its power mode
 (``--power-jobs``, `dsadapt_runner.add_power_args`) and fed one job per perturbation setting;
 each job's logit report (and, in low precision, its capture) is judged by the gate's own rule
 exactly as `dsadapt check` judges a run in that dtype (`judge`), while the runner already works
 on the next job. The jobs of a round are queued together: first the run without hooks, the
 control (every hook at eps 0) and each cell's first eps, then one bisection step per cell per
-round (`patcher.rules.power.next_eps`) until every cell is settled.
+round (`patcher.rules.mde.next_eps`) until every cell is settled.
 
 The low-precision rule compares each capture with the HF reference teacher-forced on exactly
 that run's token sequences: a perturbation that changes a greedy token makes new sequences,
@@ -41,6 +41,7 @@ from patcher.gate.equivalence import (
     ENGINE_TOP_K,
     MAX_TOKENS,
     check_dtypes,
+    model_preflight,
     preflight,
     reference_python,
     report_paths,
@@ -50,7 +51,7 @@ from patcher.gate.equivalence import (
     where_reference_runs,
 )
 from patcher.gate.hosts import RunHost
-from patcher.rules import power as P
+from patcher.rules import mde as P
 from patcher.rules.logits import LOW_PRECISION_DTYPES, LogitReport, ReportError, compare
 from patcher.rules.modules import CAPTURE_DECODE_STEPS, BisectError, CaptureTable
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
@@ -317,7 +318,8 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
     t_start = time.monotonic()
     say = progress or (lambda _m: None)
     command = req.command or f"dsadapt power {req.pin}"
-    entry, spec = preflight(lock, req.pin, req.variant, command, req.dtype, req.unpatched)
+    loadavg_start = _loadavg()
+    entry, spec = preflight(lock, req.pin, req.variant, command, req.dtype)
     eng = engine(req.pin.engine)
     table = bisect.table_for(eng)
     if table is None:
@@ -327,6 +329,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
                                             default_style=eng.model_config_style)
     ckpt = open_checkpoint(model_dir)
     config = ckpt.config
+    model_preflight(entry, spec, config, req.dtype)
     cells = plan_cells(req, config, table, eng.name, label)
     fp = fingerprint(ckpt, cfg.cache, progress).sha256
     out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, kind="power",
@@ -408,7 +411,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
             report.timings["job_s"] = float(answer.get("seconds") or 0.0)
             return report
 
-        # round 0: no hooks, the control, and every cell's two ends, queued together
+        # round 0: no hooks, the control, and every cell's first eps, queued together
         baseline_job = submit("baseline", [], capture=False)
         control_job = submit("control", P.control_plan(cells, req.kind), capture=judge.modules)
         queued = []
@@ -418,6 +421,11 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
             queued.append((cell, first, submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)],
                                                judge.modules)))
         baseline = finish(baseline_job)
+        venv = installed.get("venv")
+        if venv and (baseline.engine_path or "").startswith("/") and \
+                not str(Path(baseline.engine_path or "").resolve()).startswith(str(Path(venv).resolve())):
+            raise DsadaptError(f"{req.pin}: the engine imported {baseline.engine_path}, not the package in {venv}",
+                               hint="something on PYTHONPATH shadows the pin's environment; unset it")
         engine_info = {"engine_version": baseline.engine_version, "engine_path": baseline.engine_path,
                        "engine_start_s": baseline.timings.get("engine_start_s", baseline.timings.get("load_s")),
                        # the first job's wait: the runner's start (imports, engine, first forward)
@@ -462,7 +470,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         passed=not reasons, reasons=reasons, require=req.require, runner=getattr(session.runner, "name", ""),
         settings=n_settings, timings=timings,
         provenance={"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device_description(),
-                    "loadavg": _loadavg(), "command": command, "installed": installed,
+                    "loadavg": loadavg_start, "loadavg_end": _loadavg(), "command": command, "installed": installed,
                     "engine_version": engine_info.get("engine_version"), "engine_path": engine_info.get("engine_path"),
                     "model_fingerprint": fp, "model_dir": str(model_dir), "prompt_seed": req.prompt_seed,
                     "reference_versions": reference.versions, "reference_device": device,

@@ -26,7 +26,7 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines.registry import engine
 from patcher.gate.power import PowerRequest, plan_cells, power_dtypes, run_power
-from patcher.rules import power as P
+from patcher.rules import mde as P
 
 
 def render(res: P.PowerResult) -> None:

@@ -1,4 +1,4 @@
-"""`dsadapt power`'s pure parts (patcher/rules/power.py): the targets and what a model lacks, the
+"""`dsadapt power`'s pure parts (patcher/rules/mde.py): the targets and what a model lacks, the
 search bounds, the bisection over eps against synthetic gates of known threshold, the verdict,
 and the gathering of reference captures per run. Fast (no engine, no model)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from patcher.base.errors import UsageError
 from patcher.checkpoints.tiny import deepseek_config
-from patcher.rules import power as P
+from patcher.rules import mde as P
 
 
 def _search(cell: P.Cell, search: P.Search, gate) -> P.Cell:

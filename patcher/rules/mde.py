@@ -1,4 +1,4 @@
-"""`dsadapt power`: the gate's minimum detectable effect, searched with planted perturbations.
+"""`dsadapt power`'s pure part: the minimum detectable effect (MDE), searched with planted perturbations.
 
 Pure (no processes, no files). A *target* is a comparison point of the per-module capture
 (`patcher.rules.modules.POINTS`) whose value the engine run changes by a known amount on the

@@ -1,0 +1,54 @@
+"""The H200 power plan (tools/device/power_h200.chains) and what comes back from it: every line a
+power run of a built-in model on the bundle's own stack in bfloat16 or float16, each model's
+attention and MoE cells in bfloat16 covered, the call's time budget within the device's limit; and
+tools/device/summarize.py turning a power run's --json output into a summary row (its MDEs)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+DEVICE = REPO_ROOT / "tools" / "device"
+
+
+def _lines() -> list[list[str]]:
+    text = (DEVICE / "power_h200.chains").read_text()
+    return [ln.split() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_the_power_plan_covers_every_built_in_model_in_bfloat16_within_one_call():
+    seen = set()
+    for chain, stack, cmd, *args in _lines():
+        assert stack == "main" and cmd == "power", (chain, stack, cmd)
+        opt = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2) if args[i].startswith("--")}
+        assert opt["--dtype"] in ("bfloat16", "float16") and opt["--model"] in ("v3", "v2", "v2-lite")
+        if opt["--dtype"] == "bfloat16":
+            seen.add((opt["--model"], opt["--family"], opt["--phase"]))
+    assert {(m, f, "decode") for m in ("v3", "v2", "v2-lite") for f in ("attention", "moe")} <= seen
+    header = (DEVICE / "power_h200.chains").read_text()
+    deadline = int(re.search(r"DEADLINE=(\d+)", header).group(1))
+    cmd_s = int(re.search(r"CMD_S=(\d+)", header).group(1))
+    # bootstrap and install take about 45 s there, packing the results a few: all within 300 s
+    assert cmd_s < deadline <= 280
+    assert len({ln[0] for ln in _lines()}) <= 8  # at most eight engines on the GPU at once
+
+
+def test_summarize_reads_a_power_run(tmp_path):
+    chain = tmp_path / "results" / "a"
+    chain.mkdir(parents=True)
+    doc = {"schema": "dsadapt.power-report/1", "dtype": "bfloat16", "model": "v3", "passed": True, "reasons": [],
+           "search": {"eps_min": 0.002, "eps_max": 0.2, "resolution": 3},
+           "cells": [{"target": "attention", "phase": "decode", "status": "flagged", "flagged_at": 0.0063},
+                     {"target": "moe", "phase": "decode", "status": "not flagged", "flagged_at": None}],
+           "report_path": "reports/x.json"}
+    (chain / "01-main-power.json").write_text(json.dumps(doc))
+    (chain / "01-main-power.meta.json").write_text(json.dumps({"chain": "a", "stack": "main", "command": "power",
+                                                               "rc": 0, "seconds": 190}))
+    r = subprocess.run([sys.executable, str(DEVICE / "summarize.py"), str(tmp_path / "results"),
+                        str(tmp_path / "summary.json")], capture_output=True, text=True, check=True)
+    assert "bfloat16 pass: MDE attention/decode 0.0063, moe/decode > 0.2" in r.stdout, r.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())[0]["checks"][0]["verdict"] == "pass"

@@ -1,0 +1,107 @@
+"""Markdown tables of power reports (dsadapt.power-report/1), the ones docs/equivalence.md ("Power")
+and docs/benchmarks.md ("Power") show.
+
+    python tools/power_table.py mde  REPORTS_DIR_OR_FILE [...]   one row per (report, cell)
+    python tools/power_table.py cost REPORTS_DIR_OR_FILE [...]   one row per report: what it took
+    python tools/power_table.py publish REPORT DEST_DIR           copy a report (JSON, Markdown, plot) into
+                                                                  the committed reports/, its paths there
+
+For what comes back from the GPU machine: `tar xzf reports.tgz`, then this over `reports/lmdeploy`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def reports(paths: list[Path]) -> list[tuple[Path, dict]]:
+    out = []
+    for f in sorted(f for p in paths for f in (p.rglob("power-*.json") if p.is_dir() else [p])):
+        try:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(d, dict) and str(d.get("schema", "")).startswith("dsadapt.power-report/"):
+            out.append((f, d))
+    return out
+
+
+def _mde(c: dict, search: dict) -> str:
+    status, hi, lo = c.get("status"), c.get("flagged_at"), c.get("clear_at")
+    if status == "not flagged":
+        return f"> {search['eps_max']:g}"
+    if status == "below range":
+        return f"≤ {search['eps_min']:g}"
+    if hi is None:
+        return status or "-"
+    return f"{hi:.2g} (not {lo:.2g})" if lo is not None else f"{hi:.2g}"
+
+
+def mde_rows(found: list[tuple[Path, dict]]) -> list[str]:
+    out = ["| engine | model | dtype | family (point) | phase | MDE: flagged (not at) | flagged by | named first "
+           "| change taken at the MDE |", "|---|---|---|---|---|---|---|---|---|"]
+    for _f, d in found:
+        for c in d.get("cells") or []:
+            at = next((t for t in c.get("trials") or [] if t.get("flagged") and t.get("eps") == c.get("flagged_at")),
+                      None)
+            named = "-"
+            if at and at.get("named"):
+                n = at["named"]
+                named = (f"L{n['layer']} " if n.get("layer") is not None else "") + str(n.get("label")) + \
+                    (f" ({n['phase']})" if n.get("phase") else "")
+            change = f"{at['change']:.2g}" if at and at.get("change") is not None else "-"
+            out.append(f"| {d['pin']} ({d['variant']}) | {d['model']} | {d['dtype']} | {c['target']} ({c['point']}) | "
+                       f"{c['phase']} | {_mde(c, d['search'])} | {', '.join(at['by']) if at else '-'} | {named} | "
+                       f"{change} |")
+    return out
+
+
+def cost_rows(found: list[tuple[Path, dict]]) -> list[str]:
+    out = ["| report | cells | engine runs | engine start | runner's first answer | s per run (median) | "
+           "reference captures | total | load average | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for f, d in found:
+        t, prov = d.get("timings") or {}, d.get("provenance") or {}
+        secs = sorted(x["seconds"] for c in d.get("cells") or [] for x in c.get("trials") or []
+                      if x.get("seconds") is not None)
+        med = secs[len(secs) // 2] if secs else None
+        load = prov.get("loadavg") or []
+        out.append(f"| {f.name} | {len(d.get('cells') or [])} | {d.get('settings')} | {t.get('engine_start_s', '-')} s | "
+                   f"{t.get('first_job_s', '-')} s | {'-' if med is None else f'{med:.1f} s'} | "
+                   f"{t.get('reference_captures', 0)} ({t.get('reference_capture_s', 0)} s) | {t.get('total_s')} s | "
+                   f"{load[0] if load else '-'} | {prov.get('date', '-')} |")
+    return out
+
+
+def publish(report: Path, dest: Path) -> Path:
+    """Copy a power report and its twins into `dest` (the committed reports/<engine>/<tag>/), its
+    `report_path` / `plot_path` rewritten to where they now are, relative to the project."""
+    d = json.loads(report.read_text(encoding="utf-8"))
+    dest.mkdir(parents=True, exist_ok=True)
+    for suffix in (".md", ".png"):
+        if report.with_suffix(suffix).is_file():
+            shutil.copyfile(report.with_suffix(suffix), dest / report.with_suffix(suffix).name)
+    root = next((p for p in [dest, *dest.parents] if (p / "upstream.lock").is_file()), dest)
+    rel = (dest / report.name).resolve().relative_to(root.resolve())
+    d["report_path"] = str(rel)
+    d["plot_path"] = str(rel.with_suffix(".png")) if (dest / report.with_suffix(".png").name).is_file() else None
+    (dest / report.name).write_text(json.dumps(d, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return dest / report.name
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] not in ("mde", "cost", "publish"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    if argv[1] == "publish":
+        print(publish(Path(argv[2]), Path(argv[3])))
+        return 0
+    found = reports([Path(a) for a in argv[2:]])
+    print("\n".join(mde_rows(found) if argv[1] == "mde" else cost_rows(found)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
