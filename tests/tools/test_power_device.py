@@ -52,3 +52,36 @@ def test_summarize_reads_a_power_run(tmp_path):
                         str(tmp_path / "summary.json")], capture_output=True, text=True, check=True)
     assert "bfloat16 pass: MDE attention/decode 0.0063, moe/decode > 0.2" in r.stdout, r.stdout
     assert json.loads((tmp_path / "summary.json").read_text())[0]["checks"][0]["verdict"] == "pass"
+
+
+def test_power_table_rows_and_publishing(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("power_table", REPO_ROOT / "tools" / "power_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    work = tmp_path / "work" / "reports" / "vllm" / "v0.32.0"
+    work.mkdir(parents=True)
+    doc = {"schema": "dsadapt.power-report/1", "pin": "vllm@v0.32.0", "variant": "cpu", "model": "v3",
+           "dtype": "bfloat16", "search": {"eps_min": 1e-5, "eps_max": 0.3, "resolution": 1.5}, "settings": 9,
+           "cells": [{"target": "attention", "point": "attn.core", "phase": "decode", "status": "flagged",
+                      "flagged_at": 0.0063, "clear_at": 0.0042,
+                      "trials": [{"eps": 0.0063, "flagged": True, "by": ["modules"], "change": 0.0061, "seconds": 20.0,
+                                  "named": {"layer": 0, "label": "attn_core", "phase": "decode"}}]}],
+           "timings": {"engine_start_s": 12.7, "first_job_s": 60, "total_s": 400, "reference_captures": 2},
+           "provenance": {"loadavg": [3.1, 2, 2], "date": "2026-12-02T08:00:00Z"}, "report_path": str(work / "x")}
+    src = work / "power-v3-transformers-bfloat16.json"
+    src.write_text(json.dumps(doc))
+    src.with_suffix(".png").write_bytes(b"png")
+    rows = tool.mde_rows(tool.reports([work]))
+    assert rows[2] == ("| vllm@v0.32.0 (cpu) | v3 | bfloat16 | attention (attn.core) | decode | 0.0063 (not 0.0042) | "
+                       "modules | L0 attn_core (decode) | 0.0061 |")
+    assert "| 1 | 9 | 12.7 s | 60 s | 20.0 s | 2 (0 s) | 400 s | 3.1 |" in tool.cost_rows(tool.reports([work]))[2]
+    project = tmp_path / "project"
+    (project / "reports" / "vllm" / "v0.32.0").mkdir(parents=True)
+    (project / "upstream.lock").write_text("")
+    out = tool.publish(src, project / "reports" / "vllm" / "v0.32.0")
+    published = json.loads(out.read_text())
+    assert published["report_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.json"
+    assert published["plot_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.png"
+    assert published["cells"] == doc["cells"] and out.with_suffix(".png").read_bytes() == b"png"
