@@ -25,20 +25,9 @@ POINTS = ("attn.kv_a_norm", "attn.core", "routed", "input_norm", "logits")
 
 
 def _capture(model, spec, sequences):
-    import torch
-    from capture import Recorder
+    from patcher.runners.hf_reference import capture_run
 
-    rec = Recorder(spec)
-    rec.install(model)
-    try:
-        with torch.no_grad():
-            for pid, ids in sequences.items():
-                rec.prompt = pid
-                rec.begin_call(ids, list(range(len(ids))))
-                model(torch.tensor([ids]))
-    finally:
-        rec.remove()
-    return {(p["layer"], p["point"]): p["value"] for p in rec.finish(sequences)["points"]}
+    return {(p["layer"], p["point"]): p["value"] for p in capture_run(model, spec, sequences)["points"]}
 
 
 def _change(a: dict, b: dict, point: str) -> float:

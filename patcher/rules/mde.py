@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from patcher.base.errors import UsageError
+from patcher.rules.logits import _json_safe
 from patcher.rules.modules import POINT, POINTS, moe_layers
 
 SCHEMA = "dsadapt.power-report/1"
@@ -327,16 +328,6 @@ class PowerResult:
         d = asdict(self)
         d["cells"] = [c.to_json() for c in self.cells]
         return {"schema": SCHEMA, **_json_safe(d)}
-
-
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_json_safe(v) for v in x]
-    return x
 
 
 def verdict(cells: list[Cell], control_passed: bool, control_reasons: list[str], require: float | None) -> list[str]:

@@ -150,8 +150,50 @@ class Call:
     positions: list[int]
 
 
+class _Hooks:
+    """What a `Recorder` and a `Perturber` share: the hooks and wrappers to undo, and which decoder
+    layer is running (a forward pre-hook on each layer of the spec's ``layers``)."""
+
+    handles: list
+    restores: list
+    layer: int | None
+
+    def _track_layers(self, root, spec: dict) -> int:
+        layers = _try_resolve(root, spec.get("layers", "")) if spec.get("layers") else None
+        if layers is None:
+            return 0
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        return len(layers)
+
+    def _layer_pre(self, i: int):
+        def hook(module, args):
+            self.layer = i
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for undo in reversed(self.restores):
+            undo()
+        self.handles.clear()
+        self.restores.clear()
+
+
+def root_inputs(rows: dict, args, kwargs):
+    """(token ids, positions) of a root forward call, as the spec's ``rows`` names them (None where
+    the call has none)."""
+    ids = kwargs.get(rows.get("ids", "input_ids"))
+    pos = kwargs.get(rows.get("positions", "positions"))
+    if ids is None and args:
+        ids = args[0]
+    if pos is None and len(args) > 1:
+        pos = args[1]
+    return ids, pos
+
+
 @dataclass
-class Recorder:
+class Recorder(_Hooks):
     """Records hook outputs per forward call. `prompt` is set by the driver before it runs
     a prompt; engines' root pre-hook (or the HF driver's `begin_call`) opens a call."""
 
@@ -189,11 +231,7 @@ class Recorder:
     # -- installation
     def install(self, root) -> None:
         """Register every hook and wrapper the spec asks for."""
-        layers = _try_resolve(root, self.spec.get("layers", "")) if self.spec.get("layers") else None
-        n_layers = len(layers) if layers is not None else 0
-        if layers is not None:
-            for i, layer in enumerate(layers):
-                self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        n_layers = self._track_layers(root, self.spec)
         rows = self.spec.get("rows")
         if rows:
             self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
@@ -223,27 +261,9 @@ class Recorder:
                 self.handles.append(entries[0]["_obj"].register_forward_hook(self._module_hook(_dedup(entries)),
                                                                               with_kwargs=True))
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        for undo in reversed(self.restores):
-            undo()
-        self.handles.clear()
-        self.restores.clear()
-
-    def _layer_pre(self, i: int):
-        def hook(module, args):
-            self.layer = i
-        return hook
-
     def _root_pre(self, rows: dict):
         def hook(module, args, kwargs):
-            ids = kwargs.get(rows.get("ids", "input_ids"))
-            pos = kwargs.get(rows.get("positions", "positions"))
-            if ids is None and args:
-                ids = args[0]
-            if pos is None and len(args) > 1:
-                pos = args[1]
+            ids, pos = root_inputs(rows, args, kwargs)
             if ids is None or pos is None:
                 raise CaptureError("the root forward has no token ids / positions to map rows with")
             self.begin_call(ids.reshape(-1).tolist(), pos.reshape(-1).tolist())
@@ -511,7 +531,7 @@ class _Tally:
 
 
 @dataclass
-class Perturber:
+class Perturber(_Hooks):
     """Changes the values of a plan's points on the rows of their phase (see above). Install it
     before a `Recorder` on the same model: the recorder then records the perturbed values."""
 
@@ -535,11 +555,7 @@ class Perturber:
 
     # -- installation
     def install(self, root) -> None:
-        layers = _try_resolve(root, self.spec.get("layers", "")) if self.spec.get("layers") else None
-        n_layers = len(layers) if layers is not None else 0
-        if layers is not None:
-            for i, layer in enumerate(layers):
-                self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        n_layers = self._track_layers(root, self.spec)
         rows = self.spec.get("rows")
         if rows:
             self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
@@ -573,24 +589,9 @@ class Perturber:
             if not found:
                 self.missing.append(item["point"])
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        for undo in reversed(self.restores):
-            undo()
-        self.handles.clear()
-        self.restores.clear()
-
-    def _layer_pre(self, i: int):
-        def hook(module, args):
-            self.layer = i
-        return hook
-
     def _root_pre(self, rows: dict):
         def hook(module, args, kwargs):
-            pos = kwargs.get(rows.get("positions", "positions"))
-            if pos is None and len(args) > 1:
-                pos = args[1]
+            _ids, pos = root_inputs(rows, args, kwargs)
             if pos is None:
                 raise CaptureError("the root forward has no positions to tell prefill from decode rows")
             self.phases, self.runs = row_phases(pos.reshape(-1).tolist())

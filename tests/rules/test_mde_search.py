@@ -56,7 +56,6 @@ def test_ends_of_the_range_settle_the_search():
 
 
 def test_a_gate_that_is_not_monotone_in_eps_is_said_so():
-    search = P.Search(1e-4, 0.1, 1.5)
     cell = _cell()
     cell.trials = [P.Trial(0.1, True), P.Trial(1e-4, False), P.Trial(0.05, False), P.Trial(0.003, True)]
     assert cell.flagged_at == 0.003 and not cell.monotone
