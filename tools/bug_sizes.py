@@ -6,7 +6,8 @@ the point a power target perturbs, so a measured MDE can be read as "this bug is
 HF transformers in float32 on CPU, teacher-forced on the gate's prompts, once as it is and once per
 planted bug; at the bug's own point and at the targets' points (attn.core, routed, input_norm,
 logits) the relative L2 change ||bugged - clean|| / ||clean|| pooled over every row: the eps a
-`scale` perturbation of that size would have to reach. Bugs (each one line in the model, as in the
+`scale` perturbation of that size would have to reach, at the first layer holding the point (a
+power target perturbs every layer; the first is where the bug's own size shows, undiluted). Bugs (each one line in the model, as in the
 planted-bug tests): the softmax scale x1.02 (LMDeploy's and vLLM's decode-kernel bugs of the rule's
 calibration), kv_a_layernorm eps 1e-2 instead of rms_norm_eps, the routed experts' weights x1.02
 (routed_scaling_factor 2 % off), the router's score bias dropped, RMSNorm eps 1e-5 for 1e-6 everywhere.
@@ -31,11 +32,14 @@ def _capture(model, spec, sequences):
 
 
 def _change(a: dict, b: dict, point: str) -> float:
-    num = den = 0.0
-    for (_layer, p), v in a.items():
-        if p == point and (_layer, p) in b:
-            num += float((b[(_layer, p)].double() - v.double()).square().sum())
-            den += float(v.double().square().sum())
+    """The relative change at the first layer holding `point` (before anything upstream of it in a
+    later layer carries the bug's effect in: the bug's own size there)."""
+    layers = sorted(layer for layer, p in a if p == point and (layer, p) in b and layer is not None)
+    key = (layers[0] if layers else None, point)
+    if key not in a or key not in b:
+        return float("nan")
+    num = float((b[key].double() - a[key].double()).square().sum())
+    den = float(a[key].double().square().sum())
     return (num / den) ** 0.5 if den else float("nan")
 
 
