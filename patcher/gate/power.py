@@ -83,6 +83,11 @@ class PowerRequest:
     prompt_seed: int = 0
     reference_on: str = "auto"
     command: str | None = None
+    #: seconds the run may take: no round is started that would end past it (cells still searching
+    #: are reported "cut short" with their bracket so far); None: no limit
+    time_limit: float | None = None
+    #: eps tried in each cell's first round (`patcher.rules.mde.first_eps`); later rounds bisect
+    grid: int = 1
 
 
 # ---------------------------------------------------------------- before anything runs
@@ -95,6 +100,10 @@ def plan_cells(req: PowerRequest, config: dict, table: CaptureTable | None, engi
     cannot reach. Pure: read from the request and the model's config.json alone."""
     P.check_kind(req.kind)
     req.search.check()
+    if not 1 <= req.grid <= 20:
+        raise UsageError(f"--grid {req.grid}: must be 1 to 20", hint="eps tried in each cell's first round, e.g. --grid 3")
+    if req.time_limit is not None and not req.time_limit > 0:
+        raise UsageError(f"--time-limit {req.time_limit:g}: must be positive", hint="seconds, e.g. --time-limit 600")
     if req.require is not None and not (0 < req.require < P.EPS_LIMIT):
         raise UsageError(f"--require {req.require:g}: eps must be in (0, {P.EPS_LIMIT:g})",
                          hint="the largest MDE every cell may have, e.g. --require 0.05")
@@ -416,10 +425,9 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         control_job = submit("control", P.control_plan(cells, req.kind), capture=judge.modules)
         queued = []
         for i, cell in enumerate(cells):
-            first = P.next_eps(cell, req.search)
-            assert first is not None  # a new cell is searching
-            queued.append((cell, first, submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)],
-                                               judge.modules)))
+            for first in P.first_eps(req.search, req.grid):
+                queued.append((cell, first, submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)],
+                                                   judge.modules)))
         baseline = finish(baseline_job)
         venv = installed.get("venv")
         if venv and (baseline.engine_path or "").startswith("/") and \
@@ -448,13 +456,23 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         if c.flagged:
             queued = []  # power is not measured against an engine that fails without a perturbation
         while queued:
+            t_round = time.monotonic()
             _round(queued, finish, judge, say)
-            queued = []
+            per_run = (time.monotonic() - t_round) / len(queued)
+            steps: list[tuple[int, P.Cell, float]] = []
             for i, cell in enumerate(cells):
-                step = P.next_eps(cell, req.search)
-                if step is not None:
-                    queued.append((cell, step, submit(f"c{i}-{step:g}", [P.plan_item(cell, req.kind, step)],
-                                                      judge.modules)))
+                eps = P.next_eps(cell, req.search)
+                if eps is not None:
+                    steps.append((i, cell, eps))
+            if req.time_limit is not None and steps and \
+                    time.monotonic() - t_start + per_run * len(steps) > req.time_limit:
+                say(f"power: {len(steps)} cell(s) cut short: another round of about {per_run * len(steps):.0f} s "
+                    f"would end past --time-limit {req.time_limit:g} s")
+                for _i, cell, _eps in steps:
+                    cell.status = "cut short"
+                steps = []
+            queued = [(cell, eps, submit(f"c{i}-{eps:g}", [P.plan_item(cell, req.kind, eps)], judge.modules))
+                      for i, cell, eps in steps]
         timings["engine_s"] = round(time.monotonic() - t_engine, 2)
     if not control.get("passed"):
         for cell in cells:
@@ -466,7 +484,8 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
     timings["total_s"] = round(time.monotonic() - t_start, 2)
     result = P.PowerResult(
         pin=str(req.pin), engine=req.pin.engine, variant=spec.name, model=label, config_style=style, dtype=req.dtype,
-        unpatched=req.unpatched, kind=req.kind, search=asdict(req.search), cells=cells, control=control, hooks=hooks,
+        unpatched=req.unpatched, kind=req.kind,
+        search={**asdict(req.search), "grid": req.grid, "time_limit": req.time_limit}, cells=cells, control=control, hooks=hooks,
         passed=not reasons, reasons=reasons, require=req.require, runner=getattr(session.runner, "name", ""),
         settings=n_settings, timings=timings,
         provenance={"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device_description(),

@@ -186,7 +186,8 @@ class Cell:
     phase: str
     layers: list[int] | None = None
     trials: list[Trial] = field(default_factory=list)
-    #: searching | flagged | not flagged | below range | not planted | not measured (the control failed)
+    #: searching | flagged | not flagged | below range | not planted | not measured (the control failed) |
+    #: cut short (the run's time limit came first: its bracket so far stands)
     status: str = "searching"
 
     def judged(self) -> list[Trial]:
@@ -260,6 +261,14 @@ def next_eps(cell: Cell, search: Search) -> float | None:
         return search.eps_min
     cell.status = "flagged"
     return None
+
+
+def first_eps(search: Search, n: int = 1) -> list[float]:
+    """The eps of a cell's first round: `n` points spread evenly in log(eps) inside the range (1:
+    its geometric middle, where the bisection starts). More points cost more runs at once and save
+    rounds: after one round of n the bracket is within (eps_max / eps_min) ** (1 / (n + 1))."""
+    ratio = search.eps_max / search.eps_min
+    return list(dict.fromkeys(_round(search.eps_min * ratio ** (k / (n + 1))) for k in range(1, n + 1)))
 
 
 def plan_item(cell: Cell, kind: str, eps: float, seed: int = 0) -> dict:
@@ -345,7 +354,8 @@ def verdict(cells: list[Cell], control_passed: bool, control_reasons: list[str],
             if hi is None or hi > require:
                 reasons.append(f"{c.target} ({c.point}) {c.phase}: " + (f"flagged only from eps {hi:.3g}" if hi is not None
                                                                           else "not flagged in the range searched")
-                               + f", above the required {require:g}")
+                               + f", above the required {require:g}"
+                               + (" (its search cut short by the time limit)" if c.status == "cut short" else ""))
     return reasons
 
 
@@ -359,9 +369,11 @@ def mde_text(cell: Cell, search: Search | dict) -> str:
     if cell.status == "below range":
         return f"<= {s['eps_min']:g}"
     hi, lo = cell.flagged_at, cell.clear_at
+    short = " (cut short)" if cell.status == "cut short" else ""
     if hi is None:
-        return "-"
-    return f"{hi:.3g}" + (f" (not at {lo:.3g})" if lo is not None else "")
+        top = max((t.eps for t in cell.judged()), default=None)
+        return (f"> {top:.3g}" if top is not None else "-") + short
+    return f"{hi:.3g}" + (f" (not at {lo:.3g})" if lo is not None else "") + short
 
 
 def markdown(result: PowerResult) -> str:

@@ -73,3 +73,13 @@ def test_an_engine_that_fails_without_a_perturbation_has_no_power_to_measure(fak
     assert [c["status"] for c in doc["cells"]] == ["not measured"] and doc["cells"][0]["trials"] == []
     assert doc["settings"] == 3  # the baseline, the control and the cell's first run, queued together
     assert json.loads(Path(doc["report_path"]).read_text())["passed"] is False
+
+
+def test_a_time_limit_cuts_the_search_short_and_keeps_its_bracket(fake_power):  # noqa: F811
+    r = fake_power["run"]("power", PIN, "--model", "v3", "--dtype", "float32", "--family", "lm_head",
+                          "--phase", "decode", "--time-limit", "1", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = power_json(r)
+    (c,) = doc["cells"]
+    assert c["status"] == "cut short" and len(c["trials"]) == 1, c  # the first round only
+    assert "cut short" in r.stderr

@@ -153,3 +153,17 @@ def test_logit_difference_between_two_runs():
     assert P.logit_difference(rep(-1.0), rep(-1.25)) == pytest.approx(0.25)
     assert P.logit_difference(rep(-1.0), rep(-1.0, gen=[3])) is None
     assert "identical" in P.hooks_words(0.0) and "different tokens" in P.hooks_words(None)
+
+
+def test_a_cut_short_cell_reports_its_bracket_so_far():
+    search = P.Search(1e-4, 0.1, 1.5)
+    cell = _cell()
+    cell.trials = [P.Trial(0.003, True), P.Trial(0.0005, False)]
+    cell.status = "cut short"
+    assert P.next_eps(cell, search) is None
+    assert P.mde_text(cell, search) == "0.003 (not at 0.0005) (cut short)"
+    assert "cut short by the time limit" in P.verdict([cell], True, [], 0.001)[0]
+    blind = _cell()
+    blind.trials = [P.Trial(0.003, False)]
+    blind.status = "cut short"
+    assert P.mde_text(blind, search) == "> 0.003 (cut short)"

@@ -82,6 +82,12 @@ _FAMILY_HELP = ("Module family to perturb (repeat for several): " + ", ".join(P.
               help="Stop a cell's bisection once its smallest flagged eps is within this factor of the largest not flagged.")
 @click.option("--require", type=float, default=None, metavar="EPS",
               help="Fail (exit 1) when a cell's MDE is above EPS or beyond the search (for CI).")
+@click.option("--grid", type=int, default=1, show_default=True, metavar="N",
+              help="Eps tried in each cell's first round, spread evenly in log eps over the range (1: its middle, "
+                   "where the bisection starts); more cost more runs at once and save rounds.")
+@click.option("--time-limit", type=float, default=None, metavar="S",
+              help="Start no round of the search that would end past S seconds; the cells it cuts short are "
+                   "reported with their bracket so far (default: no limit).")
 @click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the HF reference runs (auto: the GPU for a CUDA engine on a GPU machine, else the CPU).")
 @prompt_seed_option
@@ -89,7 +95,7 @@ _FAMILY_HELP = ("Module family to perturb (repeat for several): " + ", ".join(P.
 @json_option
 @pass_ctx
 def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched, families, phases, kind, eps_min,
-              eps_max, resolution, require, reference_device, prompt_seed, as_json) -> None:
+              eps_max, resolution, grid, require, time_limit, reference_device, prompt_seed, as_json) -> None:
     """Plant perturbations of known size inside the engine run (a module family's output scaled by 1 + eps
     or given relative noise eps, in the prefill or the decode phase), judge each run with the gate's own
     rule, and bisect eps per family and phase down to the smallest the gate flags: the minimum detectable
@@ -102,7 +108,8 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
     req = PowerRequest(ref, model=model, config_style=config_style, variant=variant, unpatched=unpatched,
                        families=tuple(families) or P.DEFAULT_TARGETS, phases=tuple(phases) or P.DEFAULT_PHASES,
                        kind=kind, search=P.Search(eps_min, eps_max, resolution), require=require,
-                       prompt_seed=prompt_seed, reference_on=reference_device, command=command)
+                       prompt_seed=prompt_seed, reference_on=reference_device, command=command,
+                       time_limit=time_limit, grid=grid)
     model_config = _check_model(model)
     eng = engine(ref.engine)
     table_ = getattr(eng, "bisect_table", None)
