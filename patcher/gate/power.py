@@ -13,6 +13,9 @@ The low-precision rule compares each capture with the HF reference teacher-force
 that run's token sequences: a perturbation that changes a greedy token makes new sequences,
 captured by one reference run per round for all of them (`ReferenceCaptures`; cached by
 sequences like any bisect's reference capture).
+
+`PowerRequest.grid` puts several eps of each cell in its first round; `PowerRequest.time_limit`
+starts no round that would end past it (its cells are "cut short", their bracket kept).
 """
 
 from __future__ import annotations
@@ -207,11 +210,17 @@ class PowerRunner:
 
 class ReferenceCaptures:
     """The HF reference's captures (float32 and the engine's dtype) of every token sequence the
-    engine runs made: captured in batches (`add`), gathered per run (`docs_for`)."""
+    engine runs made: captured in batches (`add`), gathered per run (`docs_for`). Each batch is kept
+    on disk under `spill` and at most `KEEP` of them in memory (a capture of a real-shaped model is
+    gigabytes; a run's sequences lie in one or two batches)."""
 
-    def __init__(self, capture: Callable[[dict[str, list[int]]], dict[str, dict]]):
+    KEEP = 2
+
+    def __init__(self, capture: Callable[[dict[str, list[int]]], dict[str, dict]], spill: Path):
         self._capture = capture
-        self.chunks: dict[str, list[dict]] = {}
+        self.spill = spill
+        self.paths: list[Path] = []
+        self._loaded: dict[int, dict[str, dict]] = {}
         self.known: dict[tuple[int, ...], tuple[int, str]] = {}
         self.runs = 0
 
@@ -219,21 +228,46 @@ class ReferenceCaptures:
         return [tuple(s) for s in sequences.values() if tuple(s) not in self.known]
 
     def add(self, sequences: list[tuple[int, ...]]) -> None:
+        import torch
+
         new = list(dict.fromkeys(s for s in sequences if s not in self.known))
         if not new:
             return
         ids = {f"s{len(self.known) + k}": list(s) for k, s in enumerate(new)}
         docs = self._capture(ids)
         self.runs += 1
-        for dtype, doc in docs.items():
-            self.chunks.setdefault(dtype, []).append(doc)
-        chunk = len(next(iter(self.chunks.values()))) - 1
+        chunk = len(self.paths)
+        self.spill.mkdir(parents=True, exist_ok=True)
+        self.paths.append(self.spill / f"chunk{chunk}.pt")
+        torch.save(docs, self.paths[-1])
+        self._keep(chunk, docs)
         for sid, seq in ids.items():
             self.known[tuple(seq)] = (chunk, sid)
 
+    def _keep(self, chunk: int, docs: dict[str, dict]) -> dict[str, dict]:
+        self._loaded.pop(chunk, None)
+        self._loaded[chunk] = docs
+        while len(self._loaded) > self.KEEP:
+            self._loaded.pop(next(iter(self._loaded)))
+        return docs
+
+    def _chunk(self, chunk: int) -> dict[str, dict]:
+        import torch
+
+        docs = self._loaded.get(chunk)
+        return self._keep(chunk, docs if docs is not None else torch.load(self.paths[chunk], weights_only=False))
+
     def docs_for(self, sequences: dict[str, list[int]]) -> dict[str, dict]:
         picks = {pid: self.known[tuple(seq)] for pid, seq in sequences.items()}
-        return {dtype: P.assemble_capture(chunks, picks) for dtype, chunks in self.chunks.items()}
+        loaded = {c: self._chunk(c) for c in sorted({c for c, _ in picks.values()})}
+        dtypes = list(next(iter(loaded.values())))
+        return {dt: P.assemble_capture([loaded[c][dt] if c in loaded else None for c in range(len(self.paths))], picks)
+                for dt in dtypes}
+
+    def close(self) -> None:
+        self._loaded.clear()
+        for p in self.paths:
+            p.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- judging one run
@@ -368,7 +402,8 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         ref_capture_s[0] += time.monotonic() - t
         return docs
 
-    judge = Judge(reference, noise, config, req.dtype, eng.name, table, ReferenceCaptures(capture_reference))
+    refs = ReferenceCaptures(capture_reference, work / "reference" / "chunks")
+    judge = Judge(reference, noise, config, req.dtype, eng.name, table, refs)
     gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched)
     host = host or RunHost(cfg, lock, progress, stream)
     jobs_dir = work / "settings"
@@ -381,6 +416,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
     installed: dict = {}
     engine_info: dict = {}
     with ExitStack() as stack:
+        stack.callback(refs.close)
         t0 = time.monotonic()
         session = stack.enter_context(eng.bisect_session(gate, host) or eng.gate_session(gate, host))
         installed = dict(session.installed)

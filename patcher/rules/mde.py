@@ -414,11 +414,11 @@ def markdown(result: PowerResult) -> str:
 # ----------------------------------------------------------------------------- helpers of the judgement
 
 
-def assemble_capture(chunks: list[dict], picks: dict[str, tuple[int, str]]) -> dict:
+def assemble_capture(chunks: list[dict | None], picks: dict[str, tuple[int, str]]) -> dict:
     """A capture document (capture.py's format) holding, under each prompt id of `picks`, the rows
     that chunk ``picks[id][0]`` holds for its prompt ``picks[id][1]``: the reference's rows of the
     sequences one engine run made, gathered from the reference captures that hold them (each made
-    once, for every run that made the same sequence)."""
+    once, for every run that made the same sequence). Chunks no pick names may be None."""
     import torch
 
     order = list(picks)
@@ -426,6 +426,7 @@ def assemble_capture(chunks: list[dict], picks: dict[str, tuple[int, str]]) -> d
     for new_idx, pid in enumerate(order):
         c, old = picks[pid]
         doc = chunks[c]
+        assert doc is not None, f"chunk {c} holds {pid!r} and is not given"
         old_idx = list(doc["prompts"]).index(old)
         for e in doc["points"]:
             sel = e["prompt"] == old_idx
@@ -439,12 +440,13 @@ def assemble_capture(chunks: list[dict], picks: dict[str, tuple[int, str]]) -> d
             g[3].append(e["phase"][sel])
     points = [{"layer": layer, "point": point, "value": torch.cat(v), "prompt": torch.cat(pr), "pos": torch.cat(po),
                "phase": torch.cat(ph)} for (layer, point), (v, pr, po, ph) in parts.items()]
-    base = chunks[picks[order[0]][0]] if order else {}
-    return {"schema": base.get("schema", "dsadapt.capture/1"), "prompts": order,
-            "sequences": {pid: list(chunks[c]["sequences"][old]) for pid, (c, old) in picks.items()},
+    used = {c: chunks[c] for c, _ in picks.values()}
+    base = used[picks[order[0]][0]] if order else {}
+    return {"schema": (base or {}).get("schema", "dsadapt.capture/1"), "prompts": order,
+            "sequences": {pid: list((used[c] or {})["sequences"][old]) for pid, (c, old) in picks.items()},
             "calls": len(order), "stray_calls": 0, "points": points,
-            "missing": sorted({m for d in chunks for m in d.get("missing") or []}), "dropped": {},
-            "meta": dict(base.get("meta") or {})}
+            "missing": sorted({m for d in used.values() for m in (d or {}).get("missing") or []}), "dropped": {},
+            "meta": dict((base or {}).get("meta") or {})}
 
 
 def logit_difference(a: dict, b: dict) -> float | None:

@@ -83,3 +83,36 @@ def test_a_time_limit_cuts_the_search_short_and_keeps_its_bracket(fake_power):  
     (c,) = doc["cells"]
     assert c["status"] == "cut short" and len(c["trials"]) == 1, c  # the first round only
     assert "cut short" in r.stderr
+
+
+def test_reference_captures_are_made_once_per_new_sequence_and_kept_on_disk(tmp_path):
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from patcher.gate.power import ReferenceCaptures
+
+    made = []
+
+    def capture(sequences):  # stands for the HF reference capture: one row per position, value = token
+        made.append(dict(sequences))
+        ids = list(sequences)
+        prompt = torch.tensor([i for i, p in enumerate(ids) for _ in sequences[p]])
+        pos = torch.tensor([k for p in ids for k in range(len(sequences[p]))])
+        value = torch.tensor([float(t) for p in ids for t in sequences[p]])[:, None]
+        doc = {"schema": "dsadapt.capture/1", "prompts": ids, "sequences": sequences, "missing": [],
+               "points": [{"layer": 0, "point": "out", "value": value, "prompt": prompt, "pos": pos,
+                           "phase": torch.zeros_like(pos)}]}
+        return {"float32": doc, "bfloat16": doc}
+
+    refs = ReferenceCaptures(capture, tmp_path / "chunks")
+    for run in ({"a": [1, 2, 3], "b": [4, 5]}, {"a": [1, 2, 3], "b": [4, 6]}, {"a": [1, 2, 7], "b": [4, 6]}):
+        refs.add(refs.unknown(run))
+        docs = refs.docs_for(run)
+        assert set(docs) == {"float32", "bfloat16"} and docs["float32"]["sequences"] == run
+        e = docs["float32"]["points"][0]
+        assert [int(v) for v in e["value"][:, 0]] == run["a"] + run["b"]
+    assert [sorted(map(tuple, m.values())) for m in made] == [[(1, 2, 3), (4, 5)], [(4, 6)], [(1, 2, 7)]]
+    assert len(refs._loaded) <= refs.KEEP and len(list((tmp_path / "chunks").iterdir())) == 3
+    assert refs.docs_for({"x": [4, 5]})["float32"]["sequences"] == {"x": [4, 5]}  # read back from disk
+    refs.close()
+    assert not list((tmp_path / "chunks").iterdir())

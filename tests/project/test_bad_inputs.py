@@ -312,6 +312,7 @@ CASES: dict[str, Case] = {
     "args: power --require 2": C(f"power {REF1} --require 2", 2, "--require 2: eps must be in (0, 1)"),
     "args: power --eps-max abc": C(f"power {REF1} --eps-max abc", 2, "abc"),
     "args: power --time-limit 0": C(f"power {REF1} --time-limit 0", 2, "--time-limit 0: must be positive"),
+    "args: power --grid 0": C(f"power {REF1} --grid 0", 2, "--grid 0: must be 1 to 20"),
     "args: perf --model missing dir": C(f"perf {REF1} --model /nonexistent/model", 2, "neither a built-in model"),
     "args: perf unknown variant": C(f"perf {REF1} --variant gpu", 2, "has no variant 'gpu'"),
     "args: perf --rescore of a non-report": C("perf --rescore {tmp}/project/upstream.lock", 2,
