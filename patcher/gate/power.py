@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.base.errors import DsadaptError, EngineUnavailable, UsageError
+from patcher.base.errors import DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description
 from patcher.checkpoints.fingerprint import fingerprint
 from patcher.checkpoints.model_dir import open_checkpoint, run_time_limit
@@ -154,6 +154,7 @@ class PowerRunner:
         self.answered = 0
 
     def submit(self, job: dict) -> Path:
+        """Queue a job on the runner's stdin; returns the path its answer will be written to."""
         self.n += 1
         done = self.work / "jobs" / f"{self.n:04d}.done.json"
         done.parent.mkdir(parents=True, exist_ok=True)
@@ -186,10 +187,23 @@ class PowerRunner:
                              hint=f"log: {self.log}\n{log_tail(self.log, 15)}")
         return answer
 
-    def _died(self) -> PowerError:
+    def _died(self) -> DsadaptError:
+        """Why the runner is gone: before its first answer the engine could not load or run the model
+        (a verdict on the engine, exit 1, as `check` says it), later it broke down mid-run (exit 7)."""
         from patcher.base.procs import log_tail
+        from patcher.runners.launch import root_cause
 
-        return PowerError(f"the {self.proc.name} exited", hint=f"log: {self.log}\n{log_tail(self.log, 15)}")
+        tail = log_tail(self.log, 15)
+        if self.answered == 0:
+            try:
+                cause = root_cause(self.log.read_text(errors="replace").splitlines())
+            except OSError:
+                cause = None
+            return EngineRunFailed("the engine failed on this model before its first run"
+                                   + (f" (root cause: {cause[:200]})" if cause else ""),
+                                   hint=f"log: {self.log}\n{tail}")
+        return PowerError(f"the {self.proc.name} exited after {self.answered} of {self.n} runs",
+                          hint=f"log: {self.log}\n{tail}")
 
     def stop(self) -> None:
         """End the runner: at the end of its input once every job is answered (it leaves by itself),

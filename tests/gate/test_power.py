@@ -75,6 +75,14 @@ def test_an_engine_that_fails_without_a_perturbation_has_no_power_to_measure(fak
     assert json.loads(Path(doc["report_path"]).read_text())["passed"] is False
 
 
+def test_an_engine_that_cannot_load_the_model_is_a_verdict_with_its_root_cause(fake_power):  # noqa: F811
+    r = fake_power["run"]("power", PIN, "--model", "v3", "--dtype", "float32", "--family", "norm", "--json",
+                          extra_env={"HFFAKE_FAIL_LOAD": "1"})
+    assert r.returncode == 1, r.stderr[-3000:]
+    err = json.loads(r.stdout)["error"]
+    assert err["type"] == "EngineRunFailed" and "root cause: ValueError: hffake cannot load this model" in err["message"]
+
+
 def test_a_time_limit_cuts_the_search_short_and_keeps_its_bracket(fake_power):  # noqa: F811
     r = fake_power["run"]("power", PIN, "--model", "v3", "--dtype", "float32", "--family", "lm_head",
                           "--phase", "decode", "--time-limit", "1", "--json")
