@@ -139,9 +139,11 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
             if not as_json:
                 render(res)
     if as_json:
-        emit_json(done[0].to_json() if len(done) == 1 else
-                  {"schema": "dsadapt.power-dtypes/1", "pin": str(ref), "passed": all(r.passed for r in done),
-                   "dtypes": {r.dtype: r.passed for r in done}, "results": [r.to_json() for r in done]})
+        if len(done) == 1:
+            emit_json(done[0].to_json(), schema=P.SCHEMA)
+        else:
+            emit_json({"pin": str(ref), "passed": all(r.passed for r in done), "dtypes": {r.dtype: r.passed for r in done},
+                       "results": [r.to_json() for r in done]}, schema="dsadapt.power-dtypes/1")
     failed = [r for r in done if not r.passed]
     if failed:
         r = failed[0]
