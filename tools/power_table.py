@@ -5,6 +5,8 @@ and docs/benchmarks.md ("Power") show.
     python tools/power_table.py cost REPORTS_DIR_OR_FILE [...]   one row per report: what it took
     python tools/power_table.py publish REPORT DEST_DIR           copy a report (JSON, Markdown, plot) into
                                                                   the committed reports/, its paths there
+                                                                  (the Markdown and the plot made from the
+                                                                  JSON where only it came back)
 
 For what comes back from the GPU machine: `tar xzf reports.tgz`, then this over `reports/lmdeploy`.
 """
@@ -83,6 +85,20 @@ def publish(report: Path, dest: Path) -> Path:
     for suffix in (".md", ".png"):
         if report.with_suffix(suffix).is_file():
             shutil.copyfile(report.with_suffix(suffix), dest / report.with_suffix(suffix).name)
+    # what a device call brings back has the JSON only: the Markdown and the plot are made from it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from patcher.rules.mde import markdown, result_from_json
+
+    result = result_from_json(d)
+    if not (dest / report.with_suffix(".md").name).is_file():
+        (dest / report.with_suffix(".md").name).write_text(markdown(result), encoding="utf-8")
+    if not (dest / report.with_suffix(".png").name).is_file():
+        try:
+            from patcher.rules.plots import plot_power
+
+            plot_power(result, dest / report.with_suffix(".png").name)
+        except ImportError:  # matplotlib is optional
+            pass
     root = next((p for p in [dest, *dest.parents] if (p / "upstream.lock").is_file()), dest)
     rel = (dest / report.name).resolve().relative_to(root.resolve())
     d["report_path"] = str(rel)

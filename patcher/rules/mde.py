@@ -339,6 +339,17 @@ class PowerResult:
         return {"schema": SCHEMA, **_json_safe(d)}
 
 
+def result_from_json(d: dict) -> PowerResult:
+    """A power report read back (its plot and Markdown can be made again from the JSON alone)."""
+    trial_keys = set(Trial.__dataclass_fields__)
+    cell_keys = set(Cell.__dataclass_fields__) - {"trials"}
+    cells = [Cell(**{k: v for k, v in c.items() if k in cell_keys},
+                  trials=[Trial(**{k: v for k, v in t.items() if k in trial_keys}) for t in c.get("trials") or []])
+             for c in d.get("cells") or []]
+    keys = set(PowerResult.__dataclass_fields__) - {"cells"}
+    return PowerResult(**{k: v for k, v in d.items() if k in keys}, cells=cells)
+
+
 def verdict(cells: list[Cell], control_passed: bool, control_reasons: list[str], require: float | None) -> list[str]:
     """Why a power run fails (empty: it passes): the control fails the gate (power is then not
     measured), or with `require` a cell whose MDE is above it (or beyond the search)."""

@@ -73,6 +73,7 @@ def test_power_table_rows_and_publishing(tmp_path):
     src = work / "power-v3-transformers-bfloat16.json"
     src.write_text(json.dumps(doc))
     src.with_suffix(".png").write_bytes(b"png")
+    src.with_suffix(".md").write_text("# md\n")
     rows = tool.mde_rows(tool.reports([work]))
     assert rows[2] == ("| vllm@v0.32.0 (cpu) | v3 | bfloat16 | attention (attn.core) | decode | 0.0063 (not 0.0042) | "
                        "modules | L0 attn_core (decode) | 0.0061 |")
@@ -85,3 +86,21 @@ def test_power_table_rows_and_publishing(tmp_path):
     assert published["report_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.json"
     assert published["plot_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.png"
     assert published["cells"] == doc["cells"] and out.with_suffix(".png").read_bytes() == b"png"
+
+
+def test_publishing_a_json_only_report_makes_its_markdown_and_plot(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("power_table", REPO_ROOT / "tools" / "power_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    src = REPO_ROOT / "reports" / "vllm" / "v0.32.0" / "power-v3-transformers-bfloat16.json"
+    back = tmp_path / "back"
+    back.mkdir()
+    (back / src.name).write_text(src.read_text())  # as a device call returns it: the JSON alone
+    project = tmp_path / "project"
+    (project / "reports" / "lmdeploy" / "v0.18.0").mkdir(parents=True)
+    (project / "upstream.lock").write_text("")
+    out = tool.publish(back / src.name, project / "reports" / "lmdeploy" / "v0.18.0")
+    assert "| attention | attn.core | attention | decode |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 1000
