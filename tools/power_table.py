@@ -89,14 +89,13 @@ def publish(report: Path, dest: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from patcher.rules.mde import markdown, result_from_json
 
-    result = result_from_json(d)
     if not (dest / report.with_suffix(".md").name).is_file():
-        (dest / report.with_suffix(".md").name).write_text(markdown(result), encoding="utf-8")
+        (dest / report.with_suffix(".md").name).write_text(markdown(result_from_json(d)), encoding="utf-8")
     if not (dest / report.with_suffix(".png").name).is_file():
         try:
             from patcher.rules.plots import plot_power
 
-            plot_power(result, dest / report.with_suffix(".png").name)
+            plot_power(result_from_json(d), dest / report.with_suffix(".png").name)
         except ImportError:  # matplotlib is optional
             pass
     root = next((p for p in [dest, *dest.parents] if (p / "upstream.lock").is_file()), dest)
