@@ -17,14 +17,14 @@ from conftest import REPO_ROOT
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "powerfake"
 PIN = "hffake@v0.1.0"
 
-LOCK = f'''
+LOCK = '''
 [engines.hffake]
-git = "https://example.invalid/hffake.git"
+git = "{git}"
 
 [pins."{PIN}"]
 version = "0.1.0"
-commit = "{'1' * 40}"
-tree = "{'2' * 40}"
+commit = "{commit}"
+tree = "{tree}"
 '''
 
 
@@ -34,9 +34,21 @@ def fake_power(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("power")
     root = tmp / "project"
     root.mkdir()
+    # the engine's upstream: a one-commit repository tagged at the pin (the check's plan asks that a
+    # source can provide the pin's tree; the fake builds nothing from it)
+    upstream = tmp / "hffake-upstream"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-C", str(upstream)]
+    upstream.mkdir()
+    subprocess.run([*git, "init", "-q"], check=True)
+    (upstream / "README").write_text("hffake\n")
+    subprocess.run([*git, "add", "README"], check=True)
+    subprocess.run([*git, "commit", "-qm", "hffake 0.1.0"], check=True)
+    subprocess.run([*git, "tag", "v0.1.0"], check=True)
+    commit, tree = (subprocess.run([*git, "rev-parse", f"HEAD{s}"], check=True, capture_output=True,
+                                   text=True).stdout.strip() for s in ("", "^{tree}"))
     shutil.copy(REPO_ROOT / "upstream.lock", root / "upstream.lock")
     with open(root / "upstream.lock", "a", encoding="utf-8") as f:
-        f.write(LOCK)
+        f.write(LOCK.format(git=upstream, PIN=PIN, commit=commit, tree=tree))
     (root / "patches" / "hffake" / "v0.1.0").mkdir(parents=True)
     (root / "patches" / "hffake" / "v0.1.0" / "series").write_text("")
     # the HF reference is a pure function of its inputs: share the machine's cache of it

@@ -27,7 +27,7 @@ import shlex
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.base.config import Config
@@ -43,22 +43,20 @@ from patcher.gate import bisect
 from patcher.gate.equivalence import (
     ENGINE_TOP_K,
     MAX_TOKENS,
-    check_dtypes,
-    model_preflight,
-    preflight,
     reference_python,
     report_paths,
     resolve_model,
     run_reference,
-    verdict_reasons,
-    where_reference_runs,
 )
 from patcher.gate.hosts import RunHost
+from patcher.gate.plan import CheckPlan, CheckRequest, ModelChoice, choose_model, plan_check
+from patcher.gate.result import verdict_reasons
 from patcher.rules import mde as P
+from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.logits import LOW_PRECISION_DTYPES, LogitReport, ReportError, compare
 from patcher.rules.modules import CAPTURE_DECODE_STEPS, BisectError, CaptureTable
 from patcher.rules.prompts import build_prompt_set, write_prompts_json
-from patcher.rules.verdicts import check_margins
+from patcher.rules.verdicts import Margins, check_margins
 
 #: Seconds the runner may take for one setting (the gate's prompts and a capture pass) beyond its engine start.
 JOB_TIMEOUT_S = 600.0
@@ -100,7 +98,8 @@ def plan_cells(req: PowerRequest, config: dict, table: CaptureTable | None, engi
                model_label: str | None = None) -> list[P.Cell]:
     """The cells of a request (one per family and phase), or UsageError (exit 2) for a kind, phase,
     eps range, family that is not one, a family this model lacks, or one the engine's capture table
-    cannot reach. Pure: read from the request and the model's config.json alone."""
+    cannot reach (`table` None: not asked here; `plan_power` says the engine has none). Pure: read
+    from the request and the model's config.json alone."""
     P.check_kind(req.kind)
     req.search.check()
     if not 1 <= req.grid <= 20:
@@ -122,7 +121,7 @@ def plan_cells(req: PowerRequest, config: dict, table: CaptureTable | None, engi
         if why:
             raise UsageError(f"--family {t.name}: {why}",
                              hint="name a module family this model has (`dsadapt power --help` lists them)")
-        if t.point not in sites:
+        if table is not None and t.point not in sites:
             raise UsageError(f"--family {t.name}: {engine_name}'s capture table has no {t.point}, so nothing can be "
                              "planted there", hint=f"families it can reach: {', '.join(n for n, x in P.FAMILIES.items() if x.point in sites)}")
         for ph in phases:
@@ -130,9 +129,42 @@ def plan_cells(req: PowerRequest, config: dict, table: CaptureTable | None, engi
     return cells
 
 
-def power_dtypes(lock: Lock, req: PowerRequest, config: dict | None) -> tuple[str, ...]:
-    """The dtypes a power run without --dtype measures: every dtype `check` runs."""
-    return check_dtypes(lock, req.pin, req.variant, config=config)
+@dataclass(frozen=True)
+class PowerPlan:
+    """A `PowerRequest` resolved before anything is made: the check plan its runs start from
+    (`plan_check`: the model, the pin and its variant, whether it runs here, the stack, a source for
+    the tree, where the reference runs), the dtypes it measures and the engine's capture table."""
+
+    req: PowerRequest
+    check: CheckPlan
+    dtypes: tuple[str, ...]
+    table: CaptureTable
+
+
+def check_request(req: PowerRequest, dtype: str | None) -> CheckRequest:
+    """The check a power run in `dtype` perturbs: the same pin, model, variant and prompts."""
+    return CheckRequest(req.pin, model=req.model, config_style=req.config_style, dtype=dtype, variant=req.variant,
+                        unpatched=req.unpatched, reference_on=req.reference_on,
+                        command=req.command or default_command(req), prompt_seed=req.prompt_seed)
+
+
+def plan_power(cfg: Config, lock: Lock, req: PowerRequest, dtypes: tuple[str, ...] = (),
+               model: ModelChoice | None = None) -> PowerPlan:
+    """Everything a power run can tell before it touches anything, in the order a user meets it:
+    the model (exit 2), the cells (a kind, phase, eps or family that is not one, or that this
+    model lacks: 2, whatever the machine), then for each dtype asked (none: every dtype `check`
+    runs) what `plan_check` answers (6 for what this machine cannot run, 2 for a dtype the engine
+    does not serve), and last whether the engine has a capture table to plant in (6)."""
+    model = model or choose_model(req.model)
+    eng = engine(req.pin.engine)
+    table = bisect.table_for(eng)
+    plan_cells(req, model.config, table, eng.name, model.name)
+    asked = tuple(dict.fromkeys(dtypes))
+    plans = [plan_check(cfg, lock, check_request(req, dt), model) for dt in asked or (None,)]
+    if table is None:
+        raise EngineUnavailable(f"{req.pin.engine} has no capture table: dsadapt cannot plant perturbations in it",
+                                hint="see docs/equivalence.md (Power) for the engines that can")
+    return PowerPlan(req, plans[0], asked or plans[0].dtypes, table)
 
 
 # ---------------------------------------------------------------- the engine's runner, in its power mode
@@ -293,9 +325,9 @@ class Judged:
     reasons: list[str]
     by: list[str]
     named: dict | None
-    margins: dict | None
+    margins: Margins
     comparison: dict = field(repr=False, default_factory=dict)
-    bisect: dict | None = field(repr=False, default=None)
+    bisect: ModuleVerdict | None = field(repr=False, default=None)
 
 
 @dataclass
@@ -337,15 +369,17 @@ class Judge:
             except BisectError as e:
                 raise PowerError(f"a perturbed run could not be compared per module: {e.message}", hint=e.hint) from e
             summary = bisect.summary(result, None, None)
-            if summary.get("routing_flips") and comparison.rule == "low-precision":
+            if summary.routing_flips and comparison.rule == "low-precision":
                 comparison = compare(self.reference, report, ENGINE_TOP_K, noise=self.noise,
-                                     routing_flips=summary["routing_flips"])
+                                     routing_flips=summary.routing_flips)
         reasons = verdict_reasons(comparison.reasons, self.dtype, summary)
-        by = (["logits"] if comparison.reasons else []) + (["modules"] if summary and summary.get("passed") is False else [])
-        first = (summary or {}).get("first")
-        named = None if not first else {k: first.get(k) for k in ("layer", "point", "label", "family", "phase", "ratio")}
+        by = (["logits"] if comparison.reasons else []) + (["modules"] if summary and summary.passed is False else [])
+        first = summary.first if summary else None
+        named = None if first is None else {"layer": first.layer, "point": first.point, "label": first.label,
+                                            "family": first.family, "phase": first.phase, "ratio": first.ratio}
         comp = comparison.to_json()
-        return Judged(bool(reasons), reasons, by, named, check_margins(comp, summary), comp, summary)
+        return Judged(bool(reasons), reasons, by, named, check_margins(comp, summary.margin if summary else None),
+                      comp, summary)
 
 
 # ---------------------------------------------------------------- the run
@@ -368,25 +402,28 @@ def _stats(report: LogitReport) -> dict:
     return (report.settings or {}).get("perturbation") or {}
 
 
-def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[[str], None] | None = None,
-              stream: bool = True, on_line: Callable[[str], None] | None = None,
-              host: RunHost | None = None) -> P.PowerResult:
-    """The power run of one pin, model and dtype (see the module doc)."""
+def run_power(plan: PowerPlan, dtype: str, *, host: RunHost | None = None,
+              on_line: Callable[[str], None] | None = None) -> P.PowerResult:
+    """The power run of one planned pin and model in one of the plan's dtypes (see the module doc).
+    `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is built
+    and installed once; it carries the progress."""
     t_start = time.monotonic()
+    cfg, lock = plan.check.cfg, plan.check.lock
+    host = host or RunHost(cfg, lock)
+    progress = host.progress
     say = progress or (lambda _m: None)
-    command = req.command or f"dsadapt power {req.pin}"
+    req = replace(plan.req, dtype=dtype)
+    command = req.command or default_command(req)
     loadavg_start = _loadavg()
-    entry, spec = preflight(lock, req.pin, req.variant, command, req.dtype)
-    eng = engine(req.pin.engine)
-    table = bisect.table_for(eng)
-    if table is None:
-        raise EngineUnavailable(f"{req.pin.engine} has no capture table: dsadapt cannot plant perturbations in it",
-                                hint="see docs/equivalence.md (Power) for the engines that can")
-    model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
-                                            default_style=eng.model_config_style)
-    ckpt = open_checkpoint(model_dir)
+    entry, spec, eng, table = plan.check.entry, plan.check.spec, plan.check.eng, plan.table
+    if plan.check.model.checkpoint is None:  # a built-in model: made here (once; later runs find it)
+        model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
+                                                default_style=eng.model_config_style)
+        ckpt = open_checkpoint(model_dir)
+    else:  # a folder as the plan opened it
+        ckpt = plan.check.model.checkpoint
+        model_dir, label, style = ckpt.path.resolve(), ckpt.path.name, req.config_style
     config = ckpt.config
-    model_preflight(entry, spec, config, req.dtype)
     cells = plan_cells(req, config, table, eng.name, label)
     fp = fingerprint(ckpt, cfg.cache, progress).sha256
     out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, kind="power",
@@ -398,7 +435,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
     prompts_path = write_prompts_json(prompts, work / "prompts.json")
     prompts_doc = json.loads(prompts_path.read_text())
     prompt_ids = [p.id for p in prompts]
-    device = where_reference_runs(req.reference_on, spec)
+    device = plan.check.reference_device
     t0 = time.monotonic()
     reference = run_reference(cfg, model_dir, fp, prompts_path, prompts_doc, progress, on_line, device, checkpoint=ckpt)
     noise = None
@@ -419,7 +456,6 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
     refs = ReferenceCaptures(capture_reference, work / "reference" / "chunks")
     judge = Judge(reference, noise, config, req.dtype, eng.name, table, refs)
     gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched)
-    host = host or RunHost(cfg, lock, progress, stream)
     jobs_dir = work / "settings"
     jobs_dir.mkdir(parents=True, exist_ok=True)
     for old in jobs_dir.iterdir():
@@ -497,11 +533,11 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
         c = judge(control_report, control_doc)
         del control_doc
         _cleanup(control_job)
-        control = {"passed": not c.flagged, "reasons": c.reasons, "margins": c.margins, "by": c.by,
+        control = {"passed": not c.flagged, "reasons": c.reasons, "margins": c.margins.to_json(), "by": c.by,
                    "setting_s": control_report.timings.get("setting_s"),
                    "capture_s": control_report.timings.get("capture_s")}
         say(f"power: control (every hook at eps 0) {'passes' if not c.flagged else 'FAILS'} the gate"
-            + (f" ({(c.margins or {})['words']})" if (c.margins or {}).get("words") else "")
+            + (f" ({c.margins.words})" if c.margins.words else "")
             + f"; hooks: {hooks['words']}")
         if c.flagged:
             queued = []  # power is not measured against an engine that fails without a perturbation
@@ -543,7 +579,7 @@ def run_power(cfg: Config, lock: Lock, req: PowerRequest, *, progress: Callable[
                     "engine_version": engine_info.get("engine_version"), "engine_path": engine_info.get("engine_path"),
                     "model_fingerprint": fp, "model_dir": str(model_dir), "prompt_seed": req.prompt_seed,
                     "reference_versions": reference.versions, "reference_device": device,
-                    "patches": [] if req.unpatched else _patches(cfg, req.pin)},
+                    "patches": [] if req.unpatched else [e.name for e in plan.check.stack.entries]},
         report_path=str(out))
     write_report(result, out)
     return result
@@ -612,15 +648,6 @@ def _cleanup(job) -> None:
     for p in (done, report_path, cap):
         if p is not None:
             Path(p).unlink(missing_ok=True)
-
-
-def _patches(cfg: Config, ref: PinRef) -> list[str]:
-    from patcher.formats.stackfiles import load_stack
-
-    try:
-        return [e.name for e in load_stack(cfg.patches_root, ref).entries]
-    except DsadaptError:
-        return []
 
 
 def _loadavg() -> list[float] | None:

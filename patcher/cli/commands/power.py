@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import replace
 
 import click
 
-from patcher.base.errors import CheckFailed, EngineUnavailable
+from patcher.base.errors import CheckFailed
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -24,8 +22,8 @@ from patcher.cli.commands.common import (
     table,
     to_ref,
 )
-from patcher.engines.registry import engine
-from patcher.gate.power import PowerRequest, plan_cells, power_dtypes, run_power
+from patcher.gate.hosts import RunHost
+from patcher.gate.power import PowerRequest, plan_power, run_power
 from patcher.rules import mde as P
 
 
@@ -110,31 +108,16 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
                        kind=kind, search=P.Search(eps_min, eps_max, resolution), require=require,
                        prompt_seed=prompt_seed, reference_on=reference_device, command=command,
                        time_limit=time_limit, grid=grid)
-    model_config = _check_model(model)
-    eng = engine(ref.engine)
-    table_ = getattr(eng, "bisect_table", None)
-    # bad kind, phase, eps, family (or one the model lacks): exit 2 before anything is made
-    plan_cells(req, model_config or {}, table_, eng.name, model)
-    from patcher.gate.equivalence import preflight, where_reference_runs
-
-    todo = tuple(dict.fromkeys(dtypes))
-    for dt in todo or (None,):  # the pin, the variant, whether it runs here and in each dtype
-        _, spec = preflight(ctx.lock, ref, variant, command, dt, config=model_config)
-    where_reference_runs(reference_device, spec)
-    if table_ is None:
-        raise EngineUnavailable(f"{ref.engine} has no capture table: dsadapt cannot plant perturbations in it",
-                                hint="see docs/equivalence.md (Power) for the engines that can")
-    todo = todo or power_dtypes(ctx.lock, req, model_config)
+    # bad model, kind, phase, eps, family (or one the model lacks), dtype; cannot run here: before
+    # anything is made
+    plan = plan_power(ctx.cfg, ctx.lock, req, tuple(dtypes))
     progress = progress_printer()
     on_line = progress.note if progress is not None else None
-    from patcher.gate.hosts import RunHost
-
     host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)  # one build and install for every dtype
     done: list[P.PowerResult] = []
     with workdir_lock(ctx.cfg):
-        for dt in todo:
-            res = run_power(ctx.cfg, ctx.lock, replace(req, dtype=dt), progress=progress,
-                            stream=not as_json, on_line=on_line, host=host)
+        for dt in plan.dtypes:
+            res = run_power(plan, dt, host=host, on_line=on_line)
             done.append(res)
             if not as_json:
                 render(res)
