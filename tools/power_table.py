@@ -61,19 +61,37 @@ def mde_rows(found: list[tuple[Path, dict]]) -> list[str]:
     return out
 
 
+def check_equivalent(d: dict) -> float | None:
+    """What a plain `dsadapt check` of the same pin, model and dtype costs, measured inside the power
+    run itself (the same machine, the same minute): the install, the HF reference, the runner's
+    start to its first answer (the run without hooks: engine start and the gate's prompts once)
+    and, in low precision, the control's capture pass and one reference capture (a check's
+    per-module comparison)."""
+    t, control = d.get("timings") or {}, d.get("control") or {}
+    if t.get("first_job_s") is None:
+        return None
+    total = float(t.get("install_s") or 0) + float(t.get("reference_s") or 0) + float(t["first_job_s"])
+    if t.get("reference_captures"):
+        total += float(control.get("capture_s") or 0) + float(t.get("reference_capture_s") or 0) / t["reference_captures"]
+    return total
+
+
 def cost_rows(found: list[tuple[Path, dict]]) -> list[str]:
     out = ["| report | cells | engine runs | engine start | runner's first answer | s per run (median) | "
-           "reference captures | total | load average | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "reference captures | total | a check, same run | total / check | load average (start, end) | date |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f, d in found:
         t, prov = d.get("timings") or {}, d.get("provenance") or {}
         secs = sorted(x["seconds"] for c in d.get("cells") or [] for x in c.get("trials") or []
                       if x.get("seconds") is not None)
         med = secs[len(secs) // 2] if secs else None
-        load = prov.get("loadavg") or []
+        check = check_equivalent(d)
+        ratio = f"{t['total_s'] / check:.1f}x" if check and t.get("total_s") else "-"
+        load = ", ".join(f"{(x or [None])[0]}" for x in (prov.get("loadavg"), prov.get("loadavg_end")) if x)
         out.append(f"| {f.name} | {len(d.get('cells') or [])} | {d.get('settings')} | {t.get('engine_start_s', '-')} s | "
                    f"{t.get('first_job_s', '-')} s | {'-' if med is None else f'{med:.1f} s'} | "
                    f"{t.get('reference_captures', 0)} ({t.get('reference_capture_s', 0)} s) | {t.get('total_s')} s | "
-                   f"{load[0] if load else '-'} | {prov.get('date', '-')} |")
+                   f"{'-' if check is None else f'{check:.0f} s'} | {ratio} | {load or '-'} | {prov.get('date', '-')} |")
     return out
 
 
