@@ -34,7 +34,7 @@ from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
 from patcher.base.machine import device_description
 from patcher.checkpoints.fingerprint import fingerprint
-from patcher.checkpoints.model_dir import open_checkpoint, run_time_limit
+from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, run_time_limit
 from patcher.engines.base import GateRun, GateSession
 from patcher.engines.registry import engine
 from patcher.formats.lock import Lock
@@ -43,6 +43,7 @@ from patcher.gate import bisect
 from patcher.gate.equivalence import (
     ENGINE_TOP_K,
     MAX_TOKENS,
+    check_engine_path,
     reference_python,
     report_paths,
     resolve_model,
@@ -402,187 +403,282 @@ def _stats(report: LogitReport) -> dict:
     return (report.settings or {}).get("perturbation") or {}
 
 
+@dataclass
+class _PowerRun:
+    """What one power run (one dtype) resolved before its engine starts: the model (a built-in one
+    made here, a folder as the plan opened it), its fingerprint, cells, report and work paths."""
+
+    plan: PowerPlan
+    req: PowerRequest          # the plan's request, in this run's dtype
+    host: RunHost
+    on_line: Callable[[str], None] | None
+    checkpoint: Checkpoint
+    label: str
+    style: str | None
+    fingerprint: str
+    cells: list[P.Cell]
+    out: Path
+    work: Path
+    t_start: float
+    loadavg_start: list[float] | None
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.check.cfg
+
+    @property
+    def model_dir(self) -> Path:
+        return self.checkpoint.path.resolve()
+
+    def say(self, message: str) -> None:
+        if self.host.progress:
+            self.host.progress(message)
+
+
+def _prepare(plan: PowerPlan, dtype: str, host: RunHost, on_line) -> _PowerRun:
+    t_start, loadavg_start = time.monotonic(), _loadavg()
+    req, cfg, check = replace(plan.req, dtype=dtype), plan.check.cfg, plan.check
+    if check.model.checkpoint is None:  # a built-in model: made here (once; later runs find it)
+        model_dir, label, style = resolve_model(cfg, req.model, req.config_style, host.progress,
+                                                default_style=check.eng.model_config_style)
+        ckpt = open_checkpoint(model_dir)
+    else:
+        ckpt = check.model.checkpoint
+        label, style = ckpt.path.name, req.config_style
+    cells = plan_cells(req, ckpt.config, plan.table, check.eng.name, label)
+    fp = fingerprint(ckpt, cfg.cache, host.progress).sha256
+    out = report_paths(cfg, req.pin, label, style, dtype, req.unpatched, kind="power", prompt_seed=req.prompt_seed)
+    work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
+    work.mkdir(parents=True, exist_ok=True)
+    return _PowerRun(plan, req, host, on_line, ckpt, label, style, fp, cells, out, work, t_start, loadavg_start)
+
+
+def _judge(r: _PowerRun, prompts_path: Path) -> Judge:
+    """The gate's judge of this run's engine runs: the float32 reference and, in low precision, the
+    reference's own run in the dtype, as a check runs them; the reference's captures on demand."""
+    cfg, progress, device, dtype = r.cfg, r.host.progress, r.plan.check.reference_device, r.req.dtype
+    prompts_doc = json.loads(prompts_path.read_text())
+    t0 = time.monotonic()
+    reference = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, r.on_line, device,
+                              checkpoint=r.checkpoint)
+    noise = None
+    if dtype in LOW_PRECISION_DTYPES:
+        noise = run_reference(cfg, r.model_dir, r.fingerprint, prompts_path, prompts_doc, progress, r.on_line, device,
+                              dtype=dtype, checkpoint=r.checkpoint)
+    r.timings["reference_s"] = round(time.monotonic() - t0, 2)
+    r.timings["reference_capture_s"] = 0.0
+
+    def capture_reference(sequences: dict[str, list[int]]) -> dict[str, dict]:
+        t = time.monotonic()
+        r.say(f"power: HF reference capture of {len(sequences)} new token sequence(s)")
+        docs = bisect.reference_capture(cfg, r.checkpoint, r.fingerprint, {"sequences": sequences}, dtype,
+                                        r.work / "reference", lambda: reference_python(cfg, progress), progress,
+                                        r.on_line, device=device)
+        r.timings["reference_capture_s"] = round(r.timings["reference_capture_s"] + time.monotonic() - t, 2)
+        return docs
+
+    refs = ReferenceCaptures(capture_reference, r.work / "reference" / "chunks")
+    return Judge(reference, noise, r.checkpoint.config, dtype, r.plan.check.eng.name, r.plan.table, refs)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One perturbation setting queued on the runner: its id, and where its answer, logit report and
+    capture (low precision) will be."""
+
+    sid: str
+    done: Path
+    report: Path
+    capture: Path | None
+
+    def cleanup(self) -> None:
+        """A judged run's files go (a capture is tens of megabytes; the trial keeps what matters)."""
+        for p in (self.done, self.report, self.capture):
+            if p is not None:
+                p.unlink(missing_ok=True)
+
+
+@dataclass
+class _Jobs:
+    """The runner's jobs of one run: submitted with their paths, answered as logit reports."""
+
+    runner: PowerRunner
+    folder: Path
+    prompt_ids: list[str]
+    dtype: str
+    modules: bool              # low precision: every perturbed run is captured and judged per module
+    settings: int = 0
+
+    def submit(self, sid: str, plan: list[dict], capture: bool | None = None) -> _Job:
+        self.settings += 1
+        cap = self.folder / f"{sid}.capture.pt" if (self.modules if capture is None else capture) else None
+        report = self.folder / f"{sid}.json"
+        # in low precision the logits are judged on the prompt's positions only (generation is
+        # reported, never judged): one greedy token is enough there, the capture pass decodes
+        done = self.runner.submit({"setting": {"id": sid, "perturb": plan}, "report": str(report),
+                                   "capture": str(cap) if cap else None, "max_tokens": 1 if self.modules else None})
+        return _Job(sid, done, report, cap)
+
+    def finish(self, job: _Job) -> LogitReport:
+        answer = self.runner.wait(job.done)
+        report = _load_report(job.report, self.prompt_ids, self.dtype)
+        report.timings["job_s"] = float(answer.get("seconds") or 0.0)
+        return report
+
+
+def _start_runner(r: _PowerRun, session: GateSession, prompts_path: Path) -> PowerRunner:
+    """The engine's runner started in its power mode in the run's gate session (one engine start)."""
+    from patcher.runners.launch import kit_pythonpath
+
+    req, table, config = r.req, r.plan.table, r.checkpoint.config
+    if not session.runner.power:
+        raise EngineUnavailable(f"{req.pin} ({r.plan.check.spec.name}): its {session.runner.name} runner cannot "
+                                "plant perturbations", hint="see docs/equivalence.md (Power) for the engines that can")
+    spec_path = bisect.write_spec(table, config, req.dtype, r.work / f"{table.name}-capture-spec.json")
+    argv = session.runner.argv(session.python, r.model_dir, prompts_path, req.dtype, ENGINE_TOP_K, MAX_TOKENS,
+                               r.work / "power-engine.json", r.fingerprint) + \
+        ["--power-jobs", "--capture-spec", str(spec_path), "--capture-decode-steps", str(CAPTURE_DECODE_STEPS)]
+    env = {**os.environ, **session.runner.env, **session.env}
+    env["PYTHONPATH"] = kit_pythonpath(env)
+    r.say(f"power: {req.pin} ({r.plan.check.spec.name}) {req.dtype} via {session.runner.name} runner: "
+          f"{len(r.cells)} cells, one engine start")
+    return PowerRunner(session, argv, env, r.work, run_time_limit(r.checkpoint))
+
+
+@dataclass
+class _Outcome:
+    """What the engine runs of a power run found besides its cells."""
+
+    control: dict = field(default_factory=dict)
+    hooks: dict = field(default_factory=dict)
+    installed: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
+    runner: str = ""
+    settings: int = 0
+
+
+def _first_round(r: _PowerRun, jobs: _Jobs, judge: Judge, out: _Outcome, t_engine: float) -> list:
+    """Round 0, queued together: the run without hooks, the control (every hook at eps 0) and every
+    cell's first eps. Returns the cells' runs still to judge (none when the control fails: power is
+    not measured against an engine that fails without a perturbation)."""
+    req = r.req
+    baseline_job = jobs.submit("baseline", [], capture=False)
+    control_job = jobs.submit("control", P.control_plan(r.cells, req.kind))
+    queued = [(cell, first, jobs.submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)]))
+              for i, cell in enumerate(r.cells) for first in P.first_eps(req.search, req.grid)]
+    baseline = jobs.finish(baseline_job)
+    check_engine_path(req.pin, baseline.engine_path, out.installed)
+    out.engine = {"engine_version": baseline.engine_version, "engine_path": baseline.engine_path,
+                  "engine_start_s": baseline.timings.get("engine_start_s", baseline.timings.get("load_s")),
+                  # the first job's wait: the runner's start (imports, engine, first forward)
+                  "first_job_s": round(time.monotonic() - t_engine, 2)}
+    control_report = jobs.finish(control_job)
+    diff = P.logit_difference(baseline.to_json(), control_report.to_json())
+    out.hooks = {"max_abs": diff, "identical": diff == 0.0, "words": P.hooks_words(diff)}
+    control_doc = judge.capture_of(control_job.capture)
+    if control_doc is not None:
+        judge.refs.add(judge.refs.unknown(control_doc["sequences"]))
+    c = judge(control_report, control_doc)
+    del control_doc
+    control_job.cleanup()
+    out.control = {"passed": not c.flagged, "reasons": c.reasons, "margins": c.margins.to_json(), "by": c.by,
+                   "setting_s": control_report.timings.get("setting_s"),
+                   "capture_s": control_report.timings.get("capture_s")}
+    r.say(f"power: control (every hook at eps 0) {'passes' if not c.flagged else 'FAILS'} the gate"
+          + (f" ({c.margins.words})" if c.margins.words else "") + f"; hooks: {out.hooks['words']}")
+    return [] if c.flagged else queued
+
+
+def _search(r: _PowerRun, jobs: _Jobs, judge: Judge, queued: list) -> None:
+    """Later rounds: one bisection step per cell still searching, until every cell is settled or
+    the next round would end past --time-limit (its cells are cut short, their bracket kept)."""
+    req = r.req
+    while queued:
+        t_round = time.monotonic()
+        _round(queued, jobs.finish, judge, r.say)
+        per_run = (time.monotonic() - t_round) / len(queued)
+        steps = [(i, cell, eps) for i, cell in enumerate(r.cells) if (eps := P.next_eps(cell, req.search)) is not None]
+        if req.time_limit is not None and steps and \
+                time.monotonic() - r.t_start + per_run * len(steps) > req.time_limit:
+            r.say(f"power: {len(steps)} cell(s) cut short: another round of about {per_run * len(steps):.0f} s "
+                  f"would end past --time-limit {req.time_limit:g} s")
+            for _i, cell, _eps in steps:
+                cell.status = "cut short"
+            steps = []
+        queued = [(cell, eps, jobs.submit(f"c{i}-{eps:g}", [P.plan_item(cell, req.kind, eps)]))
+                  for i, cell, eps in steps]
+
+
+def _run_engine(r: _PowerRun, judge: Judge, prompts_path: Path, prompt_ids: list[str]) -> _Outcome:
+    """The engine's part: its gate session (built and installed once per command), the runner in its
+    power mode, the first round and the search, every job on one engine start."""
+    check, out = r.plan.check, _Outcome()
+    gate = GateRun(check.entry, check.spec, r.req.dtype, r.model_dir, unpatched=r.req.unpatched)
+    folder = r.work / "settings"
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.iterdir():
+        old.unlink()
+    with ExitStack() as stack:
+        stack.callback(judge.refs.close)
+        t0 = time.monotonic()
+        session = stack.enter_context(check.eng.bisect_session(gate, r.host) or check.eng.gate_session(gate, r.host))
+        out.installed, out.runner = dict(session.installed), session.runner.name
+        r.timings["install_s"] = round(time.monotonic() - t0, 2)
+        runner = _start_runner(r, session, prompts_path)
+        stack.callback(runner.stop)
+        t_engine = time.monotonic()
+        jobs = _Jobs(runner, folder, prompt_ids, r.req.dtype, judge.modules)
+        try:
+            _search(r, jobs, judge, _first_round(r, jobs, judge, out, t_engine))
+        finally:
+            out.settings = jobs.settings
+        r.timings["engine_s"] = round(time.monotonic() - t_engine, 2)
+    return out
+
+
 def run_power(plan: PowerPlan, dtype: str, *, host: RunHost | None = None,
               on_line: Callable[[str], None] | None = None) -> P.PowerResult:
     """The power run of one planned pin and model in one of the plan's dtypes (see the module doc).
     `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is built
     and installed once; it carries the progress."""
-    t_start = time.monotonic()
-    cfg, lock = plan.check.cfg, plan.check.lock
-    host = host or RunHost(cfg, lock)
-    progress = host.progress
-    say = progress or (lambda _m: None)
-    req = replace(plan.req, dtype=dtype)
-    command = req.command or default_command(req)
-    loadavg_start = _loadavg()
-    entry, spec, eng, table = plan.check.entry, plan.check.spec, plan.check.eng, plan.table
-    if plan.check.model.checkpoint is None:  # a built-in model: made here (once; later runs find it)
-        model_dir, label, style = resolve_model(cfg, req.model, req.config_style, progress,
-                                                default_style=eng.model_config_style)
-        ckpt = open_checkpoint(model_dir)
-    else:  # a folder as the plan opened it
-        ckpt = plan.check.model.checkpoint
-        model_dir, label, style = ckpt.path.resolve(), ckpt.path.name, req.config_style
-    config = ckpt.config
-    cells = plan_cells(req, config, table, eng.name, label)
-    fp = fingerprint(ckpt, cfg.cache, progress).sha256
-    out = report_paths(cfg, req.pin, label, style, req.dtype, req.unpatched, kind="power",
-                       prompt_seed=req.prompt_seed)
-    work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
-    work.mkdir(parents=True, exist_ok=True)
-    timings: dict = {}
-    prompts = build_prompt_set(model_dir, MAX_TOKENS, seed=req.prompt_seed)
-    prompts_path = write_prompts_json(prompts, work / "prompts.json")
-    prompts_doc = json.loads(prompts_path.read_text())
-    prompt_ids = [p.id for p in prompts]
-    device = plan.check.reference_device
-    t0 = time.monotonic()
-    reference = run_reference(cfg, model_dir, fp, prompts_path, prompts_doc, progress, on_line, device, checkpoint=ckpt)
-    noise = None
-    if req.dtype in LOW_PRECISION_DTYPES:
-        noise = run_reference(cfg, model_dir, fp, prompts_path, prompts_doc, progress, on_line, device,
-                              dtype=req.dtype, checkpoint=ckpt)
-    timings["reference_s"] = round(time.monotonic() - t0, 2)
-    ref_capture_s = [0.0]
-
-    def capture_reference(sequences: dict[str, list[int]]) -> dict[str, dict]:
-        t = time.monotonic()
-        say(f"power: HF reference capture of {len(sequences)} new token sequence(s)")
-        docs = bisect.reference_capture(cfg, model_dir, fp, {"sequences": sequences}, req.dtype, work / "reference",
-                                        lambda: reference_python(cfg, progress), progress, on_line, device=device)
-        ref_capture_s[0] += time.monotonic() - t
-        return docs
-
-    refs = ReferenceCaptures(capture_reference, work / "reference" / "chunks")
-    judge = Judge(reference, noise, config, req.dtype, eng.name, table, refs)
-    gate = GateRun(entry, spec, req.dtype, model_dir, unpatched=req.unpatched)
-    jobs_dir = work / "settings"
-    jobs_dir.mkdir(parents=True, exist_ok=True)
-    for old in jobs_dir.iterdir():
-        old.unlink()
-    n_settings = 0
-    control: dict = {}
-    hooks: dict = {}
-    installed: dict = {}
-    engine_info: dict = {}
-    with ExitStack() as stack:
-        stack.callback(refs.close)
-        t0 = time.monotonic()
-        session = stack.enter_context(eng.bisect_session(gate, host) or eng.gate_session(gate, host))
-        installed = dict(session.installed)
-        timings["install_s"] = round(time.monotonic() - t0, 2)
-        if not session.runner.power:
-            raise EngineUnavailable(f"{req.pin} ({spec.name}): its {session.runner.name} runner cannot plant "
-                                    "perturbations", hint="see docs/equivalence.md (Power) for the engines that can")
-        spec_path = bisect.write_spec(table, config, req.dtype, work / f"{table.name}-capture-spec.json")
-        from patcher.runners.launch import kit_pythonpath
-
-        argv = session.runner.argv(session.python, model_dir, prompts_path, req.dtype, ENGINE_TOP_K, MAX_TOKENS,
-                                   work / "power-engine.json", fp) + \
-            ["--power-jobs", "--capture-spec", str(spec_path), "--capture-decode-steps", str(CAPTURE_DECODE_STEPS)]
-        env = {**os.environ, **session.runner.env, **session.env}
-        env["PYTHONPATH"] = kit_pythonpath(env)
-        say(f"power: {req.pin} ({spec.name}) {req.dtype} via {session.runner.name} runner: {len(cells)} cells, "
-            f"one engine start")
-        runner = PowerRunner(session, argv, env, work, run_time_limit(ckpt))
-        stack.callback(runner.stop)
-        t_engine = time.monotonic()
-
-        def submit(sid: str, plan: list[dict], capture: bool) -> tuple[str, Path, Path, Path | None]:
-            nonlocal n_settings
-            n_settings += 1
-            report_path = jobs_dir / f"{sid}.json"
-            cap = jobs_dir / f"{sid}.capture.pt" if capture else None
-            # in low precision the logits are judged on the prompt's positions only (generation is
-            # reported, never judged): one greedy token is enough there, the capture pass decodes
-            done = runner.submit({"setting": {"id": sid, "perturb": plan}, "report": str(report_path),
-                                  "capture": str(cap) if cap else None, "max_tokens": 1 if judge.modules else None})
-            return sid, done, report_path, cap
-
-        def finish(job) -> LogitReport:
-            sid, done, report_path, _cap = job
-            answer = runner.wait(done)
-            report = _load_report(report_path, prompt_ids, req.dtype)
-            report.timings["job_s"] = float(answer.get("seconds") or 0.0)
-            return report
-
-        # round 0: no hooks, the control, and every cell's first eps, queued together
-        baseline_job = submit("baseline", [], capture=False)
-        control_job = submit("control", P.control_plan(cells, req.kind), capture=judge.modules)
-        queued = []
-        for i, cell in enumerate(cells):
-            for first in P.first_eps(req.search, req.grid):
-                queued.append((cell, first, submit(f"c{i}-{first:g}", [P.plan_item(cell, req.kind, first)],
-                                                   judge.modules)))
-        baseline = finish(baseline_job)
-        venv = installed.get("venv")
-        if venv and (baseline.engine_path or "").startswith("/") and \
-                not str(Path(baseline.engine_path or "").resolve()).startswith(str(Path(venv).resolve())):
-            raise DsadaptError(f"{req.pin}: the engine imported {baseline.engine_path}, not the package in {venv}",
-                               hint="something on PYTHONPATH shadows the pin's environment; unset it")
-        engine_info = {"engine_version": baseline.engine_version, "engine_path": baseline.engine_path,
-                       "engine_start_s": baseline.timings.get("engine_start_s", baseline.timings.get("load_s")),
-                       # the first job's wait: the runner's start (imports, engine, first forward)
-                       "first_job_s": round(time.monotonic() - t_engine, 2)}
-        control_report = finish(control_job)
-        diff = P.logit_difference(baseline.to_json(), control_report.to_json())
-        hooks = {"max_abs": diff, "identical": diff == 0.0, "words": P.hooks_words(diff)}
-        control_doc = judge.capture_of(control_job[3])
-        if control_doc is not None:
-            judge.refs.add(judge.refs.unknown(control_doc["sequences"]))
-        c = judge(control_report, control_doc)
-        del control_doc
-        _cleanup(control_job)
-        control = {"passed": not c.flagged, "reasons": c.reasons, "margins": c.margins.to_json(), "by": c.by,
-                   "setting_s": control_report.timings.get("setting_s"),
-                   "capture_s": control_report.timings.get("capture_s")}
-        say(f"power: control (every hook at eps 0) {'passes' if not c.flagged else 'FAILS'} the gate"
-            + (f" ({c.margins.words})" if c.margins.words else "")
-            + f"; hooks: {hooks['words']}")
-        if c.flagged:
-            queued = []  # power is not measured against an engine that fails without a perturbation
-        while queued:
-            t_round = time.monotonic()
-            _round(queued, finish, judge, say)
-            per_run = (time.monotonic() - t_round) / len(queued)
-            steps: list[tuple[int, P.Cell, float]] = []
-            for i, cell in enumerate(cells):
-                eps = P.next_eps(cell, req.search)
-                if eps is not None:
-                    steps.append((i, cell, eps))
-            if req.time_limit is not None and steps and \
-                    time.monotonic() - t_start + per_run * len(steps) > req.time_limit:
-                say(f"power: {len(steps)} cell(s) cut short: another round of about {per_run * len(steps):.0f} s "
-                    f"would end past --time-limit {req.time_limit:g} s")
-                for _i, cell, _eps in steps:
-                    cell.status = "cut short"
-                steps = []
-            queued = [(cell, eps, submit(f"c{i}-{eps:g}", [P.plan_item(cell, req.kind, eps)], judge.modules))
-                      for i, cell, eps in steps]
-        timings["engine_s"] = round(time.monotonic() - t_engine, 2)
-    if not control.get("passed"):
-        for cell in cells:
-            cell.status = "not measured"
-    timings["reference_capture_s"] = round(ref_capture_s[0], 2)
-    timings["reference_captures"] = judge.refs.runs
-    timings.update({k: v for k, v in engine_info.items() if k.endswith("_s")})
-    reasons = P.verdict(cells, control.get("passed", False), control.get("reasons") or [], req.require)
-    timings["total_s"] = round(time.monotonic() - t_start, 2)
-    result = P.PowerResult(
-        pin=str(req.pin), engine=req.pin.engine, variant=spec.name, model=label, config_style=style, dtype=req.dtype,
-        unpatched=req.unpatched, kind=req.kind,
-        search={**asdict(req.search), "grid": req.grid, "time_limit": req.time_limit}, cells=cells, control=control, hooks=hooks,
-        passed=not reasons, reasons=reasons, require=req.require, runner=getattr(session.runner, "name", ""),
-        settings=n_settings, timings=timings,
-        provenance={"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device_description(),
-                    "loadavg": loadavg_start, "loadavg_end": _loadavg(), "command": command, "installed": installed,
-                    "engine_version": engine_info.get("engine_version"), "engine_path": engine_info.get("engine_path"),
-                    "model_fingerprint": fp, "model_dir": str(model_dir), "prompt_seed": req.prompt_seed,
-                    "reference_versions": reference.versions, "reference_device": device,
-                    "patches": [] if req.unpatched else [e.name for e in plan.check.stack.entries]},
-        report_path=str(out))
-    write_report(result, out)
+    r = _prepare(plan, dtype, host or RunHost(plan.check.cfg, plan.check.lock), on_line)
+    prompts = build_prompt_set(r.model_dir, MAX_TOKENS, seed=r.req.prompt_seed)
+    prompts_path = write_prompts_json(prompts, r.work / "prompts.json")
+    judge = _judge(r, prompts_path)
+    found = _run_engine(r, judge, prompts_path, [p.id for p in prompts])
+    result = _result(r, judge, found)
+    write_report(result, r.out)
     return result
+
+
+def _result(r: _PowerRun, judge: Judge, found: _Outcome) -> P.PowerResult:
+    req, control = r.req, found.control
+    if not control.get("passed"):
+        for cell in r.cells:
+            cell.status = "not measured"
+    r.timings["reference_captures"] = judge.refs.runs
+    r.timings.update({k: v for k, v in found.engine.items() if k.endswith("_s")})
+    reasons = P.verdict(r.cells, control.get("passed", False), control.get("reasons") or [], req.require)
+    r.timings["total_s"] = round(time.monotonic() - r.t_start, 2)
+    return P.PowerResult(
+        pin=str(req.pin), engine=req.pin.engine, variant=r.plan.check.spec.name, model=r.label, config_style=r.style,
+        dtype=req.dtype, unpatched=req.unpatched, kind=req.kind,
+        search={**asdict(req.search), "grid": req.grid, "time_limit": req.time_limit}, cells=r.cells,
+        control=control, hooks=found.hooks, passed=not reasons, reasons=reasons, require=req.require,
+        runner=found.runner, settings=found.settings, timings=r.timings, provenance=_provenance(r, judge, found),
+        report_path=str(r.out))
+
+
+def _provenance(r: _PowerRun, judge: Judge, found: _Outcome) -> dict:
+    req = r.req
+    return {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device_description(),
+            "loadavg": r.loadavg_start, "loadavg_end": _loadavg(), "command": req.command or default_command(req),
+            "installed": found.installed, "engine_version": found.engine.get("engine_version"),
+            "engine_path": found.engine.get("engine_path"), "model_fingerprint": r.fingerprint,
+            "model_dir": str(r.model_dir), "prompt_seed": req.prompt_seed,
+            "reference_versions": judge.reference.versions, "reference_device": r.plan.check.reference_device,
+            "patches": [] if req.unpatched else [e.name for e in r.plan.check.stack.entries]}
 
 
 def _round(queued: list, finish, judge: Judge, say) -> None:
@@ -594,21 +690,21 @@ def _round(queued: list, finish, judge: Judge, say) -> None:
         report = finish(job)
         rows, change, why = _planted(cell, report)
         if rows == 0:
-            _add(cell, P.Trial(eps, None, reason=why, setting=job[0], seconds=report.timings.get("job_s")), say)
-            _cleanup(job)
+            _add(cell, P.Trial(eps, None, reason=why, setting=job.sid, seconds=report.timings.get("job_s")), say)
+            job.cleanup()
             continue
-        doc = judge.capture_of(job[3])
+        doc = judge.capture_of(job.capture)
         if doc is not None and judge.refs.unknown(doc["sequences"]):
             waiting.append((cell, eps, job, report, rows, change, doc["sequences"]))
             continue
-        _add(cell, _judged(judge, cell, eps, report, doc, rows, change, job[0]), say)
+        _add(cell, _judged(judge, cell, eps, report, doc, rows, change, job.sid), say)
         del doc
-        _cleanup(job)
+        job.cleanup()
     if waiting:
         judge.refs.add([s for *_, seqs in waiting for s in judge.refs.unknown(seqs)])
     for cell, eps, job, report, rows, change, _seqs in waiting:
-        _add(cell, _judged(judge, cell, eps, report, judge.capture_of(job[3]), rows, change, job[0]), say)
-        _cleanup(job)
+        _add(cell, _judged(judge, cell, eps, report, judge.capture_of(job.capture), rows, change, job.sid), say)
+        job.cleanup()
 
 
 def _planted(cell: P.Cell, report: LogitReport) -> tuple[int, float | None, str]:
@@ -640,14 +736,6 @@ def _add(cell: P.Cell, trial: P.Trial, say) -> None:
     say(f"power: {cell.target} {cell.phase} eps {trial.eps:g}: "
         + ("not planted" if trial.flagged is None else
            ("flagged" + (f" by {', '.join(trial.by)}" if trial.by else "")) if trial.flagged else "not flagged"))
-
-
-def _cleanup(job) -> None:
-    """A judged run's files go (a capture is tens of megabytes; the trial keeps what matters)."""
-    _sid, done, report_path, cap = job
-    for p in (done, report_path, cap):
-        if p is not None:
-            Path(p).unlink(missing_ok=True)
 
 
 def _loadavg() -> list[float] | None:
