@@ -82,8 +82,8 @@ def read_check_timings(reports_root: Path) -> list[CheckTimings]:
             continue
         if not isinstance(d, dict) or not isinstance(d.get("timings"), dict) or d.get("unpatched"):
             continue
-        if str(d.get("schema", "")).startswith("dsadapt.perf-report/"):  # speed-gate reports: their own section
-            continue
+        if str(d.get("schema", "")).startswith(("dsadapt.perf-report/", "dsadapt.power-report/")):
+            continue  # speed-gate and power reports: their own sections
         prov = d.get("provenance") or {}
         out.append(CheckTimings(str(path.relative_to(reports_root.parent)), d.get("pin", "?"), d.get("variant"),
                                 d.get("model"), d.get("dtype"), d.get("verdict"), prov.get("date"),

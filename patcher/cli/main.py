@@ -59,6 +59,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             'Speed gate: the patched and the unpatched build side by side under the same load. Exit 0 only on pass.'),
     "pin": ("pin", "pin_cmd",
             'Resolve the tag (git where reachable) and hash its release artifacts (PyPI) into upstream.lock.'),
+    "power": ("power", "power_cmd",
+            'Measure the smallest bug the gate flags: perturbations of known size planted in the engine, per module family, phase and dtype.'),
     "rebase": ("rebase", "rebase_cmd",
             "Carry ENGINE@OLD's stack onto --onto NEW: pin and fetch NEW, replay patch by patch (3-way), classify each patch, write patches/ENGINE/NEW and reports/rebase/ENGINE-OLD-to-NEW.{md,json}."),
     "refresh": ("refresh", "refresh_cmd",

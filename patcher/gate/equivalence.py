@@ -378,11 +378,16 @@ def _check_engine(req: CheckRequest, report: LogitReport, installed: dict) -> No
     """The engine that ran is the pin's (its package from the pin's environment), in the parallel
     configuration asked for."""
     _check_parallel(req, report.settings)
+    check_engine_path(req.pin, report.engine_path, installed)
+
+
+def check_engine_path(pin: PinRef, engine_path: str | None, installed: dict) -> None:
+    """The engine package a runner imported is the one in the pin's environment (`installed`)."""
     venv = installed.get("venv")
-    engine_path = report.engine_path or ""
+    engine_path = engine_path or ""
     if venv and engine_path.startswith("/") and \
             not str(Path(engine_path).resolve()).startswith(str(Path(venv).resolve())):
-        raise DsadaptError(f"{req.pin}: the engine imported {engine_path}, not the package in {venv}",
+        raise DsadaptError(f"{pin}: the engine imported {engine_path}, not the package in {venv}",
                            hint="something on PYTHONPATH shadows the pin's environment; unset it")
 
 

@@ -196,3 +196,44 @@ def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_power(result, out: Path) -> Path:
+    """A power run (`patcher.rules.mde.PowerResult`): one column per (target, phase), eps on a log
+    axis; every trial a marker (red cross: the gate flagged it, green circle: it did not, grey: not
+    planted), the MDE of each cell a black bar, the searched range's ends dashed lines. A column
+    with no bar the gate never flagged in the range; one with its bar on the lower line is flagged
+    already at eps_min."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result.cells
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(cells) + 2.5), 4.5))
+    search = result.search
+    for x, cell in enumerate(cells):
+        for t in cell.trials:
+            style = ("x", "tab:red") if t.flagged else ("o", "tab:green") if t.flagged is False else ("s", "grey")
+            ax.scatter([x], [t.eps], marker=style[0], color=style[1], s=28, zorder=3,
+                       facecolors="none" if style[0] == "o" else None)
+        hi = cell.flagged_at
+        if hi is not None:
+            ax.hlines(hi, x - 0.35, x + 0.35, color="black", linewidth=2.5, zorder=4)
+            ax.text(x + 0.38, hi, f"{hi:.2g}", fontsize=7, va="center")
+    for y, label in ((search["eps_max"], "eps_max"), (search["eps_min"], "eps_min")):
+        ax.axhline(y, color="grey", linestyle="--", linewidth=1)
+        ax.text(len(cells) - 0.5, y, f" {label} {y:g}", fontsize=7, va="bottom", ha="right", color="grey")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{c.target}\n{c.phase}" for c in cells], fontsize=8)
+    ax.set_xlim(-0.6, len(cells) - 0.4)
+    ax.set_ylabel(f"eps ({result.kind}): red x flagged, green o not")
+    ax.set_title(f"{result.pin} {result.model} {result.dtype}: smallest perturbation the gate flags (bar)"
+                 + ("" if result.control.get("passed") else " — the control FAILS"), fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,8 +150,50 @@ class Call:
     positions: list[int]
 
 
+class _Hooks:
+    """What a `Recorder` and a `Perturber` share: the hooks and wrappers to undo, and which decoder
+    layer is running (a forward pre-hook on each layer of the spec's ``layers``)."""
+
+    handles: list
+    restores: list
+    layer: int | None
+
+    def _track_layers(self, root, spec: dict) -> int:
+        layers = _try_resolve(root, spec.get("layers", "")) if spec.get("layers") else None
+        if layers is None:
+            return 0
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        return len(layers)
+
+    def _layer_pre(self, i: int):
+        def hook(module, args):
+            self.layer = i
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for undo in reversed(self.restores):
+            undo()
+        self.handles.clear()
+        self.restores.clear()
+
+
+def root_inputs(rows: dict, args, kwargs):
+    """(token ids, positions) of a root forward call, as the spec's ``rows`` names them (None where
+    the call has none)."""
+    ids = kwargs.get(rows.get("ids", "input_ids"))
+    pos = kwargs.get(rows.get("positions", "positions"))
+    if ids is None and args:
+        ids = args[0]
+    if pos is None and len(args) > 1:
+        pos = args[1]
+    return ids, pos
+
+
 @dataclass
-class Recorder:
+class Recorder(_Hooks):
     """Records hook outputs per forward call. `prompt` is set by the driver before it runs
     a prompt; engines' root pre-hook (or the HF driver's `begin_call`) opens a call."""
 
@@ -188,11 +231,7 @@ class Recorder:
     # -- installation
     def install(self, root) -> None:
         """Register every hook and wrapper the spec asks for."""
-        layers = _try_resolve(root, self.spec.get("layers", "")) if self.spec.get("layers") else None
-        n_layers = len(layers) if layers is not None else 0
-        if layers is not None:
-            for i, layer in enumerate(layers):
-                self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+        n_layers = self._track_layers(root, self.spec)
         rows = self.spec.get("rows")
         if rows:
             self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
@@ -222,27 +261,9 @@ class Recorder:
                 self.handles.append(entries[0]["_obj"].register_forward_hook(self._module_hook(_dedup(entries)),
                                                                               with_kwargs=True))
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        for undo in reversed(self.restores):
-            undo()
-        self.handles.clear()
-        self.restores.clear()
-
-    def _layer_pre(self, i: int):
-        def hook(module, args):
-            self.layer = i
-        return hook
-
     def _root_pre(self, rows: dict):
         def hook(module, args, kwargs):
-            ids = kwargs.get(rows.get("ids", "input_ids"))
-            pos = kwargs.get(rows.get("positions", "positions"))
-            if ids is None and args:
-                ids = args[0]
-            if pos is None and len(args) > 1:
-                pos = args[1]
+            ids, pos = root_inputs(rows, args, kwargs)
             if ids is None or pos is None:
                 raise CaptureError("the root forward has no token ids / positions to map rows with")
             self.begin_call(ids.reshape(-1).tolist(), pos.reshape(-1).tolist())
@@ -402,7 +423,7 @@ def rank_path(path: str, rank: int) -> str:
 
 
 #: The recorder of this process (one per rank), between `worker_install` and `worker_finish`.
-_WORKER: dict[str, Recorder] = {}
+_WORKER: dict[str, Any] = {}
 
 
 def worker_install(spec_path: str, model) -> int:
@@ -439,3 +460,326 @@ def worker_abort(model) -> None:
     if rec is not None:
         rec.active = False
         rec.remove()
+
+
+# ----------------------------------------------------------------------------- perturbations
+#
+# `dsadapt power` plants perturbations of known size inside the engine's forward, through the
+# same capture spec (the engine's table says where each comparison point lives): a *plan* is a
+# list of items
+#
+#     {"point": "attn.core", "layers": [0, 1, 2, 3] | null, "phase": "prefill" | "decode" | "both",
+#      "kind": "scale" | "noise", "eps": 0.01, "seed": 0}
+#
+# and each item changes the value at that point (the very tensor the capture would record) on
+# the rows of its phase: ``scale`` multiplies it by 1 + eps, ``noise`` adds eps x the row's RMS x
+# N(0, 1) (seeded). A row's phase is the code path that computed it (`row_phases`). What was
+# changed is counted (`Perturber.stats`): rows per phase and the relative change the tensors
+# actually took (low-precision rounding can take back part of a small eps), so a perturbation
+# that never reached the model reads as not planted, never as not detected.
+
+PERTURB_KINDS = ("scale", "noise")
+PERTURB_PHASES = ("prefill", "decode", "both")
+
+
+def row_phases(positions) -> tuple[list[int], list[int]]:
+    """(phase of each row, phase of each sequence run) of one forward call: 0 prefill, 1 decode.
+
+    Rows come in runs of consecutive positions, one run per sequence. A run of one row at a
+    position > 0 is a decode step; any other run (a prompt, a chunk of one, a prefix computed
+    again) went through the prefill path. Two sequences decoding side by side at neighbouring
+    positions would read as one run (the gate's prompt set never has them: its batch members'
+    lengths differ by more than one)."""
+    rows: list[int] = []
+    runs: list[int] = []
+    pos = [int(p) for p in positions]
+    k = 0
+    while k < len(pos):
+        j = k + 1
+        while j < len(pos) and pos[j] == pos[j - 1] + 1:
+            j += 1
+        phase = 1 if j - k == 1 and pos[k] > 0 else 0
+        rows.extend([phase] * (j - k))
+        runs.append(phase)
+        k = j
+    return rows, runs
+
+
+def check_plan(plan) -> list[dict]:
+    """The plan's items, or CaptureError saying which field is wrong."""
+    if not isinstance(plan, list):
+        raise CaptureError("a perturbation plan is a list of items")
+    for item in plan:
+        if not isinstance(item, dict) or not isinstance(item.get("point"), str):
+            raise CaptureError(f"perturbation item {item!r}: needs a point")
+        if item.get("kind", "scale") not in PERTURB_KINDS:
+            raise CaptureError(f"perturbation kind {item.get('kind')!r}: one of {', '.join(PERTURB_KINDS)}")
+        if item.get("phase", "both") not in PERTURB_PHASES:
+            raise CaptureError(f"perturbation phase {item.get('phase')!r}: one of {', '.join(PERTURB_PHASES)}")
+        eps = item.get("eps")
+        if not isinstance(eps, (int, float)) or not 0 <= float(eps) < 1:
+            raise CaptureError(f"perturbation eps {eps!r}: a number in [0, 1)")
+    return plan
+
+
+@dataclass
+class _Tally:
+    rows: list[int] = field(default_factory=lambda: [0, 0])      # rows changed, per phase
+    change2: list[float] = field(default_factory=lambda: [0.0, 0.0])  # ||after - before||^2, per phase
+    norm2: list[float] = field(default_factory=lambda: [0.0, 0.0])    # ||before||^2, per phase
+    unmapped: int = 0                                            # tensors whose rows fit no call's rows
+
+
+@dataclass
+class Perturber(_Hooks):
+    """Changes the values of a plan's points on the rows of their phase (see above). Install it
+    before a `Recorder` on the same model: the recorder then records the perturbed values."""
+
+    spec: dict
+    plan: list[dict]
+    layer: int | None = None
+    phases: list[int] = field(default_factory=list)
+    runs: list[int] = field(default_factory=list)
+    tallies: dict[str, _Tally] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    handles: list = field(default_factory=list)
+    restores: list = field(default_factory=list)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        import torch
+
+        check_plan(self.plan)
+        self._gen = {i: torch.Generator().manual_seed(int(item.get("seed", 0)))
+                     for i, item in enumerate(self.plan)}
+
+    # -- installation
+    def install(self, root) -> None:
+        n_layers = self._track_layers(root, self.spec)
+        rows = self.spec.get("rows")
+        if rows:
+            self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
+                self._root_pre(rows), with_kwargs=True))
+        for k, item in enumerate(self.plan):
+            self.tallies.setdefault(item["point"], _Tally())
+            entries = [p for p in self.spec["points"] if p["point"] == item["point"]]
+            found = False
+            seen: set[tuple] = set()
+            for e in entries:
+                if "function" in e:
+                    found |= self._wrap_function(e, k)
+                    continue
+                paths = [e["path"].replace("{i}", str(i)) for i in range(n_layers)] if "{i}" in e["path"] else [e["path"]]
+                for path in paths:
+                    obj = _try_resolve(root, path)
+                    if obj is None:
+                        continue
+                    key = (id(obj), e.get("method"), str(e.get("take", 0)), str(e.get("layers_only")))
+                    if key in seen:  # one object shared by every layer (vLLM's rotary embedding)
+                        found = True
+                        continue
+                    seen.add(key)
+                    found = True
+                    if "method" in e:
+                        self._wrap_method(obj, e, k)
+                    elif e.get("take") == "input0":
+                        self.handles.append(obj.register_forward_pre_hook(self._input_hook(e, k), with_kwargs=True))
+                    else:
+                        self.handles.append(obj.register_forward_hook(self._output_hook(e, k)))
+            if not found:
+                self.missing.append(item["point"])
+
+    def _root_pre(self, rows: dict):
+        def hook(module, args, kwargs):
+            _ids, pos = root_inputs(rows, args, kwargs)
+            if pos is None:
+                raise CaptureError("the root forward has no positions to tell prefill from decode rows")
+            self.phases, self.runs = row_phases(pos.reshape(-1).tolist())
+            self.layer = None
+            self.calls += 1
+        return hook
+
+    # -- what changes
+    def _applies(self, entry: dict, item: dict) -> bool:
+        layered = "{i}" in entry.get("path", "") or bool(entry.get("layered"))
+        if not layered:
+            return True
+        if "layers_only" in entry and self.layer not in entry["layers_only"]:
+            return False
+        wanted = item.get("layers")
+        return wanted is None or self.layer in wanted
+
+    def _mask(self, n: int, entry: dict, item: dict, tally: _Tally):
+        """Which of a tensor's `n` rows (along its token axis) are in the item's phase, and the
+        phase of each (None: its rows map to no call)."""
+        import torch
+
+        phases = self.phases
+        if entry.get("rows") == "last" and n == len(self.runs) and n != len(phases):
+            phases = self.runs
+        elif n != len(phases):
+            if len(set(phases)) == 1:  # a call in one phase: every row of it is in that phase
+                phases = [phases[0]] * n
+            elif n > len(phases):  # rows padded after the call's real ones
+                phases = phases + [-1] * (n - len(phases))
+            else:
+                tally.unmapped += 1
+                return None, None
+        ph = torch.tensor(phases, dtype=torch.long)
+        want = item.get("phase", "both")
+        keep = ph >= 0 if want == "both" else ph == PERTURB_PHASES.index(want)
+        return keep, ph
+
+    def _change(self, t, entry: dict, k: int, count: bool = True):
+        """`t` with the item's change on its rows in the item's phase (a new tensor), or `t`;
+        `count` False: a further part of a value already counted (the residual of a sum)."""
+        import torch
+
+        item = self.plan[k]
+        eps = float(item.get("eps", 0.0))
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not self._applies(entry, item):
+            return t
+        tally = self.tallies[item["point"]]
+        axis = int(entry.get("token_axis", 0))
+        if t.dim() <= axis or not self.phases:
+            tally.unmapped += 1
+            return t
+        keep, ph = self._mask(t.shape[axis], entry, item, tally)
+        if keep is None or not bool(keep.any()):
+            return t
+        x = t.movedim(axis, 0)
+        keep = keep.to(x.device)
+        rows = x[keep].double()
+        flat = rows.reshape(rows.shape[0], -1)
+        if item.get("kind", "scale") == "noise":
+            rms = flat.square().mean(-1, keepdim=True).sqrt()
+            z = torch.randn(flat.shape, generator=self._gen[k], dtype=torch.float64).to(flat.device)
+            new = (flat + eps * rms * z).reshape(rows.shape)
+        else:
+            new = rows * (1.0 + eps)
+        # rounded to the engine's dtype: a change smaller than half its spacing (bfloat16: 2^-9 of the
+        # value) is rounded away, and the change the run took (`stats`) says so
+        new = new.to(x.dtype) if eps else x[keep]
+        out = x.clone()
+        out[keep] = new
+        if not count:
+            return out.movedim(0, axis)
+        took = (new.detach().double() - rows.detach()).reshape(rows.shape[0], -1).square().sum(-1)
+        size = flat.detach().square().sum(-1)
+        row_phase = ph.to(x.device)[keep]
+        for p in (0, 1):
+            sel = row_phase == p
+            if bool(sel.any()):
+                tally.rows[p] += int(sel.sum())
+                tally.change2[p] += float(took[sel].sum())
+                tally.norm2[p] += float(size[sel].sum())
+        return out.movedim(0, axis)
+
+    def _apply(self, value, entry: dict, k: int):
+        """The hook's output with the item's change where the entry's ``take`` says."""
+        import torch
+
+        how = entry.get("take", 0)
+        if isinstance(value, torch.Tensor):
+            return self._change(value, entry, k) if how in (0, "0", "sum") else value
+        if not isinstance(value, (tuple, list)):
+            return value
+        parts = list(value)
+        if how == "sum":  # (hidden, residual) whose sum is the value: scale each part, noise the first
+            tensors = [i for i, v in enumerate(parts) if isinstance(v, torch.Tensor)]
+            if tensors and self.plan[k].get("kind", "scale") == "noise":
+                total = sum((parts[i] for i in tensors[1:]), parts[tensors[0]])
+                parts[tensors[0]] = self._change(total, entry, k) - (total - parts[tensors[0]])
+            for n, i in enumerate(tensors if self.plan[k].get("kind", "scale") != "noise" else ()):
+                parts[i] = self._change(parts[i], entry, k, count=n == 0)
+        else:
+            i = int(how)
+            if i < len(parts):
+                parts[i] = self._change(parts[i], entry, k)
+        return type(value)(parts) if isinstance(value, tuple) else parts
+
+    # -- hooks
+    def _output_hook(self, entry: dict, k: int):
+        def hook(module, args, output):
+            return self._apply(output, entry, k)
+        return hook
+
+    def _input_hook(self, entry: dict, k: int):
+        def hook(module, args, kwargs):
+            if args:
+                return (self._change(args[0], entry, k), *args[1:]), kwargs
+            if kwargs:
+                name = next(iter(kwargs))
+                return args, {**kwargs, name: self._change(kwargs[name], entry, k)}
+            return None
+        return hook
+
+    def _wrap_method(self, obj, entry: dict, k: int) -> None:
+        name = entry["method"]
+        original = getattr(obj, name)
+        had_own = name in getattr(obj, "__dict__", {})
+
+        def wrapper(*args, **kwargs):
+            return self._apply(original(*args, **kwargs), entry, k)
+
+        setattr(obj, name, wrapper)
+        self.restores.append(lambda: setattr(obj, name, original) if had_own else delattr(obj, name))
+
+    def _wrap_function(self, entry: dict, k: int) -> bool:
+        mod_name, _, attr = entry["function"].partition(":")
+        try:
+            mod = importlib.import_module(mod_name)
+            original = getattr(mod, attr)
+        except (ImportError, AttributeError):
+            return False
+
+        def wrapper(*args, **kwargs):
+            return self._apply(original(*args, **kwargs), entry, k)
+
+        setattr(mod, attr, wrapper)
+        self.restores.append(lambda: setattr(mod, attr, original))
+        return True
+
+    # -- what it did
+    def stats(self, reset: bool = False) -> dict:
+        """Per point: rows changed and the relative change they took (sqrt of summed squared
+        change over summed squared value), per phase; the points the model does not have; the
+        forward calls seen."""
+        out: dict[str, Any] = {"calls": self.calls, "missing": sorted(set(self.missing)), "points": {}}
+        for point, t in self.tallies.items():
+            out["points"][point] = {
+                "rows": {"prefill": t.rows[0], "decode": t.rows[1]},
+                "change": {name: (math.sqrt(t.change2[p] / t.norm2[p]) if t.norm2[p] > 0 else None)
+                           for p, name in enumerate(("prefill", "decode"))},
+                "unmapped": t.unmapped}
+        if reset:
+            self.tallies = {p: _Tally() for p in self.tallies}
+            self.calls = 0
+        return out
+
+
+def worker_perturb(plan: list, spec_path: str, model) -> int:
+    """Install the perturbation `plan` on this rank's `model` (vLLM's ``LLM.apply_model``);
+    returns the rank. Any earlier perturbation is removed first."""
+    old = _WORKER.pop("perturb", None)
+    if old is not None:
+        old.remove()
+    p = Perturber(load_spec(spec_path), list(plan))
+    p.install(model)
+    _WORKER["perturb"] = p
+    return rank_info()[0]
+
+
+def worker_perturb_stats(model) -> dict:
+    """What the installed perturbation changed since the last call (`Perturber.stats`, reset)."""
+    p = _WORKER.get("perturb")
+    return p.stats(reset=True) if isinstance(p, Perturber) else {}
+
+
+def worker_unperturb(model) -> dict:
+    """Remove the installed perturbation; returns what it changed since the last stats call."""
+    p = _WORKER.pop("perturb", None)
+    if not isinstance(p, Perturber):
+        return {}
+    p.remove()
+    return p.stats()

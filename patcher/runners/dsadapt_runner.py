@@ -64,6 +64,33 @@ def add_capture_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+def add_power_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`dsadapt power`'s protocol for runners that can plant perturbations (capture.py's
+    `Perturber`): with ``--power-jobs`` the runner starts its engine once, then serves jobs on
+    stdin (`serve_jobs`), one per perturbation setting:
+
+        {"setting": {"id", "perturb": [plan item, ...]}, "report": PATH, "capture": PATH | null,
+         "max_tokens": N | null, "done": PATH}
+
+    For each it installs the setting's perturbation (an empty plan: none) on the live model,
+    runs the gate's prompts as the plain run does (``max_tokens`` greedy tokens when the job
+    names a number, else ``--max-tokens``) and writes that logit report to ``report``
+    (``settings.perturbation`` = `perturbation_settings`), with ``capture`` also the capture pass
+    (prefill plus ``--capture-decode-steps`` decode steps, each prompt alone) with the same
+    perturbation, then removes it. ``--capture-spec`` names where each point lives (required).
+    It leaves at the end of its input; ``--out`` is not written."""
+    ap.add_argument("--power-jobs", action="store_true",
+                    help="serve perturbation settings on stdin (dsadapt power) after one engine start")
+    return ap
+
+
+def perturbation_settings(setting: dict, report_pass: dict, capture_pass: dict | None) -> dict:
+    """``settings.perturbation`` of a power job's report: the setting, and what the perturbation
+    changed in the report's run and in the capture pass (capture.py's `Perturber.stats`)."""
+    return {"id": setting.get("id"), "perturb": list(setting.get("perturb") or []), "report_pass": report_pass,
+            "capture_pass": capture_pass}
+
+
 def add_parallel_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The protocol for runners whose engine runs in parallel (`dsadapt check --tp N [--ep]`):
     tensor parallel size and expert parallelism. A runner that takes them reports what it ran

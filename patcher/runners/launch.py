@@ -73,6 +73,8 @@ class RunnerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("float32",)
+    #: the runner serves `dsadapt power`'s perturbation jobs (``--power-jobs``, dsadapt_runner.add_power_args)
+    power: bool = False
 
     def argv(self, python: Path, model_dir: Path, prompts_path: Path, dtype: str, top_k: int, max_tokens: int,
              out: Path, fingerprint: str | None = None) -> list[str]:

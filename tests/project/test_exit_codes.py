@@ -156,6 +156,8 @@ SITUATIONS: dict[str, list[tuple]] = {
     "perf": [("no pin", None, [], {}, 2), ("bad --threshold", None, [REF1, "--threshold", "2"], {}, 2),
              ("no speed-gate recipe", _with_triton, [TRITON], {}, 6),
              ("no environment lock for the pin", None, [REF1, "--model", "MODEL"], {}, 6)],
+    "power": [("no pin", None, [], {}, 2), ("bad --eps-max", None, [REF1, "--eps-max", "2"], {}, 2),
+              ("no reachable source", _with_triton, [TRITON, "--model", "MODEL", "--family", "attention"], {}, 6)],
     "bench": [("ok", None, ["--no-alternative", "--repeat", "1", "--sizes", "1,3", "--out", "OUT"], {}, 0)],
     "model make": [("unknown model variant", None, ["--variant", "v9", "--out", "OUT"], {}, 2),
                    ("--like without --layers", None, ["--like", "deepseek-v3", "--out", "OUT"], {}, 2)],

@@ -17,8 +17,26 @@ from pathlib import Path
 
 def _results(doc: dict) -> list[dict]:
     if "results" in doc and isinstance(doc["results"], list):  # several dtypes: dsadapt.check-dtypes/1
-        return doc["results"]
+        return [_power(r) if _is_power(r) else r for r in doc["results"]]
+    if _is_power(doc):
+        return [_power(doc)]
     return [doc] if "verdict" in doc else []
+
+
+def _is_power(doc: dict) -> bool:
+    return str(doc.get("schema", "")).startswith("dsadapt.power-report/")
+
+
+def _power(doc: dict) -> dict:
+    """A power report (`dsadapt power`) as a summary row: its verdict and every cell's MDE."""
+    cells = []
+    for c in doc.get("cells") or []:
+        hi = c.get("flagged_at")
+        mde = {"flagged": f"{hi:.3g}" if hi is not None else "-", "not flagged": f"> {doc['search']['eps_max']:g}",
+               "below range": f"<= {doc['search']['eps_min']:g}"}.get(c.get("status"), c.get("status"))
+        cells.append(f"{c.get('target')}/{c.get('phase')} {mde}")
+    return {**doc, "verdict": "pass" if doc.get("passed") else "fail",
+            "margins": {"words": "MDE " + ", ".join(cells) if cells else ""}}
 
 
 def rows(results_dir: Path) -> list[dict]:

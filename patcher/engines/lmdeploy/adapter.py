@@ -55,7 +55,7 @@ class LmdeployEngine(WheelEngine):
     # The PyTorch engine (lmdeploy.pipeline) in the pin's environment, on CUDA: no float32 mode. fp8:
     # a block-FP8 checkpoint through its blocked-FP8 linears (lmdeploy/pytorch/nn/linear/blocked_fp8.py,
     # backends/cuda/blockedf8_modules.py), activations bfloat16
-    runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16", "fp8"))
+    runner = RunnerSpec("lmdeploy", HERE / "runner.py", dtypes=("bfloat16", "float16", "fp8"), power=True)
     run_settings = ("device", "gpu", "backend", "eager_mode", "session_len", "logprobs_mode",
                     "cache_max_entry_count", "generation_requests", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run, on CUDA)

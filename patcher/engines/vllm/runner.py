@@ -25,6 +25,12 @@ cores split into N groups (``0|1`` on two cores; vLLM's automatic binding wants 
 per rank); the ranks talk through vLLM's shared-memory communicator (gloo underneath), which
 needs nothing else. ``--expert-parallel`` passes ``enable_expert_parallel``.
 
+``--power-jobs`` (`dsadapt power`): one engine start (its core in this process, as for a capture),
+then one job per perturbation setting read from stdin (``dsadapt_runner.add_power_args``): the
+setting's perturbation installed on the live model (``apply_model``, capture.py's `Perturber`), the
+gate's prompts run as below (the prefix cache emptied first: every prompt token is computed with
+the perturbation in place), the capture pass when the job asks for one, the perturbation removed.
+
 ``--capture`` (`dsadapt bisect`): after the gate's prompts, each prompt again alone with forward
 hooks on the live model (``LLM.apply_model``; the engine core runs in this process for that,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), recording the points the spec names (capture.py). With
@@ -46,9 +52,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=256)
     kit.add_parallel_args(ap)
     kit.add_capture_args(ap)
+    kit.add_power_args(ap)
     args = ap.parse_args(argv)
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be at least 1")
+    if args.power_jobs and (args.capture_spec is None or args.tensor_parallel_size != 1):
+        ap.error("--power-jobs needs --capture-spec and one rank")
     return args
 
 
@@ -139,9 +148,65 @@ def capture_pass(llm, prompt_docs, args, saved: list):
     return round(time.time() - t0, 3)
 
 
+def run_prompts(llm, prompt_docs, params, top_k: int) -> tuple[dict, list[float]]:
+    """The gate's prompts (singles alone, each batch in one call): prompt results by id, seconds per call."""
+    results, gen_times = {}, []
+    for group in groups(prompt_docs):
+        g0 = time.time()
+        outs = llm.generate([{"prompt_token_ids": list(p["token_ids"])} for p in group], params,
+                            use_tqdm=False)
+        gen_times.append(round(time.time() - g0, 3))
+        for p, out in zip(group, outs):
+            results[p["id"]] = result_from_output(p, out, top_k)
+    return results, gen_times
+
+
+def serve_power(llm, prompt_docs, args, sampling, *, version: str, engine_path: str, timings: dict) -> None:
+    """`dsadapt power`'s jobs (``--power-jobs``): per setting, its perturbation on the live model,
+    the gate's prompts (a logit report; ``max_tokens`` greedy tokens when the job says, else
+    ``--max-tokens``), the capture pass if asked, the perturbation removed."""
+    import argparse
+    from functools import partial
+
+    import capture
+    import torch
+
+    spec = os.path.abspath(args.capture_spec)
+
+    def run_setting(job: dict) -> None:
+        setting = job["setting"]
+        a = argparse.Namespace(**{**vars(args), "max_tokens": int(job.get("max_tokens") or args.max_tokens)})
+        llm.reset_prefix_cache()  # a cached prefix would skip the perturbed computation
+        llm.apply_model(partial(capture.worker_perturb, list(setting.get("perturb") or []), spec))
+        try:
+            t0 = time.time()
+            results, gen_times = run_prompts(llm, prompt_docs, sampling(a.max_tokens), args.top_k)
+            report_pass = llm.apply_model(capture.worker_perturb_stats)[0]
+            capture_pass_stats, capture_s = None, None
+            if job.get("capture"):
+                saved: list = []
+                capture_s = capture_pass(llm, prompt_docs, argparse.Namespace(**{**vars(a), "capture": job["capture"]}),
+                                         saved)
+                capture_pass_stats = llm.apply_model(capture.worker_perturb_stats)[0]
+        finally:
+            llm.apply_model(capture.worker_unperturb)
+        kit.write_report(job["report"], kit.report(
+            a, runner="vllm", engine="vllm", engine_version=version,
+            versions={"vllm": version, "torch": torch.__version__, "python": platform.python_version()},
+            engine_path=engine_path, prompts=[results[p["id"]] for p in prompt_docs],
+            settings={"enforce_eager": True, "max_model_len": args.max_model_len, "seed": 0,
+                      "groups": [[p["id"] for p in g] for g in groups(prompt_docs)], "engine_core": "in-process",
+                      "parallel": kit.parallel_settings(args),
+                      "perturbation": kit.perturbation_settings(setting, report_pass, capture_pass_stats)},
+            timings={**timings, "generate_s": round(sum(gen_times), 3), "generate_calls_s": gen_times,
+                     "setting_s": round(time.time() - t0, 3), **({"capture_s": capture_s} if capture_s else {})}))
+
+    kit.serve_jobs("vllm_runner", run_setting)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.capture:
+    if args.capture or args.power_jobs:
         # the engine core must run in this process for hooks on its model to see the forward
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.time()
@@ -163,22 +228,21 @@ def main(argv=None):
     # with bfloat16 activations
     # the model length holds the longest prompt and everything generated after it, capture included
     args.max_model_len = max(args.max_model_len, kit.context_needed(
-        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture else 0))
+        prompt_docs, args.max_tokens, args.capture_decode_steps + 1 if args.capture or args.power_jobs else 0))
     llm = LLM(model=args.model, dtype="bfloat16" if args.dtype == "fp8" else args.dtype, enforce_eager=True,
               max_model_len=args.max_model_len,
               seed=0, skip_tokenizer_init=True, max_logprobs=max(args.top_k, 20), **parallel_kwargs)
     t2 = time.time()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
-                            ignore_eos=True, logprobs=args.top_k, prompt_logprobs=args.top_k,
-                            detokenize=False)
-    results, gen_times = {}, []
-    for group in groups(prompt_docs):
-        g0 = time.time()
-        outs = llm.generate([{"prompt_token_ids": list(p["token_ids"])} for p in group], params,
-                            use_tqdm=False)
-        gen_times.append(round(time.time() - g0, 3))
-        for p, out in zip(group, outs):
-            results[p["id"]] = result_from_output(p, out, args.top_k)
+
+    def sampling(max_tokens: int):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                              logprobs=args.top_k, prompt_logprobs=args.top_k, detokenize=False)
+
+    if args.power_jobs:
+        serve_power(llm, prompt_docs, args, sampling, version=vllm.__version__, engine_path=vllm.__file__,
+                    timings={"import_s": round(t1 - t0, 3), "engine_start_s": round(t2 - t1, 3)})
+        return 0
+    results, gen_times = run_prompts(llm, prompt_docs, sampling(args.max_tokens), args.top_k)
     t3 = time.time()
     saved: list = []
     capture_s, capture_error = kit.try_capture(lambda: capture_pass(llm, prompt_docs, args, saved)) \
