@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from patcher.base.config import Config
-from patcher.base.errors import SourceError, VerificationError
+from patcher.base.errors import SourceError, UsageError, VerificationError
 from patcher.engines.registry import adapter
 from patcher.formats.lock import Artifact, Lock, LockEntry
-from patcher.formats.pinref import PinRef
+from patcher.formats.pinref import PinRef, near_miss
 from patcher.upstream.sources import Unreachable, engine_cache, git_remote_tags, pypi_files
 
 
@@ -59,7 +59,10 @@ def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, p
             progress(f"resolving {ref.tag} at {decl.git}")
         tags = git_remote_tags(decl.git, cfg.git_timeout)
         if ref.tag not in tags:
-            raise SourceError(f"{decl.git} has no tag {ref.tag}", hint="check the tag name (`dsadapt tags ENGINE`)")
+            meant = near_miss(ref.tag, tags)
+            raise SourceError(f"{decl.git} has no tag {ref.tag}",
+                              hint=f"did you mean {ref.engine}@{meant}?" if meant else
+                              f"check the tag name (`dsadapt tags {ref.engine}`)")
         got = tags[ref.tag]
         if commit and got != commit and not update:
             raise VerificationError(f"{ref}: tag moved: upstream says {got[:12]}, lock pins {commit[:12]}",
@@ -73,6 +76,10 @@ def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, p
         commit, tree = fetched, cache.tree_of(fetched)
         notes.append(f"git: {ref.tag} -> commit {commit[:12]}, tree {tree[:12]}")
     except Unreachable as e:
+        usual = ad.version_to_tag(ad.tag_to_version(ref.tag))
+        if old is None and usual != ref.tag:  # nothing can say the tag exists, and it is not spelled like a release
+            raise UsageError(f"{ref}: {decl.git} cannot be reached to look the tag up, and {ref.engine}'s release "
+                             f"tags are spelled like {usual}", hint=f"did you mean {ref.engine}@{usual}?") from None
         notes.append(f"git: {e.message}; commit/tree {'kept from the lock' if commit else 'unknown'}")
     except Exception as e:  # ls-remote timeouts and the like
         if isinstance(e, (SourceError, VerificationError)):

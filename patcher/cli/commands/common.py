@@ -26,7 +26,7 @@ from patcher.base.errors import UsageError, escape_line, plural  # noqa: F401 - 
 from patcher.cli import options
 from patcher.cli.options import color_enabled, verbosity
 from patcher.formats.lock import Lock, load_lock
-from patcher.formats.pinref import PinRef, parse_pinref
+from patcher.formats.pinref import PinRef, near_pin, parse_pinref
 
 
 @dataclass
@@ -91,12 +91,30 @@ class PinRefParam(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> PinRef:
         if isinstance(value, PinRef):
             return value
-        ref = parse_pinref(str(value))
-        if self.pinned and ctx is not None and not ctx.resilient_parsing:
-            obj = ctx.find_object(Context)
-            if obj is not None:
-                obj.lock.pin(ref)
+        obj = ctx.find_object(Context) if ctx is not None and not ctx.resilient_parsing else None
+        if obj is not None:
+            try:
+                ref = parse_pinref(str(value))
+            except UsageError as e:
+                _near_pin(obj, str(value), e)  # "did you mean vllm@v0.32.0" for vllm-v0.32.0, VLLM@v0.32.0
+                raise
+        else:
+            ref = parse_pinref(str(value))
+        if self.pinned and obj is not None:
+            obj.lock.pin(ref)
         return ref
+
+
+def _near_pin(obj: Context, text: str, error: UsageError) -> None:
+    """The parser's `error` again, its hint naming the pinned ENGINE@TAG that `text` plainly means
+    (`near_pin`), where the lock has one."""
+    try:
+        pins = obj.lock.pins
+    except Exception:  # noqa: BLE001 - no readable lock: the parser's own error stands
+        return
+    meant = near_pin(text, pins)
+    if meant:
+        raise UsageError(error.message, hint=f"did you mean {meant}?") from None
 
 
 junit_option = click.option(
