@@ -15,6 +15,35 @@ from patcher.rules.modules import rescore_bisect
 from patcher.rules.noise import margin_words
 
 
+def parallel_label(parallel: object) -> str:
+    """Pure: a stored parallel configuration as reports name it: '' for one process, else 'tp2' or
+    'tp2-ep' (`Parallel.label`); accepts the reports' {"tp", "ep", ...} dict or a tensor-parallel size."""
+    if isinstance(parallel, dict):
+        tp, ep = int(parallel.get("tp") or 1), bool(parallel.get("ep"))
+    else:
+        try:
+            tp, ep = int(str(parallel or 1).split("+")[0]), "+ep" in str(parallel or "")
+        except ValueError:
+            return str(parallel)
+    return "" if tp == 1 and not ep else f"tp{tp}" + ("-ep" if ep else "")
+
+
+def configuration(doc: dict) -> str:
+    """Pure: what a check or speed-gate report (or a `CheckResult`'s JSON) is about, in words, one
+    space apart: variant, model, config style, dtype, the parallel configuration when not one
+    process, and the controls and seeds that make it another run of the same configuration
+    ('cpu v3 transformers bfloat16 tp2', '... unpatched', '... seed3'). Two reports of different
+    configurations never get the same words (JUnit case names, plot titles, `dsadapt report`)."""
+    prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
+    par = doc.get("parallel") if doc.get("parallel") is not None else prov.get("parallel")
+    seed = doc.get("prompt_seed", prov.get("prompt_seed"))
+    parts = [doc.get("variant"), doc.get("model"), doc.get("config_style"), doc.get("dtype"), parallel_label(par),
+             "unpatched" if doc.get("unpatched") else "",
+             "unpatched engine" if prov.get("unpatched_engine") or doc.get("unpatched_engine") else "",
+             f"seed{seed}" if seed else ""]
+    return " ".join(" ".join(str(x) for x in parts if x).split())
+
+
 def _logit_margin(c: dict) -> dict | None:
     """The logit rule's margin from a stored comparison."""
     if not c or c.get("rule") is None:

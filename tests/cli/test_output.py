@@ -29,6 +29,22 @@ def test_plain_tables_fit_100_columns_and_wrap_long_cells(monkeypatch):
                                                         width=common.plain_width()).splitlines()) <= 60
 
 
+@pytest.mark.parametrize("width", [60, 95, 100])
+def test_plain_tables_never_break_a_name_inside_a_word(width):
+    rows = [["lmdeploy@v0.18.0", "pytorch deepseek-v3-slice4 fp8", "check: pass", "2026-12-01", "H200",
+             "planted-inverse-deepseek-v3-slice4-fp8.json"],
+            ["vllm@v0.32.0", "cpu v3 transformers float32 tp2", "perf: pass (quick run)", "2026-11-30", "CPU",
+             "v3-transformers-float32-tp2.json"]]
+    cols = ["pin", "configuration", "gate: verdict", "date", "machine", "report"]
+    text = common.plain_table(None, cols, rows, width=width)
+    assert max(len(ln) for ln in text.splitlines()) <= width
+    words = {w for r in [cols, *rows] for c in r for w in common._words(c)}
+    assert {"planted-", "inverse-", "deepseek-v3-slice4-fp8.json"} <= words  # textwrap's own pieces
+    got = {w for ln in text.splitlines() if set(ln) - {"-", " "} for w in common._words(ln)}
+    if width >= 16 + 18 + 7 + 10 + 7 + 27 + 2 * 5:  # the longest words side by side fit: none is cut
+        assert got <= words, (got - words, text)  # every piece is a whole word, or ends at a hyphen
+
+
 def test_colour_follows_no_color_and_the_color_option(monkeypatch):
     from patcher.cli import options
 

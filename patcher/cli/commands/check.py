@@ -330,9 +330,10 @@ def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, st
     """The verdicts for CI: JUnit XML (--junit FILE) and, on GitHub Actions, a table in the job's
     summary (failures become `::error` annotations at the error edge)."""
     from patcher.cli.ci import Case, md_table, step_summary, write_junit
+    from patcher.rules.verdicts import configuration
 
-    def label(r: CheckResult) -> str:
-        return " ".join(x for x in (r.variant, r.model, r.config_style, r.dtype) if x) + (" unpatched" if r.unpatched else "")
+    def label(r: CheckResult) -> str:  # tp2, unpatched, seedN included: no two runs share a name
+        return configuration(r.to_json())
 
     cases = [Case(f"{r.pin} {label(r)}", f"dsadapt.check.{r.engine}", float(r.timings.get("total_s") or 0),
                   failure=None if r.passed else ("\n".join(r.reasons) or "fail"),

@@ -186,6 +186,8 @@ def ref_of(text: str | PinRef) -> PinRef:
 _emitted_json = False
 #: off a terminal, table lines are kept within this many columns (COLUMNS overrides)
 PLAIN_WIDTH = 100
+#: a word (between spaces, or after a hyphen) up to this long is never broken by a table's wrapping
+WORD_MAX = 40
 
 
 _VERDICT_COLORS = {"PASS": "32", "OK": "32", "FAIL": "31", "FAILED": "31", "NOT VERIFIED": "33", "NOT RUN": "33"}
@@ -281,7 +283,9 @@ def plain_width() -> int:
 def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]],
                 width: int | None = None) -> str:
     """Aligned columns for pipes and logs. With `width`, no line is longer: the widest columns are
-    narrowed and their cells wrapped (at spaces where they can be) onto continuation lines."""
+    narrowed and their cells wrapped onto continuation lines, at spaces and after hyphens
+    (`v2-lite-deepseek-` / `bfloat16.json`); a column is never narrowed below its longest word (up
+    to `WORD_MAX` characters: names never break mid-word, a longer run of characters does)."""
     import textwrap
 
     cells = [[escape_line(str(c)) for c in columns]] + [[escape_line(str(x)) for x in r] for r in rows]
@@ -289,17 +293,23 @@ def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     if width is not None:
         gaps = 2 * (len(columns) - 1)
         # columns of short values (pins, verdicts, dates) keep their width; long text wraps
-        floor = [min(widths[i], max(len(columns[i]), 18)) for i in range(len(columns))]
-        while sum(widths) + gaps > width:
-            i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
-            if widths[i] <= floor[i]:
-                break
-            widths[i] -= 1
+        words = [max((len(w) for r in cells for w in _words(r[i])), default=0) for i in range(len(columns))]
+        # narrowed in stages: down to 18 columns or the longest word, then to the longest word (up to
+        # WORD_MAX), and only then inside words
+        stages = [[min(widths[i], max(len(columns[i]), 18, min(words[i], WORD_MAX))) for i in range(len(columns))],
+                  [min(widths[i], words[i], WORD_MAX) for i in range(len(columns))],
+                  [1] * len(columns)]
+        for floor in stages:
+            while sum(widths) + gaps > width:
+                i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
+                if widths[i] <= floor[i]:
+                    break
+                widths[i] -= 1
 
     def wrap(text: str, w: int) -> list[str]:
         if len(text) <= w:
             return [text]
-        return textwrap.wrap(text, w, break_long_words=True, break_on_hyphens=False) or [""]
+        return textwrap.wrap(text, w, break_long_words=True, break_on_hyphens=True) or [""]
 
     def lines(r: list[str]) -> list[str]:
         parts = [wrap(c, w) for c, w in zip(r, widths)]
@@ -311,6 +321,14 @@ def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     for r in cells[1:]:
         text += lines(r)
     return "\n".join(text)
+
+
+def _words(text: str) -> list[str]:
+    """The pieces a table's wrapping may put on separate lines (textwrap's own split: at spaces, and
+    after a hyphen that follows a word)."""
+    import textwrap
+
+    return [w for w in textwrap.TextWrapper.wordsep_re.split(text) if w and not w.isspace()]
 
 
 def isatty() -> bool:

@@ -161,8 +161,9 @@ def report_ci(res, junit) -> None:
     """The verdict for CI: JUnit XML (--junit FILE) and, on GitHub Actions, the gated ratios in the
     job's summary."""
     from patcher.cli.ci import Case, md_table, step_summary, write_junit
+    from patcher.rules.verdicts import configuration
 
-    name = f"{res.pin} {res.variant} {res.model} {res.config_style or ''} {res.dtype}".replace("  ", " ")
+    name = f"{res.pin} {configuration(res.to_json())}" + (" aa" if res.mode == "aa" else "")
     write_junit(junit, "dsadapt perf", [Case(name, f"dsadapt.perf.{res.engine}", float(res.timings.get("total_s") or 0),
                                              failure=None if res.passed else ("\n".join(res.reasons) or "fail"),
                                              output=f"report: {res.report_path}")])
