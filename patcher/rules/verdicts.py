@@ -34,7 +34,8 @@ def configuration(doc: dict) -> str:
     process, and the controls and seeds that make it another run of the same configuration
     ('cpu v3 transformers bfloat16 tp2', '... unpatched', '... seed3'). Two reports of different
     configurations never get the same words (JUnit case names, plot titles, `dsadapt report`)."""
-    prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
+    raw = doc.get("provenance")
+    prov: dict = raw if isinstance(raw, dict) else {}
     par = doc.get("parallel") if doc.get("parallel") is not None else prov.get("parallel")
     seed = doc.get("prompt_seed", prov.get("prompt_seed"))
     parts = [doc.get("variant"), doc.get("model"), doc.get("config_style"), doc.get("dtype"), parallel_label(par),
