@@ -23,7 +23,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.base.errors import BuildError, CheckFailed, DsadaptError, EngineRunFailed, EngineUnavailable, UsageError
+from patcher.base.errors import (
+    BuildError,
+    CheckFailed,
+    DsadaptError,
+    EngineRunFailed,
+    EngineUnavailable,
+    UsageError,
+    number,
+    plural,
+)
 from patcher.base.machine import device_description, gpu_info
 from patcher.checkpoints.fingerprint import fingerprint
 from patcher.checkpoints.model_dir import Checkpoint, open_checkpoint, reference_slot, run_time_limit
@@ -641,7 +650,7 @@ def check_markdown(result: CheckResult) -> str:
              f"{result.verdict.upper()}")
     lines = [title, "",
              f"Model {result.model}" + (f" ({result.config_style} config)" if result.config_style else "")
-             + f", {result.dtype}, {c.get('rule') or 'no'} rule" + (f", tolerance {c['tolerance']:g}" if c.get("tolerance") else "")
+             + f", {result.dtype}, {c.get('rule') or 'no'} rule" + (f", tolerance {number(c['tolerance'])}" if c.get("tolerance") else "")
              + ".", ""]
     if result.reasons:
         lines += ["**Why it fails**", "", *(f"- {r}" for r in result.reasons[:20]), ""]
@@ -667,7 +676,7 @@ def check_markdown(result: CheckResult) -> str:
         lines += [f"![per-position |Δ logprob|]({Path(result.plot_path).name})", ""]
     lines += ["| provenance | |", "| --- | --- |",
               f"| date | {prov.get('date', '-')} |", f"| device | {prov.get('device', '-')} |",
-              f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({len(prov.get('patches') or [])} patches) |",
+              f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({plural(len(prov.get('patches') or []), 'patch')}) |",
               f"| engine | {prov.get('engine_version') or '-'} ({(prov.get('installed') or {}).get('artifact', '-')}) |",
               f"| reference | transformers {(prov.get('reference_versions') or {}).get('transformers', '-')} on "
               f"{prov.get('reference_device', '-')} |",

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from patcher.base.errors import DsadaptError
+from patcher.base.errors import DsadaptError, number, plural
 from patcher.rules.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
@@ -261,7 +261,7 @@ def compare_position(ref: PositionLogprobs, eng: PositionLogprobs, k: int, tol: 
         deltas.append(abs(v - ref.top[t]))
         if t not in ref_k and ref.top[t] < kth - tol:
             problems.append(f"engine top-{k} token {t} has reference logprob {ref.top[t]:.6g}, "
-                            f"below the reference's k-th value {kth:.6g} by more than {tol:g}")
+                            f"below the reference's k-th value {kth:.6g} by more than {number(tol)}")
     for t, v in ref_k.items():
         if t not in eng_k and v > kth + tol:
             problems.append(f"reference top-{k} token {t} (logprob {v:.6g}) is missing from the engine's top-{k}")
@@ -269,7 +269,7 @@ def compare_position(ref: PositionLogprobs, eng: PositionLogprobs, k: int, tol: 
         deltas.append(abs(eng.logprob - ref.logprob))
     max_abs = max(deltas) if deltas else math.inf
     if not max_abs < tol:
-        problems.append(f"max |Δ logprob| {max_abs:.3g} >= tolerance {tol:g}")
+        problems.append(f"max |Δ logprob| {number(max_abs, 3)} >= tolerance {number(tol)}")
     ref_top1 = next(iter(ref.top))
     eng_top1 = next(iter(eng.top)) if eng.top else None
     return PositionCheck(max_abs=max_abs, mean_abs=sum(deltas) / len(deltas) if deltas else math.inf,
@@ -661,7 +661,7 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
         if bisect and bisect.get("passed") is False:
             lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
         elif bisect and bisect.get("passed"):
-            lines.append(f"per-module comparison ({bisect.get('dtype')}): {bisect.get('compared')} points within "
+            lines.append(f"per-module comparison ({bisect.get('dtype')}): {plural(bisect.get('compared') or 0, 'point')} within "
                          "their limits")
         return lines
     if located:
@@ -670,7 +670,7 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
     lines = _explain_logits(c, config)
     if bisect and bisect.get("passed"):
-        lines.append(f"bisect: every module of every layer matches ({bisect.get('compared')} points, each prompt "
+        lines.append(f"bisect: every module of every layer matches ({plural(bisect.get('compared') or 0, 'point')}, each prompt "
                      "run alone, prefill and decode): the difference is outside the model's forward — "
                      "batching (only batch members diverge?), the sampler or logprob post-processing")
     return lines

@@ -42,7 +42,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from patcher.base.errors import DsadaptError
+from patcher.base.errors import DsadaptError, plural
 from patcher.rules.logits import CONE_KEEPS_AT_LEAST, _json_safe
 from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
 
@@ -1173,8 +1173,8 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     p = res.first
     if p is None:
         compared = sum(q.status != "not compared" for q in res.points)
-        lines = [f"every compared point is within its {res.rule} limit ({compared} points over "
-                 f"{res.layers} layers)"]
+        lines = [f"every compared point is within its {res.rule} limit ({plural(compared, 'point')} over "
+                 f"{plural(res.layers, 'layer')})"]
         m = res.margin
         if m and m.get("margin") is not None:
             what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, show
+from patcher.base.errors import CheckFailed, DsadaptError, ExitCode, UsageError, number, plural, show
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
@@ -108,7 +108,7 @@ def render(res: CheckResult) -> None:
     title = (f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}"
              f"{', ' + par['label'] if int(par.get('tp') or 1) > 1 else ''}) vs HF transformers — "
              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
-             f"{c['rule']} rule" + (f", tol {c['tolerance']:g}" if c.get("tolerance") else ""))
+             f"{c['rule']} rule" + (f", tolerance {number(c['tolerance'])}" if c.get("tolerance") else ""))
     if not rows:
         out(f"{res.pin}: the engine produced no logits")
     else:
@@ -141,7 +141,8 @@ def render_bisect_summary(b: dict) -> None:
         out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): first divergence at {where} ({f['module']}"
             f"{phase}{ratio}); {len(b.get('above') or [])} point(s) above their limits of {b.get('compared')}")
     elif b.get("passed"):
-        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {b.get('compared')} points within their limits")
+        out(f"per-module ({b.get('dtype')}, {b.get('rule')} rule): {plural(b.get('compared') or 0, 'point')} within their "
+            "limits")
     else:
         for r in b.get("reasons") or []:
             out(f"per-module: {r}")

@@ -66,7 +66,8 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool)
     write_junit(junit, "dsadapt verify", [
         Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
              skipped=r.unverifiable if r.unverifiable and not r.problems else None,
-             output=f"{r.patches} patches, applies: {r.applied}, source {r.source or '-'}") for r in results])
+             output=f"{plural(r.patches, 'patch')}, applies: "
+                    f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, source {r.source or '-'}") for r in results])
     if as_json:
         emit_json({"schema": "dsadapt.verify/1", "ok": all(r.ok for r in results) if pin else
                    not any(r.problems for r in results) and any(r.ok for r in results),
