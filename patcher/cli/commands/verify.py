@@ -23,6 +23,20 @@ from patcher.cli.commands.common import (
 MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-When")
 
 
+def reword_fix(ctx: Context, ref: str) -> str:
+    """How to fix commit messages the patch format rejects, in the same words for `verify` and
+    `refresh`: an interactive rebase onto the checkout's upstream base (its `refs/dsadapt/base`, so
+    the todo lists the stack's commits only, never the upstream commit under them)."""
+    from patcher.stack.checkout import BASE_REF
+
+    engine, _, tag = ref.partition("@")
+    co = ctx.cfg.checkout_dir(engine, tag)
+    first = "" if (co / ".git").exists() else f"`dsadapt apply {ref}`, then "
+    return (f"reword the commit(s): {first}`git -C {co} rebase -i {BASE_REF}` (mark them `reword`), give each a body "
+            f"and the trailers docs/patch-format.md#trailers requires, then `dsadapt refresh {ref}` (`dsadapt verify "
+            f"{ref}` fails until then)")
+
+
 @click.command("verify")
 @pinref_arg(required=False)
 @click.option("--fetch", is_flag=True,
@@ -85,9 +99,7 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool)
             for p in r.problems:
                 out(f"  - {p}")
             if any(k in p for p in r.problems for k in MESSAGE_PROBLEMS):
-                out(f"  fix: reword the commit(s) in the checkout (git -C {ctx.cfg.checkout_dir(*r.ref.split('@'))} "
-                    f"rebase -i --root, `reword`), give each a body and the trailers docs/patch-format.md#trailers "
-                    f"requires, then `dsadapt refresh {r.ref}`")
+                out(f"  fix: {reword_fix(ctx, r.ref)}")
     if any(r.problems for r in results):
         sys.exit(1)
     if pin and results[0].unverifiable:
