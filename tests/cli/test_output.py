@@ -138,6 +138,16 @@ def test_shell_completion_prints_the_script_and_completes_pins(project):
     assert "plain,vllm@v1.0.0" in out and "plain,vllm@v1.1.0" in out, out
     assert "plain,rebase" in complete(_DSADAPT_COMPLETE="bash_complete", COMP_WORDS="dsadapt reb", COMP_CWORD="1")
 
+    def words(line: str) -> list[str]:
+        n = len(line.split()) - (0 if line.endswith(" ") else 1)
+        return complete(_DSADAPT_COMPLETE="bash_complete", COMP_WORDS=line, COMP_CWORD=str(n)).splitlines()
+
+    assert words("dsadapt tags ") == ["plain,vllm"]  # the engines `tags` takes
+    for cmd in ("check", "bisect", "perf", "serve"):  # built-in models, then the shell's directories
+        assert words(f"dsadapt {cmd} vllm@v1.0.0 --model ") == ["plain,v3", "plain,v2-lite", "plain,v2", "dir,"], cmd
+    assert words("dsadapt check vllm@v1.0.0 --model v2") == ["plain,v2-lite", "plain,v2", "dir,v2"]
+    assert words("dsadapt rebase vllm@v1.0.0 --onto ") == ["plain,v1.1.0"]  # the pinned tags newer than the pin
+
 
 def test_quiet_and_verbose_go_before_or_after_the_command_but_not_together(project, clean_stack):
     r = project.run("-q", "apply", REF1)

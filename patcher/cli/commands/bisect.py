@@ -17,6 +17,7 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    model_option,
     out,
     parallel_options,
     pass_ctx,
@@ -70,7 +71,7 @@ def render(res: CheckResult, report: dict | None) -> None:
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,

@@ -17,6 +17,7 @@ from patcher.cli.commands.common import (
     emit_json,
     json_option,
     junit_option,
+    model_option,
     out,
     parallel_options,
     pass_ctx,
@@ -152,7 +153,7 @@ def render_bisect_summary(b: dict) -> None:
 
 @click.command("check")
 @click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek "
                    "(DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows (config_style "

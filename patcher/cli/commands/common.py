@@ -117,6 +117,51 @@ def _near_pin(obj: Context, text: str, error: UsageError) -> None:
         raise UsageError(error.message, hint=f"did you mean {meant}?") from None
 
 
+def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of --model: the built-in tiny models, then directories (the shell's own)."""
+    from click.shell_completion import CompletionItem
+
+    from patcher.checkpoints.tiny import VARIANTS
+
+    return [CompletionItem(m, help="built-in tiny model") for m in VARIANTS if m.startswith(incomplete)] + \
+        [CompletionItem(incomplete, type="dir")]
+
+
+def complete_engine(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of an ENGINE argument: the engines of upstream.lock."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        lock = load_lock(load_config(None).lock_path)
+    except Exception:  # noqa: BLE001 - no project here: nothing to offer
+        return []
+    return [CompletionItem(e) for e in sorted(lock.engines) if e.startswith(incomplete)]
+
+
+def complete_tag(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of a TAG option (`rebase --onto`): the pinned tags newer than the pin already
+    on the command line (every pinned tag without one)."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        lock = load_lock(load_config(None).lock_path)
+    except Exception:  # noqa: BLE001 - no project here: nothing to offer
+        return []
+    # the option waiting for its value leaves the words before it unparsed, in ctx.args
+    pin = (ctx.params or {}).get("pin") or next((a for a in ctx.args if "@" in a), None)
+    if pin and str(pin) in lock.pins:
+        later = lock.pins_of(str(pin).partition("@")[0])
+        tags = [p.tag for p in later[[str(p.ref) for p in later].index(str(pin)) + 1:]]
+    else:
+        tags = sorted({p.tag for p in lock.pins.values()})
+    return [CompletionItem(t) for t in tags if t.startswith(incomplete)]
+
+
+model_option = click.option(
+    "--model", default="v3", show_default=True, shell_complete=complete_model,
+    help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+
+
 junit_option = click.option(
     "--junit", "junit", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
     help="Also write the verdicts as JUnit XML to FILE (one test case per pin and configuration; CI test reports).")

@@ -17,6 +17,7 @@ from patcher.cli.commands.common import (
     emit_json,
     json_option,
     junit_option,
+    model_option,
     out,
     parallel_options,
     pass_ctx,
@@ -69,7 +70,7 @@ def render(res) -> None:
 @click.command("perf")
 @click.argument("pin", metavar="ENGINE@TAG", required=False, type=PinRefParam())
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default="deepseek", show_default=True,
               help="config.json style of a built-in model; deepseek loads in both builds (the unpatched vLLM 0.32 "
                    "cannot load the transformers style).")

@@ -16,6 +16,7 @@ from patcher.cli.commands.common import (
     PinRefParam,
     emit_json,
     json_option,
+    model_option,
     note,
     out,
     pass_ctx,
@@ -30,7 +31,7 @@ from patcher.gate.hosts import RunHost
 
 @click.command("serve")
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model (default: the engine's own; for a served vLLM, what "
                    "`dsadapt perf` serves: deepseek).")
