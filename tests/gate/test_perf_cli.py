@@ -423,3 +423,13 @@ def test_serve_says_so_when_its_server_exits_on_its_own(proj, model_dir, fake_en
     monkeypatch.setattr(serve_cmd, "_wait", crash_then_wait)
     rc, out, err = proj.run("serve", PIN, "--model", str(model_dir))
     assert rc == 7 and "the server exited on its own" in err and "server.log" in err, (out, err)
+
+
+def test_perf_help_speaks_of_the_two_servers_not_of_a_reference():
+    from click.testing import CliRunner
+
+    from patcher.cli.main import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["perf", "--help"]).output.split())
+    assert "the patched and the unpatched server run the same ranks" in text
+    assert "reference stays one process" not in text and "HF reference" not in text

@@ -182,14 +182,20 @@ publish_option = click.option(
          "so runs never change committed files).")
 
 
-def parallel_options(f):
-    """--tp N and --ep: the engine's parallel configuration (the reference stays one process)."""
-    f = click.option("--ep", is_flag=True,
-                     help="Expert parallelism: spread the routed experts over the --tp ranks (where the "
-                          "engine offers it; needs --tp 2 or more).")(f)
-    return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
-                        help="Run the engine with tensor parallel size N, one rank a device (CPU core or GPU, "
-                             "as the engine's contract says); the HF reference stays one process.")(f)
+def parallel_options(f=None, *, served: bool = False):
+    """--tp N and --ep: the engine's parallel configuration; the HF reference stays one process
+    (`check`, `bisect`), or, with `served`, both servers of `perf` get the same (there is no reference)."""
+    def deco(f):
+        f = click.option("--ep", is_flag=True,
+                         help="Expert parallelism: spread the routed experts over the --tp ranks (where the "
+                              "engine offers it; needs --tp 2 or more).")(f)
+        where = ("; the patched and the unpatched server run the same ranks" if served else
+                 "; the HF reference stays one process")
+        return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+                            help=f"Run the engine with tensor parallel size N, one rank a device (CPU core or GPU, "
+                                 f"as the engine's contract says){where}.")(f)
+
+    return deco(f) if f is not None else deco
 
 
 prompt_seed_option = click.option(

@@ -93,7 +93,7 @@ def render(res) -> None:
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
                    "--threshold if given) instead of measuring; rewrites the report and its plot.")
-@parallel_options
+@parallel_options(served=True)
 @junit_option
 @publish_option
 @json_option
