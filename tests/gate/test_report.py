@@ -175,6 +175,40 @@ def test_a_verdict_the_current_rule_would_not_give_is_flagged_and_rescored(proj,
     assert rc == 1 and json.loads(out)["verdict"] == "fail"
 
 
+def test_rescoring_a_tp_2_report_redraws_its_plot_with_tp2_and_the_yarn_marker(proj, monkeypatch):
+    """The rescored plot names the configuration as the check did (tp2, "(rescored)") and keeps
+    YaRN's original context (stored in the report: the model's folder may be on another machine)."""
+    import patcher.rules.plots as plots
+
+    path = write_check(proj, "v3-transformers-float32-tp2.json", model="v3", dtype="float32", verdict="pass",
+                       date="2026-12-01T10:00:00Z", inputs=logit_pair(1e-6))
+    doc = json.loads(path.read_text())
+    doc["parallel"] = {"tp": 2, "ep": False, "world_size": 2, "label": "tp2"}
+    doc["provenance"].update(original_max_position_embeddings=64, model_dir="/elsewhere/v3")
+    path.write_text(json.dumps(doc))
+    drawn = []
+    real = plots.plot_deltas
+
+    def spy(comparison, out, title=None, original_max=None):
+        drawn.append((title, original_max))
+        return real(comparison, out, title=title, original_max=original_max)
+
+    monkeypatch.setattr(plots, "plot_deltas", spy)
+    rc, out, err = proj.run("check", "--rescore", str(path))
+    assert rc == 0, err
+    assert drawn == [(f"{PIN} cpu v3 transformers float32 tp2 (rescored)", 64)]
+    assert json.loads(path.read_text())["plot_path"] == str(path.with_suffix(".png")) and path.with_suffix(".png").is_file()
+    # a report of a built-in model that predates the stored value: the built-in model's own config says it
+    del doc["provenance"]["original_max_position_embeddings"]
+    path.write_text(json.dumps(doc))
+    drawn.clear()
+    assert proj.run("check", "--rescore", str(path))[0] == 0
+    from patcher.checkpoints.tiny import deepseek_config
+    from patcher.rules.prompts import rope_original_max
+
+    assert drawn[0][1] == rope_original_max(deepseek_config("v3")) and drawn[0][1] is not None
+
+
 def test_a_report_without_inputs_is_flagged_when_its_rule_parameters_changed(proj, monkeypatch):
     import patcher.rules.logits as logits
 
