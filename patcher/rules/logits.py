@@ -657,7 +657,7 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
     located = bisect_lines(bisect)
     if c.passed:
         lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
-                 f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
+                 f"{c.summary['prompts']} prompts, max |Δ| {number(c.summary['max_abs'], 3)}"]
         if bisect and bisect.get("passed") is False:
             lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
         elif bisect and bisect.get("passed"):
@@ -710,7 +710,7 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
         return lines or list(c.reasons)
     for r in bad:
         where = "—" if r.first_divergence is None else f"query position {r.first_divergence}"
-        lines.append(f"{r.id}: first divergence at {where}; max |Δ| {r.max_abs:.3g}")
+        lines.append(f"{r.id}: first divergence at {where}; max |Δ| {number(r.max_abs, 3)}")
     singles = [r for r in c.rows if r.batch is None and r not in token_rows]
     if singles and all(r.passed for r in singles) and all(r.batch for r in bad):
         lines.append("only prompts submitted in a batch diverge while every prompt run alone matches: "

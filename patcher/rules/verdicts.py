@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from patcher.base.errors import number
 from patcher.rules.logits import judge_logits
 from patcher.rules.modules import rescore_bisect
 from patcher.rules.noise import margin_words
@@ -96,12 +97,12 @@ def margin_line(logits: dict | None, modules: dict | None) -> str:
     parts = []
     if logits and logits.get("margin") is not None:
         v = logits.get("value")
-        parts.append(f"logits {logits['quantity']} {'inf' if v is None else f'{v:.3g}'} vs {logits['limit']:.3g}: "
+        parts.append(f"logits {logits['quantity']} {'inf' if v is None else number(v, 3)} vs {number(logits['limit'])}: "
                      f"{margin_words(logits['margin'], logits['above'])}")
     if modules and modules.get("margin") is not None:
         v = modules["ratio"] if modules.get("ratio") is not None else modules.get("error")
         parts.append(f"worst module {modules['where']} ({modules.get('phase')}) {modules['quantity']} "
-                     f"{v:.3g}: {margin_words(modules['margin'], modules['above'])}")
+                     f"{number(v, 3)}: {margin_words(modules['margin'], modules['above'])}")
     return "; ".join(parts) or "no margin: nothing was judged"
 
 
