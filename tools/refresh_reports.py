@@ -1,0 +1,212 @@
+"""Regenerate the committed report sets one machine can make (`make reports`): every line of
+reports/plan.txt for that machine, run through the product (`dsadapt ... --publish --json`, this
+checkout's code), one after the other, with a summary at the end.
+
+    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--dry-run] [--plan FILE]
+
+Each command's --json output and stderr are kept in the work dir (`<work dir>/reports-refresh/`,
+named in the summary), with its exit status, seconds and the 1-minute load average before and
+after it: speed figures from a shared machine are only as good as the load they ran under, and
+every perf report records it too. Exit 0 when every command gave the verdict the plan expects (a
+pass, or the `=> fail` of a control run), 1 when one gave another verdict, and otherwise the first
+error's own exit code (6: cannot run here, e.g. Triton without a mirror of vllm_backend,
+`DSADAPT_MIRRORS='triton=/path/to/vllm_backend.git'`); a command that fails never stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "reports" / "plan.txt"
+MACHINES = ("cpu", "h200", "none")
+#: the commands that write a report (the plan's other lines prepare what they read)
+REPORTING = ("check", "perf")
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    machine: str
+    pin: str | None            # None: a command about no pin (`model make`)
+    argv: tuple[str, ...]      # the dsadapt command and its arguments, the pin left out
+    expect: str = "pass"
+    note: str = ""
+    line: int = 0
+
+    @property
+    def command(self) -> str:
+        return self.argv[0] if self.argv else ""
+
+    def dsadapt_args(self) -> list[str]:
+        """The command line after `dsadapt`: COMMAND [PIN] ARGS; --publish and --json for the ones
+        that write a report."""
+        args = [self.argv[0], *([self.pin] if self.pin else []), *self.argv[1:]]
+        return args + (["--publish", "--json"] if self.command in REPORTING else [])
+
+
+class PlanError(ValueError):
+    pass
+
+
+def parse_plan(text: str) -> list[PlanLine]:
+    """Pure: the plan's lines (comments and blank lines left out; `none` lines keep their reason)."""
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        body, _, comment = raw.partition("#")
+        if not body.strip():
+            continue
+        expect = "pass"
+        m = re.search(r"\s=>\s*(\w+)\s*$", body)
+        if m:
+            expect, body = m.group(1), body[:m.start()]
+        words = shlex.split(body)
+        if words[0] not in MACHINES:
+            raise PlanError(f"line {n}: machine {words[0]!r} is none of {', '.join(MACHINES)}")
+        if len(words) < 2 or (words[0] != "none" and len(words) < 3):
+            raise PlanError(f"line {n}: MACHINE PIN COMMAND [ARGS...] expected")
+        pin = None if words[1] == "-" else words[1]
+        if pin is not None and "@" not in pin:
+            raise PlanError(f"line {n}: {pin!r} is not ENGINE@TAG")
+        if expect not in ("pass", "fail"):
+            raise PlanError(f"line {n}: => {expect}: a verdict is pass or fail")
+        out.append(PlanLine(words[0], pin, tuple(words[2:]), expect, comment.strip(), n))
+    return out
+
+
+def load_plan(path: Path = PLAN) -> list[PlanLine]:
+    return parse_plan(path.read_text(encoding="utf-8"))
+
+
+@dataclass
+class Outcome:
+    line: PlanLine
+    rc: int
+    seconds: float
+    verdict: str                   # pass | fail | error | not run
+    detail: str = ""
+    reports: list[str] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+    log: str = ""
+
+    @property
+    def as_planned(self) -> bool:
+        return self.verdict == self.line.expect
+
+
+def outcome_of(line: PlanLine, rc: int, stdout: str) -> tuple[str, str, list[str]]:
+    """Pure: (verdict, detail, report paths) from a command's exit status and --json output."""
+    try:
+        doc = json.loads(stdout) if stdout.strip() else {}
+    except json.JSONDecodeError:
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    if doc.get("schema") == "dsadapt.error/1" or (rc not in (0, 1) and not doc.get("verdict")):
+        err = doc.get("error") or {}
+        verdict = "not run" if rc == 6 else "error"
+        return verdict, f"{err.get('message') or f'exit {rc}'}" + (f" (hint: {err['hint']})" if err.get("hint") else ""), []
+    if line.command not in REPORTING:
+        return ("pass" if rc == 0 else "error"), doc.get("path") or "", []
+    results = doc.get("results") if doc.get("schema") == "dsadapt.check-dtypes/1" else [doc]
+    reports = [str(r.get("report_path")) for r in results or [] if isinstance(r, dict) and r.get("report_path")]
+    dtypes = doc.get("dtypes") or {}
+    detail = ", ".join(f"{d} {v}" for d, v in dtypes.items()) or str(doc.get("margins", {}).get("words") or "")
+    return str(doc.get("verdict") or ("pass" if rc == 0 else "fail")), detail, reports
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def work_dir() -> Path:
+    return Path(os.environ.get("DSADAPT_WORKDIR") or ROOT / ".dsadapt")
+
+
+def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
+    args = line.dsadapt_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                   if os.environ.get("PYTHONPATH") else "")}
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", " ".join([line.pin or "-", *line.argv]))[:80]
+    log = logs / f"{index:02d}-{slug}"
+    t0, before = time.monotonic(), _load()
+    with open(f"{log}.log", "w", encoding="utf-8") as err:
+        proc = subprocess.run([sys.executable, "-m", "patcher.cli.main", "--project", str(ROOT), *args],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+    Path(f"{log}.json").write_text(proc.stdout, encoding="utf-8")
+    verdict, detail, reports = outcome_of(line, proc.returncode, proc.stdout)
+    return Outcome(line, proc.returncode, time.monotonic() - t0, verdict, detail, reports, (before, _load()),
+                   f"{log}.log")
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """Pure: one line per command, then the count."""
+    lines = []
+    for o in outcomes:
+        mark = "ok " if o.as_planned else "!! "
+        lines.append(f"{mark} {o.line.pin or '-':16} {' '.join(o.line.argv):55} {o.verdict:8} "
+                     f"(expected {o.line.expect}) {o.seconds:6.0f} s  load {o.load[0]:.1f} -> {o.load[1]:.1f}"
+                     + (f"\n      {o.detail}" if o.detail else ""))
+    bad = [o for o in outcomes if not o.as_planned]
+    lines.append(f"{len(outcomes)} commands, {len(outcomes) - len(bad)} as planned"
+                 + (f", {len(bad)} not: " + "; ".join(f"{o.line.pin or '-'} {' '.join(o.line.argv)}: {o.verdict}"
+                                                        for o in bad) if bad else ""))
+    return "\n".join(lines)
+
+
+def exit_code(outcomes: list[Outcome]) -> int:
+    """Pure: 0 when every command gave its planned verdict; the first error's exit code (not 0 or 1)
+    when one could not give a verdict; 1 when one gave another verdict than planned."""
+    for o in outcomes:
+        if o.verdict in ("error", "not run"):
+            return o.rc if o.rc not in (0, 1) else 7
+    return 0 if all(o.as_planned for o in outcomes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machine", default="cpu", choices=[m for m in MACHINES if m != "none"])
+    ap.add_argument("--only", action="append", default=[], metavar="PIN", help="only this pin's lines (repeatable)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--plan", type=Path, default=PLAN)
+    a = ap.parse_args(argv)
+    try:
+        lines = [ln for ln in load_plan(a.plan) if ln.machine == a.machine and (not a.only or ln.pin in a.only)]
+    except (OSError, PlanError) as e:
+        print(f"error: {a.plan}: {e}", file=sys.stderr)
+        return 2
+    if not lines:
+        print(f"error: {a.plan} has no {a.machine} line" + (f" for {', '.join(a.only)}" if a.only else ""),
+              file=sys.stderr)
+        return 2
+    if a.dry_run:
+        for ln in lines:
+            print("dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))
+        return 0
+    logs = work_dir() / "reports-refresh"
+    logs.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for i, ln in enumerate(lines, 1):
+        print(f"[{i}/{len(lines)}] dsadapt {' '.join(ln.dsadapt_args())}", flush=True)
+        o = run_line(ln, i, logs)
+        print(f"      {o.verdict}{' (as planned)' if o.as_planned else f' (planned: {ln.expect})'} in "
+              f"{o.seconds:.0f} s, load {o.load[0]:.1f} -> {o.load[1]:.1f}; log {o.log}", flush=True)
+        outcomes.append(o)
+    print(summary(outcomes))
+    print(f"reports published under {ROOT / 'reports'}; `dsadapt report` shows what they say")
+    return exit_code(outcomes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
