@@ -364,3 +364,24 @@ def test_documented_keys_reads_nested_lists():
     cell = "`pins` (each: `pin`, `checks`, `perfs`, …; each of `checks` and `perfs`: `config`), `ok` (false)"
     assert documented_keys(cell) == (["pins", "ok"], {"pins": ["pin", "checks", "perfs"], "checks": ["config"],
                                                       "perfs": ["config"]})
+
+
+def test_every_stack_size_a_doc_states_is_the_stack_s():
+    """`vllm@v0.32.0` (2 patches), `patches/triton/r26.01` (3 patches), a table row's "2 patches":
+    the number of patches its series lists today."""
+    from patcher.formats.lock import load_lock
+    from patcher.formats.stackfiles import load_stack
+
+    lock = load_lock(REPO_ROOT / "upstream.lock")
+    pat = re.compile(r"`(?:patches/)?([a-z][\w-]*)[@/](v?[\w.]+)`(?:\s*\(|\s*\|\s*(?:the same )?)(\d+) patch(?:es)?\b")
+    bad, seen = [], 0
+    for doc in DOCS:
+        for m in pat.finditer(doc.read_text(encoding="utf-8")):
+            ref = f"{m.group(1)}@{m.group(2)}"
+            if ref not in lock.pins:
+                continue
+            seen += 1
+            n = len(load_stack(REPO_ROOT / "patches", lock.pins[ref].ref))
+            if int(m.group(3)) != n:
+                bad.append(f"{doc.name}: {m.group(0)} (the stack has {n})")
+    assert seen >= 5 and not bad, bad
