@@ -572,7 +572,7 @@ def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5,
     jump that is neither side's arithmetic (expert selection has its own judgement, per module).
     Where those cones would leave fewer than `CONE_KEEPS_AT_LEAST` of the positions, every position
     is judged (`cone_rows`). Returns {"passed", "reasons", "prefill": PhaseJudgement JSON, "margin",
-    "left_out", ...}."""
+    "left_out", "cones" (the flips whose cones were left out: prompt -> row), ...}."""
     from patcher.rules.noise import BLOCK_POSITIONS, Blocks, NoiseRule, judge
 
     rule = logit_noise_rule(dtype)
@@ -612,7 +612,7 @@ def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5,
     j = judge(blocks, nr, "prefill")
     reasons = []
     out: dict = {"rule": asdict(rule), "positions": n_pos, "prefill": j.to_json() if j else None,
-                 "left_out": left_out}
+                 "left_out": left_out, "cones": dict(routing_flips or {})}
     if n_pos == 0 or j is None:
         reasons.append("no teacher-forced position could be compared with the reference's own run")
         return {**out, "passed": False, "reasons": reasons, "top1": math.nan, "topk_overlap": math.nan,

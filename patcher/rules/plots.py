@@ -77,7 +77,7 @@ def _legend(ax, fig) -> None:
 def plot_deltas(comparison: Comparison | dict, out: Path, title: str | None = None,
                 original_max: int | None = None) -> Path:
     """`deltas_figure` written to `out` (PNG)."""
-    return _save(deltas_figure(comparison, title, original_max), out)
+    return save_png(deltas_figure(comparison, title, original_max), out)
 
 
 def deltas_figure(comparison: Comparison | dict, title: str | None = None, original_max: int | None = None):
@@ -123,7 +123,7 @@ def deltas_figure(comparison: Comparison | dict, title: str | None = None, origi
     return fig
 
 
-def _save(fig, out: Path, dpi: int = 100) -> Path:
+def save_png(fig, out: Path, dpi: int = 100) -> Path:
     """Write the figure as a palette PNG (a plot has few colours: 256 keep it as drawn at a third of
     the size; reports are committed) and free it."""
     import io
@@ -146,10 +146,11 @@ def _save(fig, out: Path, dpi: int = 100) -> Path:
     return out
 
 
-def block_ratios(rows: list[dict], noise_rows: list[dict], floor: float) -> list[tuple[str, list[tuple[float, float]]]]:
+def block_ratios(rows: list[dict], noise_rows: list[dict], floor: float,
+                 cones: dict | None = None) -> list[tuple[str, list[tuple[float, float]]]]:
     """Pure: per prompt, (centre position, engine ÷ reference's own mean |Δ logprob|) of each block
     of `noise.BLOCK_POSITIONS` positions (what the low-precision rule sums; the reference's own at
-    least `floor`)."""
+    least `floor`), without the positions the rule left out (`cones`: after a routing flip)."""
     from patcher.rules.noise import BLOCK_POSITIONS
 
     by_id = {r.get("id"): r for r in noise_rows}
@@ -158,9 +159,12 @@ def block_ratios(rows: list[dict], noise_rows: list[dict], floor: float) -> list
         yard = by_id.get(row.get("id"))
         if yard is None:
             continue
+        cone = (cones or {}).get(row.get("id"))
         acc: dict[int, list[float]] = {}
         for q, (a, b) in enumerate(zip(row.get("mean_deltas") or [], yard.get("mean_deltas") or [])):
             if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+                continue
+            if cone is not None and q > cone:  # judge_logits: a flip at row t reaches entries q > t
                 continue
             blk = acc.setdefault(q // BLOCK_POSITIONS, [0.0, 0.0, 0.0, 0.0])
             blk[0] += a
@@ -179,9 +183,8 @@ def _lp_words(c: dict) -> str:
     if p:
         state = (f"{p['lower'] / p['limit']:.2f}x over" if p.get("above") else
                  f"{p['limit'] / p['ratio']:.2f}x below" if p.get("ratio") else "far below")
-        left = f"; {j['left_out']} positions after routing flips left out" if j.get("left_out") else ""
-        return (f"low-precision rule: mean |Δ logprob| {p['ratio']:.2f}x the reference's own {dtype} "
-                f"(at least {p['lower']:.2f}x by its evidence), limit {p['limit']:g}x: {state}{left}")
+        return (f"low-precision rule: mean |Δ logprob| {p['ratio']:.2f}x HF's own {dtype} "
+                f"(at least {p['lower']:.2f}x by its evidence), limit {p['limit']:g}x: {state}")
     th, s = c.get("thresholds") or {}, c.get("summary") or {}
     if "max_mean_abs" in th and s.get("mean_abs") is not None:
         return (f"low-precision rule (no yardstick): pooled mean |Δ logprob| {number(s['mean_abs'])}, "
@@ -239,7 +242,8 @@ def _plot_low_precision(plt, c: dict, original_max: int | None):
     dtype = (c.get("engine") or {}).get("dtype")
     ax.set_title("", fontsize=9)
     _legend(ax, fig)
-    ratios = block_ratios(rows, noise, float(rule.get("floor") or 0.0))
+    cones = j.get("cones") or {}
+    ratios = block_ratios(rows, noise, float(rule.get("floor") or 0.0), cones)
     ys_all: list[float] = []
     for i, (rid, bpts) in enumerate(ratios):
         if bpts:
@@ -262,8 +266,10 @@ def _plot_low_precision(plt, c: dict, original_max: int | None):
 
     bx.set_ylabel(f"engine ÷ the reference's own\n(blocks of {BLOCK_POSITIONS} positions)")
     bx.set_xlabel("query position (prompt)")
-    bx.set_title(f"the rule's quantity: engine error ÷ HF's own {dtype} error; fails when the pooled ratio "
-                 f"is above {limit:g}x beyond its evidence", fontsize=8)
+    left = (f"\n({j['left_out']} positions after a routing flip left out, as the rule leaves them)"
+            if j.get("left_out") else "")
+    bx.set_title(f"the rule's quantity: engine ÷ HF's own {dtype} error, failing above {limit:g}x "
+                 f"beyond its evidence{left}", fontsize=8)
     _legend(bx, fig)
     return fig
 
@@ -291,7 +297,7 @@ def ratio_label(metric: str, sides: list[str] | tuple[str, str]) -> str:
 
 def plot_perf(report: dict, out: Path) -> Path:
     """`perf_figure` written to `out` (PNG)."""
-    return _save(perf_figure(report), out)
+    return save_png(perf_figure(report), out)
 
 
 def perf_figure(report: dict):
@@ -389,7 +395,7 @@ def _conc_axis(ax, conc) -> None:
 
 def plot_bisect(result, out: Path, title: str | None = None) -> Path:
     """`bisect_figure` written to `out` (PNG)."""
-    return _save(bisect_figure(result, title), out, dpi=110)
+    return save_png(bisect_figure(result, title), out, dpi=110)
 
 
 def bisect_figure(result, title: str | None = None):

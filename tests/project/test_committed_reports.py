@@ -140,3 +140,14 @@ def test_a_measured_stack_s_committed_verdicts_are_today_s_rule_s(pin, fresh_clo
     to its recorded inputs (the report says when it cannot, and which command reruns it)."""
     stale = [f"{c['file']}: {c['stale']}" for c in fresh_clone_report[pin].checks if c.get("stale")]
     assert not stale, "\n".join(stale)
+
+
+def test_the_docs_pictures_are_drawn_from_committed_reports():
+    """tools/doc_images.py draws docs/img/ from committed reports: each one it names is committed."""
+    tool = importlib.util.spec_from_file_location("doc_images", REPO_ROOT / "tools" / "doc_images.py")
+    assert tool and tool.loader
+    mod = importlib.util.module_from_spec(tool)
+    tool.loader.exec_module(mod)
+    missing = [rel for rel, _ in mod.PICTURES.values() if not (REPO_ROOT / "reports" / rel).is_file()]
+    assert not missing, f"not committed (make reports publishes them): {missing}"
+    assert set(mod.PICTURES) == {f.name for f in (REPO_ROOT / "docs" / "img").glob("*.png")}

@@ -385,3 +385,14 @@ def test_every_stack_size_a_doc_states_is_the_stack_s():
             if int(m.group(3)) != n:
                 bad.append(f"{doc.name}: {m.group(0)} (the stack has {n})")
     assert seen >= 5 and not bad, bad
+
+
+def test_every_picture_is_shown_by_a_doc_and_small():
+    """docs/img/ holds the pictures docs show (tools/doc_images.py draws them), nothing else, a few
+    hundred KB in all."""
+    img = REPO_ROOT / "docs" / "img"
+    shown = {m for doc in DOCS for m in re.findall(r"\]\((?:\.\./)?img/([\w.-]+\.png)\)", doc.read_text(encoding="utf-8"))}
+    files = {f.name for f in img.glob("*")} if img.is_dir() else set()
+    assert files == shown, (sorted(files - shown), sorted(shown - files))
+    total = sum((img / f).stat().st_size for f in files)
+    assert total < 400_000 and all((img / f).stat().st_size < 100_000 for f in files), total
