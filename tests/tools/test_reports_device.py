@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
+from toy_engine_support import toy  # noqa: F401 - the toy project fixture
 
 TOOLS = REPO_ROOT / "tools"
 DEVICE = TOOLS / "device"
@@ -161,3 +162,59 @@ def test_unpack_puts_the_published_reports_in_place_relative_to_the_bundle_and_d
     assert up.main([str(tmp_path), "--into", str(tmp_path / "again"), "--dry-run"]) == 1  # some are missing
     assert not (tmp_path / "again").exists()
     assert up.main([str(tmp_path / "nothing-here")]) == 2
+
+
+# ---------------------------------------------------------------- the device call, rehearsed
+
+
+@pytest.mark.slow  # a few minutes: a wheel build, bootstrap, an environment, two gate runs
+def test_the_device_call_publishes_the_plan_s_reports_and_unpack_puts_them_in_place(toy, tmp_path):  # noqa: F811
+    """reports_h200.sh `device` on the toy engine (the GPU machine's steps, through the same product
+    path: bundle -> bootstrap.py -> install --offline -> the plan's checks side by side, published),
+    then `unpack` of what came back into a reports folder."""
+    pytest.importorskip("matplotlib")
+    from toy_engine_support import PIN
+
+    run = toy["run"]
+    offline_env = {k: v for k, v in os.environ.items() if not k.startswith(("DSADAPT_", "PIP_"))}
+    offline_env.update({"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull})
+    probe = tmp_path / "host.json"
+    probe.write_text(subprocess.run([sys.executable, "-m", "pip", "list", "--format=json",
+                                     "--disable-pip-version-check"], capture_output=True, text=True,
+                                    env=offline_env, check=True).stdout)
+    bundle = tmp_path / "carry" / "reports"
+    r = run("bundle", PIN, "--have", str(probe), "--out", str(bundle), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = tmp_path / "plan.txt"
+    plan.write_text(f"h200 {PIN} check --variant cpu --model v2-lite --config-style deepseek\n"
+                    f"h200 {PIN} check --variant cpu --model v2-lite --config-style deepseek --prompt-seed 1\n"
+                    "none vllm@v0.33.0  # not this machine's\n")
+    out = tmp_path / "OUT"
+    env = {**offline_env, "PYTHONPATH": str(toy_fixture()), "DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": "",
+           "OUT": str(out), "PLAN": str(plan), "PYTHON": sys.executable, "DEADLINE": "1500", "CMD_S": "600"}
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "device", str(bundle)], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-2000:])
+    assert sorted(p.name for p in out.iterdir()) == ["host-pip-list.json", "install.json", "log.txt", "reports.tgz",
+                                                     "summary.json", "summary.txt"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted((row["chain"], [c["verdict"] for c in row["checks"]]) for row in summary) == [
+        ("c1", ["pass"]), ("c2", ["pass"])], (out / "summary.txt").read_text()
+    with tarfile.open(out / "reports.tgz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("v2-lite-deepseek-float32.inputs.json.gz") for n in names), names  # rescorable here
+    into = tmp_path / "reports"
+    rows = up.unpack(out / "reports.tgz", into)
+    assert sorted(r["config"] for r in rows) == ["cpu v2-lite deepseek float32", "cpu v2-lite deepseek float32 seed1"]
+    placed = into / "toy" / "v0.1.0" / "v2-lite-deepseek-float32.json"
+    doc = json.loads(placed.read_text())
+    assert str(bundle) not in json.dumps(doc) and doc["provenance"]["installed"]["venv"].startswith("<bundle>/")
+    assert placed.with_suffix(".png").is_file() and placed.with_suffix(".md").is_file()
+    assert (into / "toy" / "v0.1.0" / "v2-lite-deepseek-float32.inputs.json.gz").is_file()
+    assert up.missing(rows, rr.parse_plan(plan.read_text())) == []
+
+
+def toy_fixture() -> Path:
+    from toy_engine_support import FIXTURE
+
+    return FIXTURE
