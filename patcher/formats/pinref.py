@@ -81,6 +81,8 @@ def near_miss(text: str, known: Iterable[str]) -> str | None:
     numbers, trailing zeros (v0.32 for v0.32.0) wins; a release number is never guessed otherwise
     (v0.32.1 is another release, not a typo of v0.32.0); other names: the closest by difflib's
     ratio (0.8 and up: a character or two off), only when no other name is as close."""
+    if len(text) > MAX_TAG:  # no name is that long: nothing is near it
+        return None
     names = sorted(set(known))
     loose = _loose(text)
     same = [n for n in names if _same(_loose(n), loose)]
@@ -98,6 +100,8 @@ def near_pin(text: str, pins: Iterable[str]) -> str | None:
     """Pure: the pinned ENGINE@TAG that `text` (a pin, or a pin with another separator: vllm-v0.32.0,
     vllm v0.32.0, vllm:v0.32.0) most likely means, or None: the engine and the tag each a near miss
     (`near_miss`), the engine first."""
+    if len(text) > MAX_ENGINE + 1 + MAX_TAG:
+        return None
     pins = sorted(set(pins))
     engine, sep, tag = text.strip().partition("@")
     if not sep:

@@ -219,6 +219,12 @@ def test_near_pin_names_the_pin_a_typo_means_and_never_guesses_a_release(typed, 
     assert near_pin(typed, PINS) == meant
 
 
+def test_near_misses_of_huge_input_are_no_answer():
+    from patcher.formats.pinref import near_miss, near_pin
+
+    assert near_pin("vllm@v" + "9" * 10_000, PINS) is None and near_miss("9" * 10_000, ["v0.32.0"]) is None
+
+
 def test_near_miss_refuses_a_tie():
     from patcher.formats.pinref import near_miss
 
