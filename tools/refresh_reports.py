@@ -2,7 +2,7 @@
 reports/plan.txt for that machine, run through the product (`dsadapt ... --publish --json`, this
 checkout's code), one after the other, with a summary at the end.
 
-    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--dry-run] [--plan FILE]
+    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--start N] [--dry-run] [--plan FILE]
 
 Each command's --json output and stderr are kept in the work dir (`<work dir>/reports-refresh/`,
 named in the summary), with its exit status, seconds and the 1-minute load average before and
@@ -119,7 +119,10 @@ def outcome_of(line: PlanLine, rc: int, stdout: str) -> tuple[str, str, list[str
     results = doc.get("results") if doc.get("schema") == "dsadapt.check-dtypes/1" else [doc]
     reports = [str(r.get("report_path")) for r in results or [] if isinstance(r, dict) and r.get("report_path")]
     dtypes = doc.get("dtypes") or {}
-    detail = ", ".join(f"{d} {v}" for d, v in dtypes.items()) or str(doc.get("margins", {}).get("words") or "")
+    margins = doc.get("margins") if isinstance(doc.get("margins"), dict) else {}
+    detail = ", ".join(f"{d} {v}" for d, v in dtypes.items()) or str(margins.get("words") or "")
+    if doc.get("verdict") == "fail" and doc.get("reasons"):
+        detail = (detail + "; " if detail else "") + str(doc["reasons"][0])[:200]
     return str(doc.get("verdict") or ("pass" if rc == 0 else "fail")), detail, reports
 
 
@@ -200,7 +203,10 @@ def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
         proc = subprocess.run([sys.executable, "-m", "patcher.cli.main", "--project", str(ROOT), *args],
                               stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
     Path(f"{log}.json").write_text(proc.stdout, encoding="utf-8")
-    verdict, detail, reports = outcome_of(line, proc.returncode, proc.stdout)
+    try:
+        verdict, detail, reports = outcome_of(line, proc.returncode, proc.stdout)
+    except Exception as e:  # noqa: BLE001 - an output this tool cannot read ends nothing but this line
+        verdict, detail, reports = "error", f"unreadable --json output ({e.__class__.__name__}: {e})", []
     return Outcome(line, proc.returncode, time.monotonic() - t0, verdict, detail, reports, (before, _load()),
                    f"{log}.log")
 
@@ -234,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default="cpu", choices=[m for m in MACHINES if m != "none"])
     ap.add_argument("--only", action="append", default=[], metavar="PIN", help="only this pin's lines (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--start", type=int, default=1, metavar="N",
+                    help="begin at the machine's N-th line (resume a run that stopped; --dry-run numbers them)")
     ap.add_argument("--plan", type=Path, default=PLAN)
     ap.add_argument("--chains", action="store_true",
                     help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
@@ -263,13 +271,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if a.dry_run:
-        for ln in lines:
-            print("dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))
+        for i, ln in enumerate(lines, 1):
+            print(f"{i:2d}  dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))
         return 0
+    if not 1 <= a.start <= len(lines):
+        print(f"error: --start {a.start}: the {a.machine} lines are 1 to {len(lines)}", file=sys.stderr)
+        return 2
     logs = work_dir() / "reports-refresh"
     logs.mkdir(parents=True, exist_ok=True)
     outcomes = []
     for i, ln in enumerate(lines, 1):
+        if i < a.start:
+            continue
         print(f"[{i}/{len(lines)}] dsadapt {' '.join(ln.dsadapt_args())}", flush=True)
         o = run_line(ln, i, logs)
         print(f"      {o.verdict}{' (as planned)' if o.as_planned else f' (planned: {ln.expect})'} in "

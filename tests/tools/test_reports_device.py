@@ -62,6 +62,10 @@ def test_outcomes_from_the_commands_json_and_the_exit_code_of_the_whole_run():
     err = json.dumps({"schema": "dsadapt.error/1", "error": {"message": "no source here", "hint": "set a mirror"}})
     assert rr.outcome_of(line, 6, err)[:2] == ("not run", "no source here (hint: set a mirror)")
     assert rr.outcome_of(line, 8, "Traceback")[0] == "error"
+    # a control whose engine cannot load the model: no margins, its reason in the detail
+    failed = json.dumps({"schema": "dsadapt.check-report/1", "verdict": "fail", "margins": None,
+                         "reasons": ["the engine could not load the model: KeyError"], "report_path": "/r/x.json"})
+    assert rr.outcome_of(control, 1, failed) == ("fail", "the engine could not load the model: KeyError", ["/r/x.json"])
 
     def o(ln, verdict, rc=0):
         return rr.Outcome(ln, rc, 1.0, verdict)
