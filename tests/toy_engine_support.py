@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, files_snapshot, git, make_wheel
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "toyengine"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "toyengine"
 TAG = "v0.1.0"
 PIN = f"toy@{TAG}"
 WHEEL = "toyds-0.1.0-py3-none-any.whl"

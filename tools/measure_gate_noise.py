@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from patcher.engines.registry import engine as engine_of  # noqa: E402
 from patcher.rules.logits import compare  # noqa: E402
 from patcher.rules.prompts import build_prompt_set  # noqa: E402
-from patcher.runners.launch import REFERENCE_RUNNER, RunnerSpec, run_runner  # noqa: E402
+from patcher.runners.launch import REFERENCE_RUNNER, RunnerJob, RunnerSpec, run_runner  # noqa: E402
 
 HF_VARIANTS = {
     "repeat": ("float32", ()),
@@ -45,16 +45,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     prompts = build_prompt_set(model)
     hf = REFERENCE_RUNNER
-    ref = run_runner(hf, Path(a.hf_python), model, prompts, "float32", 20, 16, out / "ref.json")
+    ref = run_runner(hf, Path(a.hf_python), RunnerJob(model, prompts, "float32", 20, 16, out / "ref.json"))
     others = {}
     for name, (dtype, extra) in HF_VARIANTS.items():
         spec = RunnerSpec(hf.name, hf.script, extra_args=extra, dtypes=hf.dtypes)
-        others["hf-" + name] = run_runner(spec, Path(a.hf_python), model, prompts, dtype, 20, 16,
-                                          out / f"hf-{name}.json")
+        others["hf-" + name] = run_runner(spec, Path(a.hf_python),
+                                          RunnerJob(model, prompts, dtype, 20, 16, out / f"hf-{name}.json"))
     if a.vllm_python:
         for dtype in ("float32", "bfloat16", "float16"):
-            others["vllm-" + dtype] = run_runner(engine_of("vllm").runner, Path(a.vllm_python), model, prompts, dtype, 20,
-                                                 16, out / f"vllm-{dtype}.json")
+            others["vllm-" + dtype] = run_runner(engine_of("vllm").runner, Path(a.vllm_python),
+                                                 RunnerJob(model, prompts, dtype, 20, 16, out / f"vllm-{dtype}.json"))
     rows = {}
     for name, rep in others.items():
         for k in (5, 20):

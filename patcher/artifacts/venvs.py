@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.artifacts.builder import BuildResult, build_pin, unpatched_build
@@ -28,6 +28,7 @@ from patcher.artifacts.envlocks import file_digest, find_lock, locked_hashes, lo
 from patcher.base.config import Config
 from patcher.base.errors import BuildError, EngineUnavailable, VerificationError
 from patcher.base.fsutil import link_tree
+from patcher.base.procs import OutputTail, run_logged
 from patcher.engines.base import EnvPlan
 from patcher.engines.registry import engine
 from patcher.formats.bundle import OfflineRecord, find_record
@@ -73,6 +74,10 @@ def pip_command(py: Path) -> list[str]:
     return [sys.executable, "-m", "pip", "--python", str(py)]
 
 
+#: pip's own configuration warnings: kept in the log, not shown as what an install waits on
+PIP_QUIET = ("WARNING: ",)
+
+
 def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | None = None) -> None:
     """pip in the environment; its output goes to <venv>/dsadapt-pip.log and, line by line, to the
     progress display (what the install is waiting on), never as a flood on the terminal. A failure
@@ -81,22 +86,10 @@ def _pip(py: Path, *args: str, stream: bool, progress=None, log_path: Path | Non
     cmd = [*pip_command(py), "--disable-pip-version-check", "--no-input", *args[:1], *quiet, *args[1:]]
     venv = py.parent.parent
     log_path = log_path or venv / "dsadapt-pip.log"
-    note = getattr(progress, "note", None)
-    lines: list[str] = []
+    tail = OutputTail(progress, "pip: ", quiet=PIP_QUIET)
     with open(log_path, "a", encoding="utf-8") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            line = line.rstrip()
-            if line:
-                lines.append(line)
-                del lines[:-400]
-                if note and not line.startswith("WARNING: "):  # pip's config warnings are not progress
-                    note(f"pip: {line}")
-        rc = proc.wait()
+        rc = run_logged(cmd, log, None, on_line=tail).returncode
+    lines = tail.lines
     if rc != 0:
         cause, fix = pip_cause(lines)
         raise BuildError(f"pip {' '.join(args[:2])} failed in {venv}: {cause}",
@@ -174,29 +167,46 @@ def installed_marker(venv: Path) -> dict | None:
         return None
 
 
-def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (), remove: tuple[str, ...] = (),
-               post: tuple[str, ...] = (), marker: dict | None = None, progress=None,
-               stream: bool = True, lock_name: str | None = None, host_packages: bool = False,
-               lock_file: Path | None = None, pip_args: Sequence[str] = (),
-               details: dict | None = None, siblings: Sequence[Path] = ()) -> tuple[bool, list[str]]:
-    """Make `venv` hold exactly this engine wheel (by sha256) plus its dependencies.
+@dataclass(frozen=True)
+class EnvContents:
+    """What an engine environment is made to hold: the engine wheel (by sha256) and where its
+    dependencies come from.
 
     With `lock_name` (what dsadapt's own callers pass for every locked environment) the
     dependencies, `post` requirements included, come from that environment's hash lock; `extra`
     and `remove` are then moot (the lock leaves those packages out). Without it (a `host_packages`
     environment, or a library caller's own) the wheel is installed by pip with `extra`, `post`
     requirements in a second pip call, and `remove` uninstalled afterwards.
-    Returns (reused, removed packages). A new build of the same engine is swapped in with
-    --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     `host_packages`: the environment also sees the packages of the one dsadapt runs in
     (`host_site`), after its own, so a host's torch is reused instead of installed.
     `lock_file` names the hash lock directly (an offline bundle's), `pip_args` go to every pip
-    install (`--no-index --find-links BUNDLE/wheels`), `details` into the install marker.
-    `siblings`: environments of the same pin and variant a new one may be copied from (`_seed_for`).
+    install (`--no-index --find-links BUNDLE/wheels`); `marker` and `details` go into the install
+    marker. `siblings`: environments of the same pin and variant a new one may be copied from
+    (`_seed_for`)."""
+
+    wheel: Path
+    sha256: str
+    extra: Sequence[str] = ()
+    remove: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+    lock_name: str | None = None
+    lock_file: Path | None = None
+    host_packages: bool = False
+    pip_args: Sequence[str] = ()
+    marker: dict | None = None
+    details: dict | None = None
+    siblings: Sequence[Path] = ()
+
+
+def ensure_env(venv: Path, contents: EnvContents, *, progress=None, stream: bool = True) -> tuple[bool, list[str]]:
+    """Make `venv` hold exactly `contents` (the engine wheel, by sha256, plus its dependencies).
+
+    Returns (reused, removed packages). A new build of the same engine is swapped in with
+    --force-reinstall --no-deps; new locked dependencies rebuild the environment from scratch.
     """
-    if lock_file is None and lock_name:
-        lock_file = find_lock(lock_name)  # no lock here: fails before anything is made
-    deps = file_digest(lock_file) if lock_file else None
+    c = contents
+    lock_file = c.lock_file if c.lock_file is not None or not c.lock_name else find_lock(c.lock_name)
+    deps = file_digest(lock_file) if lock_file else None  # no lock here: failed above, before anything is made
     py = venv_python(venv)
     old = installed_marker(venv)
     if old and old.get("deps_lock") != deps:
@@ -204,10 +214,31 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
             progress(f"{venv.name}: its locked dependencies changed; rebuilding the environment")
         shutil.rmtree(venv)  # derived data, remade below from the lock
         old = None
-    if old and old.get("sha256") == sha256 and py.exists() and old.get("post", []) == list(post):
+    if old and old.get("sha256") == c.sha256 and py.exists() and old.get("post", []) == list(c.post):
         return True, []
+    old = _make_venv(venv, c, deps, old, progress)
+    removed: list[str] = []
+    if lock_file is not None:
+        torch_build = _install_locked(py, venv, c, lock_file, old, stream, progress)
+    else:
+        torch_build = None
+        removed = _install_unlocked(py, venv, c, old, stream, progress)
+    if progress is not None and hasattr(progress, "end"):
+        progress.end()
+    (venv / MARKER).write_text(json.dumps({**(c.marker or {}), **(c.details or {}), "artifact": str(c.wheel),
+                                           "sha256": c.sha256, "post": list(c.post), "deps_lock": deps,
+                                           "deps_lock_file": lock_file.name if lock_file else None,
+                                           "torch_build": torch_build, "host_packages": c.host_packages},
+                                          indent=2, sort_keys=True) + "\n")
+    return False, removed
+
+
+def _make_venv(venv: Path, c: EnvContents, deps: str | None, old: dict | None, progress) -> dict | None:
+    """The environment's interpreter, made where there is none: copied from a sibling with the same
+    dependencies where one exists, else a fresh venv. Returns the install marker it now has."""
+    py = venv_python(venv)
     if not py.exists() and not old:
-        seed = _seed_for(venv, siblings, post, deps)
+        seed = _seed_for(venv, c.siblings, c.post, deps)
         if seed is not None:
             # Same engine, same dependencies: a copy plus a swapped engine package takes
             # seconds where a fresh resolve and install of torch and friends takes minutes.
@@ -219,43 +250,46 @@ def ensure_env(venv: Path, wheel: Path, sha256: str, *, extra: Sequence[str] = (
     if not py.exists():
         if progress:
             progress(f"creating {venv}")
-        make_venv(venv, host_packages=host_packages)
-    removed: list[str] = []
+        make_venv(venv, host_packages=c.host_packages)
+    return old
+
+
+def _install_locked(py: Path, venv: Path, c: EnvContents, lock_file: Path, old: dict | None, stream: bool,
+                    progress) -> str | None:
+    """The dependencies from the hash lock (a new environment only), then the engine wheel by itself.
+    Returns the torch build the lock installed (or the one it had)."""
     torch_build = None
-    if lock_file is not None:
-        n_locked = len(locked_packages(lock_file.read_text()))
-        if not old and n_locked:
-            torch_build = install_lock(py, venv, lock_file, pip_args, stream=stream, progress=progress)
-        elif old:
-            torch_build = old.get("torch_build")
-        if progress:
-            progress(f"installing {wheel.name} into {venv} (--no-deps; sha256 {sha256[:12]}… checked by dsadapt)")
-        _pip(py, "install", *pip_args, "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
+    if not old and locked_packages(lock_file.read_text()):
+        torch_build = install_lock(py, venv, lock_file, c.pip_args, stream=stream, progress=progress)
+    elif old:
+        torch_build = old.get("torch_build")
+    if progress:
+        progress(f"installing {c.wheel.name} into {venv} (--no-deps; sha256 {c.sha256[:12]}… checked by dsadapt)")
+    _pip(py, "install", *c.pip_args, "--force-reinstall", "--no-deps", str(c.wheel), stream=stream, progress=progress)
+    return torch_build
+
+
+def _install_unlocked(py: Path, venv: Path, c: EnvContents, old: dict | None, stream: bool, progress) -> list[str]:
+    """The engine wheel with pip resolving its dependencies (and `extra`), `post` in a second call,
+    then `remove` uninstalled. Returns what was removed."""
+    if progress:
+        progress(f"installing {c.wheel.name}{' and its dependencies' if not old else ''} into {venv}"
+                 f"{' (pip; minutes on first run)' if not old else ''}")
+    if old:
+        _pip(py, "install", "--force-reinstall", "--no-deps", str(c.wheel), stream=stream, progress=progress)
     else:
+        _pip(py, "install", str(c.wheel), *c.extra, stream=stream, progress=progress)
+    if c.post and (not old or old.get("post", []) != list(c.post)):
         if progress:
-            progress(f"installing {wheel.name}{' and its dependencies' if not old else ''} into {venv}"
-                     f"{' (pip; minutes on first run)' if not old else ''}")
-        if old:
-            _pip(py, "install", "--force-reinstall", "--no-deps", str(wheel), stream=stream, progress=progress)
-        else:
-            _pip(py, "install", str(wheel), *extra, stream=stream, progress=progress)
-        if post and (not old or old.get("post", []) != list(post)):
-            if progress:
-                progress(f"adding {' '.join(post)}")
-            _pip(py, "install", *post, stream=stream, progress=progress)
-        for name in remove:
-            shown = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
-            if shown.returncode == 0:
-                _pip(py, "uninstall", "-y", name, stream=False)
-                removed.append(name)
-    if progress is not None and hasattr(progress, "end"):
-        progress.end()
-    (venv / MARKER).write_text(json.dumps({**(marker or {}), **(details or {}), "artifact": str(wheel), "sha256": sha256,
-                                           "post": list(post), "deps_lock": deps,
-                                           "deps_lock_file": lock_file.name if lock_file else None,
-                                           "torch_build": torch_build, "host_packages": host_packages},
-                                          indent=2, sort_keys=True) + "\n")
-    return False, removed
+            progress(f"adding {' '.join(c.post)}")
+        _pip(py, "install", *c.post, stream=stream, progress=progress)
+    removed = []
+    for name in c.remove:
+        shown = subprocess.run([str(py), "-m", "pip", "show", "-q", name], capture_output=True)
+        if shown.returncode == 0:
+            _pip(py, "uninstall", "-y", name, stream=False)
+            removed.append(name)
+    return removed
 
 
 def index_args(pip_args: Sequence[str] = ()) -> list[str]:
@@ -458,31 +492,31 @@ def install_plan(cfg: Config, lock: Lock, plan: EnvPlan, *, unpatched: bool = Fa
     venv = venv or base.with_name(base.name + ("-unpatched" if unpatched else "") + plan.suffix)
     offline = find_record(cfg, entry.ref, spec.name) if not plan.suffix and build is None else None
     if offline is not None:
-        wheel, sha256, marker, kw = _offline_install(cfg, lock, entry, spec.name, offline, unpatched)
+        contents = _offline_install(cfg, entry, spec.name, offline, unpatched)
     else:
         lock_name = plan_lock_name(plan)
         if lock_name:
             find_lock(lock_name)  # before building: an environment without a lock cannot be made here (exit 6)
+        marker: dict
         if not unpatched:
             build = build or build_pin(cfg, lock, entry.ref, spec.name, progress=progress)
             marker = {"ref": str(entry.ref), "variant": spec.name, "stack_hash": build.stack_hash}
         else:
             build = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
             marker = {"ref": str(entry.ref), "variant": spec.name, "unpatched": True, "unpatched_build": build.kind}
-        wheel, sha256 = Path(build.artifact), build.sha256
-        kw = {"lock_name": lock_name, "host_packages": recipe.host_packages}
+        contents = EnvContents(Path(build.artifact), build.sha256, marker=marker, lock_name=lock_name,
+                               host_packages=recipe.host_packages)
     siblings = [base.with_name(base.name + side + suffix) for suffix in dict.fromkeys(("", plan.suffix))
                 for side in ("", "-unpatched")]
-    reused, removed = ensure_env(venv, wheel, sha256, extra=list(recipe.extra), remove=recipe.remove,
-                                 post=recipe.post, progress=progress, stream=stream, marker=marker,
-                                 siblings=siblings, **kw)
+    contents = replace(contents, extra=list(recipe.extra), remove=recipe.remove, post=recipe.post, siblings=siblings)
+    reused, removed = ensure_env(venv, contents, progress=progress, stream=stream)
+    wheel, sha256 = contents.wheel, contents.sha256
     return InstallResult(str(entry.ref), spec.name, str(venv), str(venv_python(venv)), str(wheel), sha256, reused,
                          round(time.monotonic() - t0, 2), removed, details=_env_details(venv))
 
 
-def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineRecord,
-                     unpatched: bool) -> tuple[Path, str, dict, dict]:
-    """(wheel, sha256, marker, ensure_env arguments) of an environment installed from a bundle."""
+def _offline_install(cfg: Config, entry, variant: str, rec: OfflineRecord, unpatched: bool) -> EnvContents:
+    """What an environment installed from a bundle holds (its build, the bundle's lock and wheels)."""
     side = "unpatched" if unpatched else "patched"
     if not unpatched:
         stack = load_stack(cfg.patches_root, entry.ref)
@@ -505,9 +539,8 @@ def _offline_install(cfg: Config, lock: Lock, entry, variant: str, rec: OfflineR
     # the host's packages this environment relies on, at the versions found when it was installed
     # (bundle.json has the requirements that apply to each)
     details = {"bundle": rec.bundle, "host_packages_used": {n: h.get("here") for n, h in sorted(rec.host.items())}}
-    kw = {"lock_file": Path(rec.lock), "host_packages": rec.host_packages,
-          "pip_args": ("--no-index", "--find-links", rec.wheels, "--ignore-installed"), "details": details}
-    return wheel, build["sha256"], marker, kw
+    return EnvContents(wheel, build["sha256"], marker=marker, lock_file=Path(rec.lock), host_packages=rec.host_packages,
+                       pip_args=("--no-index", "--find-links", rec.wheels, "--ignore-installed"), details=details)
 
 
 def _env_details(venv: Path) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base import faults
+from patcher.base.dotgit import REFS, CheckoutLayout
 from patcher.base.errors import DsadaptError
 
 # Fixed identity and dates for the commits dsadapt itself makes (base snapshots, applied
@@ -314,7 +315,7 @@ class Git:
     def head(self) -> tuple[str | None, str | None, dict[str, str]]:
         """(branch HEAD is on or None, HEAD's commit, {ref: commit} of refs/heads/ and refs/dsadapt/),
         with one process: `for-each-ref` plus reading .git/HEAD."""
-        refs = dict(self.refs("refs/heads/", "refs/dsadapt/"))
+        refs = dict(self.refs("refs/heads/", REFS))
         try:
             text = (self.git_dir() / "HEAD").read_text().strip()
         except OSError:
@@ -326,7 +327,7 @@ class Git:
         return None, (text if len(text) == 40 else self.rev("HEAD")), refs
 
     def scratch_dir(self) -> Path:
-        d = self.git_dir() / "dsadapt" / "tmp"
+        d = CheckoutLayout.of_git_dir(self.git_dir()).scratch
         d.mkdir(parents=True, exist_ok=True)
         return d
 

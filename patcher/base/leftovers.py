@@ -16,14 +16,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from patcher.base.dotgit import CheckoutLayout
 from patcher.base.fsutil import pid_alive
 
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)(?:-.*)?$")
 # fsutil's temporary files before they carried a pid: ".<name>.<8 random chars>" (tempfile.mkstemp)
 LEGACY_TMP_RE = re.compile(r"^\.(?P<name>series|upstream\.lock|.+\.patch|.+\.md|.+\.json|state\.json)\.[a-z0-9_]{8}$")
 DOWNLOAD_RE = re.compile(r"^\.download-(?P<pid>\d+)-")
-SCRATCH_RE = re.compile(r"^(?:index|blob)-(?P<pid>\d+)-")
+SCRATCH_RE = re.compile(r"^(?:index|blob|ref)-(?P<pid>\d+)-")  # a checkout's scratch (CheckoutLayout.scratch)
 SCRATCH_DIR_RE = re.compile(r"^verify-(?P<pid>\d+)-")  # verify's own object dir and index (work dir tmp/)
+TEMP_WORKTREES = ("dsadapt-verify-", "dsadapt-rebase-")  # the temporary worktrees older versions made
 AGE_S = 3600  # a leftover without a pid is only taken when older than this
 
 
@@ -143,7 +145,7 @@ def find(cfg, *, sizes: bool = False) -> list[Leftover]:
             if entry.is_dir() and _old(entry):
                 out.append(Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`"))
     tmp = Path(os.environ.get("TMPDIR") or "/tmp")
-    for pat in ("dsadapt-verify-*", "dsadapt-rebase-*"):
+    for pat in (f"{p}*" for p in TEMP_WORKTREES):
         for entry in sorted(tmp.glob(pat)):
             if entry.is_dir() and _old(entry):
                 out.append(Leftover(str(entry), "worktree", "temporary worktree of an interrupted run (older dsadapt)"))
@@ -157,31 +159,33 @@ def _checkout_leftovers(co_path: Path) -> list[Leftover]:
     import json
 
     out: list[Leftover] = []
-    scratch = co_path / ".git" / "dsadapt" / "tmp"
-    if scratch.is_dir():
-        for f in sorted(scratch.iterdir()):
+    lay = CheckoutLayout(co_path)
+    if lay.scratch.is_dir():
+        for f in sorted(lay.scratch.iterdir()):
             m = SCRATCH_RE.match(f.name)
             if (m and not pid_alive(int(m.group("pid")))) or (not m and _old(f)):
                 out.append(Leftover(str(f), "scratch", "temporary index or object of a dead run"))
-    op = co_path / ".git" / "dsadapt" / "op"
-    if op.is_dir():
+    if lay.op_dir.is_dir():
         try:
-            st = json.loads((co_path / ".git" / "dsadapt" / "state.json").read_text(encoding="utf-8"))
+            st = json.loads(lay.state.read_text(encoding="utf-8"))
             has_op = bool(st.get("op"))
-        except (OSError, ValueError):
-            has_op = True  # unreadable state: leave the op's files alone
+        except (OSError, ValueError, AttributeError):
+            has_op = True  # unreadable state: leave the op's files alone (the record is rebuilt from git)
         if not has_op:
-            out.append(Leftover(str(op), "op dir", "files of a finished or never-started operation"))
-    out += _scan_tmp(co_path / ".git" / "dsadapt", "temp file")
-    wts = co_path / ".git" / "worktrees"
+            out.append(Leftover(str(lay.op_dir), "op dir", "files of a finished or never-started operation"))
+    out += _scan_tmp(lay.own, "temp file")
+    wts = lay.worktrees
     if wts.is_dir():
         for w in sorted(wts.iterdir()):
             gd = w / "gitdir"
             try:
-                target = Path(gd.read_text().strip())
+                target: Path | None = Path(gd.read_text().strip())
             except OSError:
                 target = None
-            if target is None or not target.parent.exists():
+            # only the temporary worktrees older versions made: a user's worktree that is gone keeps its
+            # registration (its HEAD may hold commits nothing else reaches; `git worktree prune` is theirs)
+            ours = target is not None and target.parent.name.startswith(TEMP_WORKTREES)
+            if ours and target is not None and not target.parent.exists() and not (w / "locked").exists():
                 out.append(Leftover(str(w), "worktree", "registration of a temporary worktree that is gone"))
     return out
 

@@ -98,12 +98,13 @@ class LoggedRun:
     wall_s: float
 
 
-def run_logged(argv: Sequence[str], log: IO[str], timeout: float, *, env: Mapping[str, str] | None = None,
+def run_logged(argv: Sequence[str], log: IO[str], timeout: float | None, *, env: Mapping[str, str] | None = None,
                on_line=None) -> LoggedRun:
     """Run argv in its own session with stdout+stderr written line by line to `log` (after a
-    ``$ argv`` line) and handed to `on_line`; past `timeout` seconds its whole process group is
-    killed. When it is done its process group is ended too: helpers it spawned (multiprocessing
-    resource trackers, engine workers) may live on holding the output pipe."""
+    ``$ argv`` line) and handed to `on_line`; past `timeout` seconds (None: no limit) its whole
+    process group is killed. When it is done, or the caller is interrupted, its process group is
+    ended too: helpers it spawned (multiprocessing resource trackers, engine workers) may live on
+    holding the output pipe."""
     import threading
 
     log.write("$ " + " ".join(argv) + "\n")
@@ -124,17 +125,44 @@ def run_logged(argv: Sequence[str], log: IO[str], timeout: float, *, env: Mappin
             if on_line:
                 on_line(line.rstrip("\n"))
 
-    timer = threading.Timer(timeout, expire)
-    timer.start()
+    timer = threading.Timer(timeout, expire) if timeout is not None else None
+    if timer is not None:
+        timer.start()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         rc = proc.wait()
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         stop_group(proc)
         reader.join(timeout=30)
     return LoggedRun(124 if timed_out.is_set() else rc, timed_out.is_set(), time.monotonic() - t0)
+
+
+class OutputTail:
+    """A child's output as `run_logged` hands it over (its `on_line`): each non-empty line to the
+    progress display as what the step waits on (`prefix` first; lines starting with one of `quiet`
+    are kept but not shown), the last `keep` lines kept for the error that quotes them."""
+
+    def __init__(self, progress=None, prefix: str = "", keep: int = 400, quiet: tuple[str, ...] = ()):
+        self.note = getattr(progress, "note", None)
+        self.prefix, self.keep, self.quiet = prefix, keep, quiet
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        line = line.rstrip()
+        if not line:
+            return
+        self.lines.append(line)
+        del self.lines[:-self.keep]
+        if self.note and not line.startswith(self.quiet):
+            self.note(self.prefix + line)
+
+    @property
+    def last(self) -> str | None:
+        """The last line shown (not one of the `quiet` ones)."""
+        return next((ln for ln in reversed(self.lines) if not ln.startswith(self.quiet)), None)
 
 
 def free_port(host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> int:

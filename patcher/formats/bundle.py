@@ -250,3 +250,12 @@ def offline_variants(cfg: Config, ref: PinRef) -> list[str]:
         if isinstance(data, dict) and data.get("pin") == str(ref) and isinstance(data.get("variant"), str):
             out.append(data["variant"])
     return out
+
+
+def default_variant(cfg: Config, ref: PinRef, variant: str | None) -> str | None:
+    """The variant asked for; else, where a bundle installed exactly one variant of the pin, that one
+    (what `check` and `install` run without --variant)."""
+    if variant is not None:
+        return variant
+    found = offline_variants(cfg, ref)
+    return found[0] if len(found) == 1 else None

@@ -238,109 +238,118 @@ def parse_lock(text: str, path: Path = Path("upstream.lock")) -> Lock:
         raise ctx.fail(
             f"lock format version must be {LOCK_VERSION}, found {data.get('version')!r}", "version ="
         )
-    engines: dict[str, EngineDecl] = {}
-    for name, edecl in (data.get("engines") or {}).items():
-        needle = f"[engines.{name}]"
-        sec = (needle, 1)
-        if not re.match(r"^[a-z][a-z0-9_-]*$", name):
-            raise ctx.fail(f"engine name '{show(name, 40)}' is not lower-case letters, digits, - or _", needle)
-        if not isinstance(edecl, dict):
-            raise ctx.fail(f"engine '{name}' must be a table", needle)
-        bad = set(edecl) - _ENGINE_KEYS
-        if bad:
-            raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle,
-                           section=sec)
-        git = edecl.get("git")
-        if not isinstance(git, str) or not git:
-            raise ctx.fail(f"engine '{name}': 'git' must be a URL string", ("git", "="), needle, section=sec)
-        if not _GIT_URL_RE.match(git) or git.startswith("-"):
-            raise ctx.fail(f"engine '{name}': 'git' = {show(git, 60)!r} is not a git URL dsadapt will use",
-                           ("git", "="), needle, section=sec,
-                           hint="use an https://, ssh://, git://, file:// URL, user@host:path, or a path")
-        pypi = edecl.get("pypi", [])
-        if not isinstance(pypi, list) or not all(isinstance(x, str) and x for x in pypi):
-            raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", ("pypi", "="), needle,
-                           section=sec)
-        engines[name] = EngineDecl(name, git, tuple(pypi))
-    pins: dict[str, LockEntry] = {}
-    for key, p in (data.get("pins") or {}).items():
-        needle = f'[pins."{key}"]'
-        sec = (needle, 1)
-        try:
-            ref = parse_pinref(key)
-        except UsageError as e:
-            raise ctx.fail(f"pin key '{show(key, 60)}': {e.message}", needle) from None
-        if ref.engine not in engines:
-            raise ctx.fail(f"pin '{key}' names engine '{ref.engine}', which is not declared", needle,
-                           hint=f"add [engines.{ref.engine}] or fix the pin name")
-        if not isinstance(p, dict):
-            raise ctx.fail(f"pin '{key}' must be a table", needle)
-        bad = set(p) - _PIN_KEYS
-        if bad:
-            k = sorted(bad)[0]
-            raise ctx.fail(f"pin '{key}': unknown key '{k}'", (k, "="), needle, section=sec)
-        version = p.get("version")
-        if not isinstance(version, str) or not version:
-            raise ctx.fail(f"pin '{key}': 'version' (the release version) is required", needle)
-        for hk in ("commit", "tree"):
-            v = p.get(hk)
-            if v is not None and (not isinstance(v, str) or not _HEX40.match(v)):
-                raise ctx.fail(f"pin '{key}': '{hk}' must be a 40-hex git id, got {v!r}", (hk, "=", str(v)), needle,
-                               section=sec)
-        for sk in ("serves", "python", "note"):
-            v = p.get(sk)
-            if v is not None and not isinstance(v, str):
-                raise ctx.fail(f"pin '{key}': '{sk}' must be a string", (sk, "="), needle, section=sec)
-        if p.get("serves") is not None:
-            try:
-                parse_pinref(p["serves"])
-            except UsageError:
-                raise ctx.fail(f"pin '{key}': 'serves' must be ENGINE@TAG", ("serves", "="), needle,
-                               section=sec) from None
-        arts = []
-        raw_arts = p.get("artifacts", [])
-        if not isinstance(raw_arts, list):
-            raise ctx.fail(f"pin '{key}': 'artifacts' must be an array of tables", needle)
-        for n_art, a in enumerate(raw_arts, 1):
-            aneedle = f'[[pins."{key}".artifacts]]'
-            asec = (aneedle, n_art)
-            if not isinstance(a, dict):
-                raise ctx.fail(f"pin '{key}': artifact must be a table", aneedle, section=asec)
-            bad = set(a) - _ART_KEYS
-            if bad:
-                k = sorted(bad)[0]
-                raise ctx.fail(f"pin '{key}': artifact has unknown key '{k}'", (k, "="), aneedle, section=asec)
-            for req in ("dist", "variant", "file", "sha256"):
-                if not isinstance(a.get(req), str) or not a.get(req):
-                    raise ctx.fail(f"pin '{key}': artifact lacks '{req}'", aneedle, section=asec)
-            if not _FILE_RE.match(a["file"]):
-                raise ctx.fail(f"pin '{key}': artifact file name {a['file']!r} is not a wheel or sdist name",
-                               ("file", "="), aneedle, section=asec)
-            if not _HEX64.match(a["sha256"]):
-                raise ctx.fail(f"pin '{key}': artifact sha256 must be 64 lower-case hex digits, got {a['sha256']!r}",
-                               ("sha256", "="), aneedle, section=asec)
-            if engines[ref.engine].pypi and a["dist"] not in engines[ref.engine].pypi:
-                raise ctx.fail(f"pin '{key}': artifact dist '{a['dist']}' is not one of engine "
-                               f"'{ref.engine}' PyPI distributions {list(engines[ref.engine].pypi)}",
-                               ("dist", "="), aneedle, section=asec)
-            size = a.get("size")
-            if size is not None and (not isinstance(size, int) or size <= 0):
-                raise ctx.fail(f"pin '{key}': artifact size must be a positive integer", ("size", "="), aneedle,
-                               section=asec)
-            source = a.get("source", False)
-            if not isinstance(source, bool):
-                raise ctx.fail(f"pin '{key}': artifact 'source' must be true or false", ("source", "="), aneedle,
-                               section=asec)
-            arts.append(Artifact(a["dist"], a["variant"], a["file"], a["sha256"], source, size))
-        pins[key] = LockEntry(
-            engine=ref.engine, tag=ref.tag, version=version, commit=p.get("commit"), tree=p.get("tree"),
-            artifacts=tuple(arts), serves=p.get("serves"), python=p.get("python"), note=p.get("note"),
-        )
+    engines = {name: _engine_decl(ctx, name, edecl) for name, edecl in (data.get("engines") or {}).items()}
+    pins = {key: _pin_entry(ctx, key, p, engines) for key, p in (data.get("pins") or {}).items()}
     for key, p in pins.items():
         if p.serves and p.serves not in pins:
             raise ctx.fail(f"pin '{key}' serves '{p.serves}', which is not pinned", ("serves", p.serves),
                            section=(f'[pins."{key}"]', 1))
     return Lock(engines=engines, pins=pins, path=path)
+
+
+def _engine_decl(ctx: _Ctx, name: str, edecl) -> EngineDecl:
+    """One [engines.NAME] table."""
+    needle = f"[engines.{name}]"
+    sec = (needle, 1)
+    if not re.match(r"^[a-z][a-z0-9_-]*$", name):
+        raise ctx.fail(f"engine name '{show(name, 40)}' is not lower-case letters, digits, - or _", needle)
+    if not isinstance(edecl, dict):
+        raise ctx.fail(f"engine '{name}' must be a table", needle)
+    bad = set(edecl) - _ENGINE_KEYS
+    if bad:
+        raise ctx.fail(f"engine '{name}': unknown key '{sorted(bad)[0]}'", (sorted(bad)[0], "="), needle,
+                       section=sec)
+    git = edecl.get("git")
+    if not isinstance(git, str) or not git:
+        raise ctx.fail(f"engine '{name}': 'git' must be a URL string", ("git", "="), needle, section=sec)
+    if not _GIT_URL_RE.match(git) or git.startswith("-"):
+        raise ctx.fail(f"engine '{name}': 'git' = {show(git, 60)!r} is not a git URL dsadapt will use",
+                       ("git", "="), needle, section=sec,
+                       hint="use an https://, ssh://, git://, file:// URL, user@host:path, or a path")
+    pypi = edecl.get("pypi", [])
+    if not isinstance(pypi, list) or not all(isinstance(x, str) and x for x in pypi):
+        raise ctx.fail(f"engine '{name}': 'pypi' must be a list of distribution names", ("pypi", "="), needle,
+                       section=sec)
+    return EngineDecl(name, git, tuple(pypi))
+
+
+def _pin_entry(ctx: _Ctx, key: str, p, engines: dict[str, EngineDecl]) -> LockEntry:
+    """One [pins."ENGINE@TAG"] table and its artifacts."""
+    needle = f'[pins."{key}"]'
+    sec = (needle, 1)
+    try:
+        ref = parse_pinref(key)
+    except UsageError as e:
+        raise ctx.fail(f"pin key '{show(key, 60)}': {e.message}", needle) from None
+    if ref.engine not in engines:
+        raise ctx.fail(f"pin '{key}' names engine '{ref.engine}', which is not declared", needle,
+                       hint=f"add [engines.{ref.engine}] or fix the pin name")
+    if not isinstance(p, dict):
+        raise ctx.fail(f"pin '{key}' must be a table", needle)
+    bad = set(p) - _PIN_KEYS
+    if bad:
+        k = sorted(bad)[0]
+        raise ctx.fail(f"pin '{key}': unknown key '{k}'", (k, "="), needle, section=sec)
+    version = p.get("version")
+    if not isinstance(version, str) or not version:
+        raise ctx.fail(f"pin '{key}': 'version' (the release version) is required", needle)
+    for hk in ("commit", "tree"):
+        v = p.get(hk)
+        if v is not None and (not isinstance(v, str) or not _HEX40.match(v)):
+            raise ctx.fail(f"pin '{key}': '{hk}' must be a 40-hex git id, got {v!r}", (hk, "=", str(v)), needle,
+                           section=sec)
+    for sk in ("serves", "python", "note"):
+        v = p.get(sk)
+        if v is not None and not isinstance(v, str):
+            raise ctx.fail(f"pin '{key}': '{sk}' must be a string", (sk, "="), needle, section=sec)
+    if p.get("serves") is not None:
+        try:
+            parse_pinref(p["serves"])
+        except UsageError:
+            raise ctx.fail(f"pin '{key}': 'serves' must be ENGINE@TAG", ("serves", "="), needle,
+                           section=sec) from None
+    raw_arts = p.get("artifacts", [])
+    if not isinstance(raw_arts, list):
+        raise ctx.fail(f"pin '{key}': 'artifacts' must be an array of tables", needle)
+    arts = [_artifact(ctx, key, engines[ref.engine], n, a) for n, a in enumerate(raw_arts, 1)]
+    return LockEntry(
+        engine=ref.engine, tag=ref.tag, version=version, commit=p.get("commit"), tree=p.get("tree"),
+        artifacts=tuple(arts), serves=p.get("serves"), python=p.get("python"), note=p.get("note"),
+    )
+
+
+def _artifact(ctx: _Ctx, key: str, engine: EngineDecl, n_art: int, a) -> Artifact:
+    """One [[pins."KEY".artifacts]] table."""
+    aneedle = f'[[pins."{key}".artifacts]]'
+    asec = (aneedle, n_art)
+    if not isinstance(a, dict):
+        raise ctx.fail(f"pin '{key}': artifact must be a table", aneedle, section=asec)
+    bad = set(a) - _ART_KEYS
+    if bad:
+        k = sorted(bad)[0]
+        raise ctx.fail(f"pin '{key}': artifact has unknown key '{k}'", (k, "="), aneedle, section=asec)
+    for req in ("dist", "variant", "file", "sha256"):
+        if not isinstance(a.get(req), str) or not a.get(req):
+            raise ctx.fail(f"pin '{key}': artifact lacks '{req}'", aneedle, section=asec)
+    if not _FILE_RE.match(a["file"]):
+        raise ctx.fail(f"pin '{key}': artifact file name {a['file']!r} is not a wheel or sdist name",
+                       ("file", "="), aneedle, section=asec)
+    if not _HEX64.match(a["sha256"]):
+        raise ctx.fail(f"pin '{key}': artifact sha256 must be 64 lower-case hex digits, got {a['sha256']!r}",
+                       ("sha256", "="), aneedle, section=asec)
+    if engine.pypi and a["dist"] not in engine.pypi:
+        raise ctx.fail(f"pin '{key}': artifact dist '{a['dist']}' is not one of engine "
+                       f"'{engine.name}' PyPI distributions {list(engine.pypi)}",
+                       ("dist", "="), aneedle, section=asec)
+    size = a.get("size")
+    if size is not None and (not isinstance(size, int) or size <= 0):
+        raise ctx.fail(f"pin '{key}': artifact size must be a positive integer", ("size", "="), aneedle,
+                       section=asec)
+    source = a.get("source", False)
+    if not isinstance(source, bool):
+        raise ctx.fail(f"pin '{key}': artifact 'source' must be true or false", ("source", "="), aneedle,
+                       section=asec)
+    return Artifact(a["dist"], a["variant"], a["file"], a["sha256"], source, size)
 
 
 def load_lock(path: Path) -> Lock:

@@ -238,100 +238,122 @@ def parse_diff_files(diff: str, where: str = "patch") -> tuple[FileChange, ...]:
     headers, paths outside the tree or inside `.git`, gitlinks, and symbolic links whose target
     leaves the tree.
     """
-    files: list[FileChange] = []
-    cur: dict | None = None
-    old_left = new_left = 0
-    last = ""  # the side of the last hunk line: " " both, "-" old, "+" new
-
-    def close() -> None:
-        if cur is not None:
-            files.append(_file_change(cur, where))
-
+    r = _DiffReader(where)
     for n, line in enumerate(diff.split("\n"), 1):
-        if old_left > 0 or new_left > 0:  # inside a hunk: content, whatever it looks like
-            if line.startswith(" ") or line == "":
-                old_left, new_left = old_left - 1, new_left - 1
-                if cur is not None:
-                    cur["new_side"].append(line[1:])
-                last = " "
-            elif line.startswith("-"):
-                old_left -= 1
-                last = "-"
-            elif line.startswith("+"):
-                new_left -= 1
-                if cur is not None:
-                    cur["plus_lines"].append(line[1:])
-                    cur["new_side"].append(line[1:])
-                last = "+"
-            elif line.startswith("\\"):
-                if cur is not None and last in (" ", "+"):
-                    cur["new_eof"] = True
-            else:
-                raise _bad(where, f"diff line {n}: a hunk ends before its header says ({show(line, 40)!r})")
-            if old_left < 0 or new_left < 0:
-                raise _bad(where, f"diff line {n}: a hunk is longer than its header says")
-            continue
-        if line.startswith("diff --git "):
-            if line.endswith("\r"):
-                raise _bad(where, "CRLF line endings", hint="convert the file to LF line endings (dos2unix)")
-            close()
-            names = _header_names(line[len("diff --git "):], where)
-            cur = {"a": names[0] if names else None, "b": names[1] if names else None, "new": False,
-                   "deleted": False, "index": None, "binary": False, "rename_from": None, "rename_to": None,
-                   "copy_from": None, "copy_to": None, "minus": None, "plus": None, "hunks": 0,
-                   "old_mode": None, "new_mode": None, "plus_lines": [], "line": n, "new_side": [],
-                   "new_start": None, "new_eof": False}
-            continue
-        if cur is None:
+        r.line(n, line)
+    r.close()
+    return tuple(r.files)
+
+
+class _DiffReader:
+    """`parse_diff_files` line by line: inside a hunk, its content; outside, a file's headers."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.files: list[FileChange] = []
+        self.cur: dict | None = None
+        self.old_left = self.new_left = 0
+        self.last = ""  # the side of the last hunk line: " " both, "-" old, "+" new
+
+    def close(self) -> None:
+        if self.cur is not None:
+            self.files.append(_file_change(self.cur, self.where))
+
+    def line(self, n: int, line: str) -> None:
+        if self.old_left > 0 or self.new_left > 0:  # inside a hunk: content, whatever it looks like
+            self._hunk_line(n, line)
+        elif line.startswith("diff --git "):
+            self._file_header(n, line)
+        elif self.cur is None:
             if line.strip():
-                raise _bad(where, f"diff line {n}: text before the first `diff --git` header")
-            continue
-        if line.startswith("\\"):  # "\ No newline at end of file" after a hunk's last line
-            if last in (" ", "+"):
+                raise _bad(self.where, f"diff line {n}: text before the first `diff --git` header")
+        elif line.startswith("\\"):  # "\ No newline at end of file" after a hunk's last line
+            if self.last in (" ", "+"):
+                self.cur["new_eof"] = True
+        elif line.startswith("@@"):
+            self._hunk_header(n, line)
+        elif not self.cur["binary"]:  # a binary patch's base85 lines, literal/delta headers, blank separators
+            _extended_header(self.cur, n, line, self.where)
+
+    def _hunk_line(self, n: int, line: str) -> None:
+        cur = self.cur
+        if line.startswith(" ") or line == "":
+            self.old_left, self.new_left = self.old_left - 1, self.new_left - 1
+            if cur is not None:
+                cur["new_side"].append(line[1:])
+            self.last = " "
+        elif line.startswith("-"):
+            self.old_left -= 1
+            self.last = "-"
+        elif line.startswith("+"):
+            self.new_left -= 1
+            if cur is not None:
+                cur["plus_lines"].append(line[1:])
+                cur["new_side"].append(line[1:])
+            self.last = "+"
+        elif line.startswith("\\"):
+            if cur is not None and self.last in (" ", "+"):
                 cur["new_eof"] = True
-            continue
-        if line.startswith("@@"):
-            m = _HUNK_RE.match(line)
-            if not m or cur["binary"]:
-                raise _bad(where, f"diff line {n}: malformed hunk header {show(line, 40)!r}")
-            old_left = int(m.group(2)) if m.group(2) is not None else 1
-            new_left = int(m.group(4)) if m.group(4) is not None else 1
-            cur["hunks"] += 1
-            if cur["new_start"] is None:
-                cur["new_start"] = int(m.group(3))
-            last = ""
-            continue
-        if cur["binary"]:
-            continue  # base85 lines, literal/delta headers and blank separators
-        if line.startswith("--- ") or line.startswith("+++ "):
-            key = "minus" if line.startswith("-") else "plus"
-            if cur["hunks"] or cur[key] is not None:
-                raise _bad(where, f"diff line {n}: a file section without its own `diff --git` header "
-                                  "(a non-git diff inside the patch)")
-            cur[key] = _file_name(line[4:], where)
-        elif line.startswith("new file mode "):
-            cur["new"], cur["new_mode"] = True, line.split()[-1]
-        elif line.startswith("deleted file mode "):
-            cur["deleted"], cur["old_mode"] = True, line.split()[-1]
-        elif line.startswith("old mode "):
-            cur["old_mode"] = line.split()[-1]
-        elif line.startswith("new mode "):
-            cur["new_mode"] = line.split()[-1]
-        elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
-            words = line.split(" ", 2)
-            cur[f"{words[0]}_{words[1]}"] = _name(words[2], where)
-        elif line.startswith("index ") and cur["index"] is None:
-            im = _INDEX_RE.match(line)
-            if not im:
-                raise _bad(where, f"malformed index line {show(line, 60)!r}")
-            cur["index"] = (im.group(1), im.group(2))
-            if im.group(3):
-                cur["new_mode"] = cur["new_mode"] or im.group(3)
-                cur["old_mode"] = cur["old_mode"] or im.group(3)
-        elif line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
-            cur["binary"] = True
-    close()
-    return tuple(files)
+        else:
+            raise _bad(self.where, f"diff line {n}: a hunk ends before its header says ({show(line, 40)!r})")
+        if self.old_left < 0 or self.new_left < 0:
+            raise _bad(self.where, f"diff line {n}: a hunk is longer than its header says")
+
+    def _file_header(self, n: int, line: str) -> None:
+        if line.endswith("\r"):
+            raise _bad(self.where, "CRLF line endings", hint="convert the file to LF line endings (dos2unix)")
+        self.close()
+        names = _header_names(line[len("diff --git "):], self.where)
+        self.cur = {"a": names[0] if names else None, "b": names[1] if names else None, "new": False,
+                    "deleted": False, "index": None, "binary": False, "rename_from": None, "rename_to": None,
+                    "copy_from": None, "copy_to": None, "minus": None, "plus": None, "hunks": 0,
+                    "old_mode": None, "new_mode": None, "plus_lines": [], "line": n, "new_side": [],
+                    "new_start": None, "new_eof": False}
+
+    def _hunk_header(self, n: int, line: str) -> None:
+        cur = self.cur
+        assert cur is not None
+        m = _HUNK_RE.match(line)
+        if not m or cur["binary"]:
+            raise _bad(self.where, f"diff line {n}: malformed hunk header {show(line, 40)!r}")
+        self.old_left = int(m.group(2)) if m.group(2) is not None else 1
+        self.new_left = int(m.group(4)) if m.group(4) is not None else 1
+        cur["hunks"] += 1
+        if cur["new_start"] is None:
+            cur["new_start"] = int(m.group(3))
+        self.last = ""
+
+
+def _extended_header(cur: dict, n: int, line: str, where: str) -> None:
+    """One line of a file's header after `diff --git`: ---/+++ names, modes, renames and copies,
+    the index line, the start of a binary patch."""
+    if line.startswith("--- ") or line.startswith("+++ "):
+        key = "minus" if line.startswith("-") else "plus"
+        if cur["hunks"] or cur[key] is not None:
+            raise _bad(where, f"diff line {n}: a file section without its own `diff --git` header "
+                              "(a non-git diff inside the patch)")
+        cur[key] = _file_name(line[4:], where)
+    elif line.startswith("new file mode "):
+        cur["new"], cur["new_mode"] = True, line.split()[-1]
+    elif line.startswith("deleted file mode "):
+        cur["deleted"], cur["old_mode"] = True, line.split()[-1]
+    elif line.startswith("old mode "):
+        cur["old_mode"] = line.split()[-1]
+    elif line.startswith("new mode "):
+        cur["new_mode"] = line.split()[-1]
+    elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
+        words = line.split(" ", 2)
+        cur[f"{words[0]}_{words[1]}"] = _name(words[2], where)
+    elif line.startswith("index ") and cur["index"] is None:
+        im = _INDEX_RE.match(line)
+        if not im:
+            raise _bad(where, f"malformed index line {show(line, 60)!r}")
+        cur["index"] = (im.group(1), im.group(2))
+        if im.group(3):
+            cur["new_mode"] = cur["new_mode"] or im.group(3)
+            cur["old_mode"] = cur["old_mode"] or im.group(3)
+    elif line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.endswith(" differ")):
+        cur["binary"] = True
 
 
 def _strip_prefix(p: str, prefix: str, where: str) -> str:
@@ -351,30 +373,9 @@ def check_path(path: str, where: str) -> str:
 
 
 def _file_change(cur: dict, where: str) -> FileChange:
-    a = check_path(_strip_prefix(cur["a"], "a/", where), where) if cur["a"] is not None else None
-    b = check_path(_strip_prefix(cur["b"], "b/", where), where) if cur["b"] is not None else None
-    for key in ("rename_from", "rename_to", "copy_from", "copy_to"):
-        if cur[key]:
-            check_path(cur[key], where)
-    minus = plus = None
-    for key, prefix in (("minus", "a/"), ("plus", "b/")):
-        v = cur[key]
-        if v and v != "/dev/null":
-            checked = check_path(_strip_prefix(v, prefix, where), where)
-            if key == "minus":
-                minus = checked
-            else:
-                plus = checked
-    old_name = cur["rename_from"] or cur["copy_from"] or minus or a
-    new_name = cur["rename_to"] or cur["copy_to"] or plus or b
-    if old_name is None or new_name is None:
-        raise _bad(where, f"diff line {cur['line']}: cannot tell which files the section touches "
-                          "(unquoted names with spaces)")
-    # what git's own header parser would take: any name in the header must agree with the rest
-    for name in (a, b):
-        if name is not None and name not in (old_name, new_name) and not (cur["new"] or cur["deleted"]):
-            raise _bad(where, f"diff line {cur['line']}: the header names {show(name, 60)!r}, the section "
-                              f"{show(new_name, 60)!r}")
+    """A file section read by `_DiffReader`: its names checked and agreeing, no gitlink, a
+    symbolic link's target inside the tree."""
+    old_name, new_name = _section_names(cur, where)
     if _GITLINK_MODE in (cur["new_mode"], cur["old_mode"]):
         raise _bad(where, f"{new_name}: a submodule (gitlink) change", hint="a stack patches files, not submodules")
     # the whole post-image, when the diff gives it: one hunk from the first line to an end without
@@ -383,17 +384,8 @@ def _file_change(cur: dict, where: str) -> FileChange:
     if cur["hunks"] == 1 and cur["new_start"] in (0, 1) and cur["new_eof"]:
         target = "\n".join(cur["new_side"])
     if cur["new_mode"] == _SYMLINK_MODE and not cur["deleted"]:
-        if cur["binary"]:
-            raise _bad(where, f"{new_name}: a symbolic link given as a binary patch")
-        if cur["hunks"]:
-            why = symlink_target_error(new_name, target) if target is not None else \
-                "has a target the patch does not give whole"
-            if why:
-                raise PatchFormatError(f"{where}: symbolic link {show(new_name, 60)!r} {why}",
-                                       hint="a patch may create symbolic links only to files inside the tree")
-    old_blob = new_blob = None
-    if cur["index"]:
-        old_blob, new_blob = cur["index"]
+        _check_link(cur, new_name, target, where)
+    old_blob, new_blob = cur["index"] or (None, None)
     return FileChange(
         old_path=None if cur["new"] else old_name,
         new_path=None if cur["deleted"] else new_name,
@@ -401,6 +393,40 @@ def _file_change(cur: dict, where: str) -> FileChange:
         mode=cur["new_mode"], old_mode=cur["old_mode"], copy=bool(cur["copy_from"] or cur["copy_to"]),
         content=bool(cur["hunks"] or cur["binary"]), link_target=target,
     )
+
+
+def _section_names(cur: dict, where: str) -> tuple[str, str]:
+    """(old, new) path of a file section, every name it gives checked (inside the tree, not .git),
+    and the header's names agreeing with the rest, as git's own header parser takes them."""
+    a = check_path(_strip_prefix(cur["a"], "a/", where), where) if cur["a"] is not None else None
+    b = check_path(_strip_prefix(cur["b"], "b/", where), where) if cur["b"] is not None else None
+    for key in ("rename_from", "rename_to", "copy_from", "copy_to"):
+        if cur[key]:
+            check_path(cur[key], where)
+    side = {key: check_path(_strip_prefix(cur[key], prefix, where), where)
+            for key, prefix in (("minus", "a/"), ("plus", "b/")) if cur[key] and cur[key] != "/dev/null"}
+    old_name = cur["rename_from"] or cur["copy_from"] or side.get("minus") or a
+    new_name = cur["rename_to"] or cur["copy_to"] or side.get("plus") or b
+    if old_name is None or new_name is None:
+        raise _bad(where, f"diff line {cur['line']}: cannot tell which files the section touches "
+                          "(unquoted names with spaces)")
+    for name in (a, b):
+        if name is not None and name not in (old_name, new_name) and not (cur["new"] or cur["deleted"]):
+            raise _bad(where, f"diff line {cur['line']}: the header names {show(name, 60)!r}, the section "
+                              f"{show(new_name, 60)!r}")
+    return old_name, new_name
+
+
+def _check_link(cur: dict, name: str, target: str | None, where: str) -> None:
+    """A symbolic link the section makes: never a binary patch, its target given whole and inside the tree."""
+    if cur["binary"]:
+        raise _bad(where, f"{name}: a symbolic link given as a binary patch")
+    if cur["hunks"]:
+        why = symlink_target_error(name, target) if target is not None else \
+            "has a target the patch does not give whole"
+        if why:
+            raise PatchFormatError(f"{where}: symbolic link {show(name, 60)!r} {why}",
+                                   hint="a patch may create symbolic links only to files inside the tree")
 
 
 def parse_patch(text: str, where: str = "patch") -> Patch:
@@ -550,6 +576,16 @@ def lint_patch(p: Patch, text: str, where: str) -> list[str]:
             elif len(blob) != 40:
                 problems.append(f"{where}: {f.path}: abbreviated blob id {blob} (use --full-index)")
     return problems
+
+
+#: what the lint problems a commit message causes (no body, missing or malformed trailers) say: they
+#: are fixed by rewording the commit in the checkout, not by editing the diff
+MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-When")
+
+
+def is_message_problem(problem: str) -> bool:
+    """Whether a `lint_patch` problem is about the commit message."""
+    return any(k in problem for k in MESSAGE_PROBLEMS)
 
 
 def drop_when_error(spec: str) -> str | None:

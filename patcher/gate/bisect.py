@@ -18,6 +18,7 @@ from pathlib import Path
 
 from patcher.base.config import Config
 from patcher.engines.base import Engine
+from patcher.rules.divergence import ModuleVerdict, PointAbove
 from patcher.rules.logits import REFERENCE_TRANSFORMERS
 from patcher.rules.modules import (
     CAPTURE_DECODE_STEPS,
@@ -27,6 +28,7 @@ from patcher.rules.modules import (
     BisectResult,
     CaptureTable,
     compare_captures,
+    first_divergence,
 )
 
 ENGINE_CAPTURE = "engine-capture.pt"
@@ -174,9 +176,8 @@ def report_paths(check_report: Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + "-bisect.json"), stem.with_name(stem.name + "-bisect.png")
 
 
-def write_report(result: BisectResult, check_report: Path, meta: dict, title: str) -> dict:
-    """Write the bisect report (JSON) and heat map (PNG); returns the compact summary that goes
-    into the check report and `explain()`."""
+def write_report(result: BisectResult, check_report: Path, meta: dict, title: str) -> ModuleVerdict:
+    """Write the bisect report (JSON) and heat map (PNG); returns what the check keeps of it."""
     json_path, png_path = report_paths(check_report)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     plot = None
@@ -192,23 +193,17 @@ def write_report(result: BisectResult, check_report: Path, meta: dict, title: st
     return summary(result, str(json_path), plot)
 
 
-def summary(result: BisectResult, report_path: str | None, plot_path: str | None) -> dict:
-    first = result.first
-    return {
-        "passed": result.passed, "rule": result.rule, "dtype": result.dtype, "reasons": list(result.reasons),
-        "explanation": list(result.explanation), "report_path": report_path, "plot_path": plot_path,
-        "first": None if first is None else {
-            "layer": first.layer, "point": first.point, "label": first.label, "family": first.family,
-            "module": first.module, "engine_module": first.engine_module, "error": first.error,
-            "limit": first.limit, "noise": first.noise, "value": first.value, "worst": first.worst,
-            "phase": first.phase, "ratio": first.ratio, "margin": first.margin, "phases": first.phases,
-            "rank": first.rank, "layout": first.layout},
-        "above": [{"layer": p.layer, "point": p.point, "error": p.error, "limit": p.limit, "phase": p.phase,
-                   "ratio": p.ratio, "rank": p.rank} for p in result.points if p.above],
-        "compared": sum(p.status != "not compared" for p in result.points),
-        "margin": result.margin,
-        "routing_flips": dict(result.routing_flips),
-    }
+def summary(result: BisectResult, report_path: str | None, plot_path: str | None) -> ModuleVerdict:
+    """What a check keeps of a per-module comparison: its verdict, first divergence, the points above
+    their limits, the margin and routing flips, and where its report is."""
+    return ModuleVerdict(
+        passed=result.passed, rule=result.rule, dtype=result.dtype, reasons=list(result.reasons),
+        explanation=list(result.explanation), report_path=report_path, plot_path=plot_path,
+        first=None if result.first is None else first_divergence(result.first),
+        above=[PointAbove(p.layer, p.point, p.error, p.limit, p.phase, p.ratio, p.rank)
+               for p in result.points if p.above],
+        compared=sum(p.status != "not compared" for p in result.points),
+        margin=result.margin, routing_flips=dict(result.routing_flips))
 
 
 def command(pin: str, model: str, style: str | None, dtype: str, unpatched: bool, variant: str | None = None) -> str:

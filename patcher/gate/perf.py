@@ -511,7 +511,7 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
     serves it, and on CPU builds there are that many compute cores besides the service core),
     whether the engine has a speed-gate recipe for it (exit 6) and whether that serves `dtype`
     (exit 2; checked after the machine, as `check` does)."""
-    from patcher.gate.equivalence import runnable
+    from patcher.gate.plan import runnable
 
     command = command or f"dsadapt perf {ref}"
     entry, spec = runnable(lock, ref, variant, command, parallel)

@@ -186,7 +186,7 @@ def margin_of(data: dict) -> str:
         from patcher.rules.verdicts import check_margins  # only for reports without stored margins
 
         try:
-            m = check_margins(data.get("comparison") or {}, data.get("bisect"))
+            m = check_margins(data.get("comparison") or {}, (data.get("bisect") or {}).get("margin")).to_json()
         except (KeyError, TypeError, ValueError, AttributeError):
             return ""
     worst = m.get(m.get("worst") or "") if m.get("worst") else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base.config import Config
@@ -46,15 +47,31 @@ def recipe_for(lock: Lock, ref: PinRef, variant: str | None):
     return entry, spec, recipe
 
 
+@dataclass(frozen=True)
+class ServeRequest:
+    """What `dsadapt serve` serves through an engine's speed-gate recipe: the pin (patched, or its
+    unpatched release), the model folder (`label` names it in the run's work dir), the dtype (None:
+    the recipe's first), the variant, the port (None: a free one) and the server's limits."""
+
+    ref: PinRef
+    model_dir: Path
+    label: str
+    dtype: str | None = None
+    variant: str | None = None
+    port: int | None = None
+    unpatched: bool = False
+    max_model_len: int = 256
+    max_num_seqs: int = 16
+
+
 @contextlib.contextmanager
-def serve_recipe(cfg: Config, lock: Lock, ref: PinRef, *, model_dir: Path, label: str, dtype: str | None,
-                 variant: str | None = None, port: int | None = None, unpatched: bool = False,
-                 max_model_len: int = 256, max_num_seqs: int = 16, progress=None, host=None) -> Iterator[Served]:
+def serve_recipe(cfg: Config, lock: Lock, req: ServeRequest, *, progress=None, host=None) -> Iterator[Served]:
     """Serve the pin as `dsadapt perf` does; yield it (url, model name, log, how to query it)."""
     from patcher.gate.hosts import RunHost
     from patcher.gate.perf import Server, _env, wait_ready
 
-    entry, spec, recipe = recipe_for(lock, ref, variant)
+    ref, dtype, unpatched, port, label = req.ref, req.dtype, req.unpatched, req.port, req.label
+    entry, spec, recipe = recipe_for(lock, ref, req.variant)
     dtype = dtype or recipe.dtypes[0]
     if dtype not in recipe.dtypes:
         raise UsageError(f"{ref} ({spec.name}) serves {', '.join(recipe.dtypes)}, not {dtype}",
@@ -62,8 +79,8 @@ def serve_recipe(cfg: Config, lock: Lock, ref: PinRef, *, model_dir: Path, label
     eng = engine(ref.engine)
     host = host or RunHost(cfg, lock, progress, locked=True)
     env = host.environment(eng.env_plan(entry, spec, lock), unpatched=unpatched)
-    settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, device=spec.device,
+    settings = ServeSettings(model_dir=req.model_dir, dtype=dtype, max_model_len=req.max_model_len,
+                             max_num_seqs=req.max_num_seqs, device=spec.device,
                              served_name=served_name(ref, label, unpatched))
     port = port or free_port()
     cmd = recipe.server_command(env.python, port, settings)

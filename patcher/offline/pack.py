@@ -38,7 +38,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,11 +58,12 @@ from patcher.base.errors import (
     size_words,
 )
 from patcher.base.fsutil import atomic_write_text, sha256_file
+from patcher.engines.base import Engine, EnvPlan, VariantSpec
 from patcher.engines.registry import engine
 from patcher.formats.bundle import MANIFEST, BuiltWheel, Manifest, Part
-from patcher.formats.lock import Lock, format_lock
+from patcher.formats.lock import Lock, LockEntry, format_lock
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import load_stack, stack_dir
+from patcher.formats.stackfiles import Stack, load_stack, stack_dir
 from patcher.rules.logits import REFERENCE_TRANSFORMERS
 
 DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
@@ -308,25 +309,15 @@ def _version(v: str):
 
 
 def _run_logged(args: list[str], log: Path, progress, what: str) -> None:
-    from patcher.artifacts.venvs import pip_cause
+    from patcher.artifacts.venvs import PIP_QUIET, pip_cause
+    from patcher.base.procs import OutputTail, run_logged
 
-    note = getattr(progress, "note", None)
-    lines: list[str] = []
+    tail = OutputTail(progress, "pip: ", quiet=PIP_QUIET)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
-        f.write("$ " + " ".join(args) + "\n")
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            line = line.rstrip()
-            if line:
-                lines = (lines + [line])[-400:]
-                if note and not line.startswith("WARNING: "):
-                    note(f"pip: {line}")
-        rc = proc.wait()
+        rc = run_logged(args, f, None, on_line=tail).returncode
     if rc != 0:
-        cause, fix = pip_cause(lines)
+        cause, fix = pip_cause(tail.lines)
         # no wheel of a locked version for the target: this bundle cannot be made (6); anything else is
         # the machine's (the network, a proxy, the disk: 7)
         unfit = "No matching distribution" in cause or "requires a different Python" in cause
@@ -364,85 +355,117 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
     """Walk `roots` ((requirement, who needs it)) for the target: what to carry, what the host
     gives, what is left out (module docstring). `versions(name)` is (version, sha256s) from the
     environment's lock, or None when the lock has no such package."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.specifiers import SpecifierSet
-    from packaging.utils import canonicalize_name
-
-    env = target.markers()
-    res = Resolution()
-    host_specs: dict[str, list[tuple[SpecifierSet, str]]] = {}
-    expanded: dict[str, set[str]] = {}       # carried name -> extras whose requirements were walked
-    requires: dict[str, list[str]] = {}
+    w = _Walk(target, host, versions, left_out, label)
     # (requirement, who needs it, the extras of who needs it: what its marker is evaluated with)
     pending: list[tuple[str, str, tuple[str, ...]]] = [(text, by, ("",)) for text, by in roots]
     while pending:
         to_fetch: dict[str, tuple[str, tuple[str, ...]]] = {}
         walk: list[tuple[str, set[str]]] = []
         for text, by, context in pending:
-            try:
-                req = Requirement(text)
-            except InvalidRequirement as e:
-                raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
-                                 hint="the wheel's metadata is broken") from None
-            extras = set(req.extras)
-            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in context):
-                continue
-            name = str(canonicalize_name(req.name))
-            spec = f"{req.specifier or '(any)'} ({by})"
-            if name in left_out:
-                res.left_out.setdefault(name, left_out[name])
-                continue
-            if name in res.carried:
-                c = res.carried[name]
-                if not req.specifier.contains(c.version, prereleases=True):
-                    raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={c.version}",
-                                     hint="the environment's lock does not fit this target; regenerate it")
-                c.needed_by.append(by)
-                new = extras - expanded.get(name, set())
-                if new:
-                    walk.append((name, new))
-                continue
-            if name in host and name not in to_fetch:
-                have = host.packages[name]
-                if have is None or req.specifier.contains(have, prereleases=True):
-                    res.host.setdefault(name, {"have": have, "need": []})["need"].append(spec)
-                    host_specs.setdefault(name, []).append((req.specifier, by))
-                    continue
-            locked = versions(name)
-            if locked is None:
-                why = (f"the host has {name} {host.packages[name]}, which does not satisfy {req}"
-                       if name in host else f"{name} is not on the host (--have)")
-                raise UsageError(f"{label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
-                                 f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
-                                                   f"environment with it (`make lock-envs`)")
-            if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
-                raise UsageError(f"{label}: {by} needs {req}, the lock has {name}=={locked[0]}",
-                                 hint="the environment's lock does not fit these requirements; regenerate it")
-            res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
-            for earlier, who in host_specs.pop(name, []):
-                if not earlier.contains(locked[0], prereleases=True):
-                    raise UsageError(f"{label}: {who} needs {name}{earlier}, {by} needs {req}: neither the host's "
-                                     f"{host.packages[name]} nor the locked {locked[0]} fits both",
-                                     hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
-                                          "--have)")
-            local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
-            to_fetch[name] = (local, locked[1]) if local else locked  # the build asked for, where it is served
-            res.carried[name] = Carried(name, locked[0], Path(), "", [by])
-            walk.append((name, extras))
+            w.need(text, by, context, to_fetch, walk)
         if to_fetch:
-            for name, path in fetcher.fetch(to_fetch).items():
-                from packaging.utils import parse_wheel_filename
+            w.fetched(fetcher.fetch(to_fetch))
+        pending = w.next_requirements(walk)
+    return w.res
 
-                c = res.carried[name]
-                c.wheel, c.sha256 = path, sha256_file(path)
-                c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
-                requires[name] = wheel_requires(path)[2]
-        pending = []
+
+class _Walk:
+    """The state of `resolve`'s walk: what is carried, what the host gives and under which
+    requirements, which extras of each carried package were walked, each one's requirements."""
+
+    def __init__(self, target: Target, host: HostPackages, versions: Versions, left_out: dict[str, str], label: str):
+        self.env, self.host, self.versions, self.left_out, self.label = target.markers(), host, versions, left_out, label
+        self.res = Resolution()
+        self.host_specs: dict[str, list] = {}          # name -> [(SpecifierSet, who)] the host's version serves
+        self.expanded: dict[str, set[str]] = {}        # carried name -> extras whose requirements were walked
+        self.requires: dict[str, list[str]] = {}
+
+    def need(self, text: str, by: str, context: tuple[str, ...], to_fetch: dict, walk: list) -> None:
+        """One requirement of `by`: left out, already carried (its new extras walked), the host's,
+        or carried at the lock's version (fetched with the others of this round)."""
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.utils import canonicalize_name
+
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as e:
+            raise BuildError(f"{by}: unreadable requirement {show(text, 80)} ({show(e, 60)})",
+                             hint="the wheel's metadata is broken") from None
+        extras = set(req.extras)
+        if req.marker is not None and not any(req.marker.evaluate({**self.env, "extra": e}) for e in context):
+            return
+        name = str(canonicalize_name(req.name))
+        if name in self.left_out:
+            self.res.left_out.setdefault(name, self.left_out[name])
+        elif name in self.res.carried:
+            self._again(name, req, by, extras, walk)
+        elif not (name in self.host and name not in to_fetch and self._hosts(name, req, by)):
+            to_fetch[name] = self._carry(name, req, by)
+            walk.append((name, extras))
+
+    def _again(self, name: str, req, by: str, extras: set[str], walk: list) -> None:
+        c = self.res.carried[name]
+        if not req.specifier.contains(c.version, prereleases=True):
+            raise UsageError(f"{self.label}: {by} needs {req}, the lock has {name}=={c.version}",
+                             hint="the environment's lock does not fit this target; regenerate it")
+        c.needed_by.append(by)
+        new = extras - self.expanded.get(name, set())
+        if new:
+            walk.append((name, new))
+
+    def _hosts(self, name: str, req, by: str) -> bool:
+        """Whether the host's version serves `req` (recorded as the host's if so)."""
+        have = self.host.packages[name]
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            return False
+        self.res.host.setdefault(name, {"have": have, "need": []})["need"].append(f"{req.specifier or '(any)'} ({by})")
+        self.host_specs.setdefault(name, []).append((req.specifier, by))
+        return True
+
+    def _carry(self, name: str, req, by: str) -> tuple[str, tuple[str, ...]]:
+        """`name` carried at the lock's version; returns what to fetch (the build asked for, where
+        the lock's version serves either build)."""
+        locked = self.versions(name)
+        if locked is None:
+            why = (f"the host has {name} {self.host.packages[name]}, which does not satisfy {req}"
+                   if name in self.host else f"{name} is not on the host (--have)")
+            raise UsageError(f"{self.label}: {by} needs {req}; {why}, and the environment's lock has no {name} "
+                             f"to carry", hint=f"give the host {name} (and say so with --have), or lock the "
+                                               f"environment with it (`make lock-envs`)")
+        if not req.specifier.contains(locked[0], prereleases=True) and not _either_build(req, locked[0]):
+            raise UsageError(f"{self.label}: {by} needs {req}, the lock has {name}=={locked[0]}",
+                             hint="the environment's lock does not fit these requirements; regenerate it")
+        self.res.host.pop(name, None)  # earlier requirements took the host's; this one needs the locked version
+        for earlier, who in self.host_specs.pop(name, []):
+            if not earlier.contains(locked[0], prereleases=True):
+                raise UsageError(f"{self.label}: {who} needs {name}{earlier}, {by} needs {req}: neither the host's "
+                                 f"{self.host.packages[name]} nor the locked {locked[0]} fits both",
+                                 hint=f"give the host a {name} that fits both, or do not reuse it (drop it from "
+                                      "--have)")
+        self.res.carried[name] = Carried(name, locked[0], Path(), "", [by])
+        local = _either_build(req, locked[0]) and next(sp.version for sp in req.specifier if "+" in sp.version)
+        return (local, locked[1]) if local else locked
+
+    def fetched(self, paths: dict[str, Path]) -> None:
+        """The wheels of this round: their digests, the build each is, their requirements."""
+        from packaging.utils import parse_wheel_filename
+
+        for name, path in paths.items():
+            c = self.res.carried[name]
+            c.wheel, c.sha256 = path, sha256_file(path)
+            c.version = str(parse_wheel_filename(path.name)[1])  # the build it is (2.13.0+cpu or 2.13.0)
+            self.requires[name] = wheel_requires(path)[2]
+
+    def next_requirements(self, walk: list[tuple[str, set[str]]]) -> list[tuple[str, str, tuple[str, ...]]]:
+        """The requirements of what this round carried (or whose new extras it asked for)."""
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        pending: list[tuple[str, str, tuple[str, ...]]] = []
         for name, extras in walk:
-            done = expanded.setdefault(name, set())
+            done = self.expanded.setdefault(name, set())
             fresh = {""} | extras if not done else extras - done
             done |= fresh
-            for text in requires.get(name, []):
+            for text in self.requires.get(name, []):
                 try:
                     r = Requirement(text)
                 except InvalidRequirement:
@@ -450,7 +473,7 @@ def resolve(roots: list[tuple[str, str]], target: Target, host: HostPackages, ve
                     continue
                 if r.marker is not None or "" in fresh:  # a line without a marker was walked the first time
                     pending.append((text, name, tuple(sorted(fresh))))
-    return res
+        return pending
 
 
 def _either_build(req, locked: str) -> bool:
@@ -568,154 +591,249 @@ def _dsadapt_version() -> str:
     return __version__
 
 
-def make_bundle(cfg: Config, lock: Lock, ref: PinRef, *, variant: str | None = None, python: str | None = None,
-                platform: str | None = None, out: Path | None = None, tar: bool = False,
-                have: Iterable[str] = (), exclude: Iterable[str] = (), unpatched: bool = True,
-                max_size: int | None = None, progress=None, stacks: dict[str, Path] | None = None) -> BundleResult:
-    """`stacks`: other stacks of the same pin (name -> a stack folder: series + patches) carried as
-    overlay builds on the main one, each with its project (`stacks/NAME/`: the pin and that stack);
-    `install --offline` gives each an environment seeded from the main patched one (seconds, a
-    planted-bug copy costs its overlay wheel only)."""
+@dataclass(frozen=True)
+class BundleRequest:
+    """What `dsadapt bundle` is asked for: the pin (and variant), the target (Python, platform:
+    None, the pin's first Python and the platform its environment's lock was made for), where it
+    goes (a folder, or a .tar with `tar`), what the target has (`have`: --have values) or needs
+    not (`exclude`), whether the unpatched build is carried, the largest size allowed, and other
+    stacks of the same pin (name -> a stack folder: series + patches) carried as overlay builds on
+    the main one, each with its project (`stacks/NAME/`: the pin and that stack); `install
+    --offline` gives each an environment seeded from the main patched one (seconds, a planted-bug
+    copy costs its overlay wheel only)."""
+
+    ref: PinRef
+    variant: str | None = None
+    python: str | None = None
+    platform: str | None = None
+    out: Path | None = None
+    tar: bool = False
+    have: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    unpatched: bool = True
+    max_size: int | None = None
+    stacks: Mapping[str, Path] = field(default_factory=dict)
+
+
+@dataclass
+class _Bundling:
+    """A bundle request checked before anything is built or downloaded, and the bundle as it grows."""
+
+    cfg: Config
+    lock: Lock
+    req: BundleRequest
+    entry: LockEntry
+    eng: Engine
+    spec: VariantSpec
+    target: Target
+    host: HostPackages
+    excluded: dict[str, str]
+    stack: Stack
+    plan: EnvPlan
+    lock_file: Path | None
+    out: Path            # the bundle's folder name (a .tar is named after it)
+    final: Path          # what is written: the folder, or the .tar
+    progress: Callable[[str], None] | None
+    work: Path = Path()
+
+    @property
+    def ref(self) -> PinRef:
+        return self.req.ref
+
+
+def make_bundle(cfg: Config, lock: Lock, req: BundleRequest, progress=None) -> BundleResult:
+    """The offline bundle of `req.ref` (module docstring): checked first, built in a temporary
+    folder next to the destination, moved into place whole (or removed, whatever stops it)."""
+    t0 = time.monotonic()
+    b = _check_bundle(cfg, lock, req, progress)
+    b.out.parent.mkdir(parents=True, exist_ok=True)
+    fetcher = WheelFetcher(cfg.cache / "wheels", b.target, progress)
+    b.work = work = b.out.with_name(f".{b.out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        for d in ("wheels", "engine", "locks"):
+            (work / d).mkdir(parents=True)
+        build, builds = _carry_builds(b)
+        engine_res, engine_part, locked = _engine_part(b, build, fetcher)
+        dsadapt_res, dsadapt_part = _dsadapt_part(b, engine_res, locked, fetcher)
+        plugin = _engine_plugin(b.ref.engine)
+        if plugin:
+            dsadapt_part.host[plugin[0]] = {"have": plugin[1], "need": [f"(the {b.ref.engine} engine's adapter)"]}
+        extra = _write_project(b)
+        host_packages = bool(engine_res.host or dsadapt_res.host or b.plan.recipe.host_packages or plugin)
+        commands = target_commands(b.ref, b.spec.name, host_packages, req.unpatched)
+        atomic_write_text(work / "README.txt", _readme(b.ref, b.spec.name, b.target, host_packages, commands))
+        files = {str(p.relative_to(work)): sha256_file(p) for p in sorted(work.rglob("*")) if p.is_file()}
+        manifest = Manifest(
+            pin=str(b.ref), engine=b.ref.engine, variant=b.spec.name, python=b.target.python,
+            platforms=b.target.pip_platforms(), stack_hash=b.stack.hash, patches=[e.name for e in b.stack.entries],
+            dsadapt=_dsadapt_version(), created=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            host_packages=host_packages, builds=builds, parts={"dsadapt": dsadapt_part, "engine": engine_part},
+            files=files, plan={"pin": str(b.plan.pin), "variant": b.plan.variant, "suffix": b.plan.suffix,
+                               "lock": b.lock_file.name if b.lock_file else None},
+            host_source=", ".join(b.host.sources), commands=commands, stacks=extra)
+        atomic_write_text(work / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
+        size = _place(b)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return BundleResult(str(b.final), str(b.final) if req.tar else None, str(b.ref), b.spec.name, b.target.python,
+                        b.target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
+                        {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
+                        {k: v.__dict__ for k, v in builds.items()}, host_packages, commands,
+                        {k: {"stack_hash": v["stack_hash"], "patches": v["patches"], "file": v["build"]["file"]}
+                         for k, v in extra.items()})
+
+
+def _check_bundle(cfg: Config, lock: Lock, req: BundleRequest, progress) -> _Bundling:
+    """What a bundle request can be told before anything is built or downloaded: the engine bundles
+    this variant, the target's Python, the stacks, the environment's lock, the torch it would
+    carry (and whether that fits --max-size), the destination (never a folder dsadapt did not write)."""
     from packaging.utils import canonicalize_name
 
-    t0 = time.monotonic()
+    ref = req.ref
     entry = lock.pin(ref)
     eng = engine(ref.engine)
-    spec = eng.variant_for(entry, variant)
+    spec = eng.variant_for(entry, req.variant)
     blocker = eng.bundle_blocker(entry, spec)
     if blocker:
         raise EngineUnavailable(f"{ref} ({spec.name}): {blocker}", hint=f"see {eng.docs_page or 'the engine docs'}")
-    py = parse_python(python, (entry.python or "").split(",")[0].strip() or
+    py = parse_python(req.python, (entry.python or "").split(",")[0].strip() or
                       f"{sys.version_info.major}.{sys.version_info.minor}")
-    if platform is None:  # the platform the environment's lock was made for (its wheels exist there)
-        platform = _lock_platform(eng, entry, spec, lock, py)
+    # the platform the environment's lock was made for (its wheels exist there)
+    platform = req.platform if req.platform is not None else _lock_platform(eng, entry, spec, lock, py)
     target = Target(py, parse_platform(platform))
     if entry.python and target.python not in [p.strip() for p in entry.python.split(",")]:
         raise UsageError(f"{ref} runs on Python {entry.python}, not {target.python}",
                          hint=f"pass --python {entry.python.split(',')[0].strip()}")
-    host = parse_have(have)
-    excluded = {str(canonicalize_name(x)): "excluded (--exclude)" for x in exclude}
+    host = parse_have(req.have)
+    excluded = {str(canonicalize_name(x)): "excluded (--exclude)" for x in req.exclude}
     stack = load_stack(cfg.patches_root, ref)
-    _check_stacks(ref, stacks or {}, stack.hash)
+    _check_stacks(ref, dict(req.stacks), stack.hash)
     plan = eng.env_plan(entry, spec, lock)
     if plan.pin != ref or plan.suffix:
         raise EngineUnavailable(f"{ref} runs in the environment of {plan.pin}{plan.suffix}: not bundled yet",
                                 hint=f"see {eng.docs_page}")
     lock_file = None if plan.recipe.host_packages else find_lock(plan_env_name(plan), target.python)
-    heavy = torch_to_carry(lock_file, target, host, spec.device) if lock_file else None
-    if heavy is not None:  # said before anything is built or downloaded
-        version, names, size = heavy
-        what = (f"torch=={version} ({'its CUDA build' if spec.device == 'cuda' else 'PyPI build'})"
-                + (f" and {len(names) - 1} CUDA librar{'y' if len(names) == 2 else 'ies'}" if len(names) > 1 else "")
-                + (f", {size_words(size)}" if size else ""))
-        if max_size is not None and size and size > max_size:
-            raise UsageError(f"{ref} ({spec.name}) needs {what} on the target, and --have does not say it has torch; "
-                             f"carried, the bundle would exceed --max-size {max_size / 2**20:.0f} MiB",
-                             hint=f"say what the target has: --have torch=={version} (or --have FILE.json, the "
-                                  f"target's `pip list --format=json`); or raise --max-size to carry it")
-        if progress:
-            progress(f"the target brings no torch (--have): carrying {what}; --have torch=={version} uses the target's")
-    out = (out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
-    final = out.with_name(out.name + ".tar") if tar else out
-    _refuse_clobber(final, tar)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if lock_file is not None:
+        _check_torch(ref, spec, torch_to_carry(lock_file, target, host, spec.device), req.max_size, progress)
+    out = (req.out or cfg.dist_dir / f"bundle-{ref.engine}-{ref.tag}-{spec.name}-py{target.python}").resolve()
+    final = out.with_name(out.name + ".tar") if req.tar else out
+    _refuse_clobber(final, req.tar)
+    return _Bundling(cfg, lock, req, entry, eng, spec, target, host, excluded, stack, plan, lock_file, out, final,
+                     progress)
 
-    fetcher = WheelFetcher(cfg.cache / "wheels", target, progress)
-    work = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    try:
-        (work / "wheels").mkdir(parents=True)
-        (work / "engine").mkdir()
-        (work / "locks").mkdir()
-        # -- the engine's builds
-        build = build_pin(cfg, lock, ref, spec.name, progress=progress)
-        builds = {"patched": _carry_build(build, work, "patched")}
-        if unpatched:
-            ub = unpatched_build(cfg, entry, spec, cfg.dist_dir, progress)
-            builds["unpatched"] = _carry_build(ub, work, "unpatched")
-        for b in builds.values():
-            if not target.supports(Path(b.file).name):
-                raise UsageError(f"{Path(b.file).name} does not install on Python {target.python} {target.platform}",
-                                 hint=f"{ref} ships for another Python or platform; pass --python/--platform")
-        # -- the engine's environment
-        locked = locked_hashes(lock_file.read_text()) if lock_file else {}
-        unused = {str(canonicalize_name(x)): f"not imported by the {spec.name} variant's gate run (unused_deps)"
-                  for x in spec.unused_deps}
-        unused.update({str(canonicalize_name(x)): "removed by the engine's environment recipe"
-                       for x in plan.recipe.remove})
-        dists = {str(canonicalize_name(d)) for d in (*eng.pypi, spec.dist)}
-        roots = [(r, Path(build.artifact).name) for r in wheel_requires(Path(build.artifact))[2]]
-        roots += [(r, "the engine's environment recipe") for r in (*plan.recipe.extra, *plan.recipe.post)]
-        if progress:
-            progress(f"resolving the engine environment for the target ({lock_file.name if lock_file else 'no lock'})")
-        engine_res = resolve(roots, target, host, lambda n: None if n in dists else locked.get(n), fetcher,
-                             {**unused, **excluded}, f"{ref} environment")
-        engine_part = _write_part(work, "engine", engine_res, lock_file.name if lock_file else None)
-        # -- dsadapt's environment (dsadapt, its `models` extra, the reference's transformers)
-        dsadapt_wheel = build_dsadapt_wheel(work / "wheels", progress)
-        d_roots = [(r, dsadapt_wheel.name) for r in root_requirements(wheel_requires(dsadapt_wheel)[2], ("models",),
-                                                                        target)]
-        d_roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
-        torch_build = engine_res.carried["torch"].version if "torch" in engine_res.carried else None
-        if torch_build:  # one torch for both parts, not a second (newer) build for dsadapt's; either build of it
-            d_roots.append((f"torch=={torch_build.split('+', 1)[0]}", "the engine environment's torch"))
-        d_lock = _LazyLock(target, [r for r, _ in d_roots], work, progress)
-        # torch as the engine's lock has it (either build's hashes): the wheel the engine part carries
-        def d_versions(n: str) -> tuple[str, tuple[str, ...]] | None:
-            if n == "torch" and torch_build:
-                return torch_build, locked["torch"][1]
-            return d_lock.get(n)
 
-        dsadapt_res = resolve(d_roots, target, host, d_versions, fetcher, dict(excluded), "dsadapt's environment")
-        dsadapt_part = _write_part(work, "dsadapt", dsadapt_res, d_lock.name,
-                                   own=(dsadapt_wheel, "dsadapt", _dsadapt_version()))
-        plugin = _engine_plugin(ref.engine)
-        if plugin:
-            dsadapt_part.host[plugin[0]] = {"have": plugin[1], "need": [f"(the {ref.engine} engine's adapter)"]}
-        # -- the project: the pin, its stack
-        sub = Lock(engines={ref.engine: lock.engine(ref.engine)}, pins={str(ref): entry})
-        atomic_write_text(work / "upstream.lock", format_lock(sub))
-        shutil.copytree(stack_dir(cfg.patches_root, ref), work / "patches" / ref.engine / ref.tag)
-        extra = _carry_stacks(cfg, lock, ref, spec, stacks or {}, stack.hash, work, progress)
-        shutil.copy2(Path(__file__).with_name("bootstrap.py"), work / "bootstrap.py")
-        host_packages = bool(engine_res.host or dsadapt_res.host or plan.recipe.host_packages or plugin)
-        commands = target_commands(ref, spec.name, host_packages, unpatched)
-        atomic_write_text(work / "README.txt", _readme(ref, spec.name, target, host_packages, commands))
-        files = {str(p.relative_to(work)): sha256_file(p) for p in sorted(work.rglob("*")) if p.is_file()}
-        manifest = Manifest(
-            pin=str(ref), engine=ref.engine, variant=spec.name, python=target.python,
-            platforms=target.pip_platforms(), stack_hash=stack.hash, patches=[e.name for e in stack.entries],
-            dsadapt=_dsadapt_version(), created=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            host_packages=host_packages, builds=builds, parts={"dsadapt": dsadapt_part, "engine": engine_part},
-            files=files, plan={"pin": str(plan.pin), "variant": plan.variant, "suffix": plan.suffix,
-                               "lock": lock_file.name if lock_file else None},
-            host_source=", ".join(host.sources), commands=commands, stacks=extra)
-        atomic_write_text(work / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
-        size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
-        if max_size is not None and size > max_size:
-            big = sorted(((p.stat().st_size, str(p.relative_to(work))) for p in work.rglob("*.whl")), reverse=True)[:3]
-            raise UsageError(f"the bundle would be {size / 2**20:.1f} MiB, over --max-size {max_size / 2**20:.1f} MiB",
-                             hint="largest: " + ", ".join(f"{n} ({s / 2**20:.1f} MiB)" for s, n in big)
-                                  + "; leave out what the target has (--have) or needs not (--exclude)")
-        if tar:
-            tmp_tar = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-            with tarfile.open(tmp_tar, "w") as t:
-                t.add(work, arcname=out.name)
-            os.replace(tmp_tar, final)
-            shutil.rmtree(work)
-        else:
-            if final.exists():
-                shutil.rmtree(final)  # a bundle dsadapt wrote before (checked above): derived data
-            os.replace(work, final)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return BundleResult(str(final), str(final) if tar else None, str(ref), spec.name, target.python,
-                        target.platform, size, len(files) + 1, round(time.monotonic() - t0, 1),
-                        {"dsadapt": _part_summary(dsadapt_part), "engine": _part_summary(engine_part)},
-                        {k: v.__dict__ for k, v in builds.items()}, host_packages, commands,
-                        {k: {"stack_hash": v["stack_hash"], "patches": v["patches"], "file": v["build"]["file"]}
-                         for k, v in extra.items()})
+def _check_torch(ref: PinRef, spec: VariantSpec, heavy: tuple[str, list[str], int | None] | None,
+                 max_size: int | None, progress) -> None:
+    """The torch the bundle would carry because the target does not say it has one: refused when
+    it alone is over --max-size, else said (before anything is built or downloaded)."""
+    if heavy is None:
+        return
+    version, names, size = heavy
+    what = (f"torch=={version} ({'its CUDA build' if spec.device == 'cuda' else 'PyPI build'})"
+            + (f" and {len(names) - 1} CUDA librar{'y' if len(names) == 2 else 'ies'}" if len(names) > 1 else "")
+            + (f", {size_words(size)}" if size else ""))
+    if max_size is not None and size and size > max_size:
+        raise UsageError(f"{ref} ({spec.name}) needs {what} on the target, and --have does not say it has torch; "
+                         f"carried, the bundle would exceed --max-size {max_size / 2**20:.0f} MiB",
+                         hint=f"say what the target has: --have torch=={version} (or --have FILE.json, the "
+                              f"target's `pip list --format=json`); or raise --max-size to carry it")
+    if progress:
+        progress(f"the target brings no torch (--have): carrying {what}; --have torch=={version} uses the target's")
+
+
+def _carry_builds(b: _Bundling) -> tuple[BuildResult, dict[str, BuiltWheel]]:
+    """The engine's patched build (and, unless left out, its unpatched one) copied into engine/;
+    each must install on the target."""
+    build = build_pin(b.cfg, b.lock, b.ref, b.spec.name, progress=b.progress)
+    builds = {"patched": _carry_build(build, b.work, "patched")}
+    if b.req.unpatched:
+        ub = unpatched_build(b.cfg, b.entry, b.spec, b.cfg.dist_dir, b.progress)
+        builds["unpatched"] = _carry_build(ub, b.work, "unpatched")
+    for w in builds.values():
+        if not b.target.supports(Path(w.file).name):
+            raise UsageError(f"{Path(w.file).name} does not install on Python {b.target.python} {b.target.platform}",
+                             hint=f"{b.ref} ships for another Python or platform; pass --python/--platform")
+    return build, builds
+
+
+def _engine_part(b: _Bundling, build: BuildResult,
+                 fetcher: WheelFetcher) -> tuple[Resolution, Part, dict[str, tuple[str, tuple[str, ...]]]]:
+    """The engine's environment for the target: its build's requirements and the recipe's, at the
+    versions of its lock, less what the target has, what the gate never imports and --exclude."""
+    from packaging.utils import canonicalize_name
+
+    locked = locked_hashes(b.lock_file.read_text()) if b.lock_file else {}
+    unused = {str(canonicalize_name(x)): f"not imported by the {b.spec.name} variant's gate run (unused_deps)"
+              for x in b.spec.unused_deps}
+    unused.update({str(canonicalize_name(x)): "removed by the engine's environment recipe"
+                   for x in b.plan.recipe.remove})
+    dists = {str(canonicalize_name(d)) for d in (*b.eng.pypi, b.spec.dist)}
+    roots = [(r, Path(build.artifact).name) for r in wheel_requires(Path(build.artifact))[2]]
+    roots += [(r, "the engine's environment recipe") for r in (*b.plan.recipe.extra, *b.plan.recipe.post)]
+    lock_name = b.lock_file.name if b.lock_file else None
+    if b.progress:
+        b.progress(f"resolving the engine environment for the target ({lock_name or 'no lock'})")
+    res = resolve(roots, b.target, b.host, lambda n: None if n in dists else locked.get(n), fetcher,
+                  {**unused, **b.excluded}, f"{b.ref} environment")
+    return res, _write_part(b.work, "engine", res, lock_name), locked
+
+
+def _dsadapt_part(b: _Bundling, engine_res: Resolution, locked: dict[str, tuple[str, tuple[str, ...]]],
+                  fetcher: WheelFetcher) -> tuple[Resolution, Part]:
+    """dsadapt's environment for the target: dsadapt's wheel, its `models` extra, the reference's
+    transformers, and the engine part's torch (one torch for both parts, either build of it)."""
+    wheel = build_dsadapt_wheel(b.work / "wheels", b.progress)
+    roots = [(r, wheel.name) for r in root_requirements(wheel_requires(wheel)[2], ("models",), b.target)]
+    roots.append((f"transformers=={REFERENCE_TRANSFORMERS}", "the gate's reference (REFERENCE_TRANSFORMERS)"))
+    torch_build = engine_res.carried["torch"].version if "torch" in engine_res.carried else None
+    if torch_build:  # not a second (newer) build for dsadapt's part
+        roots.append((f"torch=={torch_build.split('+', 1)[0]}", "the engine environment's torch"))
+    d_lock = _LazyLock(b.target, [r for r, _ in roots], b.work, b.progress)
+
+    def versions(n: str) -> tuple[str, tuple[str, ...]] | None:
+        if n == "torch" and torch_build:  # as the engine's lock has it: the wheel the engine part carries
+            return torch_build, locked["torch"][1]
+        return d_lock.get(n)
+
+    res = resolve(roots, b.target, b.host, versions, fetcher, dict(b.excluded), "dsadapt's environment")
+    return res, _write_part(b.work, "dsadapt", res, d_lock.name, own=(wheel, "dsadapt", _dsadapt_version()))
+
+
+def _write_project(b: _Bundling) -> dict[str, dict]:
+    """The project on the target: the pin alone in its upstream.lock, its stack, the extra stacks'
+    projects, the bootstrap script. Returns the extra stacks as the manifest records them."""
+    ref = b.ref
+    sub = Lock(engines={ref.engine: b.lock.engine(ref.engine)}, pins={str(ref): b.entry})
+    atomic_write_text(b.work / "upstream.lock", format_lock(sub))
+    shutil.copytree(stack_dir(b.cfg.patches_root, ref), b.work / "patches" / ref.engine / ref.tag)
+    extra = _carry_stacks(b.cfg, b.lock, ref, b.spec, dict(b.req.stacks), b.stack.hash, b.work, b.progress)
+    shutil.copy2(Path(__file__).with_name("bootstrap.py"), b.work / "bootstrap.py")
+    return extra
+
+
+def _place(b: _Bundling) -> int:
+    """The finished work folder checked against --max-size and put where it goes, whole (a folder
+    renamed into place, or a .tar written next to it and renamed); returns its size in bytes."""
+    work, max_size = b.work, b.req.max_size
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+    if max_size is not None and size > max_size:
+        big = sorted(((p.stat().st_size, str(p.relative_to(work))) for p in work.rglob("*.whl")), reverse=True)[:3]
+        raise UsageError(f"the bundle would be {size / 2**20:.1f} MiB, over --max-size {max_size / 2**20:.1f} MiB",
+                         hint="largest: " + ", ".join(f"{n} ({s / 2**20:.1f} MiB)" for s, n in big)
+                              + "; leave out what the target has (--have) or needs not (--exclude)")
+    if b.req.tar:
+        tmp_tar = b.final.with_name(f".{b.final.name}.tmp-{os.getpid()}")
+        with tarfile.open(tmp_tar, "w") as t:
+            t.add(work, arcname=b.out.name)
+        os.replace(tmp_tar, b.final)
+        shutil.rmtree(work)
+    else:
+        if b.final.exists():
+            shutil.rmtree(b.final)  # a bundle dsadapt wrote before (checked above): derived data
+        os.replace(work, b.final)
+    return size
 
 
 _STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

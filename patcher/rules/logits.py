@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.errors import DsadaptError, number, plural
+from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
@@ -304,6 +305,11 @@ class PromptRow:
     def passed(self) -> bool:
         return not self.failures
 
+    @classmethod
+    def from_json(cls, d: dict) -> PromptRow:
+        """A row as a check report stores it (non-finite numbers stored as null stay None)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
 
 @dataclass
 class Comparison:
@@ -325,12 +331,23 @@ class Comparison:
     def row(self, pid: str) -> PromptRow | None:
         return next((r for r in self.rows if r.id == pid), None)
 
+    def row_passed(self, row: PromptRow) -> bool:
+        """A row's verdict as reports state it: low precision pools every prompt, so no row
+        passes while the pooled rule fails."""
+        return row.passed and (self.passed or self.rule != "low-precision")
+
     def to_json(self) -> dict:
         d = asdict(self)
         for r, row in zip(d["rows"], self.rows):
-            # low precision: the rule is pooled, so no row passes while the pooled rule fails
-            r["passed"] = row.passed and (self.passed or self.rule != "low-precision")
+            r["passed"] = self.row_passed(row)
         return _json_safe(d)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Comparison:
+        """A comparison as a check report stores it (`to_json`)."""
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        kw["rows"] = [PromptRow.from_json(r) for r in d.get("rows") or []]
+        return cls(**kw)
 
 
 def _json_safe(x):
@@ -354,67 +371,89 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+class _PromptWalk:
+    """One prompt's positions compared in order: each position's check, the failures the rule
+    gates, the first query position with a problem."""
+
+    def __init__(self, k: int, tol: float, gate: bool):
+        self.k, self.tol, self.gate = k, tol, gate
+        self.failures: list[str] = []
+        self.checks: list[PositionCheck | None] = []
+        self.first: int | None = None
+
+    def diverged_at(self, q: int) -> None:
+        self.first = q if self.first is None else min(self.first, q)
+
+    def take(self, q: int, r: PositionLogprobs | None, e: PositionLogprobs | None, where: str) -> None:
+        if r is None or e is None:
+            self.failures.append(f"{where}: {'engine' if r is not None else 'reference'} has no logprobs")
+            self.checks.append(None)
+            self.first = q if self.first is None else self.first
+            return
+        c = compare_position(r, e, self.k, self.tol)
+        self.checks.append(c)
+        if c.problems and self.first is None:
+            self.first = q
+        if c.problems and self.gate:
+            more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
+            self.failures.append(f"{where}: {c.problems[0]}{more}")
+
+
+def _generation_divergence(ref: PromptResult, eng: PromptResult) -> int | None:
+    """The first generated step where the engine's greedy token is not the reference's (or where
+    one of them stopped), None when both generated the same tokens."""
+    a, b = ref.generated_token_ids, eng.generated_token_ids
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if at is None and len(a) != len(b):
+        at = min(len(a), len(b))
+    return at
+
+
+def _gate_generation(walk: _PromptWalk, ref: PromptResult, eng: PromptResult, n: int, at: int | None) -> bool:
+    """The strict rule on generated positions: each compared up to and including the first greedy
+    divergence, which fails unless it is a tie (both tokens in the reference's top list, their
+    logprobs within the tolerance). Returns whether it was such a tie."""
+    last = len(ref.generated_token_ids) if at is None else at + 1
+    for i in range(min(last, len(eng.generated_logprobs), len(ref.generated_logprobs))):
+        walk.take(n - 1 + i, ref.generated_logprobs[i], eng.generated_logprobs[i],
+                  f"query position {n - 1 + i} (generated step {i})")
+    if at is None:
+        return False
+    tie = False
+    if at >= min(len(ref.generated_token_ids), len(eng.generated_token_ids)):
+        walk.failures.append(f"generated {len(eng.generated_token_ids)} tokens, reference {len(ref.generated_token_ids)}")
+    else:
+        a, b = ref.generated_token_ids[at], eng.generated_token_ids[at]
+        top = ref.generated_logprobs[at].top
+        tie = a in top and b in top and abs(top[a] - top[b]) <= walk.tol
+        if not tie:
+            walk.failures.append(f"greedy token differs at generated step {at}: reference {a}, engine {b}")
+    walk.diverged_at(n - 1 + at)
+    return tie
+
+
 def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gate_generation: bool) -> PromptRow:
     """Compare one prompt. With `gate_generation` (strict rule) generated positions are
     compared up to and including the first greedy divergence, and a divergence is a
     failure unless it is a tie: both tokens in the reference's top list with
     reference logprobs within `tol` of each other. Without it, generation is
     reported (greedy match, first divergence) but neither compared nor gated."""
-    failures: list[str] = []
     if list(ref.prompt_token_ids) != list(eng.prompt_token_ids):
         return PromptRow(ref.id, ref.batch, 0, math.inf, math.inf, 0.0, 0.0, None, False, 0, [],
                          [f"prompt token ids differ (reference {len(ref.prompt_token_ids)} tokens, "
                           f"engine {len(eng.prompt_token_ids)})"])
     n = len(ref.prompt_token_ids)
-    checks: list[PositionCheck | None] = []
-    first: int | None = None
-
-    def take(q: int, r: PositionLogprobs | None, e: PositionLogprobs | None, where: str):
-        nonlocal first
-        if r is None or e is None:
-            failures.append(f"{where}: {'engine' if r is not None else 'reference'} has no logprobs")
-            checks.append(None)
-            first = q if first is None else first
-            return
-        c = compare_position(r, e, k, tol)
-        checks.append(c)
-        if c.problems and first is None:
-            first = q
-        if c.problems and gate_generation:
-            more = f" (+{len(c.problems) - 1} more)" if len(c.problems) > 1 else ""
-            failures.append(f"{where}: {c.problems[0]}{more}")
-
+    walk = _PromptWalk(k, tol, gate_generation)
     for p in range(1, n):
-        take(p - 1, ref.prompt_logprobs[p], eng.prompt_logprobs[p], f"query position {p - 1} (prompt)")
-    prompt_checks = [c for c in checks if c]
-
-    greedy_match = list(ref.generated_token_ids) == list(eng.generated_token_ids)
+        walk.take(p - 1, ref.prompt_logprobs[p], eng.prompt_logprobs[p], f"query position {p - 1} (prompt)")
+    prompt_checks = [c for c in walk.checks if c]
+    at = _generation_divergence(ref, eng)
     greedy_tie = False
-    gen_div = next((i for i, (a, b) in enumerate(zip(ref.generated_token_ids, eng.generated_token_ids)) if a != b),
-                   None)
-    if gen_div is None and len(ref.generated_token_ids) != len(eng.generated_token_ids):
-        gen_div = min(len(ref.generated_token_ids), len(eng.generated_token_ids))
     if gate_generation:
-        last = len(ref.generated_token_ids) if gen_div is None else gen_div + 1
-        for i in range(min(last, len(eng.generated_logprobs), len(ref.generated_logprobs))):
-            take(n - 1 + i, ref.generated_logprobs[i], eng.generated_logprobs[i],
-                 f"query position {n - 1 + i} (generated step {i})")
-        if gen_div is not None:
-            if gen_div >= min(len(ref.generated_token_ids), len(eng.generated_token_ids)):
-                failures.append(f"generated {len(eng.generated_token_ids)} tokens, "
-                                f"reference {len(ref.generated_token_ids)}")
-            else:
-                a, b = ref.generated_token_ids[gen_div], eng.generated_token_ids[gen_div]
-                top = ref.generated_logprobs[gen_div].top
-                greedy_tie = a in top and b in top and abs(top[a] - top[b]) <= tol
-                if not greedy_tie:
-                    failures.append(f"greedy token differs at generated step {gen_div}: reference {a}, engine {b}")
-            q = n - 1 + gen_div
-            first = q if first is None else min(first, q)
-    elif gen_div is not None and first is None:
-        first = n - 1 + gen_div
-
-    done = [c for c in checks if c]
+        greedy_tie = _gate_generation(walk, ref, eng, n, at)
+    elif at is not None and walk.first is None:
+        walk.first = n - 1 + at
+    done = [c for c in walk.checks if c]
     finite = [c.max_abs for c in done if math.isfinite(c.max_abs)]
     return PromptRow(
         id=ref.id, batch=ref.batch, positions=len(done),
@@ -422,9 +461,9 @@ def compare_prompt(ref: PromptResult, eng: PromptResult, k: int, tol: float, gat
         mean_abs=_mean(c.mean_abs for c in done if math.isfinite(c.mean_abs)) if finite else math.nan,
         top1_agreement=_mean(c.top1_agrees for c in prompt_checks) if prompt_checks else math.nan,
         topk_overlap=_mean(c.overlap for c in prompt_checks) if prompt_checks else math.nan,
-        greedy_match=greedy_match, greedy_tie=greedy_tie, first_divergence=first,
-        deltas=[c.max_abs if c else None for c in checks], failures=failures,
-        mean_deltas=[_round6(c.mean_abs) if c else None for c in checks],
+        greedy_match=list(ref.generated_token_ids) == list(eng.generated_token_ids), greedy_tie=greedy_tie,
+        first_divergence=walk.first, deltas=[c.max_abs if c else None for c in walk.checks],
+        failures=walk.failures, mean_deltas=[_round6(c.mean_abs) if c else None for c in walk.checks],
         top1=[int(c.top1_agrees) for c in prompt_checks], overlaps=[c.overlap for c in prompt_checks])
 
 
@@ -451,15 +490,7 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
     `routing_flips`): per prompt the first position a MoE layer routed to another expert set;
     the low-precision mean |Δ| leaves out that position's prediction and every later one
     (`judge_logits`)."""
-    if reference.dtype not in STRICT_DTYPES:
-        raise ReportError(f"the reference ran in {reference.dtype}; it must be float32 or float64",
-                          hint="run the HF reference with --dtype float32")
-    if engine.dtype not in STRICT_DTYPES + LOW_PRECISION_DTYPES:
-        raise ReportError(f"unknown engine dtype {engine.dtype!r}")
-    k = top_k or engine.top_k
-    if k > reference.top_k or k > engine.top_k or k < 1:
-        raise ReportError(f"cannot compare top-{k}: reference stores {reference.top_k}, engine {engine.top_k}",
-                          hint="run the reference with a wider --top-k than the engine")
+    k = _comparable(reference, engine, top_k)
     strict = engine.dtype in STRICT_DTYPES
     tol = tolerance_for(reference.dtype, engine.dtype, (reference.settings or {}).get("float32_scale")) \
         if strict else math.inf
@@ -473,54 +504,75 @@ def compare(reference: LogitReport, engine: LogitReport, top_k: int | None = Non
     extra = [p.id for p in engine.prompts if reference.prompt(p.id) is None]
     if extra:
         reasons.append(f"engine report has prompts the reference lacks: {', '.join(extra)}")
-
     all_deltas = [d for r in rows for d in r.deltas if d is not None]
     summary: dict = {"prompts": len(rows), "positions": sum(r.positions for r in rows),
-               "max_abs": max(all_deltas, default=0.0),
-               "greedy_match": sum(bool(r.greedy_match) for r in rows)}
-    thresholds = None
+                     "max_abs": max(all_deltas, default=0.0),
+                     "greedy_match": sum(bool(r.greedy_match) for r in rows)}
     if strict:
         for r in rows:
             reasons.extend(f"{r.id}: {f}" for f in r.failures[:3])
             if len(r.failures) > 3:
                 reasons.append(f"{r.id}: ... {len(r.failures) - 3} more")
-    elif noise is not None:
-        if noise.dtype != engine.dtype:
-            raise ReportError(f"the noise yardstick ran in {noise.dtype}, the engine in {engine.dtype}")
-        yard = compare(reference, noise, k)
-        for r in rows:
-            reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
-        noise_doc = noise_rows(yard)
-        judgement = judge_logits([asdict(r) for r in rows], noise_doc["rows"], engine.dtype, k,
-                                 routing_flips=routing_flips)
-        reasons.extend(judgement["reasons"])
-        summary.update({key: judgement[key] for key in ("top1", "topk_overlap", "mean_abs", "noise_top1",
-                                                         "noise_topk_overlap", "noise_mean_abs", "margin")})
-        summary["ratio"] = judgement["prefill"]["ratio"] if judgement.get("prefill") else None
-        return Comparison(rule="low-precision", reference=_side(reference), engine=_side(engine), top_k=k,
-                          tolerance=None, thresholds=asdict(logit_noise_rule(engine.dtype)), rows=rows,
-                          passed=not reasons, reasons=reasons, summary=summary, noise=noise_doc,
-                          judgement=judgement)
-    else:
-        rule = LOW_PRECISION_RULES[engine.dtype]
-        thresholds = asdict(rule)
-        for r in rows:
-            reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
-        pooled = [(r, r.positions) for r in rows if r.positions]
-        npos = sum(w for _, w in pooled) or 1
-        top1 = sum(r.top1_agreement * w for r, w in pooled) / npos
-        overlap = sum(r.topk_overlap * w for r, w in pooled) / npos
-        mean_abs = sum(r.mean_abs * w for r, w in pooled) / npos
-        summary.update(top1=top1, topk_overlap=overlap, mean_abs=mean_abs)
-        if top1 < rule.min_top1:
-            reasons.append(f"top-1 agreement {top1:.3f} < {rule.min_top1}")
-        if overlap < rule.min_topk_overlap:
-            reasons.append(f"top-{k} overlap {overlap:.3f} < {rule.min_topk_overlap}")
-        if not mean_abs <= rule.max_mean_abs:
-            reasons.append(f"mean |Δ logprob| {mean_abs:.4f} > {rule.max_mean_abs}")
-    return Comparison(rule="strict" if strict else "low-precision", reference=_side(reference),
-                      engine=_side(engine), top_k=k, tolerance=tol if strict else None, thresholds=thresholds,
-                      rows=rows, passed=not reasons, reasons=reasons, summary=summary)
+        return Comparison(rule="strict", reference=_side(reference), engine=_side(engine), top_k=k, tolerance=tol,
+                          thresholds=None, rows=rows, passed=not reasons, reasons=reasons, summary=summary)
+    for r in rows:
+        reasons.extend(f"{r.id}: {f}" for f in r.failures)  # only token-id mismatches here
+    if noise is not None:
+        return _noise_relative(reference, engine, noise, k, rows, reasons, summary, routing_flips)
+    rule = LOW_PRECISION_RULES[engine.dtype]
+    reasons += _absolute_reasons(rows, rule, k, summary)
+    return Comparison(rule="low-precision", reference=_side(reference), engine=_side(engine), top_k=k,
+                      tolerance=None, thresholds=asdict(rule), rows=rows, passed=not reasons, reasons=reasons,
+                      summary=summary)
+
+
+def _comparable(reference: LogitReport, engine: LogitReport, top_k: int | None) -> int:
+    """The k two reports are compared at, or ReportError when they cannot be compared."""
+    if reference.dtype not in STRICT_DTYPES:
+        raise ReportError(f"the reference ran in {reference.dtype}; it must be float32 or float64",
+                          hint="run the HF reference with --dtype float32")
+    if engine.dtype not in STRICT_DTYPES + LOW_PRECISION_DTYPES:
+        raise ReportError(f"unknown engine dtype {engine.dtype!r}")
+    k = top_k or engine.top_k
+    if k > reference.top_k or k > engine.top_k or k < 1:
+        raise ReportError(f"cannot compare top-{k}: reference stores {reference.top_k}, engine {engine.top_k}",
+                          hint="run the reference with a wider --top-k than the engine")
+    return k
+
+
+def _noise_relative(reference: LogitReport, engine: LogitReport, noise: LogitReport, k: int, rows: list[PromptRow],
+                    reasons: list[str], summary: dict, routing_flips: dict[str, int] | None) -> Comparison:
+    """The low-precision rule against the reference's own run in the engine's dtype (`judge_logits`)."""
+    if noise.dtype != engine.dtype:
+        raise ReportError(f"the noise yardstick ran in {noise.dtype}, the engine in {engine.dtype}")
+    noise_doc = noise_rows(compare(reference, noise, k))
+    judgement = judge_logits([asdict(r) for r in rows], noise_doc["rows"], engine.dtype, k, routing_flips=routing_flips)
+    reasons = reasons + judgement["reasons"]
+    summary.update({key: judgement[key] for key in ("top1", "topk_overlap", "mean_abs", "noise_top1",
+                                                     "noise_topk_overlap", "noise_mean_abs", "margin")})
+    summary["ratio"] = judgement["prefill"]["ratio"] if judgement.get("prefill") else None
+    return Comparison(rule="low-precision", reference=_side(reference), engine=_side(engine), top_k=k,
+                      tolerance=None, thresholds=asdict(logit_noise_rule(engine.dtype)), rows=rows,
+                      passed=not reasons, reasons=reasons, summary=summary, noise=noise_doc, judgement=judgement)
+
+
+def _absolute_reasons(rows: list[PromptRow], rule, k: int, summary: dict) -> list[str]:
+    """The absolute low-precision rule (no yardstick): pooled top-1 agreement, top-k overlap and
+    mean |Δ| against the rule's fixed bounds (written into `summary`)."""
+    pooled = [(r, r.positions) for r in rows if r.positions]
+    npos = sum(w for _, w in pooled) or 1
+    top1 = sum(r.top1_agreement * w for r, w in pooled) / npos
+    overlap = sum(r.topk_overlap * w for r, w in pooled) / npos
+    mean_abs = sum(r.mean_abs * w for r, w in pooled) / npos
+    summary.update(top1=top1, topk_overlap=overlap, mean_abs=mean_abs)
+    reasons = []
+    if top1 < rule.min_top1:
+        reasons.append(f"top-1 agreement {top1:.3f} < {rule.min_top1}")
+    if overlap < rule.min_topk_overlap:
+        reasons.append(f"top-{k} overlap {overlap:.3f} < {rule.min_topk_overlap}")
+    if not mean_abs <= rule.max_mean_abs:
+        reasons.append(f"mean |Δ logprob| {mean_abs:.4f} > {rule.max_mean_abs}")
+    return reasons
 
 
 def noise_rows(yardstick: Comparison) -> dict:
@@ -642,7 +694,7 @@ POSITIONWISE_HINT = ("a position-independent layer: MoE routing (scoring_func={s
                      "e_score_correction_bias), MLP/experts, RMSNorm, embeddings or lm_head")
 
 
-def explain(comparison: Comparison, config: dict, bisect: dict | None = None) -> list[str]:
+def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None = None) -> list[str]:
     """Where the first divergence happens and the layer family it points to.
 
     Principle: at query position 0 attention attends to a single key (softmax
@@ -658,10 +710,10 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
     if c.passed:
         lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
                  f"{c.summary['prompts']} prompts, max |Δ| {number(c.summary['max_abs'], 3)}"]
-        if bisect and bisect.get("passed") is False:
-            lines += [f"but the per-module comparison ({bisect.get('dtype')}) is not:"] + located
-        elif bisect and bisect.get("passed"):
-            lines.append(f"per-module comparison ({bisect.get('dtype')}): {plural(bisect.get('compared') or 0, 'point')} within "
+        if bisect and bisect.passed is False:
+            lines += [f"but the per-module comparison ({bisect.dtype}) is not:"] + located
+        elif bisect and bisect.passed:
+            lines.append(f"per-module comparison ({bisect.dtype}): {plural(bisect.compared or 0, 'point')} within "
                          "their limits")
         return lines
     if located:
@@ -669,28 +721,30 @@ def explain(comparison: Comparison, config: dict, bisect: dict | None = None) ->
         # heuristics below only add context
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
     lines = _explain_logits(c, config)
-    if bisect and bisect.get("passed"):
-        lines.append(f"bisect: every module of every layer matches ({plural(bisect.get('compared') or 0, 'point')}, each prompt "
+    if bisect and bisect.passed:
+        lines.append(f"bisect: every module of every layer matches ({plural(bisect.compared or 0, 'point')}, each prompt "
                      "run alone, prefill and decode): the difference is outside the model's forward — "
                      "batching (only batch members diverge?), the sampler or logprob post-processing")
     return lines
 
 
-def bisect_lines(bisect: dict | None) -> list[str]:
-    """explain() lines from a per-module comparison summary (`patcher.gate.bisect.summary`)."""
+def bisect_lines(bisect: ModuleVerdict | None) -> list[str]:
+    """explain() lines from a check's per-module comparison."""
     if not bisect:
         return []
-    if bisect.get("first"):
-        return ["bisect: " + ln for ln in bisect.get("explanation") or []] + \
-            ([f"bisect report: {bisect['report_path']}"] if bisect.get("report_path") else [])
-    if bisect.get("passed") is False:
-        return ["bisect: " + r for r in bisect.get("reasons") or []]
+    if bisect.first is not None:
+        return ["bisect: " + ln for ln in bisect.explanation] + \
+            ([f"bisect report: {bisect.report_path}"] if bisect.report_path else [])
+    if bisect.passed is False:
+        return ["bisect: " + r for r in bisect.reasons]
     return []
 
 
 def _explain_logits(c: Comparison, config: dict) -> list[str]:
-    lines = []
+    """What the logits alone say about a failure: token ids that differ, and for the float32 rule
+    where the rows diverge and the layer family that shape points to."""
     token_rows = [r for r in c.rows if r.failures and r.failures[0].startswith("prompt token ids differ")]
+    lines = []
     if token_rows:
         lines.append("prompt token ids differ for " + ", ".join(r.id for r in token_rows)
                      + ": the runner re-tokenized, truncated or added special tokens; prompts must "
@@ -704,7 +758,6 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
                      + f"); `dsadapt bisect` in {dtype} localizes it (the layer and module whose error "
                        f"exceeds the reference's own {dtype} noise)")
         return lines
-    tol = c.tolerance if c.tolerance is not None else math.inf
     bad = [r for r in c.rows if r.failures and r not in token_rows]
     if not bad:
         return lines or list(c.reasons)
@@ -716,23 +769,29 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
         lines.append("only prompts submitted in a batch diverge while every prompt run alone matches: "
                      "batching (padding, attention mask, per-sequence positions, KV-cache slots)")
         return lines
-    evidence = [r for r in bad if r.batch is None] or bad
+    tol = c.tolerance if c.tolerance is not None else math.inf
+    return lines + [_family_line([r for r in bad if r.batch is None] or bad, tol, config)]
+
+
+def _family_line(evidence: list[PromptRow], tol: float, config: dict) -> str:
+    """The layer family the shape of a float32 divergence points to: already at query position 0
+    (a position-independent layer), only beyond YaRN's original context (YaRN), else attention."""
     d0 = [d for r in evidence if r.deltas for d in r.deltas[:1] if d is not None]
-    first0 = any(r.first_divergence == 0 for r in evidence)
-    if first0 or any(d >= tol for d in d0):
+    if any(r.first_divergence == 0 for r in evidence) or any(d >= tol for d in d0):
         fmt = {k: config.get(k, "unset") for k in ("scoring_func", "topk_method", "n_group", "topk_group",
                                                    "routed_scaling_factor", "norm_topk_prob")}
-        lines.append("diverges already at query position 0, where attention sees one key and RoPE is the "
-                     "identity: " + POSITIONWISE_HINT.format(**fmt))
-        return lines
+        return ("diverges already at query position 0, where attention sees one key and RoPE is the "
+                "identity: " + POSITIONWISE_HINT.format(**fmt))
     orig = rope_original_max(config)
-    if orig is not None:
-        early = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q < orig]
-        late = [d for r in evidence for q, d in enumerate(r.deltas) if d is not None and q >= orig]
-        if late and max(early, default=0.0) < tol <= max(late):
-            lines.append(f"exact up to original_max_position_embeddings={orig} and diverging beyond it: "
-                         "YaRN scaling (factor, original_max_position_embeddings, beta_fast/beta_slow, "
-                         "mscale)")
-            return lines
-    lines.append("exact at query position 0 but diverging later: " + ATTENTION_HINT)
-    return lines
+    if orig is not None and _only_beyond(evidence, orig, tol):
+        return (f"exact up to original_max_position_embeddings={orig} and diverging beyond it: "
+                "YaRN scaling (factor, original_max_position_embeddings, beta_fast/beta_slow, mscale)")
+    return "exact at query position 0 but diverging later: " + ATTENTION_HINT
+
+
+def _only_beyond(evidence: list[PromptRow], orig: int, tol: float) -> bool:
+    """Every position before `orig` within the tolerance, one after it beyond."""
+    deltas = [(q, d) for r in evidence for q, d in enumerate(r.deltas) if d is not None]
+    early = [d for q, d in deltas if q < orig]
+    late = [d for q, d in deltas if q >= orig]
+    return bool(late) and max(early, default=0.0) < tol <= max(late)

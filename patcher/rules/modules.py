@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from patcher.base.errors import DsadaptError, plural
+from patcher.rules.divergence import FirstDivergence
 from patcher.rules.logits import CONE_KEEPS_AT_LEAST, _json_safe
 from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
 
@@ -858,7 +859,7 @@ def judge_points(points: list[PointResult], dtype: str, layers: int, engine_name
     first = above[0] if above else None
     reasons = []
     if first:
-        reasons.append(f"first divergence: {first.where} ({first.module}): {describe(first)}")
+        reasons.append(f"{first_divergence(first).words()}: {describe(first)}")
         if len(above) > 1:
             reasons.append(f"{len(above) - 1} later point(s) above their limits (downstream of it)")
     if not compared:
@@ -1095,9 +1096,6 @@ def compare_parallel(engine: dict, reference: dict, config: dict, dtype: str, *,
         q.ranks_above = sorted(above_on.get(k, ())) or None
     # the verdict over the merged points, as the one-process comparison makes it
     res = judge_points(points, dtype, last.layers, engine_name)
-    if res.first is not None:
-        res.reasons[0] = (f"first divergence: {res.first.where} ({res.first.module}){_on_rank(res.first, world)}: "
-                          f"{describe(res.first)}")
     res.rows = {**last.rows, "world_size": world, "ranks": sorted(docs)}
     res.missing = sorted({m for d in docs.values() for m in d.get("missing", [])})
     res.explanation = explain_bisect(res, config)
@@ -1131,14 +1129,12 @@ def _parallel_lines(res: BisectResult, p: PointResult, upstream: list[PointResul
     return []
 
 
-def _on_rank(p: PointResult, world: int) -> str:
-    if world <= 1 or p.layout is None:
-        return ""
-    if p.layout == "partial":
-        return f" (the sum of the {world} ranks' partial sums)"
-    if p.layout == "sharded":
-        return f" on rank {p.rank} of {world} (its share of the features)"
-    return f" on rank {p.rank} of {world}"
+def first_divergence(p: PointResult) -> FirstDivergence:
+    """The typed first divergence of a point above its limit (its one wording: `words`)."""
+    return FirstDivergence(
+        layer=p.layer, point=p.point, label=p.label, family=p.family, module=p.module, engine_module=p.engine_module,
+        error=p.error, limit=p.limit, noise=p.noise, value=p.value, worst=p.worst, phase=p.phase, ratio=p.ratio,
+        margin=p.margin, phases=dict(p.phases), rank=p.rank, layout=p.layout)
 
 
 def describe(p: PointResult) -> str:
@@ -1172,19 +1168,9 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     """Where the engine leaves the reference and what that module family points to."""
     p = res.first
     if p is None:
-        compared = sum(q.status != "not compared" for q in res.points)
-        lines = [f"every compared point is within its {res.rule} limit ({plural(compared, 'point')} over "
-                 f"{plural(res.layers, 'layer')})"]
-        m = res.margin
-        if m and m.get("margin") is not None:
-            what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \
-                f"relative error {m['error']:.3g}"
-            lines.append(f"closest to its limit: {m['where']} ({m['phase']}), {what}: "
-                         f"{margin_words(m['margin'], False)}")
-        return lines
-    pdef = POINT[p.point]
+        return _within_limits(res)
     world = int(res.rows.get("world_size") or 1)
-    lines = [f"first divergence at {p.where} — {p.module}{_on_rank(p, world)}: {describe(p)}"]
+    lines = [f"{first_divergence(p).words()}: {describe(p)}"]
     if p.worst:
         w = p.worst
         lines.append(f"worst row: prompt {w['prompt']} position {w['position']} ({w['phase']})"
@@ -1197,7 +1183,36 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     if upstream and p.layer is not None:
         lines.append("its inputs in this layer match (" + ", ".join(q.label for q in upstream) + "): the "
                      f"difference starts in {p.label}")
-    hint = pdef.hint
+    lines += _where_to_look(p, config)
+    down = [q for q in res.points if q.above and q is not p]
+    if down:
+        lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
+                     f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
+    not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
+    if not_cmp:
+        lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
+    return lines
+
+
+def _within_limits(res: BisectResult) -> list[str]:
+    """The explanation of a comparison with no point above its limit: how many, and the closest."""
+    compared = sum(q.status != "not compared" for q in res.points)
+    lines = [f"every compared point is within its {res.rule} limit ({plural(compared, 'point')} over "
+             f"{plural(res.layers, 'layer')})"]
+    m = res.margin
+    if m and m.get("margin") is not None:
+        what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \
+            f"relative error {m['error']:.3g}"
+        lines.append(f"closest to its limit: {m['where']} ({m['phase']}), {what}: "
+                     f"{margin_words(m['margin'], False)}")
+    return lines
+
+
+def _where_to_look(p: PointResult, config: dict) -> list[str]:
+    """What the first divergence's module points to: its hint, the block-FP8 dequantization where
+    FP8 weights feed it, YaRN for the RoPE points, and the phase that alone fails."""
+    lines = []
+    hint = POINT[p.point].hint
     if p.point == "mlp" and p.family == "moe":
         hint = "the MoE combine: routed and shared experts each match, their sum does not " \
                "(routed_scaling_factor applied to the wrong term, or a term dropped)"
@@ -1222,13 +1237,6 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
     elif failed == {"prefill"}:
         lines.append("decode rows match, prefill rows do not: the prefill path (prefill attention "
                      "kernel, the kv_b_proj expansion used only in prefill)")
-    down = [q for q in res.points if q.above and q is not p]
-    if down:
-        lines.append(f"{len(down)} later point(s) exceed their limits too (propagation downstream of "
-                     f"{p.where}): " + ", ".join(q.where for q in down[:6]) + (" ..." if len(down) > 6 else ""))
-    not_cmp = sorted({q.label for q in res.points if q.status == "not compared"})
-    if not_cmp:
-        lines.append("not compared (the engine does not expose them): " + ", ".join(not_cmp))
     return lines
 
 

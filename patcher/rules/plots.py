@@ -70,7 +70,9 @@ def _positions(rows: list[dict], key: str) -> list[tuple[str, list[tuple[int, fl
 
 
 def _legend(ax, fig) -> None:
-    """The legend beside the axes, never over the data."""
+    """The legend beside the axes, never over the data (none when nothing was drawn)."""
+    if not ax.get_legend_handles_labels()[1]:
+        return
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
@@ -409,7 +411,7 @@ def bisect_figure(result, title: str | None = None):
     plt = _plt()
     import numpy as np
 
-    from patcher.rules.modules import heatmap_grid
+    from patcher.rules.modules import first_divergence, heatmap_grid
 
     if isinstance(result, dict):
         result = bisect_result(result)
@@ -452,7 +454,7 @@ def bisect_figure(result, title: str | None = None):
         fig.colorbar(im2, cax=side.append_axes("right", size=0.18, pad=0.9), ticks=[0.5, 0.75, 0.9, 1],
                      label="expert selection: agreement")
     first = result.first
-    sub = (f"first divergence: {first.where}" + (f" ({first.phase})" if first.phase else "") if first
+    sub = (first_divergence(first).words() + (f" ({first.phase})" if first.phase else "") if first
            else "no point above its limit") + f" ({result.rule} rule)"
     m = getattr(result, "margin", None)
     if m and m.get("margin") is not None:

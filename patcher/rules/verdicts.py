@@ -9,6 +9,7 @@ anything (`rescore`), and every report says how far its worst point is from its 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, field
 
 from patcher.base.errors import number
 from patcher.rules.logits import judge_logits
@@ -75,12 +76,31 @@ def _logit_margin(c: dict) -> dict | None:
     return None
 
 
-def check_margins(comparison: dict, bisect: dict | None) -> dict:
-    """{"logits": ..., "modules": ..., "worst": the tighter of the two, "words": one line}. For a
-    pass, `margin` is limit / value (2.0: the worst point sits at half its limit); for a fail,
-    value / limit (1.3: 30 % over)."""
+@dataclass(frozen=True)
+class Margins:
+    """How far a check's worst judged quantities are from their limits: the logit rule's and the
+    per-module rule's (each {"quantity", "value", "limit", "margin", "above", ...} as stored), which
+    of the two is the tighter (`worst`), and one line in words."""
+
+    logits: dict | None
+    modules: dict | None
+    worst: str | None
+    words: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Margins:
+        return cls(d.get("logits"), d.get("modules"), d.get("worst"), str(d.get("words") or ""))
+
+
+def check_margins(comparison: dict, module_margin: dict | None) -> Margins:
+    """The margins of a stored comparison and of the per-module comparison's margin
+    (`rules.modules.point_margin`). For a pass, `margin` is limit / value (2.0: the worst point
+    sits at half its limit); for a fail, value / limit (1.3: 30 % over)."""
     logits = _logit_margin(comparison)
-    modules = (bisect or {}).get("margin")
+    modules = module_margin
     if modules is not None:
         modules = {**modules, "quantity": ("engine / reference's own error" if modules.get("ratio") is not None
                                            else "relative error")}
@@ -89,8 +109,7 @@ def check_margins(comparison: dict, bisect: dict | None) -> dict:
     if cands:
         over = [(k, m) for k, m in cands if m["above"]]
         worst = max(over, key=lambda km: km[1]["margin"]) if over else min(cands, key=lambda km: km[1]["margin"])
-    return {"logits": logits, "modules": modules, "worst": worst[0] if worst else None,
-            "words": margin_line(logits, modules)}
+    return Margins(logits, modules, worst[0] if worst else None, margin_line(logits, modules))
 
 
 def margin_line(logits: dict | None, modules: dict | None) -> str:
@@ -106,62 +125,82 @@ def margin_line(logits: dict | None, modules: dict | None) -> str:
     return "; ".join(parts) or "no margin: nothing was judged"
 
 
+@dataclass
+class _Rejudging:
+    """What re-judging a stored check has found so far: reasons, what was judged, what is missing."""
+
+    dtype: str
+    reasons: list[str] = field(default_factory=list)
+    judged: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    module_margin: dict | None = None
+
+    def module_reasons(self, reasons) -> None:
+        self.reasons += [f"per-module comparison ({self.dtype}): {x}" for x in list(reasons or [])[:1]]
+
+
 def rescore(check_report: dict, bisect_report: dict | None = None) -> dict:
     """Re-judge a stored check (its `dsadapt.check-report/1` JSON, and its bisect report's JSON when
     it has one) under the rule as it is now. Returns {"verdict": "pass" | "fail" | None, "reasons",
     "margins", "judged": what could be judged}. `verdict` is None when the stored report lacks the
     evidence the current rule needs (a low-precision report written before the per-phase rule)."""
     c = check_report.get("comparison") or {}
-    dtype = str(check_report.get("dtype") or (c.get("engine") or {}).get("dtype") or "")
-    reasons: list[str] = []
-    judged: list[str] = []
-    missing: list[str] = []
     if c.get("rule") is None:  # the engine produced no logits: its stored verdict is the verdict
         return {"verdict": check_report.get("verdict"), "reasons": list(check_report.get("reasons") or []),
-                "margins": check_margins({}, None), "judged": ["engine failure (stored)"]}
-    comparison = dict(c)
-    if c["rule"] == "strict":
-        reasons += list(c.get("reasons") or [])  # the float32 rule is unchanged: its stored verdict
-        judged.append("logits (strict, stored)")
-    elif c.get("noise"):
-        j = judge_logits(c.get("rows") or [], c["noise"].get("rows") or [], dtype, int(c.get("top_k") or 5),
-                         routing_flips=(bisect_report or {}).get("routing_flips"))
-        reasons += [r for r in (c.get("reasons") or []) if r.split(":")[0] in {row["id"] for row in c["rows"]}
-                    and "token ids" in r]
-        reasons += j["reasons"]
-        comparison["judgement"] = j
-        judged.append("logits (noise-relative)")
-    else:
-        missing.append("the reference's own low-precision logits (noise yardstick)")
-    bisect_summary = None
+                "margins": check_margins({}, None).to_json(), "judged": ["engine failure (stored)"]}
+    j = _Rejudging(str(check_report.get("dtype") or (c.get("engine") or {}).get("dtype") or ""))
+    comparison = _rejudge_logits(c, bisect_report, j)
     if bisect_report is not None:
-        has_evidence = any(p.get("evidence") for p in bisect_report.get("points") or [])
-        if has_evidence:
-            res = rescore_bisect(bisect_report)
-            bisect_summary = {"passed": res.passed, "margin": res.margin,
-                              "first": None if res.first is None else {"layer": res.first.layer,
-                                                                       "point": res.first.point,
-                                                                       "phase": res.first.phase}}
-            if not res.passed:
-                reasons += [f"per-module comparison ({dtype}): {x}" for x in res.reasons[:1]]
-            judged.append("modules")
-        elif bisect_report.get("rule") == "strict":
-            if bisect_report.get("passed") is False:
-                reasons += [f"per-module comparison ({dtype}): {x}" for x in (bisect_report.get("reasons") or [])[:1]]
-            judged.append("modules (strict, stored)")
-        else:
-            missing.append("per-module evidence (block sums per phase)")
+        _rejudge_modules(bisect_report, j)
     elif c.get("rule") == "low-precision":
         stored = check_report.get("bisect") or {}
         if stored.get("passed") is False and stored.get("rule") is None and stored.get("reasons"):
             # the per-module comparison could not run (no capture): that stays a reason, never a pass
-            reasons += [f"per-module comparison ({dtype}): {x}" for x in stored["reasons"][:1]]
-            judged.append("modules (could not run, stored)")
+            j.module_reasons(stored["reasons"])
+            j.judged.append("modules (could not run, stored)")
         else:
-            missing.append("the bisect report (every low-precision check has one)")
-    verdict = None if missing else ("pass" if not reasons else "fail")
-    out = {"verdict": verdict, "reasons": reasons, "margins": check_margins(comparison, bisect_summary),
-           "judged": judged, "comparison": comparison}
-    if missing:
-        out["cannot_judge"] = missing
+            j.missing.append("the bisect report (every low-precision check has one)")
+    verdict = None if j.missing else ("pass" if not j.reasons else "fail")
+    out = {"verdict": verdict, "reasons": j.reasons, "margins": check_margins(comparison, j.module_margin).to_json(),
+           "judged": j.judged, "comparison": comparison}
+    if j.missing:
+        out["cannot_judge"] = j.missing
     return out
+
+
+def _rejudge_logits(c: dict, bisect_report: dict | None, j: _Rejudging) -> dict:
+    """The stored comparison under today's logit rule: float32's is unchanged (its stored verdict);
+    a low-precision one is judged again from its stored rows and yardstick. Returns the comparison
+    as judged."""
+    comparison = dict(c)
+    if c["rule"] == "strict":
+        j.reasons += list(c.get("reasons") or [])
+        j.judged.append("logits (strict, stored)")
+    elif c.get("noise"):
+        judged = judge_logits(c.get("rows") or [], c["noise"].get("rows") or [], j.dtype, int(c.get("top_k") or 5),
+                              routing_flips=(bisect_report or {}).get("routing_flips"))
+        ids = {row["id"] for row in c["rows"]}
+        j.reasons += [r for r in (c.get("reasons") or []) if r.split(":")[0] in ids and "token ids" in r]
+        j.reasons += judged["reasons"]
+        comparison["judgement"] = judged
+        j.judged.append("logits (noise-relative)")
+    else:
+        j.missing.append("the reference's own low-precision logits (noise yardstick)")
+    return comparison
+
+
+def _rejudge_modules(bisect_report: dict, j: _Rejudging) -> None:
+    """The stored bisect report under today's per-module rule (from its per-point evidence; a strict
+    one keeps its stored verdict)."""
+    if any(p.get("evidence") for p in bisect_report.get("points") or []):
+        res = rescore_bisect(bisect_report)
+        j.module_margin = res.margin
+        if not res.passed:
+            j.module_reasons(res.reasons)
+        j.judged.append("modules")
+    elif bisect_report.get("rule") == "strict":
+        if bisect_report.get("passed") is False:
+            j.module_reasons(bisect_report.get("reasons"))
+        j.judged.append("modules (strict, stored)")
+    else:
+        j.missing.append("per-module evidence (block sums per phase)")

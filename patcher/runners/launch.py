@@ -113,21 +113,33 @@ def root_cause(lines: Sequence[str]) -> str | None:
     return f"{pick.group(1)}: {pick.group(2)}".strip() if pick else None
 
 
-def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequence[Prompt] | Path, dtype: str,
-               top_k: int, max_tokens: int, out: Path, env: Mapping[str, str] | None = None,
-               timeout: float = 900.0, fingerprint: str | None = None,
-               on_line: Callable[[str], None] | None = None) -> LogitReport:
-    """Run `spec` with interpreter `python`; return the validated report written to `out`.
+@dataclass(frozen=True)
+class RunnerJob:
+    """What a runner is asked to do (its protocol's common arguments): the model, the prompts (the
+    set itself, or a prompts.json path), the dtype, how many logprobs each position reports, how
+    many tokens to generate, and where its report goes."""
 
-    `prompts` is the prompt set or a prompts.json path (a list is written to
-    ``<out>.prompts.json``). The child's stdout+stderr go to ``<out>.log`` and, line
-    by line, to `on_line`. Environment: this process's, then `spec.env`, then `env`.
-    The child runs in its own session; on timeout its whole process group is killed.
-    The report's ``timings.wall_s`` is set to the subprocess' wall time."""
+    model_dir: Path
+    prompts: Sequence[Prompt] | Path
+    dtype: str
+    top_k: int
+    max_tokens: int
+    out: Path
+    fingerprint: str | None = None   # the model's, recorded in the report
+
+
+def run_runner(spec: RunnerSpec, python: Path, job: RunnerJob, *, env: Mapping[str, str] | None = None,
+               timeout: float = 900.0, on_line: Callable[[str], None] | None = None) -> LogitReport:
+    """Run `spec` with interpreter `python` on `job`; return the validated report written to `job.out`.
+
+    A prompt set (not a path) is written to ``<out>.prompts.json``. The child's stdout+stderr
+    go to ``<out>.log`` and, line by line, to `on_line`. Environment: this process's, then
+    `spec.env`, then `env`. The child runs in its own session; on timeout its whole process
+    group is killed. The report's ``timings.wall_s`` is set to the subprocess' wall time."""
     from patcher.rules.logits import LogitReport, ReportError
     from patcher.rules.prompts import prompts_from_json, write_prompts_json
 
-    python, out = Path(python), Path(out)
+    python, out, prompts, dtype = Path(python), Path(job.out), job.prompts, job.dtype
     if dtype not in spec.dtypes:
         raise DsadaptError(f"runner {spec.name} does not support dtype {dtype}",
                            hint=f"supported: {', '.join(spec.dtypes)}")
@@ -145,7 +157,7 @@ def run_runner(spec: RunnerSpec, python: Path, model_dir: Path, prompts: Sequenc
         expected = [p.id for p in prompts]
     log_path = out.with_name(out.name + ".log")
     out.unlink(missing_ok=True)
-    argv = spec.argv(python, model_dir, prompts_path, dtype, top_k, max_tokens, out, fingerprint)
+    argv = spec.argv(python, job.model_dir, prompts_path, dtype, job.top_k, job.max_tokens, out, job.fingerprint)
     child_env = {**os.environ, **spec.env, **(env or {})}
     child_env["PYTHONPATH"] = kit_pythonpath(child_env)
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)

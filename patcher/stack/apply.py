@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from patcher.base.config import Config
+from patcher.base.dotgit import BACKUP_PREFIX, BASE_REF, STACK_REF
 from patcher.base.errors import WorkspaceError
 from patcher.base.gitutil import work_fingerprint
 from patcher.engines.base import Tree
@@ -17,9 +18,6 @@ from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, touches_links
 from patcher.stack.checkout import (
-    BACKUP_PREFIX,
-    BASE_REF,
-    STACK_REF,
     Checkout,
     Progress,
     branch_lag,
@@ -28,10 +26,11 @@ from patcher.stack.checkout import (
     head_state,
     in_progress,
     reflog_only,
+    refuse_hand_made,
     stack_files,
     tree_links,
 )
-from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
+from patcher.stack.state import EDITED, Applied, Op, Orig, Outcome, PatchMeta, PatchOutcome
 from patcher.stack.transaction import NoHooks, StackResult, Transaction, register
 
 __all__ = ["ApplyKind", "abort_apply", "apply_stack", "checkout_tree", "continue_apply", "skip_patch"]
@@ -42,17 +41,17 @@ class ApplyKind(NoHooks):
     verb = "apply"
     touches_checkout = True
 
-    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[Outcome, str | None]:
         if commit is None:
-            return "skipped", "no changes: the tree already has them"
-        return ("merged" if merged else "clean"), None
+            return Outcome.SKIPPED, "no changes: the tree already has them"
+        return (Outcome.MERGED if merged else Outcome.CLEAN), None
 
     def finish(self, tx: Transaction) -> StackResult:
         op, g = tx.op, tx.git
         head = g.head_commit()
         assert head
         tx.refuse_links_out_of_tree(head)
-        edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in ("changed", "skipped")]
+        edited = [op.outcomes[i].name for i in sorted(op.outcomes) if op.outcomes[i].outcome in EDITED]
         if op.snapshot:
             g.update_ref(STACK_REF, op.snapshot)
         res = tx.result(head, op.stack_hash)
@@ -76,7 +75,9 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     if stack is None:
         stack = load_stack(cfg.patches_root, ref)  # parse everything before touching anything
     co, _created = ensure_checkout(cfg, lock, entry, progress)
-    tx = Transaction.open(co, on_patch, progress).finish_interrupted(("apply", "refresh"))
+    tx = Transaction.open(co, on_patch, progress)
+    refuse_hand_made(co, tx.state.op is not None, force=force)  # another worktree's branch; a git op of the user's
+    tx = tx.finish_interrupted(("apply", "refresh"))
     state, g = tx.state, co.git
     hs = head_state(co)
     cur_branch, head, refs = hs.branch, hs.head, hs.refs
@@ -103,11 +104,17 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
     if head_branch and head_branch != expected_head and not force:
         ahead, behind = branch_lag(g, expected_head, head_branch)
+        again = f"`dsadapt apply {ref} --force` applies patches/ again (the branch is kept in a backup ref)"
         if ahead == 0 and behind:
             raise WorkspaceError(f"{ref}: branch {co.branch} was moved back by hand: it lacks {behind} commit(s) of "
                                  "the applied stack",
-                                 hint=f"`dsadapt refresh {ref}` drops their patches from the stack; `dsadapt apply "
-                                      f"{ref} --force` applies patches/ again (the branch is kept in a backup ref)")
+                                 hint=f"`dsadapt refresh {ref}` drops their patches from the stack (the files are kept "
+                                      f"in a backup ref); {again}")
+        if behind:
+            raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead} commit(s) not exported to the stack and lacks "
+                                 f"{behind} of the applied stack (rewritten or reset by hand)",
+                                 hint=f"`dsadapt refresh {ref}` exports the branch as it is (patches of the commits it "
+                                      f"lacks are dropped; the files are kept in a backup ref); {again}")
         raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead if ahead is not None else '?'} commit(s) not "
                              "exported to the stack",
                              hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
@@ -129,24 +136,31 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     return tx.run()
 
 
-def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
+def _open_op(cfg: Config, ref: PinRef | None, on_patch, progress) -> Transaction:
+    """The transaction of the op in progress, refused while another worktree holds the branch it
+    moves (continue, skip and abort all may move it)."""
     tx = Transaction.open(in_progress(cfg, ref), on_patch, progress)
-    return tx.user_continue()
+    if getattr(tx.kind, "touches_checkout", True):
+        refuse_hand_made(tx.co, True, force=True)
+    return tx
+
+
+def continue_apply(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
+    return _open_op(cfg, ref, on_patch, progress).user_continue()
 
 
 def skip_patch(cfg: Config, ref: PinRef | None = None, on_patch=None, progress=None) -> StackResult:
-    tx = Transaction.open(in_progress(cfg, ref), on_patch, progress)
-    return tx.user_skip()
+    return _open_op(cfg, ref, on_patch, progress).user_skip()
 
 
 def abort_apply(cfg: Config, ref: PinRef | None = None, progress=None) -> Checkout:
     """Return the checkout exactly to where it was before the operation (branches, HEAD, work tree,
     uncommitted and untracked work). Notes about kept work are in `co.notes`."""
-    co = in_progress(cfg, ref)
-    tx = Transaction.open(co, None, progress)
+    tx = _open_op(cfg, ref, None, progress)
+    co = tx.co
     kind = tx.op.kind
     tx.abort()
-    co.notes = tx.notes  # type: ignore[attr-defined]
+    co.notes = tx.notes
     co.kind = kind  # type: ignore[attr-defined]
     return co
 

@@ -8,24 +8,27 @@ for byte by `dsadapt abort`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.base import leftovers
 from patcher.base.config import Config
+from patcher.base.dotgit import STACK_REF
 from patcher.base.errors import DsadaptError, RefusedToClobber, WorkspaceError
 from patcher.base.fsutil import atomic_write_bytes, remove_file
 from patcher.base.gitutil import Git
 from patcher.formats.lock import Lock
 from patcher.formats.patchfile import Patch, parse_patch
 from patcher.formats.pinref import PinRef
-from patcher.formats.stackfiles import format_series, parse_series, stack_dir, stack_hash
-from patcher.stack.checkout import STACK_REF, Checkout, head_state
-from patcher.stack.state import Applied, Op, Orig
+from patcher.formats.stackfiles import format_series, stack_dir
+from patcher.stack.checkout import Checkout, check_lock, head_state, refuse_hand_made
+from patcher.stack.record import NamedText, files_hash, series_names
+from patcher.stack.state import Applied, Op, Orig, Outcome, Phase
 from patcher.stack.transaction import MBOX_FROM, NoHooks, StackResult, Transaction, flat_tree_id, register
 
-__all__ = ["RefreshKind", "RefreshResult", "export_commits", "exported_files", "read_stack_files", "refresh_stack",
-           "series_names", "sync_stack_dir"]
+__all__ = ["NamedText", "RefreshKind", "RefreshResult", "branch_commits", "export_commits", "exported_files", "files_hash",
+           "read_stack_files", "refresh_stack", "series_names", "sync_stack_dir"]
 
 
 # ---------------------------------------------------------------- export (refresh, rebase)
@@ -37,21 +40,76 @@ FORMAT_PATCH = ("-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", 
                 "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-cover-letter")
 
 
-def export_commits(git: Git, base: str, head: str) -> list[Patch]:
-    """Commits base..head as normalized Patch objects: one `git format-patch` for all of them."""
-    lines = git.out("rev-list", "--reverse", "--parents", f"{base}..{head}").splitlines()
-    merges = [l.split()[0] for l in lines if len(l.split()) > 2]
+@dataclass(frozen=True)
+class BranchCommit:
+    commit: str
+    subject: str
+    empty: bool      # its tree is its parent's: nothing to export
+
+
+def branch_commits(git: Git, base: str, head: str, branch: str | None = None) -> list[BranchCommit]:
+    """The commits base..head, oldest first, as a stack is made of them (one `git log`). A merge
+    commit is refused (a stack is linear) with the command that makes the branch linear."""
+    out = git.run("log", "--reverse", "--boundary", "--format=%m %H %T %P%x00%s", f"{base}..{head}").out
+    trees: dict[str, str] = {}
+    rows = []
+    for line in out.splitlines():
+        head_part, _, subject = line.partition("\0")
+        f = head_part.split()
+        if len(f) < 3:
+            continue
+        trees[f[1]] = f[2]
+        if f[0] != "-":
+            rows.append((f[1], f[2], f[3:], subject))
+    merges = [c for c, _t, parents, _s in rows if len(parents) > 1]
     if merges:
-        raise WorkspaceError(f"merge commit {merges[0][:12]} in the stack branch",
-                             hint="a stack is linear: rebase the branch onto the base without merges")
-    commits = [l.split()[0] for l in lines]
+        tip = branch or head[:12]
+        raise WorkspaceError(f"merge commit {merges[0][:12]} in the stack branch: a stack is linear, one patch per commit",
+                             hint=f"`git -C {git.path} branch merged-{merges[0][:12]} {tip}` keeps the branch as it "
+                                  f"is, then `git -C {git.path} rebase {base[:12]} {tip}` makes it linear (git leaves "
+                                  "the merge out and replays the commits it brought); then refresh again")
+    return [BranchCommit(c, s, bool(parents) and trees.get(parents[0]) == t) for c, t, parents, s in rows]
+
+
+def changed_lines(diff: str) -> list[str]:
+    """The +/- lines of a diff (file headers excluded): the change itself, without context."""
+    return [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++ ", "--- "))]
+
+
+def export_commits(git: Git, base: str, head: str, empty: list[BranchCommit] | None = None,
+                   branch: str | None = None) -> list[Patch]:
+    """Commits base..head as normalized Patch objects: one `git format-patch` for all of them. Empty
+    commits (`git commit --allow-empty`: no change to export) are left out and added to `empty`."""
+    commits = branch_commits(git, base, head, branch)
+    if empty is not None:
+        empty += [c for c in commits if c.empty]
+    commits = [c for c in commits if not c.empty]
     if not commits:
         return []
     text = git.run(*FORMAT_PATCH, f"{base}..{head}").out  # not git.out: stripping would eat a last " " line
     pieces = text.split(MBOX_FROM)[1:]
-    if len(pieces) != len(commits):  # e.g. an empty commit format-patch leaves out: one at a time
-        pieces = [git.run(*FORMAT_PATCH, "-1", c).out.split(MBOX_FROM, 1)[-1] for c in commits]
-    return [parse_patch(MBOX_FROM + p, where=f"commit {c[:12]}") for c, p in zip(commits, pieces)]
+    if len(pieces) != len(commits):  # (format-patch leaves out what it finds empty: one at a time)
+        pieces = [git.run(*FORMAT_PATCH, "-1", c.commit).out.split(MBOX_FROM, 1)[-1] for c in commits]
+    pieces = [with_mode_only_index(git, c.commit, p) for c, p in zip(commits, pieces)]
+    return [parse_patch(MBOX_FROM + p, where=f"commit {c.commit[:12]}") for c, p in zip(commits, pieces)]
+
+
+_MODE_ONLY = re.compile(r"^diff --git a/(?P<path>[^\n]+?) b/(?P=path)\nold mode (\d+)\nnew mode (\d+)\n(?!index )", re.M)
+
+
+def with_mode_only_index(git: Git, commit: str, piece: str) -> str:
+    """A file whose commit only changes its mode gets the index line git leaves out (`index B..B`,
+    its blob id on both sides): the patch then names the file's pre-image like every other (the
+    lint and the release-artifact pre-image check need it), and git applies it as before."""
+    hits = list(_MODE_ONLY.finditer(piece))
+    if not hits:
+        return piece
+    blobs = git.blobs_at(commit, sorted({m.group("path") for m in hits}))
+    for m in reversed(hits):
+        oid = blobs.get(m.group("path"))
+        if oid:
+            piece = piece[:m.end()] + f"index {oid}..{oid}\n" + piece[m.end():]
+    return piece
 
 
 def exported_files(patches: list[Patch], old_series: str | None) -> tuple[dict[str, bytes], list[str]]:
@@ -99,29 +157,6 @@ def read_stack_files(d: Path, names: list[str]) -> dict[str, bytes]:
     return out
 
 
-def series_names(data: bytes | None) -> list[str]:
-    """The patch names of a series file's bytes ([] for none, or for one that does not parse)."""
-    if not data:
-        return []
-    try:
-        return parse_series(data.decode("utf-8"))
-    except (DsadaptError, UnicodeDecodeError):
-        return []
-
-
-@dataclass(frozen=True)
-class NamedText:
-    """A stack file as `stack_hash` reads it."""
-
-    name: str
-    text: str
-
-
-def files_hash(files: dict[str, bytes], names: list[str]) -> str:
-    """The stack hash of the patch files `names` among `files`."""
-    return stack_hash([NamedText(n, files.get(n, b"").decode("utf-8", "replace")) for n in names])
-
-
 # ---------------------------------------------------------------- the op kind
 
 
@@ -142,8 +177,8 @@ class RefreshKind(NoHooks):
     verb = "refresh"
     touches_checkout = False
 
-    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
-        return "clean", None
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[Outcome, str | None]:
+        return Outcome.CLEAN, None
 
     def finish(self, tx: Transaction) -> StackResult:
         op, g = tx.op, tx.git
@@ -190,17 +225,19 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     Refuses (exit 4) to overwrite patches/ files that changed since the stack was applied or last
     refreshed when the branch does not hold that change; `force` overwrites them and keeps the
     previous files in a backup ref. An unchanged stack changes zero bytes."""
-    lock.pin(ref)
+    entry = lock.pin(ref)
     co = Checkout(cfg, ref)
     if not co.exists:
         raise WorkspaceError(f"{ref}: no checkout at {co.path}", hint=f"run `dsadapt apply {ref}` first")
+    check_lock(co, entry)
     tx = Transaction.open(co)
-    if tx.state.op is not None and tx.op.kind == "refresh" and tx.op.phase not in ("abort", "legacy"):
+    if tx.state.op is not None and tx.op.kind == "refresh" and tx.op.phase not in (Phase.ABORT, Phase.LEGACY):
         res = tx.run()  # a refresh that was killed: finish writing what it recorded
         return RefreshResult(str(ref), res.changed, res.removed, res.backup_ref,  # type: ignore[attr-defined]
                              ["finished the interrupted refresh", *tx.notes])
     if tx.state.op is not None:
         tx.refuse()
+    refuse_hand_made(co, False)
     g = co.git
     dirty = g.dirty_files()
     if dirty:
@@ -218,7 +255,11 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     rel = str(d.relative_to(cfg.project))
     cur_series = (d / "series").read_bytes() if (d / "series").is_file() else None
     cur_names = series_names(cur_series)
-    patches = export_commits(g, base, head)
+    empty: list[BranchCommit] = []
+    patches = export_commits(g, base, head, empty, co.branch)
+    for c in empty:
+        tx.notes.append(f"commit {c.commit[:12]} ({c.subject}) is empty: left out of the stack (a patch must "
+                        "change something; the commit stays on the branch)")
     target, names = exported_files(patches, cur_series.decode("utf-8", "replace") if cur_series else None)
     cur = read_stack_files(d, sorted(set(cur_names) | set(names)))
     new_hash = files_hash(target, names)
@@ -237,7 +278,6 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     newer = [n for n in sorted(set(cur) | set(rec or {}) | set(target))
              if (rec is None or cur.get(n) != rec.get(n)) and cur.get(n) != target.get(n)
              and (n in cur or (rec is not None and n in rec))]
-    backup = None
     if newer and not force:
         what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
         more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
@@ -246,18 +286,38 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
                       hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept in a "
                            f"backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the current files "
                            "are kept in a backup ref)")
+    dropped = dropped_patches(cur, cur_names, patches)
     before = tx.files_commit(cur) if cur else tx.files_commit({})
-    if newer:
-        backup = co.next_backup_names(1)[0]
+    backup = co.next_backup_names(1)[0] if newer or dropped else None
     after = tx.files_commit(target)
     op = Op(kind="refresh", ref=str(ref), stack_hash=new_hash, patches=[],
-            orig=Orig(g.current_branch(), g.rev("HEAD"), head, g.rev(STACK_REF), False), phase="finish",
+            orig=Orig(g.current_branch(), g.rev("HEAD"), head, g.rev(STACK_REF), False), phase=Phase.FINISH,
             saves={"backup": backup} if backup else {},
             extra={"stack_dir": rel, "before": before, "after": after, "head": head, "backup": backup,
                    "names_before": cur_names})
     tx.begin(op, [], None)
+    if dropped:
+        more = f" (+{len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        tx.notes.append(f"no longer in the stack: {dropped[0]}{more} (no commit of branch {co.branch} has its subject "
+                        f"or its change)")
     if backup:
         tx.notes.append(f"the previous files of {rel} are kept in {backup} "
                         f"(`git -C {co.path} show {backup}:<file>`)")
     res = tx.run()
     return RefreshResult(str(ref), res.changed, res.removed, backup, tx.notes)  # type: ignore[attr-defined]
+
+
+def dropped_patches(cur: dict[str, bytes], names: list[str], patches: list[Patch]) -> list[str]:
+    """The patches of `names` (patches/ now) that the export leaves out: no exported commit has their
+    subject or their change (a patch reworded or amended is not dropped; one reset away is)."""
+    subjects = {" ".join(p.subject.split()).lower() for p in patches}
+    changes = {tuple(changed_lines(p.diff)) for p in patches}
+    out = []
+    for n in names:
+        try:
+            old = parse_patch(cur.get(n, b"").decode("utf-8", "replace"), where=n)
+        except DsadaptError:
+            continue  # not a patch dsadapt can read: the clobber check above speaks for it
+        if " ".join(old.subject.split()).lower() not in subjects and tuple(changed_lines(old.diff)) not in changes:
+            out.append(n)
+    return out

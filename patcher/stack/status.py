@@ -9,13 +9,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from patcher.base.config import Config
+from patcher.base.dotgit import BACKUP_PREFIX, BASE_REF
 from patcher.base.errors import DsadaptError, StackError, VerificationError, WorkspaceError, plural
 from patcher.base.gitutil import GitError
 from patcher.base.workdir import lock_holder
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.stackfiles import Stack, load_stack
-from patcher.stack.checkout import BACKUP_PREFIX, BASE_REF, Checkout, all_checkouts, branch_lag, head_state
-from patcher.stack.transaction import am_done, describe_op
+from patcher.stack.checkout import (
+    Checkout,
+    all_checkouts,
+    branch_lag,
+    check_lock,
+    git_in_progress,
+    head_state,
+    shared_branch,
+    shared_words,
+)
+from patcher.stack.transaction import am_done, describe_op, kind_of
 
 __all__ = ["CheckoutStatus", "checkout_status", "status_all", "unpinned_status"]
 
@@ -59,7 +69,7 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry, running: int | No
         elif stack is not None and not stack.exists:
             st.detail, st.next = "no checkout yet (and no stack)", None
         return st
-    return _status_of(co, st, stack, stack_error, running)
+    return _status_of(co, st, stack, stack_error, running, entry)
 
 
 def unpinned_status(cfg: Config, co: Checkout, running: int | None = None) -> CheckoutStatus:
@@ -68,16 +78,20 @@ def unpinned_status(cfg: Config, co: Checkout, running: int | None = None) -> Ch
 
 
 def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_error: str | None,
-               running: int | None) -> CheckoutStatus:
+               running: int | None, entry: LockEntry | None = None) -> CheckoutStatus:
     from patcher.base.gitutil import git_processes_in, lock_files
 
     ref = co.ref
     st.next = None
     try:
         state = co.load()
+        if entry is not None:
+            check_lock(co, entry, state, record_it=False)  # a pin changed under the checkout: exit 3 for the commands
     except DsadaptError as e:
         st.state, st.detail = "broken", e.message + (f"; {e.hint}" if e.hint else "")
         return st
+    rebuilt = (f"; its state record was {co.damage}: rebuilt from git when the next dsadapt command runs"
+               if co.rebuilt else "")
     g = co.git
     st.source = state.source
     hs = head_state(co)
@@ -96,14 +110,30 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
                       else "is left from a killed git: the next dsadapt command removes it"))
     else:
         lock_note = ""
+    lock_note = rebuilt + lock_note
     if state.op:
         st.op = {"kind": state.op.kind, "phase": state.op.phase, "done": am_done(co, state.op),
                  "total": state.op.total}
         st.state, st.detail, st.next = describe_op(co, state.op, running is not None)
+        wts = shared_branch(co) if getattr(_kind_or_none(state.op.kind), "touches_checkout", True) else []
+        if wts:
+            what, fix = shared_words(co, wts)
+            st.detail += f"; {what}: {fix}"
         st.detail += lock_note
         return st
     if stack_error:
         st.state, st.detail = "broken", f"the stack cannot be read: {stack_error}{lock_note}"
+        return st
+    wts = shared_branch(co)
+    if wts:  # never "applied" or "git switch" over a branch another worktree has checked out
+        what, fix = shared_words(co, wts)
+        st.state, st.detail = "diverged", f"{what}: {fix}{lock_note}"
+        return st
+    busy = git_in_progress(co, False)
+    if busy:  # the user's own git operation, half done: theirs to finish
+        st.state, st.detail = "dirty", f"{busy[0]}: {busy[1]}{lock_note}"
+        if "dsadapt apply" in busy[1]:
+            st.next = f"dsadapt apply {ref} --force"
         return st
     dirty = g.dirty_files()
     if dirty:
@@ -162,6 +192,13 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
         st.next = f"dsadapt refresh {ref}"
     st.detail += elsewhere + lock_note
     return st
+
+
+def _kind_or_none(name: str):
+    try:
+        return kind_of(name)
+    except WorkspaceError:
+        return None
 
 
 def _natural(tag: str) -> tuple:

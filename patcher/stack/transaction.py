@@ -13,16 +13,19 @@ process died at.
 What differs between kinds of operation (apply, rebase, refresh) plugs in as an `OpKind`
 registered by name; the transaction itself knows nothing about rebase.
 
-Phases of an op (each one recorded before its step runs)::
+Phases of an op (`state.Phase`, each one recorded before its step runs)::
 
-    save      backups being made; the work tree is untouched        (abort: drop the backups)
-    reset     work tree being reset to the base (its work is saved)
-    replay    one `git am -3` is applying the remaining patches
-    stopped   am stopped on a real conflict: the user resolves       (continue | skip | abort)
-    continue  `git am --continue` is committing the user's resolution
-    skip      `git am --skip` is dropping the stopped patch
-    finish    the kind writes its results (state, patches/, report)
-    abort     going back to the recorded starting point
+    SAVE      backups being made; the work tree is untouched        (abort: drop the backups)
+    RESET     work tree being reset to the base (its work is saved)
+    REPLAY    one `git am -3` is applying the remaining patches
+    STOPPED   am stopped on a real conflict: the user resolves       (continue | skip | abort)
+    CONTINUE  `git am --continue` is committing the user's resolution
+    SKIP      `git am --skip` is dropping the stopped patch
+    FINISH    the kind writes its results (state, patches/, report)
+    ABORT     going back to the recorded starting point
+
+Every backup ref the op makes is recorded with its commit (`Op.saved`), so one deleted by hand
+during the op is made again before anything reads it (`Checkout.repair`, at `open`).
 """
 
 from __future__ import annotations
@@ -34,11 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from patcher.base.dotgit import OP_PREFIX, REFS, STACK_REF
 from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError, plural
-from patcher.base.fsutil import atomic_write_text, git_blob_id, remove_tree
+from patcher.base.fsutil import atomic_write_text, remove_tree
 from patcher.base.gitutil import (
-    FIXED_DATE,
-    Git,
     WorkSnapshot,
     clear_stale_locks,
     keeping_commit,
@@ -47,8 +49,9 @@ from patcher.base.gitutil import (
     work_fingerprint,
     work_snapshot,
 )
-from patcher.stack.checkout import OP_PREFIX, STACK_REF, Checkout, Progress, changed_links, tree_links
-from patcher.stack.state import SCHEMA, AmRun, Applied, Op, PatchOutcome, State
+from patcher.stack.checkout import Checkout, Progress, changed_links, tree_links
+from patcher.stack.record import files_commit, flat_tree_id
+from patcher.stack.state import SCHEMA, WAITING, AmRun, Applied, Op, Outcome, PatchOutcome, Phase, State
 
 MBOX_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 FIXED_MAIL_DATE = "Tue, 14 Nov 2023 22:13:20 -0000"  # RFC 2822 form of gitutil.FIXED_DATE (email.utils.formatdate)
@@ -66,13 +69,13 @@ class OpKind(Protocol):
     def prepare(self, tx: Transaction) -> None:
         """Idempotent steps before the checkout is touched (rebase: pin NEW, comparison refs)."""
 
-    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[Outcome, str]]:
         """Patches decided without running them: {index: (outcome, detail)}."""
 
     def on_stop(self, tx: Transaction, index: int) -> str | None:
         """A patch stopped `git am`: a reason to drop it instead of stopping (rebase: already upstream)."""
 
-    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[Outcome, str | None]:
         """(outcome, detail) of a patch am applied (commit) or found empty (None)."""
 
     def finish(self, tx: Transaction) -> StackResult:
@@ -93,7 +96,7 @@ class NoHooks:
     def prepare(self, tx: Transaction) -> None:
         return None
 
-    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[Outcome, str]]:
         return {}
 
     def on_stop(self, tx: Transaction, index: int) -> str | None:
@@ -198,27 +201,6 @@ def norm_subject(s: str) -> str:
         s = s[m.end():]
 
 
-SNAPSHOT_IDENT = f"dsadapt <dsadapt@localhost> {FIXED_DATE}"
-
-
-def files_commit(g: Git, files: dict[str, bytes]) -> str:
-    names = sorted(files, key=lambda x: x.encode("utf-8"))
-    body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(g.write_object("blob", files[n]))
-                    for n in names)
-    tree = g.write_object("tree", body)
-    msg = f"tree {tree}\nauthor {SNAPSHOT_IDENT}\ncommitter {SNAPSHOT_IDENT}\n\ndsadapt: stack files\n"
-    return g.write_object("commit", msg.encode("utf-8"))
-
-
-def flat_tree_id(files: dict[str, bytes]) -> str:
-    """The id git gives a tree of plain files (mode 100644) with these names and bytes."""
-    import hashlib
-
-    body = b"".join(b"100644 " + n.encode("utf-8") + b"\0" + bytes.fromhex(git_blob_id(files[n]))
-                    for n in sorted(files, key=lambda x: x.encode("utf-8")))
-    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
-
-
 def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -285,6 +267,12 @@ class Transaction:
         removing the lock files a killed git left behind."""
         tx = cls(co, co.load(), on_patch, progress)
         tx.clear_stale_locks()
+        co.repair(tx.state)  # a record rebuilt from git written, refs deleted or damaged by hand made again
+        tx.notes += co.notes
+        co.notes = []
+        for n in tx.notes:
+            if progress:
+                progress(n)
         return tx
 
     @property
@@ -312,7 +300,7 @@ class Transaction:
     def write(self) -> None:
         self.co.save(self.state)
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: Phase) -> None:
         self.op.phase = phase
         self.write()
 
@@ -367,7 +355,7 @@ class Transaction:
         if self.state.op is None:
             return self
         op = self.op
-        if op.kind in kinds and op.phase not in ("stopped", "abort", "legacy"):
+        if op.kind in kinds and op.phase not in WAITING:
             if self.progress:
                 self.progress(f"finishing the interrupted {op.kind} first")
             self.run()
@@ -378,7 +366,7 @@ class Transaction:
         return self  # pragma: no cover
 
     def _refuse_legacy(self) -> None:
-        if self.op.phase == "legacy":
+        if self.op.phase == Phase.LEGACY:
             raise WorkspaceError(f"{self.co.ref}: an apply recorded by an older dsadapt is in progress in {self.co.path}",
                                  hint=f"run `dsadapt abort {self.co.ref}`, then apply again")
 
@@ -386,22 +374,22 @@ class Transaction:
         """Drive the op from whatever phase it is in (also after a kill) to its end, or raise ConflictStop."""
         op = self.op
         self._refuse_legacy()
-        if op.phase == "abort":
+        if op.phase == Phase.ABORT:
             raise WorkspaceError(f"{self.co.ref}: an abort was interrupted",
                                  hint=f"run `dsadapt abort {self.co.ref}` to finish it")
-        if op.phase == "save":
+        if op.phase == Phase.SAVE:
             self._prepare_and_save()
-        if op.phase == "reset":
+        if op.phase == Phase.RESET:
             self._reset()
-        if op.phase == "stopped":
+        if op.phase == Phase.STOPPED:
             self._adopt_stop()
-        if op.phase == "stopped":
+        if op.phase == Phase.STOPPED:
             at = self._settle()
             self.report_new()
             if at is not None and at == op.stopped and self.co.am_in_progress():
                 raise self._conflict(at)
-            op.phase = "replay"
-        if op.phase in ("replay", "continue", "skip"):
+            op.phase = Phase.REPLAY
+        if op.phase in (Phase.REPLAY, Phase.CONTINUE, Phase.SKIP):
             self._replay()
         return self.kind.finish(self)  # recorded outcomes + git say it is done; finish is idempotent
 
@@ -409,23 +397,30 @@ class Transaction:
         op = self.op
         self.kind.prepare(self)
         g = self.git
-        existing = set() if self._fresh else {r for r, _ in g.refs("refs/dsadapt/")}
-        work = op.saves.get("work")
-        if work and work not in existing:
-            snap = work_snapshot(g)
-            g.update_ref(work, snapshot_commit(g, snap, f"dsadapt: uncommitted work before {op.kind} {op.ref}"),
-                         why=f"uncommitted work before {op.kind}")
-        branch = op.saves.get("branch")
-        if branch and branch not in existing and op.orig.branch_head:
-            g.update_ref(branch, op.orig.branch_head, why=f"{self.co.branch} before {op.kind}")
-        head = op.saves.get("head")  # a detached HEAD's own commits, which nothing else reaches
-        if head and head not in existing and op.orig.head:
-            g.update_ref(head, op.orig.head, why=f"detached HEAD before {op.kind}")
-        kept = op.saves.get("reflog")  # the user's commits only git's reflog still reaches
-        if kept and kept not in existing and op.extra.get("reflog"):
-            g.update_ref(kept, keeping_commit(g, op.extra["reflog"], "dsadapt: commits only the reflog held"),
-                         why=f"commits only the reflog held before {op.kind}")
-        self.set_phase("reset")
+        existing = {} if self._fresh else dict(g.refs(REFS))
+
+        def keep(ref: str | None, make: Callable[[], str], why: str) -> None:
+            if not ref:
+                return
+            if ref in existing:  # made by the run that died here
+                op.saved[ref] = existing[ref]
+                return
+            commit = make()
+            g.update_ref(ref, commit, why=why)
+            op.saved[ref] = commit
+
+        keep(op.saves.get("work"), lambda: snapshot_commit(g, work_snapshot(g), f"dsadapt: uncommitted work before "
+                                                                                 f"{op.kind} {op.ref}"),
+             f"uncommitted work before {op.kind}")
+        if op.orig.branch_head:
+            keep(op.saves.get("branch"), lambda: op.orig.branch_head or "", f"{self.co.branch} before {op.kind}")
+        if op.orig.head:  # a detached HEAD's own commits, which nothing else reaches
+            keep(op.saves.get("head"), lambda: op.orig.head or "", f"detached HEAD before {op.kind}")
+        if op.extra.get("reflog"):  # the user's commits only git's reflog still reaches
+            keep(op.saves.get("reflog"), lambda: keeping_commit(g, op.extra["reflog"], "dsadapt: commits only the "
+                                                                                          "reflog held"),
+                 f"commits only the reflog held before {op.kind}")
+        self.set_phase(Phase.RESET)
 
     def _reset(self) -> None:
         """Put the branch and the work tree on the base (what it holds is saved, see _prepare_and_save)."""
@@ -433,9 +428,13 @@ class Transaction:
         base = self.co.base()
         if self.co.am_in_progress():
             remove_tree(self.co.am_dir)
+        if self.co.layout.rebase_merge.is_dir():  # a rebase of the user's (apply --force saved it)
+            g.run("rebase", "--quit", check=False)
         if op.orig.dirty or (not self._fresh and g.is_dirty()):
-            g.run("reset", "-q", "--hard")
+            g.run("reset", "-q", "--hard")  # (also ends a merge, cherry-pick or revert of the user's)
             g.run("clean", "-fdq")
+        if (self.co.layout.git_dir / "BISECT_LOG").exists():
+            g.run("bisect", "reset", check=False)
         g.run("checkout", "-q", "-f", "-B", self.co.branch, base)
         self._new_am(base)
 
@@ -453,7 +452,7 @@ class Transaction:
             atomic_write_text(self.co.op_dir / name, mbox([texts[i - 1] for i in indices]))
         op.am = AmRun(start=start, indices=indices, mbox=name)
         op.stopped = None
-        op.phase = "replay"
+        op.phase = Phase.REPLAY
         self.write()
 
     # ------------------------------------------------------------ am and what it left
@@ -477,7 +476,7 @@ class Transaction:
         head = self.git.head_commit()
         commits = self.git.commits(f"{am.start}..HEAD") if head and head != am.start else []
         at_stop: list = []
-        if op.phase in ("stopped", "abort") and op.stopped and not am.resolution and am.head_at_stop \
+        if op.phase in (Phase.STOPPED, Phase.ABORT) and op.stopped and not am.resolution and am.head_at_stop \
                 and head != am.head_at_stop:
             ids = [c[0] for c in commits]
             cut = ids.index(am.head_at_stop) + 1 if am.head_at_stop in ids else (0 if am.head_at_stop == am.start else None)
@@ -552,13 +551,13 @@ class Transaction:
         op = self.op
         detail: str | None
         if idx == op.stopped:
-            outcome, detail = ("changed", "conflict resolved by the user (dsadapt continue)") if commit else \
-                ("skipped", "conflict; dropped by the user (dsadapt skip)")
+            outcome, detail = (Outcome.CHANGED, "conflict resolved by the user (dsadapt continue)") if commit else \
+                (Outcome.SKIPPED, "conflict; dropped by the user (dsadapt skip)")
         else:
             outcome, detail = self.kind.label(self, idx, commit, merged)
         self._decide(idx, outcome, commit, detail)
 
-    def _decide(self, idx: int, outcome: str, commit: str | None, detail: str | None = None) -> None:
+    def _decide(self, idx: int, outcome: Outcome, commit: str | None, detail: str | None = None) -> None:
         m = self.op.meta(idx)
         self.op.outcomes[idx] = PatchOutcome(idx, m.name, m.subject, outcome, commit)
         if detail is not None:
@@ -584,7 +583,9 @@ class Transaction:
             ref = self.co.next_backup_names(1)[0]
             op.saves["foreign"] = ref
             self.write()
-        self.git.update_ref(ref, self.git.head_commit() or foreign[-1][0], why="commits made during an op")
+        commit = self.git.head_commit() or foreign[-1][0]
+        self.git.update_ref(ref, commit, why="commits made during an op")
+        op.saved[ref] = commit
         return ref
 
     def _junk_paths(self, idx: int) -> set[str]:
@@ -620,7 +621,9 @@ class Transaction:
         g = self.git
         snap = snap or work_snapshot(g)
         ref = self.co.next_backup_names(1)[0]
-        g.update_ref(ref, snapshot_commit(g, snap, f"dsadapt: {why} ({self.op.kind} {self.op.ref})"), why=why)
+        commit = snapshot_commit(g, snap, f"dsadapt: {why} ({self.op.kind} {self.op.ref})")
+        g.update_ref(ref, commit, why=why)
+        self.op.saved[ref] = commit
         kept = [r for r in (self.op.saves.get("kept") or "").split(",") if r]
         self.op.saves["kept"] = ",".join([*kept, ref])
         self.write()
@@ -634,12 +637,12 @@ class Transaction:
         while True:
             am = op.am
             assert am is not None
-            if op.phase in ("continue", "skip"):
+            if op.phase in (Phase.CONTINUE, Phase.SKIP):
                 pos = self._am_pos()
                 if (pos is not None and am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
                         and self.git.head_commit() == (am.resolution or am.head_at_stop)):
                     # the interrupted `continue` / `skip` had not got past the stopped patch: do it again
-                    if op.phase == "continue" and not am.resolution:
+                    if op.phase == Phase.CONTINUE and not am.resolution:
                         rc, out = self._run_am("--continue")
                         done = self._after_am(rc, out, pos) is None
                     else:
@@ -648,12 +651,12 @@ class Transaction:
                     if done:
                         return
                     continue
-                op.phase = "replay"
+                op.phase = Phase.REPLAY
             at = self._settle()
             self.report_new()
             if at is None:
                 op.stopped = None
-                op.phase = "replay"
+                op.phase = Phase.REPLAY
                 self.write()
                 return
             if self.co.am_in_progress():  # am died (or was left behind) before `at` got an outcome
@@ -667,9 +670,9 @@ class Transaction:
                 self._new_am(head)
                 am = op.am
                 assert am is not None
-            elif op.phase != "replay" or op.stopped:
+            elif op.phase != Phase.REPLAY or op.stopped:
                 op.stopped = None
-                self.set_phase("replay")
+                self.set_phase(Phase.REPLAY)
             rc, out = self._run_am("-3", "--no-signoff", str(self.co.op_dir / am.mbox))
             if self._after_am(rc, out, 1) is None:
                 return
@@ -680,7 +683,7 @@ class Transaction:
         at = self._settle(_am_blocks(out), first_pos)
         self.report_new()
         if rc < 0 and at is not None:  # a signal stopped am (a file-size limit, the OOM killer): no stop of
-            op.phase = "replay"        # a patch, whatever its state looks like; it said nothing
+            op.phase = Phase.REPLAY        # a patch, whatever its state looks like; it said nothing
             self.write()
             what, fix = signal_words(rc)
             raise WorkspaceError(f"{self.co.ref}: git am was {what}",
@@ -699,11 +702,11 @@ class Transaction:
                 am.head_at_stop = self.git.head_commit()
                 am.resolution = None
                 am.stop_print = work_fingerprint(self.git)
-                op.phase = "stopped"
+                op.phase = Phase.STOPPED
                 self.write()
                 raise self._conflict(at)
-            self._decide(at, "upstream", None, detail)
-            op.phase = "replay"
+            self._decide(at, Outcome.UPSTREAM, None, detail)
+            op.phase = Phase.REPLAY
             self.write()
             self.report_new()
             rc, out = self._run_am("--skip")
@@ -711,14 +714,14 @@ class Transaction:
             self.report_new()
         if at is not None and not self.co.am_in_progress() and rc != 0 and not out.count("Applying: "):
             msg = [l for l in out.splitlines() if l.strip()]
-            op.phase = "replay"
+            op.phase = Phase.REPLAY
             self.write()
             raise WorkspaceError(f"{self.co.ref}: git am did not run: {msg[-1] if msg else rc}",
                                  hint=f"fix what git says, then `dsadapt continue {self.co.ref}` "
                                       f"(or `dsadapt abort {self.co.ref}`)")
         if at is None:
             op.stopped = None
-            op.phase = "replay"
+            op.phase = Phase.REPLAY
             self.write()
         return at
 
@@ -750,7 +753,7 @@ class Transaction:
         that reconciles it. Nothing changes while am still stands on the stopped patch."""
         op = self.op
         am = op.am
-        if op.phase != "stopped" or am is None or not op.stopped:
+        if op.phase != Phase.STOPPED or am is None or not op.stopped:
             return
         seen = stop_seen(self.co, op)
         if seen.how == "same":
@@ -763,7 +766,7 @@ class Transaction:
         later = [norm_subject(op.meta(i).subject) for i in am.indices[am.indices.index(op.stopped):]]
         if seen.after and not am.resolution and norm_subject(seen.after[0][1]) not in later:
             am.resolution = seen.after[0][0]  # the user's own commit for the stopped patch (any subject)
-        op.phase = "replay"
+        op.phase = Phase.REPLAY
         self.write()
         at = self._settle()
         self.report_new()
@@ -772,7 +775,7 @@ class Transaction:
             am.head_at_stop = self.git.head_commit()
             am.stop_print = None  # not seen by dsadapt: whatever is dirty is kept before skip or abort
             am.resolution = None
-            op.phase = "stopped"
+            op.phase = Phase.STOPPED
             self.write()
             self.notes.append(f"took what you did with git am in {self.co.path} (stopped on {op.meta(at).name})")
         else:
@@ -783,7 +786,7 @@ class Transaction:
     def _at_stop(self) -> bool:
         """True while am still stands on the stopped patch (nothing committed it yet)."""
         op = self.op
-        if op.phase != "stopped" or op.am is None or not op.stopped:
+        if op.phase != Phase.STOPPED or op.am is None or not op.stopped:
             return False
         pos = self._am_pos()
         return pos is not None and op.am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
@@ -802,7 +805,7 @@ class Transaction:
                 # the user committed the resolution by hand: that commit is the patch's new form
                 self._save_beyond_stop()
                 am.resolution = head
-                op.phase = "skip"
+                op.phase = Phase.SKIP
                 self.write()
                 rc, out = self._run_am("--skip")
                 self._after_am(rc, out, pos + 1)
@@ -811,10 +814,10 @@ class Transaction:
             if unresolved:
                 raise ConflictStop(f"{self.co.ref}: still unresolved: {', '.join(unresolved)}",
                                    hint=f"edit them, `git add` them in {self.co.path}, then `dsadapt continue {self.co.ref}`")
-            self.set_phase("continue")
+            self.set_phase(Phase.CONTINUE)
             rc, out = self._run_am("--continue")
             if rc != 0 and self._am_pos() == pos and self.git.head_commit() == am.head_at_stop:
-                self.set_phase("stopped")
+                self.set_phase(Phase.STOPPED)
                 msg = [l for l in out.strip().splitlines() if l.strip() and not l.startswith("hint:")]
                 raise ConflictStop(f"{self.co.ref}: git am --continue: {msg[0] if msg else rc}",
                                    hint=f"`git add` the resolved files in {self.co.path}, or `dsadapt skip {self.co.ref}` "
@@ -842,11 +845,11 @@ class Transaction:
             pos = self._am_pos()
             assert pos is not None
             self._save_beyond_stop()
-            self.set_phase("skip")
+            self.set_phase(Phase.SKIP)
             rc, out = self._run_am("--skip")
             self._after_am(rc, out, pos + 1)
             return self.run()
-        if op.phase == "skip":
+        if op.phase == Phase.SKIP:
             return self.run()
         raise WorkspaceError(f"{self.co.ref}: not stopped on a patch", hint=f"run `dsadapt continue {self.co.ref}`")
 
@@ -904,9 +907,9 @@ class Transaction:
         """Back to the recorded starting point: branch, HEAD, work tree (including uncommitted and
         untracked work). Returns notes (backup refs kept for work made during the op)."""
         op, g = self.op, self.git
-        if op.phase != "abort":
+        if op.phase != Phase.ABORT:
             op.abort_from = op.phase
-            op.phase = "abort"
+            op.phase = Phase.ABORT
             self.write()
         touched = getattr(self.kind, "touches_checkout", True) and op.abort_from != "save"
         if not op.abort_saved:
@@ -932,12 +935,12 @@ class Transaction:
         self.kind.undo(self)
         # backups that are now redundant: everything they hold is back in place
         if op.saves.get("work") and not op.saves.get("keep_work") and touched or op.saves.get("work") and not touched:
-            g.delete_ref(op.saves["work"])
+            self._drop_backup(op.saves["work"])
         branch = op.saves.get("branch")
         if branch and g.rev(self.co.branch_ref) == g.rev(branch):
-            g.delete_ref(branch)
+            self._drop_backup(branch)
         if op.saves.get("head") and g.rev("HEAD") == g.rev(op.saves["head"]):
-            g.delete_ref(op.saves["head"])  # HEAD holds them again, as before the op
+            self._drop_backup(op.saves["head"])  # HEAD holds them again, as before the op
         if op.saves.get("reflog") and g.rev(op.saves["reflog"]):  # kept: a reflog is no place for work
             self.notes.append(f"your commits that only git's reflog held stay kept in {op.saves['reflog']}")
         if op.orig.stack_ref:
@@ -945,11 +948,16 @@ class Transaction:
                 g.update_ref(STACK_REF, op.orig.stack_ref)
         elif g.rev(STACK_REF):
             g.delete_ref(STACK_REF)
-        kept = [r for r in (op.saves.get("kept") or "").split(",") + [op.saves.get("foreign") or ""] if r]
-        for r in kept:
-            self.notes.append(f"work made during the {self.kind.verb} is kept in {r}")
+        kept = [k for k in (op.saves.get("kept") or "").split(",") + [op.saves.get("foreign") or ""] if k]
+        for k in kept:
+            self.notes.append(f"work made during the {self.kind.verb} is kept in {k}")
         self.close(None)
         return self.notes
+
+    def _drop_backup(self, ref: str) -> None:
+        """A backup whose content is back in place: no longer kept (nor made again by `repair`)."""
+        self.git.delete_ref(ref)
+        self.op.saved.pop(ref, None)
 
     def _save_for_abort(self) -> None:
         """Keep what the user made during the op before the work tree goes back."""
@@ -962,9 +970,9 @@ class Transaction:
         if not dirty:
             return
         src = op.abort_from
-        if src == "reset":
+        if src == Phase.RESET:
             return  # a half-done reset of ours; the user's work is in saves["work"]
-        if src in ("stopped", "continue", "skip") and op.am is not None and g.rev("HEAD") == op.am.head_at_stop:
+        if src in (Phase.STOPPED, Phase.CONTINUE, Phase.SKIP) and op.am is not None and g.rev("HEAD") == op.am.head_at_stop:
             self._save_beyond_stop()
             return
         pos = self._am_pos()
@@ -1065,17 +1073,17 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
     verb = kind.verb if kind is not None else op.kind
     if running:
         return "running", f"a dsadapt {verb} is running now ({done}/{plural(op.total, 'patch')} done)", None
-    if op.phase == "legacy":
+    if op.phase == Phase.LEGACY:
         return "interrupted", (f"an {verb} recorded by an older dsadapt is in progress; run `dsadapt abort {ref}`, "
                                "then apply again"), f"dsadapt abort {ref}"
-    if op.phase == "abort":
+    if op.phase == Phase.ABORT:
         return "interrupted", f"an abort of the {verb} was interrupted; run `dsadapt abort {ref}` to finish it", \
             f"dsadapt abort {ref}"
     own = kind.describe(co, op) if kind is not None else None
     if own is not None:
         return own
     name = op.meta(op.stopped).name if op.stopped and op.stopped <= op.total else None
-    if op.phase == "stopped" and name and op.am is not None:
+    if op.phase == Phase.STOPPED and name and op.am is not None:
         seen = stop_seen(co, op)
         if seen.how in ("rewound", "ended"):
             return "interrupted", (f"{seen.words(co, op)}; run `dsadapt abort {ref}` to go back to where the {verb} "
@@ -1087,20 +1095,20 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
         if seen.how == "done":
             return "interrupted", (f"{seen.words(co, op)}; run `dsadapt continue {ref}` to record it (or "
                                    f"`dsadapt abort {ref}` to undo the whole {verb})"), f"dsadapt continue {ref}"
-    if op.phase == "stopped" and name:
+    if op.phase == Phase.STOPPED and name:
         return "stopped", (f"{done}/{plural(op.total, 'patch')} done; stopped on a conflict in {name}: resolve, `git add`, "
                            f"then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / `dsadapt abort {ref}`)"), \
             f"dsadapt continue {ref}"
     where = "between patches"
-    if op.phase in ("continue", "skip") and name:
+    if op.phase in (Phase.CONTINUE, Phase.SKIP) and name:
         where = f"during `dsadapt {op.phase}` of {name}"
     elif co.am_in_progress() and op.am is not None:
         cur = _read_int(co.am_dir / "next")
         if cur is not None and 1 <= cur <= len(op.am.indices):
             where = f"while applying {op.meta(op.am.indices[cur - 1]).name}"
-    elif op.phase in ("save", "reset"):
+    elif op.phase in (Phase.SAVE, Phase.RESET):
         where = "before the first patch"
-    elif op.phase == "finish":
+    elif op.phase == Phase.FINISH:
         where = "while writing its results"
     legacy = " (recorded by an older dsadapt)" if op.schema < SCHEMA else ""
     return "interrupted", (f"{verb}{legacy} interrupted {where} ({done}/{plural(op.total, 'patch')} done); "

@@ -229,3 +229,26 @@ def _compile(cfg: Config, g: Git, stack: Stack, blobs_of: dict[str, str], res: V
     res.compiled_now = len(good) + len(bad)
     res.compile_s = round(time.perf_counter() - t0, 3)
     _remember(cache, known, sorted(good))
+
+
+def verify_pins(cfg: Config, lock: Lock, refs: list[PinRef], *, fetch: bool = False,
+                progress=None) -> list[VerifyResult]:
+    """Each pin's stack verified (`verify_stack`) where its pinned tree is here (a checkout exists)
+    or may be fetched (`fetch`); the others linted only and marked `unverifiable` (never ok). A
+    stack that does not even parse is its own result (the error as its problem)."""
+    from patcher.formats.stackfiles import lint_stack, load_stack
+
+    results = []
+    for ref in refs:
+        if fetch or (cfg.checkout_dir(ref.engine, ref.tag) / ".git").exists():
+            results.append(verify_stack(cfg, lock, ref, progress))
+            continue
+        try:  # lint only: the pinned tree is not here, and fetching it is what --fetch is for
+            stack = load_stack(cfg.patches_root, ref)
+            res = VerifyResult(str(ref), len(stack), lint_stack(stack))
+        except Exception as broken:  # noqa: BLE001 - a broken stack is its result
+            res = VerifyResult(str(ref), 0, [getattr(broken, "message", str(broken))])
+        res.unverifiable = (f"no checkout of its pinned tree here (`dsadapt verify {ref}` or `dsadapt verify "
+                            "--fetch` fetches it)")
+        results.append(res)
+    return results

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from patcher.base import leftovers
 from patcher.base.config import Config
+from patcher.base.dotgit import BASE_REF
 from patcher.base.errors import (
     DsadaptError,
     LockError,
@@ -156,7 +157,7 @@ def _import_commit(checkout: Git, cache: Git, commit: str, tag: str) -> None:
     # --update-shallow: the cache may be shallow (pin fetches --depth 1); without it the checkout
     # gets the commit but not the shallow marker, and every walk past it fails (log, range-diff).
     checkout.run("fetch", "-q", "--no-tags", "--update-shallow", str(cache.path),
-                 f"+refs/dsadapt/fetched/{tag}:refs/dsadapt/base")
+                 f"+refs/dsadapt/fetched/{tag}:{BASE_REF}")
     if not checkout.rev(commit):
         raise MachineError(f"commit {commit[:12]} did not arrive in the checkout", hint="retry; the cache may be damaged")
 
@@ -196,19 +197,13 @@ def _pip_download(art: Artifact, version: str, dest: Path, progress=None) -> Non
         args += ["--no-binary=:all:", "--no-build-isolation"]
     args.append(f"{art.dist}=={version}")
     args = [a for a in args if a != "-q"] + ["--progress-bar", "off"]
-    note = getattr(progress, "note", None)
-    last: list[str] = []
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    assert proc.stdout is not None
-    for line in proc.stdout:  # what the download is waiting on, for the progress display
-        line = line.strip()
-        if line and not line.startswith("WARNING: "):
-            last.append(line)
-            del last[:-3]
-            if note:
-                note(f"pip: {line}")
-    if proc.wait() != 0:
-        raise Unreachable(f"pip download {art.dist}=={version} failed: {last[-1] if last else proc.returncode}")
+    from patcher.base.procs import OutputTail, run_logged
+
+    tail = OutputTail(progress, "pip: ", quiet=("WARNING: ",))
+    with open(os.devnull, "w") as log:  # what the download is waiting on goes to the progress display only
+        rc = run_logged(args, log, None, on_line=tail).returncode
+    if rc != 0:
+        raise Unreachable(f"pip download {art.dist}=={version} failed: {tail.last or rc}")
 
 
 def fetch_artifact(cfg: Config, entry: LockEntry, art: Artifact, progress=None) -> Path:

@@ -185,7 +185,7 @@ def test_ensure_env_installs_the_lock_with_require_hashes_then_the_wheel_without
 
     monkeypatch.setenv("DSADAPT_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
     calls, wheel = _fake_env(tmp_path, monkeypatch, torch_version, cpu_served=build == "cpu")
-    reused, _ = venvs.ensure_env(tmp_path / "env", wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")
+    reused, _ = venvs.ensure_env(tmp_path / "env", venvs.EnvContents(wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu"))
     lock = envlocks.lock_path("vllm-v0.32.0-cpu", "3.11")
     idx = ("--extra-index-url", "https://download.pytorch.org/whl/cpu")
     env = tmp_path / "env"
@@ -206,7 +206,7 @@ def test_ensure_env_installs_the_lock_with_require_hashes_then_the_wheel_without
     assert marker["deps_lock"] == envlocks.file_digest(lock) and marker["sha256"] == "ab" * 32
     assert marker["torch_build"] == build
     # the same build again: reused
-    assert venvs.ensure_env(env, wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu")[0]
+    assert venvs.ensure_env(env, venvs.EnvContents(wheel, "ab" * 32, lock_name="vllm-v0.32.0-cpu"))[0]
 
 
 def test_a_lock_without_a_torch_choice_is_installed_whole(tmp_path, monkeypatch):
@@ -214,7 +214,7 @@ def test_a_lock_without_a_torch_choice_is_installed_whole(tmp_path, monkeypatch)
 
     monkeypatch.delenv("DSADAPT_TORCH_INDEX", raising=False)
     calls, wheel = _fake_env(tmp_path, monkeypatch, "2.13.0")
-    venvs.ensure_env(tmp_path / "env", wheel, "ab" * 32, lock_name="vllm-v0.32.0-cuda")
+    venvs.ensure_env(tmp_path / "env", venvs.EnvContents(wheel, "ab" * 32, lock_name="vllm-v0.32.0-cuda"))
     lock = str(envlocks.lock_path("vllm-v0.32.0-cuda", "3.11"))
     assert calls[0] == ("install", "--require-hashes", "--no-deps", "-r", lock)
     assert venvs.installed_marker(tmp_path / "env")["torch_build"] is None

@@ -19,12 +19,12 @@ PARENT = """
 import sys
 from pathlib import Path
 from patcher.cli import main as cli
-from patcher.runners.launch import RunnerSpec, run_runner
+from patcher.runners.launch import RunnerSpec, RunnerJob, run_runner
 
 cli._terminate_like_interrupt()
 try:
-    run_runner(RunnerSpec("sleeper", Path(sys.argv[1])), Path(sys.executable), Path("."), [], "float32", 1, 1,
-               Path(sys.argv[2]))
+    run_runner(RunnerSpec("sleeper", Path(sys.argv[1])), Path(sys.executable),
+               RunnerJob(Path("."), [], "float32", 1, 1, Path(sys.argv[2])))
 except KeyboardInterrupt:
     sys.exit(130)
 """

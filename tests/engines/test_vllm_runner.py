@@ -16,7 +16,7 @@ from equivalence_helpers import make_tiny
 from patcher.engines.registry import engine
 from patcher.rules.logits import compare, explain
 from patcher.rules.prompts import build_prompt_set
-from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
+from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerJob, run_runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -34,10 +34,10 @@ def vllm_python() -> Path:
 
 def gate(model: Path, vllm_python: Path, out: Path):
     prompts = build_prompt_set(model, max_tokens=MAX_TOKENS)
-    ref = run_runner(REFERENCE_RUNNER, Path(sys.executable), model, prompts, "float32", REFERENCE_TOP_K,
-                     MAX_TOKENS, out / "ref.json")
-    eng = run_runner(engine("vllm").runner, vllm_python, model, prompts, "float32", TOP_K, MAX_TOKENS,
-                     out / "vllm.json", timeout=600)
+    ref = run_runner(REFERENCE_RUNNER, Path(sys.executable),
+                     RunnerJob(model, prompts, "float32", REFERENCE_TOP_K, MAX_TOKENS, out / "ref.json"))
+    eng = run_runner(engine("vllm").runner, vllm_python,
+                     RunnerJob(model, prompts, "float32", TOP_K, MAX_TOKENS, out / "vllm.json"), timeout=600)
     return ref, eng
 
 

@@ -14,6 +14,7 @@ from test_check_cli import PIN, Proj, failing_engine, model_dir, needs_cpu_only,
 from patcher.engines.base import EngineEnv
 from patcher.engines.registry import engine
 from patcher.gate import equivalence as check_mod
+from patcher.gate import plan as plan_mod
 from patcher.runners.launch import RunnerSpec
 
 
@@ -61,9 +62,9 @@ def test_check_dtypes_follow_the_engines_runner(proj):
     from patcher.formats.lock import load_lock
 
     lock = load_lock(proj.root / "upstream.lock")
-    assert check_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
-    assert check_mod.check_dtypes(lock, "lmdeploy@v0.18.0") == ("bfloat16", "float16")  # no float32 path
-    assert check_mod.check_dtypes(lock, "triton@r26.01") == ("float32", "bfloat16", "float16")
+    assert plan_mod.check_dtypes(lock, "vllm@v0.32.0") == ("float32", "bfloat16", "float16")
+    assert plan_mod.check_dtypes(lock, "lmdeploy@v0.18.0") == ("bfloat16", "float16")  # no float32 path
+    assert plan_mod.check_dtypes(lock, "triton@r26.01") == ("float32", "bfloat16", "float16")
 
 
 @needs_cpu_only
@@ -173,10 +174,10 @@ def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path,
     longer fits the table): the low-precision check fails with that reason; nothing passes silently."""
     from patcher.rules.logits import Comparison, LogitReport
 
-    def fake_runner(spec, py, model, prompts, dtype, top_k, max_tokens, out, **kw):
-        Path(out).write_text(json.dumps({"settings": {"capture_error": "CaptureError: no forward call matches"}}))
-        return LogitReport(runner="vllm", engine="vllm", engine_version="0.32.0", dtype=dtype, top_k=top_k,
-                           max_tokens=max_tokens, prompts=[])
+    def fake_runner(spec, py, job, **kw):
+        Path(job.out).write_text(json.dumps({"settings": {"capture_error": "CaptureError: no forward call matches"}}))
+        return LogitReport(runner="vllm", engine="vllm", engine_version="0.32.0", dtype=job.dtype, top_k=job.top_k,
+                           max_tokens=job.max_tokens, prompts=[])
 
     passing = Comparison(rule="low-precision", reference={}, engine={"dtype": "bfloat16"}, top_k=5, tolerance=None,
                          thresholds={}, rows=[], passed=True, reasons=[],
@@ -185,8 +186,10 @@ def test_a_capture_that_failed_is_a_reason_not_a_pass(proj, model_dir, tmp_path,
 
     monkeypatch.setattr(RunHost, "environment", lambda *a, **k: EngineEnv(Path(sys.executable), tmp_path, "x.whl",
                                                                           "0" * 64))
-    monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: fake_runner(None, None, None, None, "float32", 20,
-                                                                                 16, tmp_path / "ref.json"))
+    from patcher.runners.launch import RunnerJob
+
+    monkeypatch.setattr(check_mod, "run_reference", lambda *a, **k: fake_runner(
+        None, None, RunnerJob(Path(), [], "float32", 20, 16, tmp_path / "ref.json")))
     monkeypatch.setattr(check_mod, "run_runner", fake_runner)
     monkeypatch.setattr(check_mod, "compare", lambda *a, **k: passing)
     rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "bfloat16", "--json")

@@ -257,6 +257,21 @@ def test_lmdeploy_pin_exits_6(proj):
     assert "needs a CUDA GPU" in err
 
 
+@pytest.mark.parametrize("command", ["check", "bisect"])
+def test_a_pin_whose_tree_no_source_provides_is_one_line_first(proj, command):
+    """triton@r26.01's tree comes from git only (no release artifact); with PyPI as the only source
+    and no mirror, `check` and `bisect` say so in one line before any work: no model made, no
+    reference run, nothing in the work dir."""
+    work = Path(proj.env["DSADAPT_WORKDIR"])
+    rc, out, err = proj.run(command, "triton@r26.01", "--model", "v3")
+    assert rc == 6, err
+    assert err.startswith("error: triton@r26.01 cannot be checked here: no source here for its tree") and \
+        "(pypi: no release artifact in the lock)" in err, err
+    assert err.count("error:") == 1 and "hint: configure a mirror (DSADAPT_MIRRORS)" in err
+    assert out == ""
+    assert not work.exists() or not any(p.is_file() and p.name != "lock" for p in work.rglob("*"))
+
+
 @needs_cpu_only
 def test_check_all_with_nothing_runnable_exits_6(proj):
     proj.drop_pins("vllm@v0.32.0", "triton@r26.01")
@@ -325,10 +340,13 @@ def test_a_check_without_config_style_uses_the_engines_own(proj, monkeypatch):
         raise KeyboardInterrupt  # stop before anything runs
 
     monkeypatch.setattr(check_mod, "resolve_model", fake_resolve)
+    from patcher.gate.plan import CheckRequest, plan_check
+
     for asked in (None, "transformers"):
         with pytest.raises(KeyboardInterrupt):
-            check_mod.run_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
-                                check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
+            plan = plan_check(proj.cfg, load_lock(proj.root / "upstream.lock"),
+                              CheckRequest(PinRef("vllm", "v0.32.0"), config_style=asked))
+            check_mod.run_check(plan, "float32")
     assert seen == ["deepseek", "transformers"]
 
 

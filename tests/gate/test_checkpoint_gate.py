@@ -76,7 +76,7 @@ def test_dtypes_of_a_checkpoint():
 
     from patcher.formats.lock import load_lock
     from patcher.formats.pinref import parse_pinref
-    from patcher.gate.equivalence import check_dtypes
+    from patcher.gate.plan import check_dtypes
 
     lock = load_lock(REPO_ROOT / "upstream.lock")
     fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}

@@ -229,7 +229,7 @@ def assert_fail(run: Run) -> dict:
 
 
 def test_unpatched_vllm_cannot_load_transformers_style_v3(gate):
-    run = gate.equivalence("v3", "transformers", unpatched=True)
+    run = gate.check("v3", "transformers", unpatched=True)
     rep = assert_fail(run)
     assert rep["unpatched"] is True and rep["provenance"]["patches"] == []
     assert rep["provenance"]["installed"]["venv"].endswith("vllm-v0.32.0-cpu-unpatched")
@@ -244,7 +244,7 @@ def test_unpatched_vllm_cannot_load_transformers_style_v3(gate):
 
 
 def test_unpatched_vllm_passes_deepseek_style_v3(gate):
-    rep = assert_pass(gate.equivalence("v3", "deepseek", unpatched=True))
+    rep = assert_pass(gate.check("v3", "deepseek", unpatched=True))
     assert rep["unpatched"] is True and rep["provenance"]["stack_hash"] is None
 
 
@@ -253,7 +253,7 @@ def test_unpatched_vllm_passes_deepseek_style_v3(gate):
 
 def test_check_vllm_transformers_style_v3(gate):
     """The stack's reason to exist: save_pretrained's V3 config.json loads and matches HF."""
-    rep = assert_pass(gate.equivalence("v3", "transformers"))
+    rep = assert_pass(gate.check("v3", "transformers"))
     prov = rep["provenance"]
     assert rep["unpatched"] is False and prov["patches"] == sorted(
         p.name for p in (gate.root / "patches" / "vllm" / "v0.32.0").glob("*.patch"))
@@ -297,7 +297,7 @@ def assert_bisect_clean(run: Run, rule: str = "strict") -> dict:
 
 
 def test_check_vllm_v2_lite(gate):
-    assert_pass(gate.equivalence("v2-lite", "transformers"))
+    assert_pass(gate.check("v2-lite", "transformers"))
 
 
 def test_bisect_vllm_v2_lite_deepseek_style(gate):
@@ -309,14 +309,14 @@ def test_bisect_vllm_v2_lite_deepseek_style(gate):
 def test_check_vllm_v2_group_limited_routing(gate):
     """Full DeepSeek-V2 routing (group_limited_greedy, routed_scaling_factor 16): vLLM 0.32 agrees
     with HF (the path LMDeploy 0.18.0 got wrong; docs/engines/lmdeploy.md)."""
-    assert_pass(gate.equivalence("v2", "transformers"))
+    assert_pass(gate.check("v2", "transformers"))
 
 
 # ---------------------------------------------------------------- 4. bfloat16
 
 
 def test_check_vllm_bfloat16_low_precision_rule(gate):
-    rep = assert_pass(gate.equivalence("v3", "transformers", "bfloat16"), rule="low-precision")
+    rep = assert_pass(gate.check("v3", "transformers", "bfloat16"), rule="low-precision")
     c = rep["comparison"]
     assert rep["dtype"] == "bfloat16" and c["tolerance"] is None
     th, s = c["thresholds"], c["summary"]
@@ -355,7 +355,7 @@ def assert_low_precision_modules_clean(rep: dict) -> None:
 def test_check_vllm_float16_low_precision_rule(gate):
     """float16 runs code no other dtype runs (vLLM scales the residual stream by 1/routed_scaling_factor
     against overflow); the bisect table undoes that scale, so a correct stack is clean per module."""
-    rep = assert_pass(gate.equivalence("v3", "transformers", "float16"), rule="low-precision")
+    rep = assert_pass(gate.check("v3", "transformers", "float16"), rule="low-precision")
     assert_low_precision_modules_clean(rep)
 
 
@@ -363,7 +363,7 @@ def test_check_vllm_v2_float16_norm_eps(gate):
     """The stack's patch 0002: vLLM's float16 overflow scaling divides the residual stream by
     routed_scaling_factor (16 in V2) and so multiplied the norms' eps by 256 (layer 0 post norm
     11x HF's own float16 error without it); with the patch every module is within noise."""
-    rep = assert_pass(gate.equivalence("v2", "transformers", "float16"), rule="low-precision")
+    rep = assert_pass(gate.check("v2", "transformers", "float16"), rule="low-precision")
     assert any("keep-RMSNorm-s-eps" in p for p in rep["provenance"]["patches"])
     assert_low_precision_modules_clean(rep)
     doc = json.loads(Path(rep["bisect"]["report_path"]).read_text())
@@ -394,7 +394,7 @@ def test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection(gate, t
                                                        "post_norm", "router.logits"))]
     assert len(upstream) == 22 and all(p["status"] == "ok" for p in upstream), upstream
     assert any("scoring_func" in ln for ln in doc["explanation"])
-    assert run.report["verdict"] == "fail" and "leaves the reference at layer 1" in run.out + run.err
+    assert run.report["verdict"] == "fail" and "first divergence at layer 1" in run.out + run.err
 
 
 # ---------------------------------------------------------------- 5. sensitivity: planted bugs
@@ -423,7 +423,7 @@ def test_planted_bug_fails_the_gate(gate, bug_base, bug):
     n_stack = len(list((REPO_ROOT / "patches" / "vllm" / "v0.32.0").glob("*.patch")))
     assert re.search(rf"^{n_stack + 1:04d}-Plant-a-bug", series, re.M), series
 
-    res = gate.equivalence(model, "transformers", "float32", "--explain", "--bisect", fresh=True)
+    res = gate.check(model, "transformers", "float32", "--explain", "--bisect", fresh=True)
     rep = assert_fail(res)
     patches = rep["provenance"]["patches"]
     assert len(patches) == n_stack + 1 and patches[-1].startswith(f"{n_stack + 1:04d}-Plant-a-bug"), patches
@@ -489,7 +489,7 @@ def test_planted_bug_fails_each_low_precision_dtype_in_its_phase(gate, bug_base,
     plant(co, bug)
     git(co, "commit", "-q", "-am", f"Plant a bug: {bug}\n\nUpstream-Status: Inappropriate [test]")
     assert gate.cli("refresh", PIN).rc == 0
-    run = gate.equivalence(model, "transformers", dtype, fresh=True)
+    run = gate.check(model, "transformers", dtype, fresh=True)
     assert run.rc == 1, run
     rep = run.report
     assert rep["verdict"] == "fail" and rep["dtype"] == dtype
@@ -512,8 +512,8 @@ def test_planted_bug_fails_each_low_precision_dtype_in_its_phase(gate, bug_base,
 def test_correct_stack_reruns_with_the_same_verdict(gate):
     """The shared venv gets the correct build back, and the gate says what it said before."""
     gate.restore_stack()
-    first = gate.equivalence("v3", "transformers")
-    again = gate.equivalence("v3", "transformers", fresh=True)
+    first = gate.check("v3", "transformers")
+    again = gate.check("v3", "transformers", fresh=True)
     rep1, rep2 = assert_pass(first), assert_pass(again)
     assert rep2["provenance"]["stack_hash"] == rep1["provenance"]["stack_hash"]
     assert rep2["provenance"]["installed"]["sha256"] == rep1["provenance"]["installed"]["sha256"]
@@ -570,5 +570,5 @@ def test_check_all_counts_only_pins_that_ran(gate):
     assert by_pin["triton@r24.08"]["verdict"] == "not run" and by_pin["triton@r24.08"]["reason"]
     # the --all run is the second rerun of the correct stack: same verdict, same numbers
     rep = json.loads(gate.report_path("v3", "transformers").read_text())
-    same_numbers(gate.equivalence("v3", "transformers").report, rep, TOL / 10)
+    same_numbers(gate.check("v3", "transformers").report, rep, TOL / 10)
 

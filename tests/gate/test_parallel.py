@@ -26,6 +26,7 @@ from patcher.engines.registry import engine
 from patcher.formats.lock import load_lock
 from patcher.formats.pinref import PinRef
 from patcher.gate import equivalence as check_mod
+from patcher.gate import plan as plan_mod
 
 torch = pytest.importorskip("torch")
 
@@ -72,7 +73,7 @@ def test_reports_of_each_configuration_have_their_own_name(proj):  # noqa: F811
              for s in ("transformers", "deepseek") for d in ("float32", "bfloat16") for u in (False, True)
              for p in (SINGLE, Parallel(2), Parallel(2, True), Parallel(4))}
     assert len(names) == 2 * 2 * 2 * 4
-    req = check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
+    req = plan_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
     assert req.parallel == Parallel(2) and "--tp 2" in req.default_command("deepseek")
 
 
@@ -81,14 +82,14 @@ def test_the_model_must_split_over_the_ranks():
 
     for v in VARIANTS:  # every built-in model splits over 2 ranks, with and without expert parallelism
         c = deepseek_config(v)
-        assert check_mod.parallel_fits(c, Parallel(2)) is None and check_mod.parallel_fits(c, Parallel(2, True)) is None
+        assert plan_mod.parallel_fits(c, Parallel(2)) is None and plan_mod.parallel_fits(c, Parallel(2, True)) is None
         assert c["num_attention_heads"] % 2 == 0 and c["n_routed_experts"] % 2 == 0
         assert c["moe_intermediate_size"] % 2 == 0 and c["n_group"] in (1, 2, 4)
     v3 = deepseek_config("v3")
-    assert "attention heads (num_attention_heads = 8)" in check_mod.parallel_fits(v3, Parallel(3))
-    assert check_mod.parallel_fits({**v3, "n_routed_experts": 6}, Parallel(4, True)).startswith("its routed experts")
-    assert check_mod.parallel_fits({**v3, "n_group": 3}, Parallel(2, True)).startswith("its expert groups")
-    assert check_mod.parallel_fits(v3, SINGLE) is None
+    assert "attention heads (num_attention_heads = 8)" in plan_mod.parallel_fits(v3, Parallel(3))
+    assert plan_mod.parallel_fits({**v3, "n_routed_experts": 6}, Parallel(4, True)).startswith("its routed experts")
+    assert plan_mod.parallel_fits({**v3, "n_group": 3}, Parallel(2, True)).startswith("its expert groups")
+    assert plan_mod.parallel_fits(v3, SINGLE) is None
 
 
 # ---------------------------------------------------------------- the contract: what runs where
@@ -187,14 +188,14 @@ def test_ci_matrix_cells_carry_the_parallel_configurations(proj):  # noqa: F811
 
 
 def test_a_runner_that_ignores_the_parallel_options_is_refused():
-    req = check_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
+    req = plan_mod.CheckRequest(PinRef("vllm", "v0.32.0"), tp=2)
     with pytest.raises(DsadaptError) as e:
         check_mod._check_parallel(req, {"enforce_eager": True})  # no settings.parallel: it ran one process
     assert "asked for TP 2, the engine's runner ran one process" in e.value.message
     check_mod._check_parallel(req, {"parallel": {"tp": 2, "ep": False}})
-    check_mod._check_parallel(check_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {})
+    check_mod._check_parallel(plan_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {})
     with pytest.raises(DsadaptError):
-        check_mod._check_parallel(check_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {"parallel": {"tp": 2}})
+        check_mod._check_parallel(plan_mod.CheckRequest(PinRef("vllm", "v0.32.0")), {"parallel": {"tp": 2}})
 
 
 # ---------------------------------------------------------------- the runners' parallel paths
@@ -404,7 +405,7 @@ def test_a_rank_dependent_shard_is_named_with_its_rank():
     bad = change(ranks_of(ref), 1, 0, "attn.core", lambda v: v.roll(1, dims=1))  # rank 1's heads shifted
     res = compare_captures(bad, ref, CONFIG, "float32", engine_table=VLLM_TABLE)
     assert not res.passed and (res.first.layer, res.first.point, res.first.rank) == (0, "attn.core", 1)
-    assert "on rank 1 of 2" in res.reasons[0]
+    assert "on rank 1" in res.reasons[0]
     assert any("only rank 1's share leaves the reference" in ln and "rank-dependent split" in ln for ln in res.explanation)
     # rank 0's own comparison of that point is clean: it is not compared with a full tensor
     ok = compare_captures(change(ranks_of(ref), 1, 0, "attn.core", lambda v: v), ref, CONFIG, "float32",
@@ -465,18 +466,27 @@ def test_list_shows_what_each_variant_offers_in_parallel(proj):  # noqa: F811
 
 def test_a_failed_check_names_where_its_modules_leave_the_reference():
     from patcher.base.errors import CheckFailed
+    from patcher.gate import result as result_mod
+    from patcher.rules.divergence import FirstDivergence, ModuleVerdict
 
-    res = check_mod.CheckResult(
+    q_rope = FirstDivergence(layer=0, point="q_rope", label="q_rope", family="attention",
+                             module="model.layers.0.self_attn", rank=1, layout="sharded")
+    res = result_mod.CheckResult(
         pin=PIN, engine="vllm", variant="cpu", model="v3", config_style="transformers", dtype="float32",
         unpatched=False, verdict="fail", reasons=["short: max |Δ| 1.4"], explanation=[], report_path="r.json",
         plot_path=None, provenance={}, timings={}, parallel=Parallel(2).to_json(),
-        bisect={"report_path": "b.json", "first": {"layer": 0, "label": "q_rope", "family": "attention", "rank": 1,
-                                                    "layout": "sharded"}})
+        bisect=ModuleVerdict(passed=False, rule="strict", dtype="float32", report_path="b.json", first=q_rope))
     with pytest.raises(CheckFailed) as e:
-        check_mod.check_or_raise(res)
-    assert "failed the equivalence gate at tp2 (first divergence: layer 0 q_rope on rank 1, attention)" in e.value.message
-    res.bisect["first"] = {"layer": 1, "label": "routed", "family": "moe", "rank": None, "layout": "partial"}
+        result_mod.check_or_raise(res)
+    assert ("failed the equivalence gate at tp2 (first divergence at layer 0 q_rope on rank 1 — "
+            "model.layers.0.self_attn; attention)") in e.value.message
+    assert res.bisect is not None
+    res.bisect.first = FirstDivergence(layer=1, point="routed", label="routed", family="moe",
+                                       module="model.layers.1.mlp.experts", layout="partial")
     res.parallel = SINGLE.to_json()
-    assert check_mod.failure_where(res) == " (first divergence: layer 1 routed, the ranks' partial sums added, moe)"
+    assert result_mod.failure_where(res) == (" (first divergence at layer 1 routed (the ranks' partial sums added) — "
+                                             "model.layers.1.mlp.experts; moe)")
+    # what a report stores is what it reads back
+    assert result_mod.CheckResult.from_json(res.to_json()) == res
     res.bisect = None
-    assert check_mod.failure_where(res) == ""
+    assert result_mod.failure_where(res) == ""

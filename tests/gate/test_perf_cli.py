@@ -366,11 +366,11 @@ def test_serve_starts_what_perf_serves_and_stops_it(proj, model_dir, fake_engine
     from patcher.base.procs import group_members
     from patcher.formats.lock import load_lock
     from patcher.formats.pinref import parse_pinref
-    from patcher.gate.serve import serve_recipe
+    from patcher.gate.serve import ServeRequest, serve_recipe
 
     cfg = load_config(proj.root, env={"DSADAPT_WORKDIR": str(proj.work)})
     lock = load_lock(proj.root / "upstream.lock")
-    with serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype=None) as served:
+    with serve_recipe(cfg, lock, ServeRequest(parse_pinref(PIN), model_dir, "mymodel")) as served:
         assert served.url.startswith("http://127.0.0.1:") and served.installed["served"] == PIN
         with urllib.request.urlopen(served.url + "/health", timeout=10) as r:
             assert r.status == 200
@@ -379,7 +379,7 @@ def test_serve_starts_what_perf_serves_and_stops_it(proj, model_dir, fake_engine
     assert not group_members(pgid)
     assert fake_engine["asked"] == [(PIN, "cpu", False)]
     with pytest.raises(Exception, match="serves float32, not bfloat16"), \
-            serve_recipe(cfg, lock, parse_pinref(PIN), model_dir=model_dir, label="mymodel", dtype="bfloat16"):
+            serve_recipe(cfg, lock, ServeRequest(parse_pinref(PIN), model_dir, "mymodel", dtype="bfloat16")):
         pass
 
 

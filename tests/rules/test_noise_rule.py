@@ -230,10 +230,9 @@ def test_check_margins_and_rescore_of_a_stored_check_report():
     ref, eng, lp = _logit_case(0.0)
     c = compare(ref, eng, 5, noise=lp)
     bis = compare_captures(noisy(REF, 0.01, seed=2), REF, CONFIG, "bfloat16", reference_lp=noisy(REF, 0.01, seed=1))
-    summary = {"margin": bis.margin, "passed": bis.passed}
-    m = check_margins(c.to_json(), summary)
-    assert m["logits"]["margin"] == pytest.approx(c.judgement["prefill"]["limit"], rel=1e-3)
-    assert "below its limit" in m["words"] and m["worst"] in ("logits", "modules")
+    m = check_margins(c.to_json(), bis.margin)
+    assert m.logits is not None and m.logits["margin"] == pytest.approx(c.judgement["prefill"]["limit"], rel=1e-3)
+    assert "below its limit" in m.words and m.worst in ("logits", "modules")
     doc = {"schema": "dsadapt.check-report/1", "dtype": "bfloat16", "verdict": "pass",
            "comparison": json.loads(json.dumps(c.to_json()))}
     out = rescore(doc, json.loads(json.dumps(bis.to_json())))

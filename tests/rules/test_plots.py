@@ -187,4 +187,4 @@ def test_the_heat_map_prints_each_cell_s_distance_to_its_limit_from_a_stored_rep
     ax = fig.axes[0]
     cells = {t.get_text() for t in ax.texts}
     assert {"0.01", "3", "0.5", "2"} <= cells, cells
-    assert "  " not in ax.get_title() and "first divergence: layer 0 attn_core" in ax.get_title()
+    assert "  " not in ax.get_title() and "first divergence at layer 0 attn_core" in ax.get_title()

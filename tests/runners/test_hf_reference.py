@@ -22,7 +22,7 @@ from patcher.rules.prompts import (
     prompts_to_json,
     rope_original_max,
 )
-from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, run_runner
+from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerJob, run_runner
 
 MAX_TOKENS = 6
 
@@ -60,8 +60,8 @@ def test_prompt_set_shape(tiny_v3):
 def hf_report(tiny_v3, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "ref.json"
     prompts = build_prompt_set(tiny_v3, max_tokens=MAX_TOKENS)
-    rep = run_runner(REFERENCE_RUNNER, Path(sys.executable), tiny_v3, prompts, "float32",
-                     REFERENCE_TOP_K, MAX_TOKENS, out, fingerprint="fp-test")
+    rep = run_runner(REFERENCE_RUNNER, Path(sys.executable),
+                     RunnerJob(tiny_v3, prompts, "float32", REFERENCE_TOP_K, MAX_TOKENS, out, fingerprint="fp-test"))
     return prompts, rep
 
 

@@ -16,6 +16,7 @@ from patcher.rules.prompts import Prompt
 from patcher.runners.launch import (
     REFERENCE_RUNNER,
     RunnerFailed,
+    RunnerJob,
     RunnerOutputError,
     RunnerSpec,
     RunnerTimeout,
@@ -82,7 +83,7 @@ def test_argv_is_the_common_command_line():
 def test_success_returns_validated_report_and_log(fake, tmp_path):
     lines = []
     out = tmp_path / "r" / "report.json"
-    rep = run_runner(fake(), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, out, on_line=lines.append)
+    rep = run_runner(fake(), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, out), on_line=lines.append)
     assert [p.id for p in rep.prompts] == ["a", "b"] and rep.timings["wall_s"] > 0
     assert "fake runner starting from-spec" in lines
     assert (tmp_path / "r" / "report.json.log").read_text().startswith("$ ")
@@ -92,34 +93,34 @@ def test_success_returns_validated_report_and_log(fake, tmp_path):
 
 def test_caller_env_overrides_spec_env(fake, tmp_path):
     lines = []
-    run_runner(fake(), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json",
+    run_runner(fake(), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"),
                env={"FAKE_ENV": "from-caller"}, on_line=lines.append)
     assert "fake runner starting from-caller" in lines
 
 
 def test_crash_raises_runner_failed_with_log_tail(fake, tmp_path):
     with pytest.raises(RunnerFailed) as e:
-        run_runner(fake("crash"), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json")
+        run_runner(fake("crash"), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"))
     assert "e_score_correction_bias" in e.value.log_tail
     assert "status 1" in e.value.message and "e_score_correction_bias" in e.value.message
 
 
 def test_timeout_kills_and_raises(fake, tmp_path):
     with pytest.raises(RunnerTimeout):
-        run_runner(fake("hang"), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json",
+        run_runner(fake("hang"), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"),
                    timeout=2)
 
 
 def test_missing_or_inconsistent_output(fake, tmp_path):
     with pytest.raises(RunnerOutputError, match="wrote no report"):
-        run_runner(fake("silent"), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json")
+        run_runner(fake("silent"), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"))
     with pytest.raises(RunnerOutputError, match="asked for"):
-        run_runner(fake("wrongids"), Path(sys.executable), tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json")
+        run_runner(fake("wrongids"), Path(sys.executable), RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"))
 
 
 def test_missing_interpreter_is_unavailable(fake, tmp_path):
     with pytest.raises(RunnerUnavailable):
-        run_runner(fake(), tmp_path / "nope" / "python", tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json")
+        run_runner(fake(), tmp_path / "nope" / "python", RunnerJob(tmp_path, PROMPTS, "float32", 5, 4, tmp_path / "o.json"))
 
 
 def test_root_cause_skips_vllm_wrapper_errors():

@@ -392,7 +392,8 @@ def test_abort_of_the_very_first_apply_leaves_the_clean_base(project):
     co = project.checkout()
     base = git(co, "rev-parse", "refs/dsadapt/base")
     assert git(co, "rev-parse", "HEAD") == base == git(co, "rev-parse", f"refs/heads/dsadapt/{TAG1}")
-    assert git(co, "for-each-ref", "--format=%(refname)").splitlines() == ["refs/dsadapt/base",
+    # the base, the copy of the state record, the branch: no backup, no stack snapshot left behind
+    assert git(co, "for-each-ref", "--format=%(refname)").splitlines() == ["refs/dsadapt/base", "refs/dsadapt/state",
                                                                           f"refs/heads/dsadapt/{TAG1}"]
     assert git(co, "status", "--porcelain") == ""
     assert project.run("status", "--json").json()["checkouts"][0]["state"] == "clean base"

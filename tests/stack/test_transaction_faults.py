@@ -1,7 +1,8 @@
 """Fault injection: kill -9 at every git start and end, every durable write and every removal of
 apply, re-apply, apply --force, continue, skip, abort, refresh, refresh --force and rebase, and of
-the commands that follow git steps the user made by hand (a `git am --continue` or `--abort` at a
-stop, commits on a detached HEAD) -- see tests/fault_harness.py for what is checked after each kill.
+the commands that follow what the user did by hand (a `git am --continue` or `--abort` at a stop,
+commits on a detached HEAD, dsadapt's record deleted, an empty and a mode-only commit, a `git rebase`
+of theirs left half done) -- see tests/fault_harness.py for what is checked after each kill.
 
 FAULT_SAMPLE=N runs every N-th point only (a quicker local loop); the default is all.
 """
@@ -144,6 +145,51 @@ def build_detached_with_commit(p: Project) -> None:
     git(co, "commit", "-qm", "my commit on a detached HEAD")
 
 
+def build_refresh_record_lost(p: Project) -> None:
+    """An unexported commit on the branch, then dsadapt's record and its copy deleted by hand:
+    refresh re-derives the record from git (the base ref, the stack snapshot) and exports."""
+    build_refresh(p)
+    co = p.checkout()
+    (co / ".git" / "dsadapt" / "state.json").unlink()
+    git(co, "update-ref", "-d", "refs/dsadapt/state")
+
+
+def build_resolved_record_lost(p: Project) -> None:
+    """At a resolved stop, `.git/dsadapt/` (the record and the op's patches) removed by hand:
+    continue takes both back from the record's copy in git."""
+    build_resolved(p)
+    import shutil
+
+    shutil.rmtree(p.checkout() / ".git" / "dsadapt")
+
+
+def build_empty_and_mode_commits(p: Project) -> None:
+    """An empty commit and a mode-only commit on the branch: refresh leaves the first out (a note)
+    and exports the second with its index line."""
+    from conftest import clean_stack_edits
+
+    p.write_stack(make_patches(p.upstream, p.tmp / "mk", TAG1, clean_stack_edits()))
+    assert p.run("apply", REF1).rc == 0
+    co = p.checkout()
+    git(co, "commit", "-q", "--allow-empty", "-m", commit_msg("an empty commit"))
+    (co / "README.md").chmod(0o755)
+    git(co, "commit", "-qam", commit_msg("readme: executable"))
+
+
+def build_rebase_in_progress(p: Project) -> None:
+    """The user's own `git rebase -i` stopped at an edit, with a commit made there: apply --force
+    keeps the rebase's HEAD, the branch and the work, quits the rebase and applies patches/."""
+    import subprocess
+
+    build_reapply(p)
+    co = p.checkout()
+    subprocess.run(["git", "rebase", "-q", "-i", "HEAD~2"], cwd=co, capture_output=True,
+                   env={**os.environ, "GIT_SEQUENCE_EDITOR": "sed -i 1s/^pick/edit/"})
+    (co / "mine.txt").write_text("mine, made during my rebase\n")
+    git(co, "add", "mine.txt")
+    git(co, "commit", "-qm", "my commit during a rebase")
+
+
 REBASE_PIN = "vllm@v1.1.0"
 
 
@@ -197,6 +243,16 @@ SCENARIOS = {
                                                    ["apply", REF1, "--force"], build_detached_with_commit),
     "refresh": lambda: Scenario("refresh", REF1, TAG1, ["refresh", REF1], build_refresh),
     "refresh-force": lambda: Scenario("refresh-force", REF1, TAG1, ["refresh", REF1, "--force"], build_refresh_force),
+    "refresh-after-record-lost": lambda: Scenario("refresh-after-record-lost", REF1, TAG1, ["refresh", REF1],
+                                                  build_refresh_record_lost),
+    "continue-after-record-lost": lambda: Scenario("continue-after-record-lost", REF1, TAG1, ["continue", REF1],
+                                                   build_resolved_record_lost, resolve=_resolve,
+                                                   work=[Work("file", "vllm/util.py", DIRTY),
+                                                         Work("untracked", "scratch.txt", NOTES)]),
+    "refresh-empty-and-mode-commits": lambda: Scenario("refresh-empty-and-mode-commits", REF1, TAG1,
+                                                       ["refresh", REF1], build_empty_and_mode_commits),
+    "force-over-a-git-rebase": lambda: Scenario("force-over-a-git-rebase", REF1, TAG1, ["apply", REF1, "--force"],
+                                                build_rebase_in_progress),
     "rebase": lambda: Scenario("rebase", REBASE_PIN, "v1.1.0", ["rebase", "vllm@v1.0.0", "--onto", "v1.1.0"],
                                lambda p: _ok(p.run("apply", "vllm@v1.0.0")), resolve=_resolve_rebase),
     "rebase-continue": lambda: Scenario("rebase-continue", REBASE_PIN, "v1.1.0", ["continue", REBASE_PIN],
@@ -213,7 +269,8 @@ def _base(name: str, tmp_path, project_factory) -> tuple[Project, Scenario]:
     if name == "force":
         co = base.checkout()
         sc.work.append(Work("commit", git(co, "rev-parse", "HEAD")))
-    if name in ("refresh", "force-over-detached-commit"):
+    if name in ("refresh", "force-over-detached-commit", "refresh-after-record-lost", "refresh-empty-and-mode-commits",
+                "force-over-a-git-rebase"):
         sc.work.append(Work("commit", git(base.checkout(), "rev-parse", "HEAD")))
     if name == "refresh-force":
         sc.work += _hand_work(base)
@@ -222,23 +279,9 @@ def _base(name: str, tmp_path, project_factory) -> tuple[Project, Scenario]:
 
 @pytest.fixture
 def project_factory():
-    from conftest import lock_text, make_upstream
+    from misuse_support import fixture_project
 
-    def make(root):
-        root.mkdir(parents=True)
-        up = make_upstream(root)
-        proj_root = root / "project"
-        proj_root.mkdir()
-        env = {"DSADAPT_PROJECT": str(proj_root), "DSADAPT_WORKDIR": str(root / "work"),
-               "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-               "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5"}
-        (root / "artifacts").mkdir()
-        (root / "work").mkdir()
-        p = Project(proj_root, up, env, root)
-        p.write_lock(lock_text(up))
-        return p
-
-    return make
+    return lambda root: fixture_project(root, stack=False)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from conftest import REF1, TAG1, Project, commit_msg, git, lock_text, make_patches, make_upstream
+from conftest import REF1, TAG1, Project, commit_msg, git, make_patches
 from fault_harness import (
     Scenario,
     Work,
@@ -24,6 +24,7 @@ from fault_harness import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from misuse_support import expected_tree, fixture_project  # (also loads the hypothesis profile: derandomized in CI)
 
 FILES = ["vllm/mod.py", "vllm/util.py", "README.md", "vllm/__init__.py"]
 edit = st.tuples(st.sampled_from(FILES), st.integers(0, 12), st.sampled_from(["alpha", "beta", "gamma", "delta"]),
@@ -60,18 +61,7 @@ def _texts(up, work: Path, edits, independent: bool) -> list[str]:
 
 
 def _project(root: Path) -> Project:
-    root.mkdir(parents=True)
-    up = make_upstream(root)
-    proj = root / "project"
-    proj.mkdir()
-    env = {"DSADAPT_PROJECT": str(proj), "DSADAPT_WORKDIR": str(root / "work"),
-           "DSADAPT_CACHE": str(root / "work" / "cache"), "DSADAPT_SOURCES": "git", "DSADAPT_MIRRORS": "",
-           "DSADAPT_ARTIFACTS": str(root / "artifacts"), "DSADAPT_LOCK_TIMEOUT": "5", "DSADAPT_GIT_WAIT": "2"}
-    (root / "artifacts").mkdir()
-    (root / "work").mkdir()
-    p = Project(proj, up, env, root)
-    p.write_lock(lock_text(up))
-    return p
+    return fixture_project(root, stack=False)
 
 
 KILLS: list[bool] = []
@@ -148,24 +138,6 @@ STEPS = ["apply", "apply --force", "continue", "skip", "abort", "refresh", "pull
          "git commit", "git edit", "git untracked", "git am --continue", "git am --skip", "git am --abort",
          "git am --quit", "git detach", "git switch -c", "git branch -m", "git checkout branch",
          "git reset --hard HEAD~1", "git commit --amend", "git stash"]
-
-
-def _expected_tree(co: Path, patches_dir: Path, root: Path) -> str | None:
-    """The tree patches/ gives on the base (git apply --cached in a scratch index and object dir): the
-    oracle for "stack applied"."""
-    series = [l.strip() for l in (patches_dir / "series").read_text().splitlines()
-              if l.strip() and not l.startswith("#")]
-    scratch = root / f"oracle-{len(list(root.glob('oracle-*')))}"
-    (scratch / "objects").mkdir(parents=True)
-    env = {"GIT_INDEX_FILE": str(scratch / "index"), "GIT_OBJECT_DIRECTORY": str(scratch / "objects"),
-           "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(co / ".git" / "objects")}
-    git(co, "read-tree", "refs/dsadapt/base", env=env)
-    for name in series:
-        r = subprocess.run(["git", "apply", "--cached"], cwd=co, input=(patches_dir / name).read_text(),
-                           text=True, capture_output=True, env={**os.environ, **env})
-        if r.returncode:
-            return None
-    return git(co, "write-tree", env=env)
 
 
 def _reachable(co: Path, commit: str) -> bool:
@@ -261,7 +233,7 @@ def _check_status(p: Project, root: Path, ran: list[str]) -> None:
         head = git(co, "rev-parse", "HEAD")
         assert head == git(co, "rev-parse", f"refs/heads/dsadapt/{TAG1}"), (ran, st)
         assert git(co, "status", "--porcelain", "--untracked-files=all") == "", (ran, st)
-        want = _expected_tree(co, p.stack_dir(), root)
+        want = expected_tree(co, p.stack_dir(), root / "oracle")
         assert want is not None and git(co, "rev-parse", "HEAD^{tree}") == want, \
             (ran, st, "status says 'stack applied' but the branch is not what patches/ gives")
     if st["state"] == "clean base":

@@ -170,12 +170,9 @@ def _original_max(doc: dict) -> int | None:
 
 
 def _markdown(doc: dict, path: Path) -> None:
-    import dataclasses
+    from patcher.gate.result import CheckResult, check_markdown
 
-    from patcher.gate.equivalence import CheckResult, check_markdown
-
-    names = {f.name for f in dataclasses.fields(CheckResult)}
-    path.write_text(check_markdown(CheckResult(**{k: v for k, v in doc.items() if k in names})), encoding="utf-8")
+    path.write_text(check_markdown(CheckResult.from_json(doc)), encoding="utf-8")
 
 
 def missing(rows: list[dict], plan_lines) -> list[str]:

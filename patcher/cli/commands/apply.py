@@ -9,12 +9,14 @@ from patcher.cli.commands.common import (
     Context,
     emit_json,
     json_option,
+    op_flags,
     out,
     pass_ctx,
     pinref_arg,
     plural,
     progress_printer,
     ref_of,
+    run_op,
     to_ref,
 )
 
@@ -61,31 +63,6 @@ def _op_ref(ctx: Context, pin):
 
 def _on_patch(as_json: bool):
     return None if as_json else (lambda o: out(_line(o)))
-
-
-def op_flags(f):
-    """--continue / --skip / --abort: `git am --continue` habits, the same as `dsadapt continue`..."""
-    for name, what in (("abort", "dsadapt abort"), ("skip", "dsadapt skip"), ("continue", "dsadapt continue")):
-        f = click.option(f"--{name}", f"op_{name}", is_flag=True, help=f"Same as `{what} [ENGINE@TAG]`.")(f)
-    return f
-
-
-def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], command: str) -> bool:
-    """Run the operation a --continue/--skip/--abort flag names (True), or nothing (False)."""
-    chosen = [n.removeprefix("op_") for n, on in flags.items() if on]
-    if not chosen:
-        return False
-    if len(chosen) > 1:
-        raise UsageError(f"pass one of --{', --'.join(chosen)}", hint=f"e.g. dsadapt {command} --continue")
-    extra = [p.name for p in click_ctx.command.params
-             if p.name not in ("pin", "as_json", *flags) and p.name is not None
-             and click_ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
-    if extra:
-        raise UsageError(f"--{chosen[0]} takes only [ENGINE@TAG] (and --json), not --{extra[0].replace('_', '-')}",
-                         hint=f"dsadapt {command} --{chosen[0]} [ENGINE@TAG]")
-    target = {"continue": continue_cmd, "skip": skip_cmd, "abort": abort_cmd}[chosen[0]]
-    click_ctx.invoke(target, pin=pin, as_json=click_ctx.params.get("as_json", False))
-    return True
 
 
 @click.command("apply")

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import click
 
-from patcher.base.errors import CheckFailed, DsadaptError, EngineUnavailable
+from patcher.base.errors import CheckFailed, DsadaptError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -27,45 +26,43 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.engines.registry import engine
-from patcher.gate.equivalence import CheckRequest, CheckResult, check_dtypes, check_split, preflight, run_check
+from patcher.gate.equivalence import run_check
+from patcher.gate.hosts import RunHost
+from patcher.gate.plan import CheckRequest, check_split, choose_model, plan_check
+from patcher.gate.result import CheckResult, heading, num
+from patcher.rules.divergence import FirstDivergence, ModuleVerdict
+from patcher.rules.modules import PointResult
 
 
-def _num(x, spec=".3g") -> str:
-    return "-" if x is None else format(x, spec)
+def _point_row(p: PointResult, first: FirstDivergence | None, parallel: bool) -> list[str]:
+    """A row of the per-module table: layer, point, (rank,) error, limit, the reference's noise, rows, status."""
+    agreement = p.metric == "agreement"
+    err = f"{p.value:.1%} agree" if agreement and p.value is not None else num(p.error, ".3g")
+    limit = f">= {1 - p.limit:.1%}" if agreement and p.limit is not None else num(p.limit, ".3g")
+    status = {"above": "ABOVE", "ok": "ok", "not compared": "-"}.get(p.status, p.status)
+    if first is not None and (p.layer, p.point) == (first.layer, first.point):
+        status = "FIRST"
+    row = ["-" if p.layer is None else str(p.layer), p.label, err, limit, num(p.noise, ".3g"), str(p.rows or "-"),
+           status]
+    if parallel:
+        row.insert(2, "sum" if p.layout == "partial" else "-" if p.rank is None else str(p.rank))
+    return row
 
 
-def render(res: CheckResult, report: dict | None) -> None:
-    b = res.bisect or {}
-    par = res.parallel or {}
-    parallel = int(par.get("tp") or 1) > 1
-    if report:
-        rows = []
-        for p in report["points"]:
-            where = "-" if p["layer"] is None else str(p["layer"])
-            err = (f"{p['value']:.1%} agree" if p["metric"] == "agreement" and p.get("value") is not None
-                   else _num(p.get("error")))
-            limit = (f">= {1 - p['limit']:.1%}" if p["metric"] == "agreement" and p.get("limit") is not None
-                     else _num(p.get("limit")))
-            status = {"above": "ABOVE", "ok": "ok", "not compared": "-"}.get(p["status"], p["status"])
-            if report.get("first") and p["layer"] == report["first"]["layer"] and p["point"] == report["first"]["point"]:
-                status = "FIRST"
-            row = [where, p["label"], err, limit, _num(p.get("noise")), str(p.get("rows") or "-"), status]
-            if parallel:
-                row.insert(2, "sum" if p.get("layout") == "partial" else str(p.get("rank", "-")))
-            rows.append(row)
+def render(res: CheckResult, b: ModuleVerdict, points: list[PointResult] | None) -> None:
+    parallel = not res.configuration.single
+    if points is not None:
         columns = ["layer", "point", "error", "limit", "ref noise", "rows", "status"]
         if parallel:
             columns.insert(2, "rank")
-        table(f"{res.pin} ({res.variant}{', unpatched' if res.unpatched else ''}"
-              f"{', ' + par['label'] if parallel else ''}) vs HF transformers, per module — "
-              f"model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, "
-              f"{b.get('rule')} rule", columns, rows)
-    for line in b.get("explanation") or b.get("reasons") or []:
+        table(f"{heading(res)}, per module — model {res.model}"
+              f"{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, {b.rule} rule",
+              columns, [_point_row(p, b.first, parallel) for p in points])
+    for line in b.explanation or b.reasons:
         out(f"  {line}")
     out(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
-    if b.get("report_path"):
-        out(f"bisect report: {b['report_path']}" + (f"  heat map: {b['plot_path']}" if b.get("plot_path") else ""))
+    if b.report_path:
+        out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
     out(f"check report: {res.report_path}")
 
 
@@ -91,23 +88,21 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    model_config = _check_model(model)
+    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(model, parallel)
+    check_split(choice, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration): before anything is made
-    preflight(ctx.lock, ref, variant, command, dtype, unpatched_engine, parallel, config=model_config)
-    if getattr(engine(ref.engine), "bisect_table", None) is None:
-        raise EngineUnavailable(f"{ref.engine} has no capture table: it cannot be bisected",
-                                hint="see docs/equivalence.md (Bisect) for the engines that can")
-    dtype = dtype or check_dtypes(ctx.lock, ref, variant, config=model_config)[0]
+    req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant, unpatched=unpatched,
+                       unpatched_engine=unpatched_engine, bisect="always", command=command, tp=parallel.tp,
+                       ep=parallel.ep, prompt_seed=prompt_seed)
+    # bad variant/dtype, cannot run here (this checkpoint, this parallel configuration, no capture table):
+    # before anything is made
+    plan = plan_check(ctx.cfg, ctx.lock, req, choice, capture=True)
+    dtype = plan.dtypes[0]
     progress = progress_printer()
-    on_line = progress.note if progress is not None else None
     with workdir_lock(ctx.cfg):
-        req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
-                           unpatched=unpatched, unpatched_engine=unpatched_engine, bisect="always", command=command,
-                           tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)
-        res = run_check(ctx.cfg, ctx.lock, req, progress=progress, stream=not as_json, on_line=on_line)
+        res = run_check(plan, dtype, host=RunHost(ctx.cfg, ctx.lock, progress, not as_json),
+                        on_line=progress.note if progress is not None else None)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
         if as_json:
@@ -115,25 +110,17 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
                        "first": None, "reasons": res.reasons, "check": res.to_json()})
         raise CheckFailed(f"{ref}: nothing to bisect — {'; '.join(res.reasons[:1])}",
                           hint=f"check report: {res.report_path}")
-    report = None
-    if b.get("report_path") and Path(b["report_path"]).is_file():
-        report = json.loads(Path(b["report_path"]).read_text())
+    report = json.loads(Path(b.report_path).read_text()) if b.report_path and Path(b.report_path).is_file() else None
     if as_json:
-        emit_json(report if report else {"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, **b}, schema="dsadapt.bisect-report/1")
+        emit_json(report or {"schema": "dsadapt.bisect-report/1", "pin": str(ref), **b.to_json()},
+                  schema="dsadapt.bisect-report/1")
     else:
-        render(res, report)
-    if b.get("passed") is False:
-        if b.get("first"):
-            f = b["first"]
-            where = f"layer {f['layer']} {f['label']}" if f.get("layer") is not None else f["label"]
-            if f.get("layout") == "partial":
-                where += " (the ranks' partial sums added)"
-            elif f.get("rank") is not None and f.get("layout"):
-                where += f" on rank {f['rank']}"
-            raise CheckFailed(f"{ref} leaves the reference at {where} ({f['module']}) in {dtype}"
-                              + ("" if parallel.single else f" at {parallel.describe()}"),
-                              hint=f"bisect report: {b.get('report_path')}")
-        raise DsadaptError(f"{ref}: {'; '.join(b.get('reasons') or ['bisect failed'])}",
+        render(res, b, [PointResult.from_json(p) for p in report["points"]] if report else None)
+    if b.passed is False:
+        if b.first is not None:
+            raise CheckFailed(f"{ref} in {dtype}" + ("" if parallel.single else f" at {parallel.describe()}")
+                              + f": {b.first.words()}", hint=f"bisect report: {b.report_path}")
+        raise DsadaptError(f"{ref}: {'; '.join(b.reasons or ['bisect failed'])}",
                            hint=f"check report: {res.report_path}")
 
 

@@ -24,6 +24,7 @@ from patcher.cli.commands.common import (
     table,
 )
 from patcher.engines.registry import engine
+from patcher.formats.bundle import default_variant
 
 
 @click.command("build")
@@ -89,7 +90,7 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     ref = ref_of(pin)
     entry = ctx.lock.pin(ref)
     eng = engine(ref.engine)
-    plan = eng.env_plan(entry, eng.variant_for(entry, default_variant(ctx, ref, variant)), ctx.lock)
+    plan = eng.env_plan(entry, eng.variant_for(entry, default_variant(ctx.cfg, ref, variant)), ctx.lock)
     with workdir_lock(ctx.cfg):
         res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(), stream=not as_json)
     if as_json:
@@ -101,16 +102,6 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     if res.removed:
         out(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
     out(f"  activate: {res.activate}")
-
-
-def default_variant(ctx: Context, ref, variant: str | None) -> str | None:
-    """The variant asked for; else, where a bundle installed exactly one variant of the pin, that one."""
-    if variant is not None:
-        return variant
-    from patcher.formats.bundle import offline_variants
-
-    found = offline_variants(ctx.cfg, ref)
-    return found[0] if len(found) == 1 else None
 
 
 def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle: Path, system_site_packages: bool,

@@ -232,6 +232,35 @@ def ref_of(text: str | PinRef) -> PinRef:
     return text if isinstance(text, PinRef) else parse_pinref(text)
 
 
+def op_flags(f):
+    """--continue / --skip / --abort: `git am --continue` habits, the same as `dsadapt continue`..."""
+    for name, what in (("abort", "dsadapt abort"), ("skip", "dsadapt skip"), ("continue", "dsadapt continue")):
+        f = click.option(f"--{name}", f"op_{name}", is_flag=True, help=f"Same as `{what} [ENGINE@TAG]`.")(f)
+    return f
+
+
+def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], command: str) -> bool:
+    """Run the operation a --continue/--skip/--abort flag names (True), or nothing (False): the
+    command of that name (`dsadapt continue`, `skip`, `abort`), found in the command group."""
+    chosen = [n.removeprefix("op_") for n, on in flags.items() if on]
+    if not chosen:
+        return False
+    if len(chosen) > 1:
+        raise UsageError(f"pass one of --{', --'.join(chosen)}", hint=f"e.g. dsadapt {command} --continue")
+    extra = [p.name for p in click_ctx.command.params
+             if p.name not in ("pin", "as_json", *flags) and p.name is not None
+             and click_ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    if extra:
+        raise UsageError(f"--{chosen[0]} takes only [ENGINE@TAG] (and --json), not --{extra[0].replace('_', '-')}",
+                         hint=f"dsadapt {command} --{chosen[0]} [ENGINE@TAG]")
+    root = click_ctx.find_root()
+    target = root.command.get_command(root, chosen[0]) if isinstance(root.command, click.Group) else None
+    assert target is not None, chosen[0]  # `dsadapt continue`, `skip` and `abort` are commands of the group
+    click_ctx.invoke(target, pin=pin, as_json=click_ctx.params.get("as_json", False))
+    return True
+
+
+
 # ---------------------------------------------------------------- output
 
 _emitted_json = False

@@ -10,7 +10,6 @@ import click
 
 from patcher.base.errors import UsageError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.check import _check_model
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
@@ -110,6 +109,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     threshold with its whole interval.
     """
     from patcher.gate.perf import check_threshold, parse_cpus, perf_or_raise, preflight, rescore, run_perf
+    from patcher.gate.plan import check_split, choose_model
 
     if rescore_path is not None:
         given = click.get_current_context().get_parameter_source("threshold") != click.core.ParameterSource.DEFAULT
@@ -125,7 +125,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
         raise UsageError("name one ENGINE@TAG (or --rescore REPORT)", hint="e.g. dsadapt perf vllm@v0.32.0")
     ref = to_ref(pin)
     assert ref is not None
-    _check_model(model)
+    choice = choose_model(model)
     check_threshold(threshold)
     if time_limit <= 0:
         raise UsageError(f"--time-limit {time_limit:g} must be positive", hint="seconds, e.g. --time-limit 1800")
@@ -134,9 +134,7 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     outs = parse_int_list(output_len, "--output-len")
     cpu_list = parse_cpus(cpus)
     parallel = to_parallel(tp, ep)
-    from patcher.gate.equivalence import check_split
-
-    check_split(model, parallel)
+    check_split(choice, parallel)
     # the workload's own checks (lengths, rounds, requests), before anything is made
     build_workload(original_context=None, max_model_len=max_model_len, input_lens=ins, output_lens=outs,
                    concurrency=conc, rounds=rounds, requests=requests, warmup_rounds=warmup)

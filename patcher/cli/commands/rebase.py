@@ -6,7 +6,6 @@ import click
 
 from patcher.base.errors import DsadaptError, UsageError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.apply import op_flags, run_op
 from patcher.cli.commands.common import (
     Context,
     complete_engine,
@@ -14,12 +13,14 @@ from patcher.cli.commands.common import (
     emit_json,
     json_option,
     note,
+    op_flags,
     out,
     pass_ctx,
     pinref_arg,
     progress_printer,
     publish_option,
     ref_of,
+    run_op,
     table,
     warn,
 )

@@ -50,7 +50,7 @@ def message_problems(ctx: Context, ref) -> list[str]:
     """What the patch format asks of each commit message that the refreshed stack lacks (no body,
     missing or malformed trailers): `verify` fails on them, `refresh` warns."""
     from patcher.base.errors import DsadaptError
-    from patcher.cli.commands.verify import MESSAGE_PROBLEMS
+    from patcher.formats.patchfile import is_message_problem
     from patcher.formats.stackfiles import lint_stack, load_stack
 
     try:
@@ -58,7 +58,7 @@ def message_problems(ctx: Context, ref) -> list[str]:
     except DsadaptError as e:
         return [e.message]
     root = str(ctx.cfg.project) + "/"
-    return [p.removeprefix(root) for p in problems if any(k in p for k in MESSAGE_PROBLEMS)]
+    return [p.removeprefix(root) for p in problems if is_message_problem(p)]
 
 
 COMMANDS = [refresh_cmd]

@@ -25,8 +25,9 @@ from patcher.cli.commands.common import (
 )
 from patcher.engines.base import GateRun
 from patcher.engines.registry import engine
-from patcher.gate.equivalence import resolve_model, served_engine_of
+from patcher.gate.equivalence import resolve_model
 from patcher.gate.hosts import RunHost
+from patcher.gate.plan import served_engine_of
 
 
 @click.command("serve")
@@ -50,7 +51,7 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
     Engines with a serving recipe of their own (Triton) use it; the others are served as
     `dsadapt perf` serves them (vLLM: `vllm serve` from the pin's environment). With --json one
     document (url, model, log) is printed once the server answers."""
-    from patcher.gate.serve import recipe_for, serve_recipe
+    from patcher.gate.serve import ServeRequest, recipe_for, serve_recipe
 
     ref = ref_of(pin)
     entry = ctx.lock.pin(ref)
@@ -79,8 +80,8 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
             # each preparation step takes the work-dir lock for itself; the server runs without it
             server = eng.serve(run, RunHost(ctx.cfg, ctx.lock, progress, locked=True), port=port)
         else:
-            server = serve_recipe(ctx.cfg, ctx.lock, ref, model_dir=model_dir, label=label, dtype=dtype,
-                                  variant=variant, port=port, unpatched=unpatched, progress=progress)
+            server = serve_recipe(ctx.cfg, ctx.lock, ServeRequest(ref, model_dir, label, dtype=dtype, variant=variant,
+                                                                  port=port, unpatched=unpatched), progress=progress)
         with server as served:
             if as_json:
                 emit_json({"ref": str(ref), "variant": spec.name, "url": served.url, "model": served.model,

@@ -32,8 +32,6 @@ def _stack_info(ctx: Context, entry):
 @pass_ctx
 def list_cmd(ctx: Context, as_json: bool) -> None:
     """Engines, pins, patch counts, build kind, and whether each pin can run here."""
-    from collections import Counter
-
     from patcher.engines.registry import engine
 
     rows, data = [], []
@@ -41,35 +39,45 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
     for name in sorted(ctx.lock.engines):
         ad = engine(name)
         for entry in ctx.lock.pins_of(name):
-            st, err = _stack_info(ctx, entry)
-            kind = ad.build_kind(st) if st is not None else None
-            statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
-            # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
-            variants = ad.pinned_variants(entry)
-            blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
-            if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
-                src = _source_blocker(ctx, entry, probed)
-                blockers = {v: b or src for v, b in blockers.items()}
-            runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
-            d = {"pin": str(entry.ref), "engine": name, "tag": entry.tag, "version": entry.version,
-                 "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
-                 "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
-                 "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
-                 "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
-                 "run_blockers": {v: b for v, b in blockers.items() if b},
-                 # what each variant's gate runner offers in parallel (`Engine.parallel_support`)
-                 "parallel": {v.name: {"tp": ad.parallel_support(entry, v).tp, "ep": ad.parallel_support(entry, v).ep,
-                                       "unit": ad.parallel_support(entry, v).unit} for v in variants},
-                 "serves": entry.serves, "error": err,
-                 "config_style": ad.model_config_style}
+            d, row = _pin_line(ctx, ad, entry, probed)
             data.append(d)
-            rows.append([str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
-                         kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs])
+            rows.append(row)
     if as_json:
         emit_json(schema="dsadapt.list/1", data={"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
                    "pins": data})
     else:
         table("dsadapt pins", ["pin", "patches", "build", "variants", "runs here"], rows)
+
+
+def _pin_line(ctx: Context, ad, entry, probed: dict[str, str | None]) -> tuple[dict, list[str]]:
+    """One pin of `list`: its JSON record and its table row (stack, build kind, variants, whether
+    each can run here: the machine, then whether a source can provide its tree)."""
+    from collections import Counter
+
+    st, err = _stack_info(ctx, entry)
+    kind = ad.build_kind(st) if st is not None else None
+    statuses = Counter(p.upstream_status or "?" for p in st.patches) if st else Counter()
+    # every variant the pin can be built as (lmdeploy's pytorch variant overlays the cuda wheel)
+    variants = ad.pinned_variants(entry)
+    blockers = {v.name: ad.run_blocker(entry, v) for v in variants}
+    if any(b is None for b in blockers.values()):  # it could run here: can its tree be had here?
+        src = _source_blocker(ctx, entry, probed)
+        blockers = {v: b or src for v, b in blockers.items()}
+    runs = ", ".join(f"{v}: {'yes' if b is None else 'no (' + b + ')'}" for v, b in blockers.items()) or "no artifact"
+    d = {"pin": str(entry.ref), "engine": entry.engine, "tag": entry.tag, "version": entry.version,
+         "patches": len(st) if st else 0, "stack_exists": bool(st and st.exists),
+         "stack_hash": st.hash if st else None, "build_kind": kind.kind if kind else None,
+         "full_build_reasons": list(kind.reasons) if kind else [], "upstream_status": dict(statuses),
+         "variants": [v.name for v in variants], "runs_here": {v: b is None for v, b in blockers.items()},
+         "run_blockers": {v: b for v, b in blockers.items() if b},
+         # what each variant's gate runner offers in parallel (`Engine.parallel_support`)
+         "parallel": {v.name: {"tp": ad.parallel_support(entry, v).tp, "ep": ad.parallel_support(entry, v).ep,
+                               "unit": ad.parallel_support(entry, v).unit} for v in variants},
+         "serves": entry.serves, "error": err,
+         "config_style": ad.model_config_style}
+    row = [str(entry.ref), str(d["patches"]) if st and st.exists else "no stack",
+           kind.kind if kind else err or "?", ", ".join(v.name for v in variants) or "-", runs]
+    return d, row
 
 
 def _source_blocker(ctx: Context, entry, probed: dict[str, str | None]) -> str | None:

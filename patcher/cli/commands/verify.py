@@ -18,9 +18,7 @@ from patcher.cli.commands.common import (
     progress_printer,
     ref_of,
 )
-
-#: lint problems a commit message causes (no body, missing or bad trailers): fixed in the checkout
-MESSAGE_PROBLEMS = ("no body saying why", "trailer", "Upstream-Status", "Drop-When")
+from patcher.formats.patchfile import is_message_problem
 
 
 def reword_fix(ctx: Context, ref: str) -> str:
@@ -52,60 +50,64 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool)
     checkout exists): nothing is downloaded and no checkout is created unless --fetch says so.
     A stack not applied is reported NOT VERIFIED, never ok. Exit 0: every stack it applied is
     fine (the others are listed); 1: a stack has problems; 6: no stack could be applied here."""
-    from patcher.base.errors import EngineUnavailable
     from patcher.base.workdir import workdir_lock
-    from patcher.formats.stackfiles import lint_stack, load_stack
-    from patcher.stack.verify import VerifyResult, verify_stack
+    from patcher.stack.verify import verify_pins
 
     refs = [ref_of(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
                                       if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
     for ref in refs:
         ctx.lock.pin(ref)  # unknown pins fail before anything is created
-    results = []
     with workdir_lock(ctx.cfg):
-        for ref in refs:
-            if pin or fetch or (ctx.cfg.checkout_dir(ref.engine, ref.tag) / ".git").exists():
-                results.append(verify_stack(ctx.cfg, ctx.lock, ref, progress_printer()))
-                continue
-            try:  # lint only: the pinned tree is not here, and fetching it is what --fetch is for
-                stack = load_stack(ctx.cfg.patches_root, ref)
-                res = VerifyResult(str(ref), len(stack), lint_stack(stack))
-            except Exception as broken:  # noqa: BLE001 - a broken stack is its result
-                res = VerifyResult(str(ref), 0, [getattr(broken, "message", str(broken))])
-            res.unverifiable = (f"no checkout of its pinned tree here (`dsadapt verify {ref}` or `dsadapt verify "
-                                "--fetch` fetches it)")
-            results.append(res)
-    from patcher.cli.ci import Case, write_junit
-
-    write_junit(junit, "dsadapt verify", [
-        Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
-             skipped=r.unverifiable if r.unverifiable and not r.problems else None,
-             output=f"{plural(r.patches, 'patch')}, applies: "
-                    f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, source {r.source or '-'}") for r in results])
+        results = verify_pins(ctx.cfg, ctx.lock, refs, fetch=fetch or bool(pin), progress=progress_printer())
+    _report_ci(results, junit)
     if as_json:
         emit_json({"schema": "dsadapt.verify/1", "ok": all(r.ok for r in results) if pin else
                    not any(r.problems for r in results) and any(r.ok for r in results),
                    "stacks": [r.to_json() for r in results], "unverifiable": [r.ref for r in results if r.unverifiable]})
     else:
         for r in results:
-            if r.unverifiable and not r.problems:
-                out(f"{r.ref}: NOT VERIFIED — {plural(r.patches, 'patch')} lint clean, not applied: "
-                    f"{r.unverifiable}", verdict="NOT VERIFIED")
-                continue
-            verdict = "ok" if r.ok else "FAILED"
-            out(f"{r.ref}: {verdict} — {plural(r.patches, 'patch')}, applies: "
-                f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, {r.compiled} .py file(s) "
-                f"compile, source {r.source or '-'}", verdict=verdict)
-            for p in r.problems:
-                out(f"  - {p}")
-            if any(k in p for p in r.problems for k in MESSAGE_PROBLEMS):
-                out(f"  fix: {reword_fix(ctx, r.ref)}")
+            _render(ctx, r)
+    _exit(results, one=bool(pin))
+
+
+def _report_ci(results, junit) -> None:
+    from patcher.cli.ci import Case, write_junit
+
+    write_junit(junit, "dsadapt verify", [
+        Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
+             skipped=r.unverifiable if r.unverifiable and not r.problems else None,
+             output=f"{plural(r.patches, 'patch')}, applies: "
+                    f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, source {r.source or '-'}")
+        for r in results])
+
+
+def _render(ctx: Context, r) -> None:
+    """One stack's verdict, its problems, and the fix of those its commit messages cause."""
+    if r.unverifiable and not r.problems:
+        out(f"{r.ref}: NOT VERIFIED — {plural(r.patches, 'patch')} lint clean, not applied: "
+            f"{r.unverifiable}", verdict="NOT VERIFIED")
+        return
+    verdict = "ok" if r.ok else "FAILED"
+    out(f"{r.ref}: {verdict} — {plural(r.patches, 'patch')}, applies: "
+        f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, {r.compiled} .py file(s) "
+        f"compile, source {r.source or '-'}", verdict=verdict)
+    for p in r.problems:
+        out(f"  - {p}")
+    if any(is_message_problem(p) for p in r.problems):
+        out(f"  fix: {reword_fix(ctx, r.ref)}")
+
+
+def _exit(results, one: bool) -> None:
+    """Exit 1 when a stack has problems; 6 when the one stack asked for, or every stack, could not
+    be applied here (could not verify is never "ok")."""
+    from patcher.base.errors import EngineUnavailable
+
     if any(r.problems for r in results):
         sys.exit(1)
-    if pin and results[0].unverifiable:
-        sys.exit(EngineUnavailable.exit_code)  # could not verify is never "ok"
-    if not pin and results and not any(r.ok for r in results):
-        sys.exit(EngineUnavailable.exit_code)  # nothing could be applied here: not a pass either
+    if one and results[0].unverifiable:
+        sys.exit(EngineUnavailable.exit_code)
+    if not one and results and not any(r.ok for r in results):
+        sys.exit(EngineUnavailable.exit_code)
 
 
 COMMANDS = [verify_cmd]

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from patcher.base.config import Config
+from patcher.base.dotgit import BASE_REF, REBASE_FROM_BASE, REBASE_FROM_HEAD, STACK_REF
 from patcher.base.errors import StackError, WorkspaceError
 from patcher.base.fsutil import atomic_write_text, remove_file
 from patcher.base.gitutil import Git, link_objects
@@ -35,12 +36,11 @@ from patcher.formats.patchfile import Patch, drop_when_satisfied, parse_patch
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, stack_dir, touches_links
 from patcher.stack.checkout import (
-    BASE_REF,
-    STACK_REF,
     Checkout,
     Progress,
     ensure_checkout,
     head_state,
+    refuse_hand_made,
     stack_files,
     tree_links,
 )
@@ -52,13 +52,20 @@ from patcher.stack.rebase.summary import (
     report_stem,
     split_range_diff,
 )
-from patcher.stack.refresh import export_commits, exported_files, files_hash, series_names, sync_stack_dir
-from patcher.stack.state import Applied, Op, Orig, PatchMeta, PatchOutcome
+from patcher.stack.refresh import (
+    changed_lines,
+    export_commits,
+    exported_files,
+    files_hash,
+    series_names,
+    sync_stack_dir,
+)
+from patcher.stack.state import WAITING, Applied, Op, Orig, Outcome, PatchMeta, PatchOutcome
 from patcher.stack.transaction import StackResult, Transaction, flat_tree_id, register
 from patcher.upstream.resolve import resolve_pin
 
-FROM_BASE = "refs/dsadapt/rebase-from/base"
-FROM_HEAD = "refs/dsadapt/rebase-from/head"
+FROM_BASE = REBASE_FROM_BASE
+FROM_HEAD = REBASE_FROM_HEAD
 PATCH_ID_HISTORY = 5000  # commits of NEW's history searched by patch-id
 RANGE_DIFF_CREATION = 100  # git's default (60) leaves small patches with moved context unpaired
 
@@ -69,11 +76,6 @@ RANGE_DIFF_CREATION = 100  # git's default (60) leaves small patches with moved 
 def hunks_key(diff: str) -> str:
     """A diff without its index lines: equal keys mean the same hunks at the same places."""
     return "\n".join(l for l in diff.split("\n") if not l.startswith("index "))
-
-
-def changed_lines(diff: str) -> list[str]:
-    """The +/- lines of a diff (file headers excluded): the change itself, without context."""
-    return [l for l in diff.split("\n") if l[:1] in ("+", "-") and not l.startswith(("+++ ", "--- "))]
 
 
 def drop_when_hit(patch: Patch, dists: tuple[str, ...], version: str) -> str | None:
@@ -88,13 +90,13 @@ def drop_when_hit(patch: Patch, dists: tuple[str, ...], version: str) -> str | N
     return None
 
 
-def applied_detail(old: Patch, new: Patch, three_way: bool) -> tuple[str, str]:
+def applied_detail(old: Patch, new: Patch, three_way: bool) -> tuple[Outcome, str]:
     """(outcome, detail) for a patch git applied on its own."""
     if hunks_key(old.diff) == hunks_key(new.diff):
-        return "clean", "same hunks" + (" (after a 3-way merge)" if three_way else "")
+        return Outcome.CLEAN, "same hunks" + (" (after a 3-way merge)" if three_way else "")
     how = "3-way merge" if three_way else "applied at an offset"
     same = changed_lines(old.diff) == changed_lines(new.diff)
-    return "merged", f"{how}; {'only context and line numbers differ' if same else 'changed lines differ'}"
+    return Outcome.MERGED, f"{how}; {'only context and line numbers differ' if same else 'changed lines differ'}"
 
 
 # ---------------------------------------------------------------- detection (git, read-only)
@@ -180,13 +182,13 @@ class RebaseKind:
             g.update_ref(FROM_HEAD, from_head)
         ex["from_base"], ex["from_head"] = from_base, from_head
 
-    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[str, str]]:
+    def pre_outcomes(self, tx: Transaction) -> dict[int, tuple[Outcome, str]]:
         ex = tx.op.extra
         out = {}
         for i, text in enumerate(tx.texts(), 1):
             hit = drop_when_hit(parse_patch(text, where=tx.op.meta(i).name), tuple(ex["dists"]), ex["to_version"])
             if hit:
-                out[i] = ("upstream", hit)
+                out[i] = (Outcome.UPSTREAM, hit)
         return out
 
     def on_stop(self, tx: Transaction, index: int) -> str | None:
@@ -199,13 +201,13 @@ class RebaseKind:
         return upstream_by_patch_id(g, text, patch, base, tx.op.extra.get("from_base") or base) \
             or upstream_by_reverse_apply(g, text, head)
 
-    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[str, str | None]:
+    def label(self, tx: Transaction, index: int, commit: str | None, merged: bool | None) -> tuple[Outcome, str | None]:
         g = tx.git
         text = tx.texts()[index - 1]
         old = parse_patch(text, where=tx.op.meta(index).name)
         if commit is None:
             before = _commit_before(tx, index) or tx.co.base()
-            return "upstream", (_by_patch_id(tx, text, old) or upstream_by_reverse_apply(g, text, before)
+            return Outcome.UPSTREAM, (_by_patch_id(tx, text, old) or upstream_by_reverse_apply(g, text, before)
                                 or "the 3-way merge left nothing to commit (already in NEW)")
         am = tx.op.am
         assert am is not None
@@ -423,12 +425,12 @@ def _report(tx: Transaction, base: str, head: str, names: list[str], new_hash: s
         new_stack_hash=new_hash, range_diff_command=rd_cmd, patches=reports)
 
 
-def _detail(outcome: str, recorded: str | None) -> str:
+def _detail(outcome: Outcome, recorded: str | None) -> str:
     if recorded:
         return recorded
-    return {"changed": "conflict resolved by the user (dsadapt continue)",
-            "skipped": "conflict; dropped by the user (dsadapt skip)",
-            "clean": "applied"}.get(outcome, "")
+    return {Outcome.CHANGED: "conflict resolved by the user (dsadapt continue)",
+            Outcome.SKIPPED: "conflict; dropped by the user (dsadapt skip)",
+            Outcome.CLEAN: "applied"}.get(outcome, "")
 
 
 def _range_diff_blocks(git: Git, from_base: str | None, from_head: str | None, base: str, head: str,
@@ -471,6 +473,7 @@ def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
     """Refuse a NEW checkout that holds work; returns its branch head (None if absent)."""
     if tx.state.op is not None:
         tx.refuse()
+    refuse_hand_made(co, False)
     off = head_state(co).problem(co)
     if off:
         raise WorkspaceError(f"{new_ref}: {off[0]} in {co.path}", hint=off[1])
@@ -482,7 +485,8 @@ def _check_target(co: Checkout, tx: Transaction, new_ref: PinRef) -> str | None:
     expected = applied.head if applied else co.base()
     if head and head not in (expected, co.base()):
         raise WorkspaceError(f"{new_ref}: branch {co.branch} has commits not exported to a stack",
-                             hint=f"run `dsadapt refresh {new_ref}` to keep them, or reset the branch")
+                             hint=f"`dsadapt refresh {new_ref}` exports them to that pin's stack; a rebase with "
+                                  "--force then replaces that stack (keeping it in a backup ref)")
     return head
 
 
@@ -503,7 +507,7 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
     if new_co.exists and new_co.has_op():  # before anything slow: a rerun after a kill, or a stop
         tx = Transaction.open(new_co, on_patch, progress)
         op = tx.op
-        if op.kind == "rebase" and op.extra.get("from") == str(old_ref) and op.phase not in ("stopped", "abort", "legacy"):
+        if op.kind == "rebase" and op.extra.get("from") == str(old_ref) and op.phase not in WAITING:
             if progress:
                 progress(f"finishing the interrupted rebase of {old_ref} onto {new_ref} first")
             return tx.run(), ["finished the interrupted rebase", *tx.notes]
@@ -557,4 +561,6 @@ def rebase_stack(cfg: Config, lock: Lock, old_ref: PinRef, new_tag: str, *, prog
              stack_files(old_stack) if identity else stack_files(replaced) if replaced is not None else None)
     if replaced is not None and op.snapshot:  # the stack it replaces, kept before anything changes
         g.update_ref(saves["stack"], op.snapshot)  # the result's notes name it (finish)
+        op.saved[saves["stack"]] = op.snapshot
+        tx.write()
     return tx.run(), notes

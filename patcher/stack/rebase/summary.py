@@ -10,9 +10,10 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from patcher.stack.state import CARRIED, Outcome
+
 # The classifications, in the order reports list them.
-OUTCOMES = ("clean", "merged", "changed", "upstream", "skipped")
-CARRIED = ("clean", "merged", "changed")
+OUTCOMES = (Outcome.CLEAN, Outcome.MERGED, Outcome.CHANGED, Outcome.UPSTREAM, Outcome.SKIPPED)
 
 _RD_HEADER = re.compile(r"^\s*(\d+|-):\s+([0-9a-f]+|-+)\s+([<>=!])\s+(\d+|-):\s+([0-9a-f]+|-+)\s(.*)$")
 
@@ -22,7 +23,7 @@ class PatchReport:
     index: int                 # position in OLD's stack (1-based)
     name: str                  # file name in OLD's stack
     subject: str
-    outcome: str               # one of OUTCOMES
+    outcome: Outcome           # one of OUTCOMES
     detail: str                # how it applied, or how it was found upstream
     new_name: str | None = None  # file name in NEW's stack (carried patches only)
     range_diff: str = ""       # this patch's block of `git range-diff`
@@ -99,7 +100,7 @@ def format_markdown(r: RebaseReport) -> str:
     if dropped:
         out += ["", "## Dropped", ""]
         for p in dropped:
-            why = "already upstream" if p.outcome == "upstream" else "skipped by the user"
+            why = "already upstream" if p.outcome == Outcome.UPSTREAM else "skipped by the user"
             out.append(f"- {p.name}: {why}: {p.detail}")
     out += ["", "## Range-diff of every carried patch", "",
             f"`{r.range_diff_command}` (`=` same change, `!` changed, `<` dropped).", ""]
