@@ -42,11 +42,13 @@ test: setup
 
 ## Lint, types and architecture (CI's first job): ruff (E,F,W,I,B,UP,SIM) over the project, mypy
 ## over patcher/, and the import contracts in pyproject.toml [tool.importlinter] (engines never
-## import the orchestration; the core has no CLI in it; library modules stay below the orchestration).
+## import the orchestration; the core has no CLI in it; library modules stay below the orchestration),
+## and the code's shape (tests/project/test_code_shape.py: parameters, command length, radon grade).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy patcher
 	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/project/test_code_shape.py
 
 ## Hash locks of every environment dsadapt creates (patcher/data/envs/*.txt), by
 ## `uv pip compile --generate-hashes --no-build` from the recipes in patcher/artifacts/envlocks.py

@@ -40,8 +40,10 @@ class Leftover:
         return asdict(self)
 
 
-def _pid_dead(m: re.Match | None) -> bool:
-    return bool(m) and not pid_alive(int(m.group("pid")))  # type: ignore[union-attr]
+def _dead_writer(pattern: re.Pattern, name: str) -> str | None:
+    """The pid in `name` (where `pattern` finds one) when that process is gone; else None."""
+    m = pattern.match(name)
+    return m.group("pid") if m and not pid_alive(int(m.group("pid"))) else None
 
 
 def _old(p: Path) -> bool:
@@ -94,9 +96,9 @@ def _scan_tmp(d: Path, kind: str, recursive: bool = False) -> list[Leftover]:
     for dirpath, dirs, files in walker:
         for name in list(files) + list(dirs if recursive else []):
             p = Path(dirpath) / name
-            m = TMP_RE.match(name)
-            if m and not pid_alive(int(m.group("pid"))):
-                out.append(Leftover(str(p), kind, f"temporary file of a dead dsadapt run (pid {m.group('pid')})"))
+            pid = _dead_writer(TMP_RE, name)
+            if pid:
+                out.append(Leftover(str(p), kind, f"temporary file of a dead dsadapt run (pid {pid})"))
             elif LEGACY_TMP_RE.match(name) and p.is_file() and _old(p):
                 out.append(Leftover(str(p), kind, "temporary file of an interrupted write (older dsadapt)"))
         if recursive:
@@ -107,52 +109,66 @@ def _scan_tmp(d: Path, kind: str, recursive: bool = False) -> list[Leftover]:
 def find(cfg, *, sizes: bool = False) -> list[Leftover]:
     """Leftovers of dead runs in the project, the work dir and the cache."""
     out: list[Leftover] = []
-    project = cfg.project
-    out += _scan_tmp(project, "temp file")
-    out += _scan_tmp(cfg.patches_root, "temp file", recursive=True)
-    out += _scan_tmp(cfg.reports_root, "temp file", recursive=True)
-    out += _scan_tmp(cfg.dist_dir, "temp file")
-    wd = cfg.workdir
-    checkouts = wd / "checkouts"
-    if checkouts.is_dir():
-        for engine_dir in sorted(checkouts.iterdir()):
-            if not engine_dir.is_dir():
-                continue
-            for entry in sorted(engine_dir.iterdir()):
-                m = TMP_RE.match(entry.name)
-                if m and entry.is_dir() and not pid_alive(int(m.group("pid"))):
-                    out.append(Leftover(str(entry), "checkout tmp",
-                                        f"checkout being made by a dead run (pid {m.group('pid')})"))
-                elif not entry.name.startswith(".") and (entry / ".git").is_dir():
-                    out += _checkout_leftovers(entry)
-    arts = cfg.cache / "artifacts"
-    if arts.is_dir():
-        for entry in sorted(arts.iterdir()):
-            m = DOWNLOAD_RE.match(entry.name)
-            if m and not pid_alive(int(m.group("pid"))):
-                out.append(Leftover(str(entry), "download", f"partial download of a dead run (pid {m.group('pid')})"))
-            elif entry.is_dir() and entry.name.startswith("tmp") and _old(entry):
-                out.append(Leftover(str(entry), "download", "partial download of an interrupted run (older dsadapt)"))
-            elif TMP_RE.match(entry.name) and _pid_dead(TMP_RE.match(entry.name)):
-                out.append(Leftover(str(entry), "download", "temporary file of a dead run"))
-    if (wd / "tmp").is_dir():
-        for entry in sorted((wd / "tmp").iterdir()):
-            m = SCRATCH_DIR_RE.match(entry.name)
-            if m and not pid_alive(int(m.group("pid"))):
-                out.append(Leftover(str(entry), "scratch", f"verify's scratch objects of a dead run (pid {m.group('pid')})"))
-    if wd.is_dir():
-        for entry in sorted(wd.glob("bench-*")):
-            if entry.is_dir() and _old(entry):
-                out.append(Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`"))
-    tmp = Path(os.environ.get("TMPDIR") or "/tmp")
-    for pat in (f"{p}*" for p in TEMP_WORKTREES):
-        for entry in sorted(tmp.glob(pat)):
-            if entry.is_dir() and _old(entry):
-                out.append(Leftover(str(entry), "worktree", "temporary worktree of an interrupted run (older dsadapt)"))
+    for d, recursive in ((cfg.project, False), (cfg.patches_root, True), (cfg.reports_root, True), (cfg.dist_dir, False)):
+        out += _scan_tmp(d, "temp file", recursive=recursive)
+    out += _in_checkouts(cfg.workdir / "checkouts")
+    out += _in_downloads(cfg.cache / "artifacts")
+    out += _in_scratch(cfg.workdir / "tmp")
+    out += _bench_dirs(cfg.workdir)
+    out += _temp_worktrees(Path(os.environ.get("TMPDIR") or "/tmp"))
     if sizes:
         for lo in out:
             lo.bytes = _size(Path(lo.path))
     return out
+
+
+def _entries(d: Path, pattern: str = "*") -> list[Path]:
+    """`d`'s entries matching `pattern`, sorted; none when `d` is not a directory."""
+    return sorted(d.glob(pattern)) if d.is_dir() else []
+
+
+def _in_checkouts(checkouts: Path) -> list[Leftover]:
+    """Checkouts a dead run was making, and what dead runs left inside each checkout."""
+    out: list[Leftover] = []
+    for engine_dir in _entries(checkouts):
+        for entry in _entries(engine_dir):
+            pid = _dead_writer(TMP_RE, entry.name) if entry.is_dir() else None
+            if pid:
+                out.append(Leftover(str(entry), "checkout tmp", f"checkout being made by a dead run (pid {pid})"))
+            elif not entry.name.startswith(".") and (entry / ".git").is_dir():
+                out += _checkout_leftovers(entry)
+    return out
+
+
+def _in_downloads(arts: Path) -> list[Leftover]:
+    """Partial downloads and temporary files in the artifact cache."""
+    out: list[Leftover] = []
+    for entry in _entries(arts):
+        pid = _dead_writer(DOWNLOAD_RE, entry.name)
+        if pid:
+            out.append(Leftover(str(entry), "download", f"partial download of a dead run (pid {pid})"))
+        elif entry.is_dir() and entry.name.startswith("tmp") and _old(entry):
+            out.append(Leftover(str(entry), "download", "partial download of an interrupted run (older dsadapt)"))
+        elif _dead_writer(TMP_RE, entry.name):
+            out.append(Leftover(str(entry), "download", "temporary file of a dead run"))
+    return out
+
+
+def _in_scratch(tmp: Path) -> list[Leftover]:
+    """verify's scratch objects (the work dir's tmp/) of dead runs."""
+    return [Leftover(str(entry), "scratch", f"verify's scratch objects of a dead run (pid {pid})")
+            for entry in _entries(tmp) if (pid := _dead_writer(SCRATCH_DIR_RE, entry.name))]
+
+
+def _bench_dirs(wd: Path) -> list[Leftover]:
+    return [Leftover(str(entry), "bench dir", "work dir of an interrupted `dsadapt bench`")
+            for entry in _entries(wd, "bench-*") if entry.is_dir() and _old(entry)]
+
+
+def _temp_worktrees(tmp: Path) -> list[Leftover]:
+    return [Leftover(str(entry), "worktree", "temporary worktree of an interrupted run (older dsadapt)")
+            for prefix in TEMP_WORKTREES for entry in sorted(tmp.glob(f"{prefix}*"))
+            if entry.is_dir() and _old(entry)]
 
 
 def _checkout_leftovers(co_path: Path) -> list[Leftover]:
@@ -162,8 +178,7 @@ def _checkout_leftovers(co_path: Path) -> list[Leftover]:
     lay = CheckoutLayout(co_path)
     if lay.scratch.is_dir():
         for f in sorted(lay.scratch.iterdir()):
-            m = SCRATCH_RE.match(f.name)
-            if (m and not pid_alive(int(m.group("pid")))) or (not m and _old(f)):
+            if _dead_writer(SCRATCH_RE, f.name) or (not SCRATCH_RE.match(f.name) and _old(f)):
                 out.append(Leftover(str(f), "scratch", "temporary index or object of a dead run"))
     if lay.op_dir.is_dir():
         try:
@@ -207,22 +222,27 @@ def remove(items: list[Leftover]) -> list[Leftover]:
     return failed
 
 
-def clean_checkout_tmps(engine_dir: Path) -> None:
-    """Remove checkouts a dead run was making next to the one about to be made."""
+def _clean(d: Path, *patterns: re.Pattern) -> None:
+    """Remove what dead runs left in `d` under one of `patterns`' names (best effort: a leftover
+    that cannot be removed stays for `dsadapt gc` to name)."""
     import shutil
 
-    if not engine_dir.is_dir():
-        return
-    for entry in engine_dir.iterdir():
-        m = TMP_RE.match(entry.name)
-        if m and not pid_alive(int(m.group("pid"))):
-            shutil.rmtree(entry, ignore_errors=True)
+    for entry in _entries(d):
+        if any(_dead_writer(p, entry.name) for p in patterns):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink(missing_ok=True)
+
+
+def clean_checkout_tmps(engine_dir: Path) -> None:
+    """Remove checkouts a dead run was making next to the one about to be made."""
+    _clean(engine_dir, TMP_RE)
 
 
 def clean_tmp_files(d: Path) -> None:
     """Remove temporary files of dead runs in one directory (a stack dir about to be written)."""
-    if not d.is_dir():
-        return
     for lo in _scan_tmp(d, "temp file"):
         Path(lo.path).unlink(missing_ok=True)
 
@@ -230,25 +250,9 @@ def clean_tmp_files(d: Path) -> None:
 def clean_downloads(d: Path) -> None:
     """Remove partial downloads and temporary files of dead runs in an artifact directory (about to
     receive a download)."""
-    import shutil
-
-    if not d.is_dir():
-        return
-    for entry in d.iterdir():
-        dead = _pid_dead(DOWNLOAD_RE.match(entry.name)) or _pid_dead(TMP_RE.match(entry.name))
-        if dead:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+    _clean(d, DOWNLOAD_RE, TMP_RE)
 
 
 def clean_scratch(d: Path) -> None:
     """Remove scratch directories of dead runs (`verify-PID-…`) in the work dir's tmp/."""
-    import shutil
-
-    if not d.is_dir():
-        return
-    for entry in d.iterdir():
-        if _pid_dead(SCRATCH_DIR_RE.match(entry.name)):
-            shutil.rmtree(entry, ignore_errors=True)
+    _clean(d, SCRATCH_DIR_RE)

@@ -7,9 +7,11 @@ names the file, the line and the byte offset.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from patcher.base.errors import DsadaptError, UsageError
+from patcher.base.errors import DsadaptError, UsageError, show
 
 
 def decode_utf8(data: bytes, where: str, error: type[DsadaptError] = UsageError, hint: str | None = None) -> str:
@@ -32,3 +34,12 @@ def read_text(path: Path, error: type[DsadaptError] = UsageError, hint: str | No
         raise error(f"{where or path}: is a directory, not a file", hint=f"remove or rename the directory {path}") \
             from None
     return decode_utf8(data, where or str(path), error, hint)
+
+
+def read_json(path: Path, where: str, hint: str, error: type[DsadaptError] = UsageError) -> Any:
+    """The file's JSON value, or `error` (`where`: not valid JSON, with `hint`) when its bytes are
+    not UTF-8 JSON. A missing or unreadable file is the caller's (OSError)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{where}: not valid JSON ({show(e, 80)})", hint=hint) from None

@@ -34,6 +34,7 @@ from pathlib import Path
 from patcher.base.config import Config
 from patcher.base.errors import UnsafeArtifact, UsageError, VerificationError, plural, show
 from patcher.base.fsutil import atomic_write_text, sha256_file
+from patcher.base.textfile import read_json
 from patcher.formats.pinref import PinRef, parse_pinref
 
 SCHEMA = "dsadapt.bundle/1"
@@ -127,11 +128,7 @@ def read_manifest(bundle: Path) -> Manifest:
     if not path.is_file():
         raise UsageError(f"{show(bundle, 120)} has no {MANIFEST}: not a dsadapt bundle",
                          hint="pass the folder (or .tar) `dsadapt bundle` wrote")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{show(path, 120)}: not valid JSON ({show(e, 80)})",
-                         hint="the bundle is damaged; copy it again") from None
+    data = read_json(path, show(path, 120), hint="the bundle is damaged; copy it again")
     if not isinstance(data, dict):
         raise UsageError(f"{show(path, 120)}: not a JSON object", hint="the bundle is damaged; copy it again")
     m = Manifest.from_json(data, str(path))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from patcher.base.config import Config
+from patcher.checkpoints.model_dir import Checkpoint
 from patcher.engines.base import Engine
 from patcher.rules.divergence import ModuleVerdict, PointAbove
 from patcher.rules.logits import REFERENCE_TRANSFORMERS
@@ -92,17 +93,18 @@ def _runner_script() -> Path:
     return REFERENCE_RUNNER.script
 
 
-def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc: dict, dtype: str, work: Path,
+def reference_capture(cfg: Config, checkpoint: Checkpoint, fingerprint: str, engine_doc: dict, dtype: str, work: Path,
                       python: Callable[[], Path], progress: Callable[[str], None] | None = None,
                       on_line: Callable[[str], None] | None = None, device: str = "cpu") -> dict[str, dict]:
     """The HF reference, teacher-forced on exactly the engine's token sequences, captured in
     float32 (and in `dtype` when the engine ran in low precision: its noise yardstick; for fp8,
     HF with the FP8 GEMMs' activation rounding emulated). Cached by (model, sequences, dtypes,
-    spec, runner, transformers version); `python` gives the reference's interpreter (made on
-    first use) when the cache misses; it runs on `device` if it fits there (exit 6 if not)."""
-    from patcher.checkpoints.model_dir import open_checkpoint, reference_slot, run_time_limit
+    spec, runner, transformers version); the `checkpoint` is the one the check opened. `python`
+    gives the reference's interpreter (made on first use) when the cache misses; it runs on
+    `device` if it fits there (exit 6 if not)."""
+    from patcher.checkpoints.model_dir import reference_slot, run_time_limit
 
-    config = json.loads((model_dir / "config.json").read_text())
+    model_dir, config = Path(checkpoint.path).resolve(), checkpoint.config
     dtypes = ["float32"] + ([dtype] if dtype in LOW_PRECISION_DTYPES else [])
     spec = REFERENCE_TABLE.spec(config, "float32")
     sequences = engine_doc["sequences"]
@@ -119,7 +121,7 @@ def reference_capture(cfg: Config, model_dir: Path, fingerprint: str, engine_doc
         docs = load_capture(cached)
         if isinstance(docs, dict) and all(d in docs for d in dtypes):
             return docs
-    ckpt = open_checkpoint(model_dir, check_layout=False)
+    ckpt = checkpoint
     with reference_slot(ckpt, device, cfg.cache / "locks", progress):  # the memory check comes first
         if cached.is_file():  # made meanwhile by the check this one waited for
             docs = load_capture(cached)

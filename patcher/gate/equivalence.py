@@ -207,30 +207,17 @@ class _Run:
     on_line: Callable[[str], None] | None
     t_start: float
     timings: dict = field(default_factory=dict)
+    cfg: Config = field(init=False)
+    spec: VariantSpec = field(init=False)
+    eng: Engine = field(init=False)
+    stack: Stack = field(init=False)
+    config: dict = field(init=False)
+    progress: Callable[[str], None] | None = field(init=False)
 
-    @property
-    def cfg(self) -> Config:
-        return self.plan.cfg
-
-    @property
-    def spec(self) -> VariantSpec:
-        return self.plan.spec
-
-    @property
-    def eng(self) -> Engine:
-        return self.plan.eng
-
-    @property
-    def stack(self) -> Stack:
-        return self.plan.stack
-
-    @property
-    def config(self) -> dict:
-        return self.checkpoint.config
-
-    @property
-    def progress(self) -> Callable[[str], None] | None:
-        return self.host.progress
+    def __post_init__(self) -> None:
+        # what the plan resolved, named as the steps of a run read it
+        self.cfg, self.spec, self.eng, self.stack = self.plan.cfg, self.plan.spec, self.plan.eng, self.plan.stack
+        self.config, self.progress = self.checkpoint.config, self.host.progress
 
     def job(self, prompts: Path, report: str) -> RunnerJob:
         """The engine runner's job in this run: its report `report` in the run's work dir."""
@@ -546,7 +533,7 @@ def _bisect(r: _Run, table, inline_capture: bool, engine_path: str | None = None
             raise BisectError(f"the engine run wrote no capture{': ' + why if why else ''}",
                               hint=f"see the runner's log next to {report}")
         engine_doc = bisect.load_capture(capture)
-        ref_docs = bisect.reference_capture(r.cfg, r.model_dir, r.fingerprint, engine_doc, dtype, r.work,
+        ref_docs = bisect.reference_capture(r.cfg, r.checkpoint, r.fingerprint, engine_doc, dtype, r.work,
                                                 lambda: reference_python(r.cfg, progress), progress, on_line,
                                                 device=r.plan.reference_device)
         result = bisect.compare(engine_doc, ref_docs, r.config, dtype, r.req.pin.engine, table)

@@ -51,6 +51,7 @@ from patcher.engines.registry import engine
 from patcher.engines.serving import LoadJob, PerfRecipe, ServeSettings
 from patcher.formats.lock import Lock, LockEntry
 from patcher.formats.pinref import PinRef
+from patcher.gate.result import GateRun
 from patcher.rules import speed
 
 #: Seconds a server may take to start serving (model load; vLLM on 2 CPU cores: 35-90 s).
@@ -77,13 +78,7 @@ class ServerFailed(MachineError):
 
 
 @dataclass
-class PerfResult:
-    pin: str
-    engine: str
-    variant: str
-    model: str
-    config_style: str | None
-    dtype: str
+class PerfResult(GateRun):
     mode: str                       # patched-vs-unpatched | aa
     sides: list[str]
     verdict: str

@@ -42,27 +42,31 @@ class ModelChoice:
     name: str                              # as the user gave it
     config: dict[str, Any]                 # its config.json (a built-in model: its architecture)
     checkpoint: Checkpoint | None = None   # the opened folder; None for a built-in model (made later)
+    split: Parallel = SINGLE               # the parallel configuration it was checked to split over
 
     @property
     def builtin(self) -> bool:
         return self.checkpoint is None
 
 
-def choose_model(model: str) -> ModelChoice:
-    """--model: a built-in name or a checkpoint folder whose config.json and weights agree, or a
-    one-line UsageError (exit 2) before anything runs."""
+def choose_model(model: str, parallel: Parallel = SINGLE) -> ModelChoice:
+    """--model: a built-in name or a checkpoint folder whose config.json and weights agree, and that
+    splits over `parallel`'s ranks; else a one-line UsageError (exit 2) before anything runs."""
     if model in BUILTIN_MODELS:
         from patcher.checkpoints.tiny import deepseek_config
 
-        return ModelChoice(model, deepseek_config(model))  # the architecture; no built-in model is quantized
-    if not (Path(model) / "config.json").is_file():
+        choice = ModelChoice(model, deepseek_config(model))  # the architecture; no built-in model is quantized
+    elif not (Path(model) / "config.json").is_file():
         raise UsageError(f"--model {show(model, 80)}: neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
                          "directory with config.json",
                          hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
-    from patcher.checkpoints.model_dir import open_checkpoint
+    else:
+        from patcher.checkpoints.model_dir import open_checkpoint
 
-    ckpt = open_checkpoint(Path(model))
-    return ModelChoice(model, ckpt.config, ckpt)
+        ckpt = open_checkpoint(Path(model))
+        choice = ModelChoice(model, ckpt.config, ckpt)
+    check_split(choice, parallel)
+    return replace(choice, split=parallel)
 
 
 def parallel_fits(config: dict, parallel: Parallel) -> str | None:
@@ -171,6 +175,13 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str,
     """The pin's entry and variant, or EngineUnavailable (exit 6) saying why it cannot run here
     (in `parallel`: what that configuration needs) and where `command` can (shared by check,
     bisect and perf)."""
+    entry, spec, _ = runnable_engine(lock, ref, variant, command, parallel)
+    return entry, spec
+
+
+def runnable_engine(lock: Lock, ref: PinRef, variant: str | None, command: str,
+                    parallel: Parallel = SINGLE) -> tuple[LockEntry, VariantSpec, Engine]:
+    """`runnable`, with the engine it looked up."""
     entry = lock.pin(ref)
     eng = engine(ref.engine)
     spec = eng.variant_for(entry, variant)
@@ -184,7 +195,7 @@ def runnable(lock: Lock, ref: PinRef, variant: str | None, command: str,
         raise EngineUnavailable(f"{ref} ({spec.name}) cannot run {parallel.describe()} here: {blocker}",
                                 hint=f"{_parallel_elsewhere(eng, entry, spec, parallel, command)}; "
                                      f"{eng.docs_page or 'the engine docs'} says what each variant offers")
-    return entry, spec
+    return entry, spec, eng
 
 
 def _parallel_elsewhere(eng: Engine, entry: LockEntry, spec: VariantSpec, parallel: Parallel, command: str) -> str:
@@ -319,16 +330,14 @@ def plan_check(cfg: Config, lock: Lock, req: CheckRequest, model: ModelChoice | 
     names (2); the pin, the variant and whether it can run here in this parallel configuration (6);
     the checkpoint (2 or 6); the dtype (2: checked after the machine, so a dtype a GPU-only engine
     serves is never called bad input on a machine without a GPU); where the reference runs; the
-    stack; whether a source can provide the tree (6). `model`: the --model already chosen;
+    stack; whether a source can provide the tree (6). `model`: the --model already chosen (for this parallel configuration);
     `capture`: the run must compare modules (`dsadapt bisect`), so the engine needs a capture
     table (6), and it runs in one dtype (--dtype, or the first the engine serves)."""
-    model = model or choose_model(req.model)
-    check_split(model, req.parallel)
+    model = model if model is not None and model.split == req.parallel else choose_model(req.model, req.parallel)
     if req.unpatched_engine:
         served_engine_of(lock, req.pin)
     command = req.command or f"dsadapt check {req.pin}"
-    entry, spec = runnable(lock, req.pin, req.variant, command, req.parallel)
-    eng = engine(req.pin.engine)
+    entry, spec, eng = runnable_engine(lock, req.pin, req.variant, command, req.parallel)
     model_preflight(entry, spec, eng, model.config, req.dtype)
     if dtype_blocker(eng, spec, req.dtype):
         served = eng.gate_dtypes(spec)

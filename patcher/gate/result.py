@@ -27,13 +27,20 @@ _NO_LOGITS: dict = {"rule": None, "rows": [], "passed": False}
 
 
 @dataclass
-class CheckResult:
+class GateRun:
+    """What a gate run (a check, a perf run) ran: the pin, its engine and variant, the model (with
+    the config style it was given in) and the dtype. Its results carry these first."""
+
     pin: str
     engine: str
     variant: str
     model: str
     config_style: str | None
     dtype: str
+
+
+@dataclass
+class CheckResult(GateRun):
     unpatched: bool
     verdict: str
     reasons: list[str]

@@ -58,6 +58,7 @@ from patcher.base.errors import (
     size_words,
 )
 from patcher.base.fsutil import atomic_write_text, sha256_file
+from patcher.base.textfile import read_json
 from patcher.engines.base import Engine, EnvPlan, VariantSpec
 from patcher.engines.registry import engine
 from patcher.formats.bundle import MANIFEST, BuiltWheel, Manifest, Part
@@ -177,11 +178,8 @@ def parse_have(values: Iterable[str]) -> HostPackages:
             if not path.is_file():
                 raise UsageError(f"--have {show(value, 80)}: no such file",
                                  hint="write it on the target: python3 -m pip list --format=json > host.json")
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UsageError(f"--have {show(value, 80)}: not valid JSON ({show(e, 60)})",
-                                 hint="write it with: python3 -m pip list --format=json > host.json") from None
+            data = read_json(path, f"--have {show(value, 80)}",
+                             hint="write it with: python3 -m pip list --format=json > host.json")
             items = data.get("packages") if isinstance(data, dict) else data
             if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str)
                                                       for i in items):

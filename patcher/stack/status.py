@@ -25,6 +25,7 @@ from patcher.stack.checkout import (
     shared_branch,
     shared_words,
 )
+from patcher.stack.refresh import branch_commits
 from patcher.stack.transaction import am_done, describe_op, kind_of
 
 __all__ = ["CheckoutStatus", "checkout_status", "status_all", "unpinned_status"]
@@ -79,9 +80,6 @@ def unpinned_status(cfg: Config, co: Checkout, running: int | None = None) -> Ch
 
 def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_error: str | None,
                running: int | None, entry: LockEntry | None = None) -> CheckoutStatus:
-    from patcher.base.gitutil import git_processes_in, lock_files
-
-    ref = co.ref
     st.next = None
     try:
         state = co.load()
@@ -90,27 +88,13 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
     except DsadaptError as e:
         st.state, st.detail = "broken", e.message + (f"; {e.hint}" if e.hint else "")
         return st
-    rebuilt = (f"; its state record was {co.damage}: rebuilt from git when the next dsadapt command runs"
-               if co.rebuilt else "")
-    g = co.git
     st.source = state.source
     hs = head_state(co)
-    refs = hs.refs
-    st.base = refs.get(BASE_REF)
+    st.base = hs.refs.get(BASE_REF)
     st.head = hs.branch_head
-    st.backups = sorted(r for r in refs if r.startswith(BACKUP_PREFIX))
-    applied = state.applied
-    st.applied_hash = applied.stack_hash if applied else None
-    locks = lock_files(co.path / ".git")
-    if locks:
-        holders = git_processes_in(co.path)
-        st.locks = [str(lf.relative_to(co.path)) for lf in locks]
-        lock_note = (f"; git lock file {', '.join(st.locks)} " +
-                     (f"is held by running git (pid {holders[0][0]})" if holders
-                      else "is left from a killed git: the next dsadapt command removes it"))
-    else:
-        lock_note = ""
-    lock_note = rebuilt + lock_note
+    st.backups = sorted(r for r in hs.refs if r.startswith(BACKUP_PREFIX))
+    st.applied_hash = state.applied.stack_hash if state.applied else None
+    lock_note = _rebuilt_note(co) + _lock_note(co, st)
     if state.op:
         st.op = {"kind": state.op.kind, "phase": state.op.phase, "done": am_done(co, state.op),
                  "total": state.op.total}
@@ -121,43 +105,82 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
             st.detail += f"; {what}: {fix}"
         st.detail += lock_note
         return st
+    if _not_on_the_branch(co, st, hs, stack_error, lock_note):
+        return st
+    elsewhere = ""
+    if hs.branch != co.branch:
+        where = "detached at the head of" if hs.branch is None else f"on branch {hs.branch}, at the head of"
+        elsewhere = f"; HEAD is {where} {co.branch}: `git switch {co.branch}` before you commit"
+    _on_the_branch(co, st, stack, state.applied)
+    st.detail += elsewhere + lock_note
+    return st
+
+
+def _rebuilt_note(co: Checkout) -> str:
+    return (f"; its state record was {co.damage}: rebuilt from git when the next dsadapt command runs"
+            if co.rebuilt else "")
+
+
+def _lock_note(co: Checkout, st: CheckoutStatus) -> str:
+    from patcher.base.gitutil import git_processes_in, lock_files
+
+    locks = lock_files(co.path / ".git")
+    if not locks:
+        return ""
+    holders = git_processes_in(co.path)
+    st.locks = [str(lf.relative_to(co.path)) for lf in locks]
+    return (f"; git lock file {', '.join(st.locks)} " +
+            (f"is held by running git (pid {holders[0][0]})" if holders
+             else "is left from a killed git: the next dsadapt command removes it"))
+
+
+def _not_on_the_branch(co: Checkout, st: CheckoutStatus, hs, stack_error: str | None, lock_note: str) -> bool:
+    """Fill in st and say True where the checkout is not (only) the stack branch at rest: an unreadable
+    stack, a branch shared with another worktree, the user's own git operation, uncommitted changes,
+    work on a detached HEAD or another branch, a missing branch."""
+    ref = co.ref
     if stack_error:
         st.state, st.detail = "broken", f"the stack cannot be read: {stack_error}{lock_note}"
-        return st
+        return True
     wts = shared_branch(co)
     if wts:  # never "applied" or "git switch" over a branch another worktree has checked out
         what, fix = shared_words(co, wts)
         st.state, st.detail = "diverged", f"{what}: {fix}{lock_note}"
-        return st
+        return True
     busy = git_in_progress(co, False)
     if busy:  # the user's own git operation, half done: theirs to finish
         st.state, st.detail = "dirty", f"{busy[0]}: {busy[1]}{lock_note}"
         if "dsadapt apply" in busy[1]:
             st.next = f"dsadapt apply {ref} --force"
-        return st
-    dirty = g.dirty_files()
+        return True
+    dirty = co.git.dirty_files()
     if dirty:
         st.state = "dirty"
         st.detail = f"uncommitted changes: {', '.join(dirty[:5])}{lock_note}"
-        return st
+        return True
     off = hs.problem(co)
     if off:  # work on a detached HEAD or another branch: never "applied" over it
         st.state, st.detail = "diverged", f"{off[0]}: {off[1]}{lock_note}"
-        return st
+        return True
     if st.head is None:
         st.state, st.detail = "diverged", f"branch {co.branch} is missing; `dsadapt apply {ref}` makes it again{lock_note}"
         st.next = f"dsadapt apply {ref}"
-        return st
-    elsewhere = ""
+        return True
     if hs.head != st.head:  # HEAD holds no work of its own, but the work tree is not the branch's
         where = f"detached at {(hs.head or '?')[:12]}" if hs.branch is None else f"on branch {hs.branch}"
         st.state, st.detail = "diverged", (f"HEAD is {where}, not on {co.branch}: `git switch {co.branch}` (or "
                                            f"`dsadapt apply {ref}`){lock_note}")
         st.next = f"dsadapt apply {ref}"
-        return st
-    if hs.branch != co.branch:
-        where = "detached at the head of" if hs.branch is None else f"on branch {hs.branch}, at the head of"
-        elsewhere = f"; HEAD is {where} {co.branch}: `git switch {co.branch}` before you commit"
+        return True
+    return False
+
+
+def _on_the_branch(co: Checkout, st: CheckoutStatus, stack: Stack | None, applied) -> None:
+    """The verdict for a checkout whose work tree is its stack branch: applied, outdated, clean base, or
+    commits of the user's own that refresh would export (or refuse)."""
+    ref = co.ref
+    head = st.head
+    assert head is not None  # a missing branch was told by _not_on_the_branch
     if applied and st.head == applied.head:
         if applied.needs_refresh:
             st.state = "diverged"
@@ -171,27 +194,30 @@ def _status_of(co: Checkout, st: CheckoutStatus, stack: Stack | None, stack_erro
         else:
             st.state, st.detail = "stack outdated", f"patches/ changed since apply; run `dsadapt apply {ref}`"
             st.next = f"dsadapt apply {ref}"
-        st.detail += elsewhere + lock_note
-        return st
+        return
     if st.head == st.base:
         st.state, st.detail = "clean base", "upstream tree, no patches applied"
         if stack is not None and len(stack):
             st.next = f"dsadapt apply {ref}"
-        st.detail += elsewhere + lock_note
-        return st
+        return
+    g = co.git
     since = (applied.head if applied else None) or st.base
-    ahead, behind = branch_lag(g, since, st.head)
+    ahead, behind = branch_lag(g, since, head)
     if ahead == 0 and behind:
         st.state, st.detail = "diverged", (f"branch {co.branch} was moved back by hand: it lacks {behind} commit(s) "
                                            f"of the applied stack; `dsadapt refresh {ref}` drops their patches from "
                                            f"the stack, `dsadapt apply {ref} --force` applies patches/ again")
+        return
+    new = f"{ahead if ahead is not None else '?'} new commit(s) on {co.branch}" + \
+        (f" ({behind} of the applied stack's replaced)" if behind else "")
+    try:
+        branch_commits(g, st.base or since or "", head)
+    except WorkspaceError as merge:  # refresh would refuse it: say so, and what gets out of it
+        st.state, st.detail = "diverged", (f"{new}, {merge.message}: {merge.hint}; or `dsadapt apply {ref} "
+                                           "--force` (the branch is kept in a backup ref)")
     else:
-        st.state, st.detail = "diverged", (f"{ahead if ahead is not None else '?'} new commit(s) on {co.branch}"
-                                           + (f" ({behind} of the applied stack's replaced)" if behind else "")
-                                           + f"; run `dsadapt refresh {ref}` to export them")
+        st.state, st.detail = "diverged", f"{new}; run `dsadapt refresh {ref}` to export them"
         st.next = f"dsadapt refresh {ref}"
-    st.detail += elsewhere + lock_note
-    return st
 
 
 def _kind_or_none(name: str):

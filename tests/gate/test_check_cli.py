@@ -387,3 +387,26 @@ def test_the_verdict_is_on_stdout_and_progress_on_stderr_also_with_json(proj, mo
     assert ET.fromstring(xml).find("testsuite/testcase/failure") is not None
     rc, out, err = proj.run(*args, "--json")
     assert json.loads(out)["verdict"] == "fail" and "::error" in err  # --json: stdout stays one document
+
+
+@needs_cpu_only
+def test_a_check_reads_its_inputs_once(proj, model_dir, failing_engine, monkeypatch):
+    """The model folder's config.json is read, and its split over the ranks judged, once for the
+    whole check (the plan), not again by each run; the engine's adapter is looked up once by it."""
+    from patcher.checkpoints import model_dir as md
+    from patcher.gate import plan
+
+    counts = {"config": 0, "split": 0, "engine": 0}
+
+    def counted(name, f):
+        def wrapper(*a, **k):
+            counts[name] += 1
+            return f(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(md, "read_config", counted("config", md.read_config))
+    monkeypatch.setattr(plan, "check_split", counted("split", plan.check_split))
+    monkeypatch.setattr(plan, "engine", counted("engine", plan.engine))
+    rc, out, err = proj.run("check", PIN, "--model", str(model_dir), "--dtype", "float32", "--json")
+    assert rc == 1, err  # the failing engine's verdict: the run went all the way
+    assert counts == {"config": 1, "split": 1, "engine": 1}, counts

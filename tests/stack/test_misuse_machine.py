@@ -56,8 +56,11 @@ SHRINK = os.environ.get("MISUSE_SHRINK") == "1"  # shrinking a sequence of git a
 
 RESOLVED = edit(MOD_V1, 'scoring = getattr(config, "scoring_func", "softmax")',
                 'scoring = getattr(config, "scoring_func", None) or "tanh"')
+HISTORY = ("detach", "amend middle", "switch -c", "branch -m", "checkout branch", "reset back", "stash", "merge")
+DAMAGE = ("delete record", "truncate record", "garbage record", "remove .git/dsadapt", "remove .git/dsadapt and its copy",
+          "delete stack and base refs", "delete backups", "damage ref files")
 COMMANDS = ["apply", "apply --force", "continue", "skip", "abort", "refresh", "refresh --force"]
-TALLY = {"sequences": 0, "steps": 0, "dsadapt": 0, "kills": 0, "hints followed": 0, "git steps": 0,
+TALLY = {"sequences": 0, "steps": 0, "dsadapt": 0, "kill runs": 0, "kills": 0, "hints followed": 0, "git steps": 0,
          "damage": 0, "lock edits": 0, "worktrees": 0, "lost": 0, "wrong": 0, "manual": 0}
 
 
@@ -104,8 +107,11 @@ class Checkout(RuleBasedStateMachine):
         gone = lost(self.p, before)
         if gone:
             self._fail("lost", f"{label} lost {gone}")
-        if wt_before is not None and self._wt_state() != wt_before:
+        wt_after = self._wt_state()
+        if wt_before is not None and wt_after is not None and wt_after != wt_before:
             self._fail("wrong", f"{label} moved the branch or the files under the other worktree")
+        if wt_before is not None and wt_after is None:
+            self.wt = None  # the user freed it (as the hint said)
         if hasattr(res, "rc") and res.rc:
             shape = error_shape(res.err)
             if shape or "Traceback" in res.err:
@@ -152,9 +158,10 @@ class Checkout(RuleBasedStateMachine):
         argv.insert(1, REF1)
         self._judged(cmd, lambda: self.p.run(*argv), locked_out=self._locked_out())
 
-    @rule(cmd=st.sampled_from(COMMANDS), at=st.integers(1, 80))
+    @rule(cmd=st.sampled_from(COMMANDS), at=st.integers(1, 45))
     def killed(self, cmd: str, at: int) -> None:
         TALLY["steps"] += 1
+        TALLY["kill runs"] += 1
         argv = cmd.split()
         argv.insert(1, REF1)
 
@@ -197,7 +204,15 @@ class Checkout(RuleBasedStateMachine):
         self.n += 1
         self.log.append(what)
 
-    @rule(kind=st.sampled_from(["commit", "amend", "empty", "mode", "edit", "untracked"]))
+    @rule(kind=st.sampled_from(["commit", "amend", "empty", "mode", "edit", "untracked", "detach", "amend middle",
+                                "switch -c", "branch -m", "checkout branch", "reset back", "stash", "merge"]))
+    def user_git(self, kind: str) -> None:
+        """The user's own git in the checkout."""
+        if kind in HISTORY:
+            self.user_history(kind)
+        else:
+            self.user_commit(kind)
+
     def user_commit(self, kind: str) -> None:
         self._git_step(f"git {kind}")
         co, n = self.co, self.n
@@ -222,8 +237,6 @@ class Checkout(RuleBasedStateMachine):
         else:
             (co / f"notes-{n}.txt").write_text(f"user work {n}: notes\n")
 
-    @rule(kind=st.sampled_from(["detach", "amend middle", "switch -c", "branch -m", "checkout branch",
-                                "reset back", "stash", "merge"]))
     def user_history(self, kind: str) -> None:
         self._git_step(f"git {kind}")
         n = self.n
@@ -284,7 +297,16 @@ class Checkout(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ patches/ and the lock change
 
-    @rule(conflicting=st.booleans())
+    @rule(kind=st.sampled_from(["pull clean", "pull conflicting", "lock edited", "lock restored", *DAMAGE]))
+    def outside(self, kind: str) -> None:
+        """What changes besides the checkout's git: patches/ (a pull), upstream.lock, dsadapt's own files."""
+        if kind.startswith("pull"):
+            self.pull(kind == "pull conflicting")
+        elif kind.startswith("lock"):
+            self.lock_edited(kind == "lock restored")
+        else:
+            self.damage(kind)
+
     def pull(self, conflicting: bool) -> None:
         self._git_step(f"pull ({'conflicting' if conflicting else 'clean'} stack)")
         if conflicting:
@@ -293,7 +315,6 @@ class Checkout(RuleBasedStateMachine):
             self.p.write_stack(make_patches(self.p.upstream, self.tmp / f"mk-{self.n}", TAG1,
                                             clean_stack_edits()[:2]))
 
-    @rule(restore=st.booleans())
     def lock_edited(self, restore: bool) -> None:
         self._git_step("lock restored" if restore else "lock edited (another commit and tree id)")
         TALLY["lock edits"] += 1
@@ -306,9 +327,6 @@ class Checkout(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ damage to dsadapt's own files
 
-    @rule(kind=st.sampled_from(["delete record", "truncate record", "garbage record", "remove .git/dsadapt",
-                                "remove .git/dsadapt and its copy", "delete stack and base refs",
-                                "delete backups", "damage ref files"]))
     def damage(self, kind: str) -> None:
         self._git_step(f"damage: {kind}")
         TALLY["damage"] += 1
@@ -348,7 +366,8 @@ class Checkout(RuleBasedStateMachine):
             git(self.wt, "switch", "-q", "--detach", check=False)
             self.wt = None
         before = work_now(self.p)
-        ran = []
+        ran: list[str] = []
+        then: str | None = None   # the dsadapt command the last refusal's hint named
         for _ in range(10):
             r = self.p.run("status", "--json")
             stt = r.json()["checkouts"][0]
@@ -356,11 +375,16 @@ class Checkout(RuleBasedStateMachine):
                 break
             if stt["state"] == "stopped":
                 cmd = f"skip {REF1}"
+            elif then:
+                cmd = then
             elif stt["next"]:
                 cmd = stt["next"].removeprefix("dsadapt ")
             else:
                 cmd = f"apply {REF1} --force"
             res = self.p.run(*cmd.split())
+            own = [a for a in alternatives(hint_of(res.err)) if all(c.startswith("dsadapt ") for c in a)] \
+                if res.rc else []
+            then = own[0][0].removeprefix("dsadapt ") if own and own[0][0].removeprefix("dsadapt ") != cmd else None
             ran.append(f"{stt['state']}: {cmd} -> {res.rc} {res.err.strip()[-200:]}")
             if res.rc and "Traceback" in res.err:
                 self._fail("wrong", f"{cmd}: {res.err[-500:]}")

@@ -95,42 +95,42 @@ def apply_cmd(ctx: Context, pin: str, force: bool, op_continue: bool, op_skip: b
     _report(res, as_json, "applied")
 
 
-@click.command("continue")
-@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
-@json_option
-@pass_ctx
+def op_command(name: str):
+    """`continue`, `skip`, `abort`: a command of that name taking [ENGINE@TAG] (an op can outlive its
+    pin: a rebase killed before pinning NEW) and --json."""
+    def make(f):
+        return click.command(name)(pinref_arg(required=False, pinned=False)(json_option(pass_ctx(f))))
+    return make
+
+
+def _go_on(ctx: Context, pin: str | None, as_json: bool, step) -> None:
+    """`continue` and `skip`: the op's pin checked before the work-dir lock (bad input leaves
+    nothing behind), then `step` (the stack layer's continue or skip) under it."""
+    from patcher.base.workdir import workdir_lock
+
+    ref = _op_ref(ctx, pin)
+    with workdir_lock(ctx.cfg):
+        res = step(ctx.cfg, ref, on_patch=_on_patch(as_json), progress=progress_printer())
+    _report(res, as_json, "applied")
+
+
+@op_command("continue")
 def continue_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Commit the resolved patch and apply the rest of the stack (also finishes an interrupted run)."""
-    from patcher.base.workdir import workdir_lock
     from patcher.stack.apply import continue_apply
 
-    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
-    with workdir_lock(ctx.cfg):
-        res = continue_apply(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                             progress=progress_printer())
-    _report(res, as_json, "applied")
+    _go_on(ctx, pin, as_json, continue_apply)
 
 
-@click.command("skip")
-@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
-@json_option
-@pass_ctx
+@op_command("skip")
 def skip_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Drop the patch that stopped the apply and go on with the rest."""
-    from patcher.base.workdir import workdir_lock
     from patcher.stack.apply import skip_patch
 
-    ref = _op_ref(ctx, pin)  # before the work-dir lock: bad input leaves nothing behind
-    with workdir_lock(ctx.cfg):
-        res = skip_patch(ctx.cfg, ref, on_patch=_on_patch(as_json),
-                         progress=progress_printer())
-    _report(res, as_json, "applied")
+    _go_on(ctx, pin, as_json, skip_patch)
 
 
-@click.command("abort")
-@pinref_arg(required=False, pinned=False)  # an op can outlive its pin (a rebase killed before pinning NEW)
-@json_option
-@pass_ctx
+@op_command("abort")
 def abort_cmd(ctx: Context, pin: str | None, as_json: bool) -> None:
     """Undo the whole apply (or rebase, or refresh): branches, HEAD, work tree and patches/ as they were."""
     from patcher.base.workdir import workdir_lock

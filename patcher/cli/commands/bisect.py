@@ -14,9 +14,10 @@ from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
+    build_options,
     emit_json,
     json_option,
-    model_option,
+    model_options,
     out,
     parallel_options,
     pass_ctx,
@@ -28,7 +29,7 @@ from patcher.cli.commands.common import (
 )
 from patcher.gate.equivalence import run_check
 from patcher.gate.hosts import RunHost
-from patcher.gate.plan import CheckRequest, check_split, choose_model, plan_check
+from patcher.gate.plan import CheckRequest, choose_model, plan_check
 from patcher.gate.result import CheckResult, heading, num
 from patcher.rules.divergence import FirstDivergence, ModuleVerdict
 from patcher.rules.modules import PointResult
@@ -68,15 +69,11 @@ def render(res: CheckResult, b: ModuleVerdict, points: list[PointResult] | None)
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@model_option
-@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek (DeepSeek's released keys). Default: the engine's own (its page in docs/engines/ says which).")
+@model_options
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="The engine's dtype (default: float32 where the engine has it, else its first; fp8 for a "
                    "block-FP8 checkpoint).")
-@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
-@click.option("--unpatched", is_flag=True, help="Bisect the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
+@build_options("Bisect")
 @parallel_options
 @prompt_seed_option
 @json_option
@@ -88,9 +85,8 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     its limit, 1 when one is not (the report says where)."""
     ref = to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(choice, parallel)
+    choice = choose_model(model, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant, unpatched=unpatched,
                        unpatched_engine=unpatched_engine, bisect="always", command=command, tp=parallel.tp,

@@ -15,10 +15,11 @@ from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
+    build_options,
     emit_json,
     json_option,
     junit_option,
-    model_option,
+    model_options,
     out,
     parallel_options,
     pass_ctx,
@@ -30,7 +31,7 @@ from patcher.cli.commands.common import (
     to_ref,
 )
 from patcher.formats.pinref import PinRef
-from patcher.gate.plan import CheckRequest, ModelChoice, check_split, choose_model
+from patcher.gate.plan import CheckRequest, ModelChoice, choose_model
 from patcher.gate.result import CheckResult, bisect_command, check_or_raise, heading, num
 from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.logits import Comparison, PromptRow
@@ -111,17 +112,11 @@ def render_bisect_summary(b: ModuleVerdict) -> None:
 
 @click.command("check")
 @click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
-@model_option
-@click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
-              help="config.json style of a built-in model: transformers (what save_pretrained writes) or deepseek "
-                   "(DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows (config_style "
-                   "with --json) and its page in docs/engines/ states under \"Default config style\".")
+@model_options
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
                    "bfloat16, float16 — one verdict each and one overall; fp8, and only fp8, for a block-FP8 checkpoint).")
-@click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
-@click.option("--unpatched", is_flag=True, help="Check the pristine upstream release instead of the stack.")
-@click.option("--unpatched-engine", is_flag=True, help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine unpatched, this stack applied.")
+@build_options("Check")
 @click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
 @click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
 @click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -158,9 +153,8 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if all_pins and unpatched_engine:
         raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
                          hint="dsadapt check ENGINE@TAG --unpatched-engine")
-    choice = choose_model(model)
     parallel = to_parallel(tp, ep)
-    check_split(choice, parallel)
+    choice = choose_model(model, parallel)
     request = partial(CheckRequest, model=model, config_style=config_style, dtype=dtype, reference_on=reference_device,
                       bisect="on-fail" if bisect else None, command=command_line(click.get_current_context()),
                       tp=parallel.tp, ep=parallel.ep, prompt_seed=prompt_seed)

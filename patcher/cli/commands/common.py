@@ -198,6 +198,30 @@ def parallel_options(f=None, *, served: bool = False):
     return deco(f) if f is not None else deco
 
 
+def model_options(f):
+    """--model and --config-style: the checkpoint the gate runs on."""
+    f = click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
+                     help="config.json style of a built-in model: transformers (what save_pretrained writes) or "
+                          "deepseek (DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows "
+                          "(config_style with --json) and its page in docs/engines/ states under \"Default config "
+                          "style\".")(f)
+    return model_option(f)
+
+
+def build_options(verb: str):
+    """--variant, --unpatched and --unpatched-engine: which build of the pin the gate runs (`verb`:
+    what the command does with it, for --unpatched's help)."""
+    def add(f):
+        f = click.option("--unpatched-engine", is_flag=True,
+                         help="For a pin that serves another pinned engine (`serves` in upstream.lock): that engine "
+                              "unpatched, this stack applied.")(f)
+        f = click.option("--unpatched", is_flag=True,
+                         help=f"{verb} the pristine upstream release instead of the stack.")(f)
+        return click.option("--variant", default=None,
+                            help="Engine build variant (default: the first this machine can run).")(f)
+    return add
+
+
 prompt_seed_option = click.option(
     "--prompt-seed", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
     help="0: the gate's fixed prompts; N: another prompt set of the same shape drawn from the shipped corpus "
