@@ -199,32 +199,16 @@ def _plot_low_precision(plt, c: dict, original_max: int | None):
     (dotted, same colour); (b) their ratio per block of positions, on a log axis, against the limit,
     with the pooled ratio and the lower end of its evidence. Without a yardstick (older reports):
     (a) alone, with the absolute rule's limit on the pooled mean."""
-    rows = c.get("rows") or []
     noise = (c.get("noise") or {}).get("rows") or []
-    j = c.get("judgement") or {}
-    th = c.get("thresholds") or {}
-    two = bool(noise and j.get("prefill"))
+    two = bool(noise and (c.get("judgement") or {}).get("prefill"))
     if two:
         fig, (ax, bx) = plt.subplots(2, 1, figsize=(11, 7.2), sharex=True, gridspec_kw={"height_ratios": [1, 1]})
     else:
         fig, ax = plt.subplots(figsize=(11, 4.8))
         bx = None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    by_id = {str(r.get("id")): r for r in noise}
-    last = 0
-    for i, (rid, pts) in enumerate(_positions(rows, "mean_deltas")):
-        col = colors[i % len(colors)]
-        if pts:
-            xs, ys = zip(*pts)
-            last = max(last, xs[-1])
-            ax.plot(xs, ys, color=col, linewidth=1, marker=".", markersize=3, label=f"{rid}: engine")
-        own = _positions([by_id[rid]], "mean_deltas")[0][1] if rid in by_id else []
-        if own:
-            xs, ys = zip(*own)
-            ax.plot(xs, ys, color=col, linewidth=1, linestyle=":", alpha=0.8)
-    if by_id:
-        dtype = (c.get("engine") or {}).get("dtype")
-        ax.plot([], [], color="grey", linestyle=":", label=f"dotted, same colour: HF's own {dtype} run")
+    last = _engine_and_own_curves(ax, c, noise, colors)
+    th = c.get("thresholds") or {}
     if not two and "max_mean_abs" in th:
         ax.axhline(th["max_mean_abs"], color="red", linestyle="--", linewidth=1.2,
                    label=f"limit on the pooled mean {number(th['max_mean_abs'])}")
@@ -239,13 +223,45 @@ def _plot_low_precision(plt, c: dict, original_max: int | None):
         ax.set_xlabel("query position (prompt)")
         _legend(ax, fig)
         return fig
+    ax.set_title("", fontsize=9)
+    _legend(ax, fig)
+    _block_ratio_panel(bx, c, noise, colors)
+    _legend(bx, fig)
+    return fig
+
+
+def _engine_and_own_curves(ax, c: dict, noise: list[dict], colors: list[str]) -> int:
+    """Panel (a)'s curves: each prompt's engine error per position (solid) and the reference's own
+    run in the dtype (dotted, same colour); returns the last position drawn."""
+    by_id = {str(r.get("id")): r for r in noise}
+    last = 0
+    for i, (rid, pts) in enumerate(_positions(c.get("rows") or [], "mean_deltas")):
+        col = colors[i % len(colors)]
+        if pts:
+            xs, ys = zip(*pts)
+            last = max(last, xs[-1])
+            ax.plot(xs, ys, color=col, linewidth=1, marker=".", markersize=3, label=f"{rid}: engine")
+        own = _positions([by_id[rid]], "mean_deltas")[0][1] if rid in by_id else []
+        if own:
+            xs, ys = zip(*own)
+            ax.plot(xs, ys, color=col, linewidth=1, linestyle=":", alpha=0.8)
+    if by_id:
+        dtype = (c.get("engine") or {}).get("dtype")
+        ax.plot([], [], color="grey", linestyle=":", label=f"dotted, same colour: HF's own {dtype} run")
+    return last
+
+
+def _block_ratio_panel(bx, c: dict, noise: list[dict], colors: list[str]) -> None:
+    """Panel (b), the rule's own quantity: engine ÷ the reference's own error per block of positions
+    (the routing-flip cones the rule applied left out), against the limit, with the pooled ratio and
+    the band down to what its evidence shows at least."""
+    from patcher.rules.noise import BLOCK_POSITIONS
+
+    j = c["judgement"]
     p = j["prefill"]
     rule = j.get("rule") or {}
     dtype = (c.get("engine") or {}).get("dtype")
-    ax.set_title("", fontsize=9)
-    _legend(ax, fig)
-    cones = j.get("cones") or {}
-    ratios = block_ratios(rows, noise, float(rule.get("floor") or 0.0), cones)
+    ratios = block_ratios(c.get("rows") or [], noise, float(rule.get("floor") or 0.0), j.get("cones") or {})
     ys_all: list[float] = []
     for i, (rid, bpts) in enumerate(ratios):
         if bpts:
@@ -264,16 +280,12 @@ def _plot_low_precision(plt, c: dict, original_max: int | None):
     low = max(min([0.5, (lower or 0.5) * 0.8, *ys_all]) * 0.8, 1e-2)
     bx.set_ylim(low, top)
     _ratio_ticks(bx, low, top, limit)
-    from patcher.rules.noise import BLOCK_POSITIONS
-
     bx.set_ylabel(f"engine ÷ the reference's own\n(blocks of {BLOCK_POSITIONS} positions)")
     bx.set_xlabel("query position (prompt)")
     left = (f"\n({j['left_out']} positions after a routing flip left out, as the rule leaves them)"
             if j.get("left_out") else "")
     bx.set_title(f"the rule's quantity: engine ÷ HF's own {dtype} error, failing above {limit:g}x "
                  f"beyond its evidence{left}", fontsize=8)
-    _legend(bx, fig)
-    return fig
 
 
 def _ratio_ticks(ax, low: float, top: float, *marks: float) -> None:
