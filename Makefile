@@ -13,7 +13,7 @@ export DSADAPT_TORCH_INDEX
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench gpu-check gpu-perf calibrate-speed docs clean
+.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench reports gpu-check gpu-perf calibrate-speed gpu-reports docs clean
 
 setup: $(BIN)/.installed
 
@@ -77,6 +77,24 @@ build-all: setup
 bench: setup
 	$(BIN)/python -m compileall -q patcher
 	$(BIN)/dsadapt bench
+
+## Regenerate the committed reports this machine can make: reports/plan.txt's cpu lines (vLLM 0.32 on
+## CPU: every built-in model in every dtype, the V3 at TP 2, the speed gate at its documented size,
+## the control; Triton r26.01 with a mirror of vllm_backend in DSADAPT_MIRRORS), each published into
+## reports/ by `dsadapt ... --publish`. Hours on 2 cores: run it when the machine is quiet (every
+## command's load average is in the summary). REPORTS_ARGS: e.g. --only vllm@v0.32.0, --dry-run.
+REPORTS_ARGS ?=
+reports: setup
+	$(BIN)/python tools/refresh_reports.py $(REPORTS_ARGS)
+
+## The H200's committed reports (reports/plan.txt's h200 lines: LMDeploy 0.18 in bfloat16 and
+## float16, the block-FP8 V3 slice): the offline bundle in .carry/reports and the device command.
+REPORTS_BUNDLE ?= .carry/reports
+gpu-reports: setup
+	DSADAPT=$(BIN)/dsadapt bash tools/device/reports_h200.sh prepare $(REPORTS_BUNDLE)
+	@echo "on the GPU machine, from this checkout: run command 'bash tools/device/reports_h200.sh device $(REPORTS_BUNDLE)'," \
+	  "carry ['$(REPORTS_BUNDLE)'], timeout_s 480 (FP8=0 ...: about 4 minutes; knobs: the script's header)"
+	@echo "then, here: bash tools/device/reports_h200.sh unpack OUT && $(BIN)/dsadapt report"
 
 ## The LMDeploy gate on a GPU machine without network (an H200 without network): the offline
 ## bundle in .carry/gpu (dsadapt bundle: builds, carried wheels, locks; what the H200 has is left

@@ -214,6 +214,37 @@ def plural(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + ('es' if one.endswith(('ch', 'sh', 's', 'x')) else 's'))}"
 
 
+def number(x: float | None, digits: int = 2) -> str:
+    """A measured number for people: `digits` significant digits, scientific below 0.01 and from
+    10,000 on with a one-digit exponent ('8.0e-4', not 0.000799984 or 8e-04), '0', '-' for None,
+    'inf'/'nan' as Python spells them."""
+    import math
+
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    if 0.01 <= abs(x) < 10_000:
+        text = f"{x:.{digits}g}"
+        return text if "e" not in text else f"{x:.0f}"
+    mantissa, exp = f"{x:.{max(digits - 1, 0)}e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def size_words(n: float | None) -> str:
+    """A size in bytes for people, three significant digits in the unit that fits: '0.93 GiB' (from
+    0.1 GiB on), '87.5 MiB', '12 KiB', '900 B'; '-' for None."""
+    if n is None:
+        return "-"
+    for unit, size, start in (("GiB", 2**30, 0.1), ("MiB", 2**20, 0.1), ("KiB", 2**10, 1)):
+        v = n / size
+        if abs(v) >= start:
+            return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def one_line(text: str, limit: int = 2000, token_limit: int = 240) -> str:
     """What the CLI edge prints for a message or hint: one line, no run of non-blank characters
     longer than `token_limit`, at most `limit` characters."""

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.base.errors import UsageError
+from patcher.base.errors import UsageError, plural
 from patcher.formats.lock import Lock, format_lock, version_key
 
 SIZES = (1, 10, 100, 500, 1000)
@@ -233,7 +233,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
         facts["files"] = len(_git(co.path, "ls-tree", "-r", "--name-only", base).splitlines())
         facts["source"] = (co.load().source or {}).get("kind")
         nmax = max(sizes)
-        say(f"making {nmax} patches with git fast-import (untimed)")
+        say(f"making {plural(nmax, 'patch')} with git fast-import (untimed)")
         head = make_patches(co.path, base, nmax)
         from patcher.base.gitutil import Git
         from patcher.formats.stackfiles import write_stack

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from patcher.base.errors import MachineError, UsageError, show
+from patcher.base.errors import MachineError, UsageError, show, size_words
 from patcher.checkpoints import tiny
 from patcher.checkpoints.fingerprint import publish_folder
 from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
@@ -219,8 +219,8 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if total + (1 << 28) > free:
-        raise MachineError(f"not enough disk for {show(out, 80)}: the checkpoint takes {total / 2**30:.1f} GiB, "
-                           f"{free / 2**30:.1f} GiB free", hint="free disk space, or make fewer --layers")
+        raise MachineError(f"not enough disk for {show(out, 80)}: the checkpoint takes {size_words(total)}, "
+                           f"{size_words(free)} free", hint="free disk space, or make fewer --layers")
     tmp = out.parent / f".{out.name}.making-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -243,7 +243,7 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
         workers = max(1, min(workers or default_workers(), len(tasks)))
         if progress:
             progress(f"writing {len(tasks)} tensors ({sum(math.prod(t.shape) for t in specs) / 1e9:.2f} B values, "
-                     f"{total / 2**30:.1f} GiB) into {len(names)} file(s) with {workers} worker(s)")
+                     f"{size_words(total)}) into {len(names)} file(s) with {workers} worker(s)")
         tasks.sort(key=lambda t: -math.prod(t.shape))  # largest first: the pool finishes together
         if workers == 1:
             for t in tasks:

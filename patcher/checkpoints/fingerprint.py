@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.base.errors import size_words
 from patcher.checkpoints.model_dir import CONFIG_FILE, INDEX_FILE, Checkpoint
 
 CACHE_FILE = "checkpoint-digests.json"
@@ -102,7 +103,7 @@ def fingerprint(ckpt: Checkpoint, cache: Path | None = None,
             todo.append((name, key))
     if todo and progress:
         total = sum(k[1] for _, k in todo)
-        progress(f"fingerprinting {ckpt.path.name}: sha256 of {len(todo)} file(s), {total / 2**30:.1f} GiB "
+        progress(f"fingerprinting {ckpt.path.name}: sha256 of {len(todo)} file(s), {size_words(total)} "
                  "(cached by size and mtime afterwards)")
     for name, key in todo:
         sha = file_sha256(ckpt.path / name)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from patcher.base.errors import UsageError, show
+from patcher.base.errors import UsageError, plural, show, size_words
 from patcher.checkpoints.layout import (
     Fp8Scheme,
     LayoutError,
@@ -236,7 +236,7 @@ def _check_layout(ckpt: Checkpoint) -> None:
                                        f"{ckpt.fp8.block[0]}x{ckpt.fp8.block[1]} blocks needs {list(grid)}", hint)
         layer = layer_of(name)
         if layer is not None and layer >= n_layers + mtp:
-            raise _fail(ckpt.path, f"the weights hold layer {layer} but config.json says {n_layers} layers"
+            raise _fail(ckpt.path, f"the weights hold layer {layer} but config.json says {plural(n_layers, 'layer')}"
                                    + (f" and {mtp} MTP module(s)" if mtp else ""), hint)
     names = {t.name for t in want}
     ckpt.extra_tensors = sorted(n for n in held if n not in names)
@@ -331,7 +331,7 @@ def reference_slot(ckpt: Checkpoint, device: str, lock_dir: Path, progress=None,
                         hint="rerun when it has finished, or use --reference-device cpu") from None
                 if progress and not said:
                     progress(f"reference: waiting for another check's HF reference on the {device.upper()} "
-                             f"(each needs {reference_memory(ckpt) / 2**30:.1f} GiB)")
+                             f"(each needs {size_words(reference_memory(ckpt))})")
                     said = True
                 time.sleep(0.5)
         try:
@@ -367,8 +367,8 @@ def require_reference_memory(ckpt: Checkpoint, device: str) -> None:
         slice_hint = (f"slice it (`dsadapt model slice {show(ckpt.path, 60)} --layers {k} --out DIR`: the first "
                       f"layers, embeddings and head) or ")
     raise EngineUnavailable(
-        f"the float32 reference of {show(ckpt.path.name, 60)} needs {need / 2**30:.1f} GiB "
-        f"({ckpt.float32_bytes() / 2**30:.1f} GiB of float32 weights, {ckpt.layers} layer(s)); "
-        f"this machine has {have / 2**30:.1f} GiB ({where})",
+        f"the float32 reference of {show(ckpt.path.name, 60)} needs {size_words(need)} "
+        f"({size_words(ckpt.float32_bytes())} of float32 weights, {ckpt.layers} layer(s)); "
+        f"this machine has {size_words(have)} ({where})",
         hint=slice_hint + ("run it where the memory is (--reference-device cuda on a GPU host)" if device == "cpu"
                            else "free GPU memory or use --reference-device cpu"))

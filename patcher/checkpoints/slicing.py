@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from patcher.base.errors import MachineError, UsageError, show
+from patcher.base.errors import MachineError, UsageError, show, size_words
 from patcher.checkpoints.fingerprint import INFO_FILE, publish_folder
 from patcher.checkpoints.layout import layer_of
 from patcher.checkpoints.model_dir import (
@@ -111,15 +111,15 @@ def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if total + (1 << 28) > free:
-        raise MachineError(f"not enough disk for the slice: it takes {total / 2**30:.1f} GiB, "
-                           f"{free / 2**30:.1f} GiB free under {show(out.parent, 60)}",
+        raise MachineError(f"not enough disk for the slice: it takes {size_words(total)}, "
+                           f"{size_words(free)} free under {show(out.parent, 60)}",
                            hint="free disk space or write --out elsewhere")
     dropped_mtp = sum(1 for layer in {layer_of(n) for n in ckpt.weight_map}
                       if layer is not None and layer >= ckpt.layers)
     if progress:
         progress(f"slicing {src.name}: layers 0-{k - 1} of {ckpt.layers}"
                  + (f", {dropped_mtp} MTP module(s) dropped" if dropped_mtp else "")
-                 + f": {len(names)} tensors, {total / 2**30:.2f} GiB from {len(plan)} of {len(ckpt.shards)} file(s)")
+                 + f": {len(names)} tensors, {size_words(total)} from {len(plan)} of {len(ckpt.shards)} file(s)")
     tmp = out.parent / f".{out.name}.slicing-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

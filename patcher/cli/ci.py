@@ -29,6 +29,7 @@ def junit_xml(suite: str, cases: Sequence[Case]) -> str:
     """Pure: a JUnit XML document (one <testsuite>) for `cases`."""
     from xml.sax.saxutils import escape, quoteattr  # only when a report is written (`--junit FILE`)
 
+    cases = unique_names(cases)
     failures = sum(c.failure is not None for c in cases)
     skipped = sum(c.skipped is not None and c.failure is None for c in cases)
     total = sum(c.seconds for c in cases)
@@ -55,6 +56,19 @@ def junit_xml(suite: str, cases: Sequence[Case]) -> str:
         lines.append("    </testcase>")
     lines += ["  </testsuite>", "</testsuites>", ""]
     return "\n".join(lines)
+
+
+def unique_names(cases: Sequence[Case]) -> list[Case]:
+    """Pure: the cases with no two of one class sharing a name (CI systems merge, or drop, test cases
+    of equal names): a repeated name gets ' (2)', ' (3)' in the order given."""
+    from dataclasses import replace
+
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for c in cases:
+        n = seen[(c.classname, c.name)] = seen.get((c.classname, c.name), 0) + 1
+        out.append(c if n == 1 else replace(c, name=f"{c.name} ({n})"))
+    return out
 
 
 def write_junit(path: Path | None, suite: str, cases: Sequence[Case]) -> None:

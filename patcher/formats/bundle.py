@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.config import Config
-from patcher.base.errors import UnsafeArtifact, UsageError, VerificationError, show
+from patcher.base.errors import UnsafeArtifact, UsageError, VerificationError, plural, show
 from patcher.base.fsutil import atomic_write_text, sha256_file
 from patcher.base.textfile import read_json
 from patcher.formats.pinref import PinRef, parse_pinref
@@ -141,7 +141,7 @@ def verify_bundle(bundle: Path, progress=None) -> Manifest:
     """The manifest, after checking that every file it names is there with its sha256 (exit 3 if not)."""
     m = read_manifest(bundle)
     if progress:
-        progress(f"verifying {len(m.files)} files of the bundle (sha256)")
+        progress(f"verifying {plural(len(m.files), 'file')} of the bundle (sha256)")
     for rel, want in sorted(m.files.items()):
         f = bundle / rel
         if not f.is_file():

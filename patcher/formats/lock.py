@@ -16,7 +16,7 @@ import tomli_w
 
 from patcher.base.errors import LockError, UsageError, show
 from patcher.base.textfile import read_text
-from patcher.formats.pinref import PinRef, parse_pinref
+from patcher.formats.pinref import PinRef, near_miss, near_pin, parse_pinref
 
 LOCK_VERSION = 1
 HEADER = (
@@ -106,20 +106,38 @@ class Lock:
             return self.engines[name]
         except KeyError:
             known = ", ".join(sorted(self.engines)) or "none"
+            meant = near_miss(name.partition("@")[0], self.engines)
             raise UsageError(
-                f"unknown engine '{show(name, 40)}'", hint=f"engines in upstream.lock: {known}"
+                f"unknown engine '{show(name, 40)}'",
+                hint=(f"did you mean {meant}? " if meant else "") + f"engines in upstream.lock: {known}",
             ) from None
 
     def pin(self, ref: PinRef | str) -> LockEntry:
-        ref = parse_pinref(ref) if isinstance(ref, str) else ref
+        if isinstance(ref, str):
+            text = ref
+            try:
+                ref = parse_pinref(text)
+            except UsageError as e:
+                meant = near_pin(text, self.pins)
+                if meant:
+                    raise UsageError(e.message, hint=f"did you mean {meant}?") from None
+                raise
+        if ref.engine not in self.engines:
+            meant = near_pin(str(ref), self.pins)
+            if meant:
+                raise UsageError(f"unknown engine '{show(ref.engine, 40)}'",
+                                 hint=f"did you mean {meant}? engines in upstream.lock: "
+                                      f"{', '.join(sorted(self.engines))}")
         self.engine(ref.engine)
         try:
             return self.pins[str(ref)]
         except KeyError:
             tags = ", ".join(p.tag for p in self.pins_of(ref.engine)) or "none"
+            meant = near_pin(str(ref), self.pins)
             raise UsageError(
                 f"{ref} is not pinned",
-                hint=f"pinned {ref.engine} tags: {tags}; add one with `dsadapt pin {ref}`",
+                hint=(f"did you mean {meant}? (pinned {ref.engine} tags: {tags})" if meant else
+                      f"pinned {ref.engine} tags: {tags}; add one with `dsadapt pin {ref}`"),
             ) from None
 
     def pins_of(self, engine: str) -> list[LockEntry]:

@@ -52,7 +52,7 @@ from patcher.rules.logits import (
     explain,
 )
 from patcher.rules.modules import CaptureTable
-from patcher.rules.prompts import build_prompt_set, write_prompts_json
+from patcher.rules.prompts import build_prompt_set, rope_original_max, write_prompts_json
 from patcher.rules.verdicts import check_margins
 from patcher.runners.launch import REFERENCE_RUNNER, REFERENCE_TOP_K, RunnerJob, run_runner
 
@@ -226,9 +226,13 @@ class _Run:
 
     @property
     def title(self) -> str:
-        return f"{self.req.pin} {self.label} {self.style or ''} {self.dtype}" + \
-            ("" if self.req.parallel.single else f" {self.req.parallel.label}") + \
-            (" (unpatched)" if self.req.unpatched else "")
+        """The plots' title: the pin and its configuration, one space apart (`plots.title_of`)."""
+        from patcher.rules.plots import title_of
+
+        return title_of(str(self.req.pin), {
+            "variant": self.spec.name, "model": self.label, "config_style": self.style, "dtype": self.dtype,
+            "parallel": self.req.parallel.to_json(), "unpatched": self.req.unpatched,
+            "provenance": {"unpatched_engine": self.req.unpatched_engine, "prompt_seed": self.req.prompt_seed}})
 
     def provenance(self, installed: dict) -> dict:
         """What every check report records about where and how it ran."""
@@ -317,7 +321,9 @@ def run_check(plan: CheckPlan, dtype: str, *, host: RunHost | None = None,
     reasons = verdict_reasons(comparison.reasons, dtype, bisected)
     result = r.result("pass" if not reasons else "fail", reasons,
                       explain(comparison, r.config, bisected) if r.req.explain else [],
-                      {**r.provenance(installed), **_run_provenance(r.eng, reference, report)}, comparison, bisected)
+                      {**r.provenance(installed), **_run_provenance(r.eng, reference, report),
+                       # YaRN's original context: the plot marks it, `check --rescore` draws it again from here
+                       "original_max_position_embeddings": rope_original_max(r.config)}, comparison, bisected)
     result.margins = check_margins(comparison.to_json(), bisected.margin if bisected else None)
     r.out.parent.mkdir(parents=True, exist_ok=True)
     result.plot_path = _plot(r, comparison)
@@ -408,8 +414,6 @@ def _run_provenance(eng: Engine, reference: LogitReport, report: LogitReport) ->
 
 def _plot(r: _Run, comparison: Comparison) -> str | None:
     """The per-position plot next to the report (None without matplotlib)."""
-    from patcher.rules.prompts import rope_original_max
-
     png = r.out.with_suffix(".png")
     try:
         from patcher.rules.plots import plot_deltas
@@ -472,17 +476,25 @@ def rescore_check(path: Path) -> CheckResult:
     result.margins = check_margins(result.comparison.to_json() if result.comparison else {},
                                    result.bisect.margin if result.bisect else None)
     result.report_path = str(path)
+    from patcher.checkpoints import tiny
+
     model_dir = prov.get("model_dir")
-    if now.logits is not None and model_dir and (Path(model_dir) / "config.json").is_file():
+    config = None
+    if model_dir and (Path(model_dir) / "config.json").is_file():
         with contextlib.suppress(OSError, ValueError):
             config = json.loads((Path(model_dir) / "config.json").read_text())
-            result.explanation = explain(now.logits, config, result.bisect) if not result.passed else []
+    elif result.model in tiny.VARIANTS:  # a built-in model: its config is known without its folder
+        config = tiny.deepseek_config(result.model)
+    if now.logits is not None and config is not None:
+        result.explanation = explain(now.logits, config, result.bisect) if not result.passed else []
+    if result.comparison is not None:
         try:
-            from patcher.rules.plots import plot_deltas
+            from patcher.rules.plots import plot_deltas, title_of
 
             png = Path(path).with_suffix(".png")
-            plot_deltas(now.logits, png, title=f"{result.pin} {result.model} {result.config_style or ''} "
-                                               f"{result.dtype} (rescored)")
+            original = prov.get("original_max_position_embeddings", rope_original_max(config) if config else None)
+            plot_deltas(result.comparison, png, title=title_of(result.pin, result.to_json(), rescored=True),
+                        original_max=original)
             result.plot_path = str(png)
         except ImportError:  # matplotlib is optional
             pass

@@ -67,10 +67,18 @@ class Verdict:
     stale: str | None = None    # why the verdict may not be what the current rule gives
     #: how far the check's worst judged quantity is from its limit, in words ("" when unknown)
     margin: str = ""
+    #: the patch files of the stack it judged (provenance.patches), to tell an older version of the
+    #: pin's stack (a subset of today's) from another stack (a planted-bug copy: one patch more)
+    patches: tuple[str, ...] = ()
 
     @property
     def gpu(self) -> bool:
         return bool(_GPU_RE.search(self.device))
+
+    @property
+    def machine(self) -> str:
+        """The machine in a word or two: the GPU's model ('H200') or 'CPU'."""
+        return machine_name(self.device)
 
     @property
     def config(self) -> tuple[str, str, str, str, str]:
@@ -79,8 +87,19 @@ class Verdict:
 
     @property
     def label(self) -> str:
-        parts = [x for x in (self.variant, self.model, self.config_style, self.dtype) if x]
-        return " ".join(parts + ([f"tp{self.parallel}"] if self.parallel not in ("", "1") else []))
+        from patcher.rules.verdicts import parallel_label
+
+        return " ".join(x for x in (self.variant, self.model, self.config_style, self.dtype,
+                                    parallel_label(self.parallel)) if x)
+
+
+def machine_name(device: str) -> str:
+    """Pure: a report's `device` ('GPU NVIDIA H200', 'CPU AMD EPYC (2 cores)') as a table names the
+    machine: the GPU's model without the vendor ('H200'), else 'CPU'."""
+    if _GPU_RE.search(device or ""):
+        name = re.sub(r"^\s*GPU\s+|\bNVIDIA\s+|\bAMD\s+", "", device or "").strip()
+        return name or "GPU"
+    return "CPU"
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,11 @@ class PinReport:
     perfs: list[dict] = field(default_factory=list)
     verdict: str = "never checked"   # pass | fail | never checked: the worst configuration's
     stale: int = 0                   # verdicts in `checks` scored by another rule than today's
+    #: the verdicts in `checks` are of the current stack (False: of an earlier one, "stack changed since")
+    current: bool = False
+    #: where the verdicts in `checks` were judged ('CPU', 'H200'), and the newest of their dates
+    machines: list[str] = field(default_factory=list)
+    newest: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,8 +148,10 @@ def _fields(data: dict) -> dict | None:
     parallel = data.get("parallel", prov.get("parallel", settings.get("tensor_parallel_size", settings.get("tp"))))
     if isinstance(parallel, dict):  # {"tp", "ep", "label", ...} as check reports state it: "2", "2+ep"
         parallel = f"{int(parallel.get('tp') or 1)}" + ("+ep" if parallel.get("ep") else "")
+    patches = prov.get("patches")
     return {"pin": str(fields["pin"]), "verdict": str(fields["verdict"]), "date": str(fields["date"]),
             "device": str(fields["device"]), "stack_hash": str(fields["stack_hash"] or ""),
+            "patches": tuple(str(x) for x in patches) if isinstance(patches, list) else (),
             "variant": str(data.get("variant") or ""), "model": str(data.get("model") or ""),
             "config_style": str(data.get("config_style") or ""), "dtype": str(data.get("dtype") or ""),
             "parallel": str(parallel or 1)}
@@ -253,12 +279,18 @@ def _severity(v: Verdict) -> int:
     return 0 if v.verdict == "fail" else 1 if v.verdict != "pass" else 2 if v.stale else 3
 
 
-def newest_per_config(verdicts: list[Verdict], stack_hash: str | None) -> tuple[list[Verdict], bool]:
+def newest_per_config(verdicts: list[Verdict], stack_hash: str | None,
+                      patches: tuple[str, ...] | None = None) -> tuple[list[Verdict], bool]:
     """Pure: the newest verdict of each configuration, worst first, of the current stack (only when
-    the current stack has none: of any stack, and True for "stack changed since"). A newer check
-    of another stack (a planted-bug copy, an older branch) never hides the current stack's."""
+    the current stack has none: of the earlier versions of this stack, and True for "stack changed
+    since"). A newer check of another stack (a planted-bug copy, an older branch) never hides the
+    current stack's. With the current stack's `patches` (file names), an earlier version is a stack
+    whose recorded patches are all among today's (a patch changed or added since); a stack that
+    carried a patch today's does not (a planted bug on top) is another stack, counted only when no
+    earlier version was ever checked."""
     current = [v for v in verdicts if stack_hash and v.stack_hash == stack_hash]
-    pool = current or verdicts
+    earlier = [v for v in verdicts if patches is not None and v.patches and set(v.patches) <= set(patches)]
+    pool = current or earlier or verdicts
     newest: dict[tuple, Verdict] = {}
     for v in sorted(pool, key=lambda v: (v.date, v.file)):
         newest[v.config] = v
@@ -267,21 +299,36 @@ def newest_per_config(verdicts: list[Verdict], stack_hash: str | None) -> tuple[
 
 
 def _words(v: Verdict) -> str:
+    date = v.date
     if v.verdict == "pass":
-        words = f"GPU-verified {v.date}" if v.gpu else f"pass {v.date} ({v.device})"
+        words = f"GPU-verified {date} ({v.device})" if v.gpu else f"pass {date} ({v.device})"
     else:
-        words = f"{v.verdict} {v.date} ({v.device})"
+        words = f"{v.verdict} {date} ({v.device})"
     return words + (f", {v.margin}" if v.margin else "")
 
 
-def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked") -> tuple[str, Verdict | None]:
+def machines(rows: list[Verdict]) -> list[str]:
+    """Pure: the machines the verdicts were judged on ('CPU', 'H200'), in order of first mention."""
+    return list(dict.fromkeys(v.machine for v in rows))
+
+
+def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "never checked",
+                patches: tuple[str, ...] | None = None) -> tuple[str, Verdict | None]:
     """Pure: the pin's verdict in words: the worst of the newest verdict per configuration
-    (`newest_per_config`), with how many configurations were judged; returns it and the verdict."""
-    rows, changed = newest_per_config(verdicts, stack_hash)
+    (`newest_per_config`) and its date, the newest check's date when that is later, how many
+    configurations were judged and, when they ran on more than one machine, where else; returns it
+    and the worst verdict."""
+    rows, changed = newest_per_config(verdicts, stack_hash, patches)
     if not rows:
         return never, None
     worst = rows[0]
     words = _words(worst)
+    newest = max(v.date for v in rows)
+    if newest > worst.date:
+        words += f"; newest check {newest}"
+    others = [m for m in machines(rows) if m != worst.machine]
+    if others:
+        words += f"; also on {', '.join(others)}"
     if len(rows) > 1:
         bad = [v for v in rows if v.verdict != "pass"]
         words += (f"; {len(bad)} of {len(rows)} configs fail: " + ", ".join(v.label for v in bad[:3])
@@ -294,17 +341,18 @@ def check_words(verdicts: list[Verdict], stack_hash: str | None, never: str = "n
     return words, worst
 
 
-def perf_words(verdicts: list[Verdict], stack_hash: str | None) -> tuple[str, Verdict | None, list[Verdict]]:
+def perf_words(verdicts: list[Verdict], stack_hash: str | None,
+               patches: tuple[str, ...] | None = None) -> tuple[str, Verdict | None, list[Verdict]]:
     """Pure: the speed gate's verdict in words: the worst calibrated configuration; quicker runs are
     named next to it (never in its place), or stand alone, said to be quick, when there is no
     calibrated run. Returns (words, the verdict, every configuration's newest run)."""
-    rows, changed = newest_per_config([v for v in verdicts if v.workload == "calibrated"], stack_hash)
-    quick, qchanged = newest_per_config([v for v in verdicts if v.workload != "calibrated"], stack_hash)
+    rows, changed = newest_per_config([v for v in verdicts if v.workload == "calibrated"], stack_hash, patches)
+    quick, qchanged = newest_per_config([v for v in verdicts if v.workload != "calibrated"], stack_hash, patches)
     if not rows and not quick:
         return "never measured", None, []
     if rows:
         words, worst = check_words([v for v in verdicts if v.workload == "calibrated"], stack_hash,
-                                   never="never measured")
+                                   never="never measured", patches=patches)
         newer = [q for q in quick if q.date > max(v.date for v in rows)]
         if newer:
             q = newer[0]
@@ -337,6 +385,8 @@ def _row(v: Verdict, project: Path) -> dict:
     with contextlib.suppress(ValueError):
         d["file"] = str(Path(v.file).relative_to(project))
     d["config"] = v.label
+    d["machine"] = v.machine
+    d["patches"] = list(v.patches)
     return d
 
 
@@ -412,10 +462,11 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
                 rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
                 continue
             current = stack.hash if stack.exists else None
+            names = tuple(e.name for e in stack.entries) if stack.exists else None
             mine = verdicts.get(str(entry.ref), [])
-            words, last = check_words(mine, current)
-            checks, _ = newest_per_config(mine, current)
-            p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current)
+            words, last = check_words(mine, current, patches=names)
+            checks, changed = newest_per_config(mine, current, names)
+            p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current, names)
             statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
             rows.append(PinReport(
                 str(entry.ref), len(stack), stack.exists, current,
@@ -423,7 +474,9 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
                 drop_candidates(stack, entry, pins[i + 1:], dists), perf=p_words,
                 last_perf=asdict(last_perf) if last_perf else None,
                 checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
-                verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks)))
+                verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks),
+                current=bool(checks) and not changed, machines=machines(checks),
+                newest=max((v.date for v in checks), default=None)))
     if fresh != known:
         with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
             from patcher.base.fsutil import atomic_write_text

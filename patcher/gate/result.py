@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from patcher.base.errors import CheckFailed
+from patcher.base.errors import CheckFailed, number, plural
 from patcher.engines.base import SINGLE, Parallel
 from patcher.gate.plan import parallel_flags
 from patcher.rules.divergence import ModuleVerdict
@@ -160,13 +160,13 @@ def model_words(result: CheckResult) -> str:
     c = result.comparison
     return (f"{result.model}" + (f" ({result.config_style} config)" if result.config_style else "")
             + f", {result.dtype}, {(c.rule if c else None) or 'no'} rule"
-            + (f", tolerance {c.tolerance:g}" if c is not None and c.tolerance else ""))
+            + (f", tolerance {number(c.tolerance)}" if c is not None and c.tolerance else ""))
 
 
 def _provenance_table(prov: dict) -> list[str]:
     lines = ["| provenance | |", "| --- | --- |",
              f"| date | {prov.get('date', '-')} |", f"| device | {prov.get('device', '-')} |",
-             f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({len(prov.get('patches') or [])} patches) |",
+             f"| stack | {(prov.get('stack_hash') or '-')[:12]} ({plural(len(prov.get('patches') or []), 'patch')}) |",
              f"| engine | {prov.get('engine_version') or '-'} ({(prov.get('installed') or {}).get('artifact', '-')}) |",
              f"| reference | transformers {(prov.get('reference_versions') or {}).get('transformers', '-')} on "
              f"{prov.get('reference_device', '-')} |",

@@ -29,6 +29,12 @@ SERVE_DEADLINE_S = 7 * 24 * 3600.0
 READY_S = 900.0
 
 
+def served_name(ref: PinRef, label: str, unpatched: bool = False) -> str:
+    """Pure: the model name a served pin answers to (the OpenAI API's `model`): the pin and the
+    model, e.g. `vllm@v0.32.0/v3` (`vllm@v0.32.0-unpatched/v3` for the pristine release)."""
+    return f"{ref}{'-unpatched' if unpatched else ''}/{label}"
+
+
 def recipe_for(lock: Lock, ref: PinRef, variant: str | None):
     """(entry, variant spec, recipe) or NotSupported when the engine serves neither way."""
     entry = lock.pin(ref)
@@ -74,7 +80,8 @@ def serve_recipe(cfg: Config, lock: Lock, req: ServeRequest, *, progress=None, h
     host = host or RunHost(cfg, lock, progress, locked=True)
     env = host.environment(eng.env_plan(entry, spec, lock), unpatched=unpatched)
     settings = ServeSettings(model_dir=req.model_dir, dtype=dtype, max_model_len=req.max_model_len,
-                             max_num_seqs=req.max_num_seqs, device=spec.device)
+                             max_num_seqs=req.max_num_seqs, device=spec.device,
+                             served_name=served_name(ref, label, unpatched))
     port = port or free_port()
     cmd = recipe.server_command(env.python, port, settings)
     work = cfg.workdir / "runs" / ref.engine / ref.tag / f"serve-{label}-{dtype}{'-unpatched' if unpatched else ''}"

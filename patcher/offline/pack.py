@@ -60,7 +60,9 @@ from patcher.base.errors import (
     RefusedToClobber,
     UsageError,
     VerificationError,
+    plural,
     show,
+    size_words,
 )
 from patcher.base.fsutil import atomic_write_text, sha256_file
 from patcher.base.textfile import read_json
@@ -738,7 +740,7 @@ def _check_torch(ref: PinRef, spec: VariantSpec, heavy: tuple[str, list[str], in
     version, names, size = heavy
     what = (f"torch=={version} ({'its CUDA build' if spec.device == 'cuda' else 'PyPI build'})"
             + (f" and {len(names) - 1} CUDA librar{'y' if len(names) == 2 else 'ies'}" if len(names) > 1 else "")
-            + (f", {size / 2**30:.1f} GiB" if size else ""))
+            + (f", {size_words(size)}" if size else ""))
     if max_size is not None and size and size > max_size:
         raise UsageError(f"{ref} ({spec.name}) needs {what} on the target, and --have does not say it has torch; "
                          f"carried, the bundle would exceed --max-size {max_size / 2**20:.0f} MiB",
@@ -895,7 +897,7 @@ def _carry_stacks(cfg: Config, lock: Lock, ref: PinRef, spec, stacks: dict[str, 
         shutil.copy2(work / "upstream.lock", proj / "upstream.lock")
         stack = load_stack(proj / "patches", ref)
         if progress:
-            progress(f"building the overlay of stack {name} ({len(stack)} patches, {stack.short_hash})")
+            progress(f"building the overlay of stack {name} ({plural(len(stack), 'patch')}, {stack.short_hash})")
         with tempfile.TemporaryDirectory(prefix=f"dsadapt-stack-{name}-") as scratch:
             xcfg = dataclasses.replace(cfg, project=proj, workdir=Path(scratch), venvs=Path(scratch) / "venvs",
                                        reports=Path(scratch) / "reports")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from patcher.base.errors import plural
+
 
 def _known(cls, d: dict) -> dict:
     names = {f.name for f in fields(cls)}
@@ -117,7 +119,7 @@ class ModuleVerdict:
         if self.first is not None:
             return self.first.words()
         if self.passed:
-            return f"{self.compared} points within their limits"
+            return f"{plural(self.compared or 0, 'point')} within their limits"
         return "; ".join(self.reasons) or "the per-module comparison did not run"
 
     def to_json(self) -> dict[str, Any]:

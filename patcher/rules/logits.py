@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from patcher.base.errors import DsadaptError
+from patcher.base.errors import DsadaptError, number, plural
 from patcher.rules.divergence import ModuleVerdict
 from patcher.rules.prompts import rope_original_max
 
@@ -262,7 +262,7 @@ def compare_position(ref: PositionLogprobs, eng: PositionLogprobs, k: int, tol: 
         deltas.append(abs(v - ref.top[t]))
         if t not in ref_k and ref.top[t] < kth - tol:
             problems.append(f"engine top-{k} token {t} has reference logprob {ref.top[t]:.6g}, "
-                            f"below the reference's k-th value {kth:.6g} by more than {tol:g}")
+                            f"below the reference's k-th value {kth:.6g} by more than {number(tol)}")
     for t, v in ref_k.items():
         if t not in eng_k and v > kth + tol:
             problems.append(f"reference top-{k} token {t} (logprob {v:.6g}) is missing from the engine's top-{k}")
@@ -270,7 +270,7 @@ def compare_position(ref: PositionLogprobs, eng: PositionLogprobs, k: int, tol: 
         deltas.append(abs(eng.logprob - ref.logprob))
     max_abs = max(deltas) if deltas else math.inf
     if not max_abs < tol:
-        problems.append(f"max |Δ logprob| {max_abs:.3g} >= tolerance {tol:g}")
+        problems.append(f"max |Δ logprob| {number(max_abs, 3)} >= tolerance {number(tol)}")
     ref_top1 = next(iter(ref.top))
     eng_top1 = next(iter(eng.top)) if eng.top else None
     return PositionCheck(max_abs=max_abs, mean_abs=sum(deltas) / len(deltas) if deltas else math.inf,
@@ -624,7 +624,7 @@ def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5,
     jump that is neither side's arithmetic (expert selection has its own judgement, per module).
     Where those cones would leave fewer than `CONE_KEEPS_AT_LEAST` of the positions, every position
     is judged (`cone_rows`). Returns {"passed", "reasons", "prefill": PhaseJudgement JSON, "margin",
-    "left_out", ...}."""
+    "left_out", "cones" (the flips whose cones were left out: prompt -> row), ...}."""
     from patcher.rules.noise import BLOCK_POSITIONS, Blocks, NoiseRule, judge
 
     rule = logit_noise_rule(dtype)
@@ -664,7 +664,7 @@ def judge_logits(rows: list[dict], noise: list[dict], dtype: str, k: int = 5,
     j = judge(blocks, nr, "prefill")
     reasons = []
     out: dict = {"rule": asdict(rule), "positions": n_pos, "prefill": j.to_json() if j else None,
-                 "left_out": left_out}
+                 "left_out": left_out, "cones": dict(routing_flips or {})}
     if n_pos == 0 or j is None:
         reasons.append("no teacher-forced position could be compared with the reference's own run")
         return {**out, "passed": False, "reasons": reasons, "top1": math.nan, "topk_overlap": math.nan,
@@ -709,11 +709,12 @@ def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None =
     located = bisect_lines(bisect)
     if c.passed:
         lines = [f"equivalent under the {c.rule} rule: {c.summary['positions']} positions over "
-                 f"{c.summary['prompts']} prompts, max |Δ| {c.summary['max_abs']:.3g}"]
+                 f"{c.summary['prompts']} prompts, max |Δ| {number(c.summary['max_abs'], 3)}"]
         if bisect and bisect.passed is False:
             lines += [f"but the per-module comparison ({bisect.dtype}) is not:"] + located
         elif bisect and bisect.passed:
-            lines.append(f"per-module comparison ({bisect.dtype}): {bisect.compared} points within their limits")
+            lines.append(f"per-module comparison ({bisect.dtype}): {plural(bisect.compared or 0, 'point')} within "
+                         "their limits")
         return lines
     if located:
         # the per-module comparison names the layer and module: it comes first, the logit-shape
@@ -721,7 +722,7 @@ def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None =
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
     lines = _explain_logits(c, config)
     if bisect and bisect.passed:
-        lines.append(f"bisect: every module of every layer matches ({bisect.compared} points, each prompt "
+        lines.append(f"bisect: every module of every layer matches ({plural(bisect.compared or 0, 'point')}, each prompt "
                      "run alone, prefill and decode): the difference is outside the model's forward — "
                      "batching (only batch members diverge?), the sampler or logprob post-processing")
     return lines
@@ -762,7 +763,7 @@ def _explain_logits(c: Comparison, config: dict) -> list[str]:
         return lines or list(c.reasons)
     for r in bad:
         where = "—" if r.first_divergence is None else f"query position {r.first_divergence}"
-        lines.append(f"{r.id}: first divergence at {where}; max |Δ| {r.max_abs:.3g}")
+        lines.append(f"{r.id}: first divergence at {where}; max |Δ| {number(r.max_abs, 3)}")
     singles = [r for r in c.rows if r.batch is None and r not in token_rows]
     if singles and all(r.passed for r in singles) and all(r.batch for r in bad):
         lines.append("only prompts submitted in a batch diverge while every prompt run alone matches: "

@@ -42,7 +42,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from patcher.base.errors import DsadaptError
+from patcher.base.errors import DsadaptError, plural
 from patcher.rules.divergence import FirstDivergence
 from patcher.rules.logits import CONE_KEEPS_AT_LEAST, _json_safe
 from patcher.rules.noise import PHASES, Blocks, NoiseRule, judge_phases, margin_words, worst
@@ -1197,8 +1197,8 @@ def explain_bisect(res: BisectResult, config: dict) -> list[str]:
 def _within_limits(res: BisectResult) -> list[str]:
     """The explanation of a comparison with no point above its limit: how many, and the closest."""
     compared = sum(q.status != "not compared" for q in res.points)
-    lines = [f"every compared point is within its {res.rule} limit ({compared} points over "
-             f"{res.layers} layers)"]
+    lines = [f"every compared point is within its {res.rule} limit ({plural(compared, 'point')} over "
+             f"{plural(res.layers, 'layer')})"]
     m = res.margin
     if m and m.get("margin") is not None:
         what = f"{m['ratio']:.2f}x the reference's own error" if m.get("ratio") is not None else \

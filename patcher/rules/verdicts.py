@@ -11,9 +11,40 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from patcher.base.errors import number
 from patcher.rules.logits import judge_logits
 from patcher.rules.modules import rescore_bisect
 from patcher.rules.noise import margin_words
+
+
+def parallel_label(parallel: object) -> str:
+    """Pure: a stored parallel configuration as reports name it: '' for one process, else 'tp2' or
+    'tp2-ep' (`Parallel.label`); accepts the reports' {"tp", "ep", ...} dict or a tensor-parallel size."""
+    if isinstance(parallel, dict):
+        tp, ep = int(parallel.get("tp") or 1), bool(parallel.get("ep"))
+    else:
+        try:
+            tp, ep = int(str(parallel or 1).split("+")[0]), "+ep" in str(parallel or "")
+        except ValueError:
+            return str(parallel)
+    return "" if tp == 1 and not ep else f"tp{tp}" + ("-ep" if ep else "")
+
+
+def configuration(doc: dict) -> str:
+    """Pure: what a check or speed-gate report (or a `CheckResult`'s JSON) is about, in words, one
+    space apart: variant, model, config style, dtype, the parallel configuration when not one
+    process, and the controls and seeds that make it another run of the same configuration
+    ('cpu v3 transformers bfloat16 tp2', '... unpatched', '... seed3'). Two reports of different
+    configurations never get the same words (JUnit case names, plot titles, `dsadapt report`)."""
+    raw = doc.get("provenance")
+    prov: dict = raw if isinstance(raw, dict) else {}
+    par = doc.get("parallel") if doc.get("parallel") is not None else prov.get("parallel")
+    seed = doc.get("prompt_seed", prov.get("prompt_seed"))
+    parts = [doc.get("variant"), doc.get("model"), doc.get("config_style"), doc.get("dtype"), parallel_label(par),
+             "unpatched" if doc.get("unpatched") else "",
+             "unpatched engine" if prov.get("unpatched_engine") or doc.get("unpatched_engine") else "",
+             f"seed{seed}" if seed else ""]
+    return " ".join(" ".join(str(x) for x in parts if x).split())
 
 
 def _logit_margin(c: dict) -> dict | None:
@@ -85,12 +116,12 @@ def margin_line(logits: dict | None, modules: dict | None) -> str:
     parts = []
     if logits and logits.get("margin") is not None:
         v = logits.get("value")
-        parts.append(f"logits {logits['quantity']} {'inf' if v is None else f'{v:.3g}'} vs {logits['limit']:.3g}: "
+        parts.append(f"logits {logits['quantity']} {'inf' if v is None else number(v, 3)} vs {number(logits['limit'])}: "
                      f"{margin_words(logits['margin'], logits['above'])}")
     if modules and modules.get("margin") is not None:
         v = modules["ratio"] if modules.get("ratio") is not None else modules.get("error")
         parts.append(f"worst module {modules['where']} ({modules.get('phase')}) {modules['quantity']} "
-                     f"{v:.3g}: {margin_words(modules['margin'], modules['above'])}")
+                     f"{number(v, 3)}: {margin_words(modules['margin'], modules['above'])}")
     return "; ".join(parts) or "no margin: nothing was judged"
 
 

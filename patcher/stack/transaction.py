@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 from patcher.base.dotgit import OP_PREFIX, REFS, STACK_REF
-from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError
+from patcher.base.errors import ConflictStop, PatchFormatError, WorkspaceError, plural
 from patcher.base.fsutil import atomic_write_text, remove_tree
 from patcher.base.gitutil import (
     WorkSnapshot,
@@ -1072,7 +1072,7 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
         kind = None
     verb = kind.verb if kind is not None else op.kind
     if running:
-        return "running", f"a dsadapt {verb} is running now ({done}/{op.total} patches done)", None
+        return "running", f"a dsadapt {verb} is running now ({done}/{plural(op.total, 'patch')} done)", None
     if op.phase == Phase.LEGACY:
         return "interrupted", (f"an {verb} recorded by an older dsadapt is in progress; run `dsadapt abort {ref}`, "
                                "then apply again"), f"dsadapt abort {ref}"
@@ -1089,14 +1089,14 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
             return "interrupted", (f"{seen.words(co, op)}; run `dsadapt abort {ref}` to go back to where the {verb} "
                                    f"started, then {verb} again"), f"dsadapt abort {ref}"
         if seen.how == "moved" and seen.at:
-            return "stopped", (f"{done}/{op.total} patches done; {seen.words(co, op)} (a conflict): resolve, "
+            return "stopped", (f"{done}/{plural(op.total, 'patch')} done; {seen.words(co, op)} (a conflict): resolve, "
                                f"`git add`, then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / "
                                f"`dsadapt abort {ref}`)"), f"dsadapt continue {ref}"
         if seen.how == "done":
             return "interrupted", (f"{seen.words(co, op)}; run `dsadapt continue {ref}` to record it (or "
                                    f"`dsadapt abort {ref}` to undo the whole {verb})"), f"dsadapt continue {ref}"
     if op.phase == Phase.STOPPED and name:
-        return "stopped", (f"{done}/{op.total} patches done; stopped on a conflict in {name}: resolve, `git add`, "
+        return "stopped", (f"{done}/{plural(op.total, 'patch')} done; stopped on a conflict in {name}: resolve, `git add`, "
                            f"then `dsadapt continue {ref}` (or `dsadapt skip {ref}` / `dsadapt abort {ref}`)"), \
             f"dsadapt continue {ref}"
     where = "between patches"
@@ -1111,7 +1111,7 @@ def describe_op(co: Checkout, op: Op, running: bool = False) -> tuple[str, str, 
     elif op.phase == Phase.FINISH:
         where = "while writing its results"
     legacy = " (recorded by an older dsadapt)" if op.schema < SCHEMA else ""
-    return "interrupted", (f"{verb}{legacy} interrupted {where} ({done}/{op.total} patches done); "
+    return "interrupted", (f"{verb}{legacy} interrupted {where} ({done}/{plural(op.total, 'patch')} done); "
                            f"run `dsadapt continue {ref}` to finish it or `dsadapt abort {ref}` to undo it"), \
         f"dsadapt continue {ref}"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from patcher.base.config import Config
-from patcher.base.errors import SourceError, VerificationError
+from patcher.base.errors import SourceError, UsageError, VerificationError, plural
 from patcher.engines.registry import adapter
 from patcher.formats.lock import Artifact, Lock, LockEntry
-from patcher.formats.pinref import PinRef
+from patcher.formats.pinref import PinRef, near_miss
 from patcher.upstream.sources import Unreachable, engine_cache, git_remote_tags, pypi_files
 
 
@@ -61,10 +61,29 @@ def select_pypi_artifacts(engine: str, dist_files: dict[str, list[dict]], versio
 def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, progress=None) -> tuple[LockEntry, list[str]]:
     """Build the LockEntry for ref from reachable upstream sources; returns (entry, notes)."""
     decl = lock.engine(ref.engine)
+    old = lock.pins.get(str(ref))
+    version = old.version if old else adapter(ref.engine).tag_to_version(ref.tag)
+    notes: list[str] = []
+    commit, tree = _resolve_git(cfg, lock, ref, update=update, progress=progress, notes=notes)
+    arts = list(old.artifacts) if old else []
+    if decl.pypi:
+        arts = _resolve_pypi(ref, decl.pypi, version, arts, notes)
+    if not commit and not arts:
+        raise SourceError(f"{ref}: nothing reachable describes this tag (no git, no PyPI release {version})",
+                          hint="check the tag, or pin where the upstream is reachable")
+    entry = LockEntry(engine=ref.engine, tag=ref.tag, version=version, commit=commit, tree=tree,
+                      artifacts=tuple(arts), serves=old.serves if old else None,
+                      python=old.python if old else None, note=old.note if old else None)
+    return entry, notes
+
+
+def _resolve_git(cfg: Config, lock: Lock, ref: PinRef, *, update: bool, progress, notes: list[str]
+                 ) -> tuple[str | None, str | None]:
+    """The tag's (commit, tree) from the engine's git remote, fetched into its cache; the lock's when the
+    remote cannot be reached (said in notes). A tag the remote lacks is refused with the tag meant, if any."""
+    decl = lock.engine(ref.engine)
     ad = adapter(ref.engine)
     old = lock.pins.get(str(ref))
-    version = old.version if old else ad.tag_to_version(ref.tag)
-    notes: list[str] = []
     commit = old.commit if old else None
     tree = old.tree if old else None
     try:
@@ -72,7 +91,10 @@ def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, p
             progress(f"resolving {ref.tag} at {decl.git}")
         tags = git_remote_tags(decl.git, cfg.git_timeout)
         if ref.tag not in tags:
-            raise SourceError(f"{decl.git} has no tag {ref.tag}", hint="check the tag name (`dsadapt tags ENGINE`)")
+            meant = near_miss(ref.tag, tags)
+            raise SourceError(f"{decl.git} has no tag {ref.tag}",
+                              hint=f"did you mean {ref.engine}@{meant}?" if meant else
+                              f"check the tag name (`dsadapt tags {ref.engine}`)")
         got = tags[ref.tag]
         if commit and got != commit and not update:
             raise VerificationError(f"{ref}: tag moved: upstream says {got[:12]}, lock pins {commit[:12]}",
@@ -86,31 +108,32 @@ def resolve_pin(cfg: Config, lock: Lock, ref: PinRef, *, update: bool = False, p
         commit, tree = fetched, cache.tree_of(fetched)
         notes.append(f"git: {ref.tag} -> commit {commit[:12]}, tree {tree[:12]}")
     except Unreachable as e:
+        usual = ad.version_to_tag(ad.tag_to_version(ref.tag))
+        if old is None and usual != ref.tag:  # nothing can say the tag exists, and it is not spelled like a release
+            raise UsageError(f"{ref}: {decl.git} cannot be reached to look the tag up, and {ref.engine}'s release "
+                             f"tags are spelled like {usual}", hint=f"did you mean {ref.engine}@{usual}?") from None
         notes.append(f"git: {e.message}; commit/tree {'kept from the lock' if commit else 'unknown'}")
     except Exception as e:  # ls-remote timeouts and the like
         if isinstance(e, (SourceError, VerificationError)):
             raise
         notes.append(f"git: unreachable ({e.__class__.__name__}); commit/tree {'kept' if commit else 'unknown'}")
-    arts = list(old.artifacts) if old else []
-    if decl.pypi:
-        try:
-            dist_files = {d: pypi_files(d) for d in decl.pypi}
-            fresh = select_pypi_artifacts(ref.engine, dist_files, version)
-            known = {a.file: a for a in arts}
-            for a in fresh:
-                if a.file in known and known[a.file].sha256 != a.sha256:
-                    raise VerificationError(f"{ref}: PyPI now serves {a.file} with sha256 {a.sha256[:16]}…, "
-                                            f"lock pins {known[a.file].sha256[:16]}…",
-                                            hint="a re-uploaded artifact: investigate before trusting it")
-            if not arts:
-                arts = fresh
-            notes.append(f"pypi: {len(fresh)} artifact(s) for {version}: " + ", ".join(a.file for a in fresh))
-        except Unreachable as e:
-            notes.append(f"pypi: {e.message}")
-    if not commit and not arts:
-        raise SourceError(f"{ref}: nothing reachable describes this tag (no git, no PyPI release {version})",
-                          hint="check the tag, or pin where the upstream is reachable")
-    entry = LockEntry(engine=ref.engine, tag=ref.tag, version=version, commit=commit, tree=tree,
-                      artifacts=tuple(arts), serves=old.serves if old else None,
-                      python=old.python if old else None, note=old.note if old else None)
-    return entry, notes
+    return commit, tree
+
+
+def _resolve_pypi(ref: PinRef, dists, version: str, arts: list[Artifact], notes: list[str]) -> list[Artifact]:
+    """The pin's PyPI artifacts: the lock's (refused when PyPI now serves one of them with another hash),
+    else what PyPI serves for the version; an unreachable index is said in notes."""
+    try:
+        dist_files = {d: pypi_files(d) for d in dists}
+        fresh = select_pypi_artifacts(ref.engine, dist_files, version)
+        known = {a.file: a for a in arts}
+        for a in fresh:
+            if a.file in known and known[a.file].sha256 != a.sha256:
+                raise VerificationError(f"{ref}: PyPI now serves {a.file} with sha256 {a.sha256[:16]}…, "
+                                        f"lock pins {known[a.file].sha256[:16]}…",
+                                        hint="a re-uploaded artifact: investigate before trusting it")
+        notes.append(f"pypi: {plural(len(fresh), 'artifact')} for {version}: " + ", ".join(a.file for a in fresh))
+        return arts or fresh
+    except Unreachable as e:
+        notes.append(f"pypi: {e.message}")
+        return arts

@@ -63,6 +63,18 @@ def test_bad_input_one_error_line_hint_exit_code_no_change_on_disk(project, clea
         assert not project.checkout().exists()
 
 
+@pytest.mark.parametrize("typed", ["vllm@1.0.0", "VLLM@v1.0.0", "vllm-v1.0.0", "vllm v1.0.0", "vlm@v1.0.0"])
+def test_a_near_miss_pin_is_answered_with_the_pin_it_means(project, clean_stack, typed):
+    before = files_snapshot(project.root, project.workdir, ignore=("lock",))
+    for cmd in ("apply", "check", "verify"):
+        r = project.run(cmd, typed)
+        lines = r.err.strip("\n").split("\n")
+        assert r.rc == 2 and len(lines) == 2 and lines[1].startswith(f"hint: did you mean {REF1}?"), (cmd, r)
+    r = project.run("tags", "vllm@v1.0.0")  # tags takes the engine
+    assert r.rc == 2 and "hint: did you mean vllm?" in r.err, r
+    assert files_snapshot(project.root, project.workdir, ignore=("lock",)) == before
+
+
 def test_usage_errors_from_click_exit_2(project):
     r = project.run("apply")
     assert r.rc == 2

@@ -29,6 +29,22 @@ def test_plain_tables_fit_100_columns_and_wrap_long_cells(monkeypatch):
                                                         width=common.plain_width()).splitlines()) <= 60
 
 
+@pytest.mark.parametrize("width", [60, 95, 100])
+def test_plain_tables_never_break_a_name_inside_a_word(width):
+    rows = [["lmdeploy@v0.18.0", "pytorch deepseek-v3-slice4 fp8", "check: pass", "2026-12-01", "H200",
+             "planted-inverse-deepseek-v3-slice4-fp8.json"],
+            ["vllm@v0.32.0", "cpu v3 transformers float32 tp2", "perf: pass (quick run)", "2026-11-30", "CPU",
+             "v3-transformers-float32-tp2.json"]]
+    cols = ["pin", "configuration", "gate: verdict", "date", "machine", "report"]
+    text = common.plain_table(None, cols, rows, width=width)
+    assert max(len(ln) for ln in text.splitlines()) <= width
+    words = {w for r in [cols, *rows] for c in r for w in common._words(c)}
+    assert {"planted-", "inverse-", "deepseek-v3-slice4-fp8.json"} <= words  # textwrap's own pieces
+    got = {w for ln in text.splitlines() if set(ln) - {"-", " "} for w in common._words(ln)}
+    if width >= 16 + 18 + 7 + 10 + 7 + 27 + 2 * 5:  # the longest words side by side fit: none is cut
+        assert got <= words, (got - words, text)  # every piece is a whole word, or ends at a hyphen
+
+
 def test_colour_follows_no_color_and_the_color_option(monkeypatch):
     from patcher.cli import options
 
@@ -121,6 +137,16 @@ def test_shell_completion_prints_the_script_and_completes_pins(project):
     out = complete(_DSADAPT_COMPLETE="bash_complete", COMP_WORDS="dsadapt check vllm@v1", COMP_CWORD="2")
     assert "plain,vllm@v1.0.0" in out and "plain,vllm@v1.1.0" in out, out
     assert "plain,rebase" in complete(_DSADAPT_COMPLETE="bash_complete", COMP_WORDS="dsadapt reb", COMP_CWORD="1")
+
+    def words(line: str) -> list[str]:
+        n = len(line.split()) - (0 if line.endswith(" ") else 1)
+        return complete(_DSADAPT_COMPLETE="bash_complete", COMP_WORDS=line, COMP_CWORD=str(n)).splitlines()
+
+    assert words("dsadapt tags ") == ["plain,vllm"]  # the engines `tags` takes
+    for cmd in ("check", "bisect", "perf", "serve"):  # built-in models, then the shell's directories
+        assert words(f"dsadapt {cmd} vllm@v1.0.0 --model ") == ["plain,v3", "plain,v2-lite", "plain,v2", "dir,"], cmd
+    assert words("dsadapt check vllm@v1.0.0 --model v2") == ["plain,v2-lite", "plain,v2", "dir,v2"]
+    assert words("dsadapt rebase vllm@v1.0.0 --onto ") == ["plain,v1.1.0"]  # the pinned tags newer than the pin
 
 
 def test_quiet_and_verbose_go_before_or_after_the_command_but_not_together(project, clean_stack):

@@ -189,3 +189,63 @@ def test_bad_pinrefs(text):
 def test_pinref_round_trip():
     assert str(parse_pinref("triton@r24.08")) == "triton@r24.08"
     assert parse_pinref("vllm@v0.3.3") == PinRef("vllm", "v0.3.3")
+
+
+# ---------------------------------------------------------------- near misses ("did you mean")
+
+PINS = ["vllm@v0.3.3", "vllm@v0.32.0", "vllm@v0.33.0", "lmdeploy@v0.18.0", "triton@r24.08", "triton@r26.01"]
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("vllm@0.32.0", "vllm@v0.32.0"),      # the v left out
+    ("vllm@V0.32.0", "vllm@v0.32.0"),     # case
+    ("vllm@v0.32", "vllm@v0.32.0"),       # trailing zero left out
+    ("triton@26.01", "triton@r26.01"),    # Triton's r left out
+    ("vlm@v0.32.0", "vllm@v0.32.0"),      # a letter off in the engine
+    ("lmdepoly@0.18.0", "lmdeploy@v0.18.0"),
+    ("vllm-v0.32.0", "vllm@v0.32.0"),     # another separator
+    ("vllm v0.33.0", "vllm@v0.33.0"),
+    ("vllm:v0.33.0", "vllm@v0.33.0"),
+    ("vllm@v0.32.1", None),               # another release is not a typo
+    ("vllm@v0.34.0", None),
+    ("vllm@v0.3.30", None),
+    ("vllm@main", None),
+    ("sglang@v0.32.0", None),
+    ("vllm", None),
+])
+def test_near_pin_names_the_pin_a_typo_means_and_never_guesses_a_release(typed, meant):
+    from patcher.formats.pinref import near_pin
+
+    assert near_pin(typed, PINS) == meant
+
+
+def test_near_misses_of_huge_input_are_no_answer():
+    from patcher.formats.pinref import near_miss, near_pin
+
+    assert near_pin("vllm@v" + "9" * 10_000, PINS) is None and near_miss("9" * 10_000, ["v0.32.0"]) is None
+
+
+def test_near_miss_refuses_a_tie():
+    from patcher.formats.pinref import near_miss
+
+    assert near_miss("v1.0-rc1", ["v1.0rc1", "v1.0rc2"]) == "v1.0rc1"
+    assert near_miss("lmdeploi", ["lmdeploy", "lmdeplox"]) is None  # two names equally near
+
+
+def test_lock_pin_hints_the_pin_a_near_miss_means(tmp_path):
+    lock = parse_lock(GOOD)
+    with pytest.raises(UsageError) as ei:
+        lock.pin("vllm@0.10.0")
+    assert ei.value.message == "vllm@0.10.0 is not pinned" and ei.value.hint.startswith("did you mean vllm@v0.10.0?")
+    with pytest.raises(UsageError) as ei:
+        lock.pin("vllm@v0.11.0")  # nothing near: how to pin it
+    assert "did you mean" not in ei.value.hint and "dsadapt pin vllm@v0.11.0" in ei.value.hint
+    with pytest.raises(UsageError) as ei:
+        lock.pin("vlm@v0.10.0")
+    assert "unknown engine 'vlm'" in ei.value.message and ei.value.hint.startswith("did you mean vllm@v0.10.0?")
+    with pytest.raises(UsageError) as ei:
+        lock.pin("vllm-v0.10.0")
+    assert "is not ENGINE@TAG" in ei.value.message and ei.value.hint == "did you mean vllm@v0.10.0?"
+    with pytest.raises(UsageError) as ei:
+        lock.engine("vllm@v0.10.0")  # `dsadapt tags` takes an engine
+    assert ei.value.hint.startswith("did you mean vllm?")

@@ -93,7 +93,7 @@ def test_a_reference_that_cannot_fit_says_so_before_it_starts(proj, bf16_model):
             mock.patch("patcher.gate.equivalence.reference_python", side_effect=AssertionError("the reference started")):
         rc, out, err = proj.run("check", PIN, "--model", str(bf16_model), "--dtype", "float32")
     assert rc == 6, err
-    assert "the float32 reference of v2-lite-mini needs" in err and "this machine has 0.1 GiB" in err
+    assert "the float32 reference of v2-lite-mini needs" in err and "this machine has 64 MiB" in err
     assert "dsadapt model slice" in err
     work = Path(proj.env["DSADAPT_WORKDIR"])
     assert not (work / "venvs").exists()

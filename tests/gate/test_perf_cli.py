@@ -381,3 +381,55 @@ def test_serve_starts_what_perf_serves_and_stops_it(proj, model_dir, fake_engine
     with pytest.raises(Exception, match="serves float32, not bfloat16"), \
             serve_recipe(cfg, lock, ServeRequest(parse_pinref(PIN), model_dir, "mymodel", dtype="bfloat16")):
         pass
+
+
+@needs_cpu_only
+def test_serve_names_the_model_after_the_pin_and_ctrl_c_exits_130(proj, model_dir, fake_engine, monkeypatch):
+    """`dsadapt serve` answers to `PIN/MODEL` (not a name of dsadapt's own), and ends as an interrupted
+    command does (130, docs/user-guide.md's exit codes) with every process it started gone."""
+    import urllib.request
+
+    from patcher.base.procs import group_members
+    from patcher.cli.commands import serve as serve_cmd
+
+    seen = {}
+
+    def ctrl_c(stop, served):
+        with urllib.request.urlopen(served.url + "/health", timeout=10) as r:
+            seen["status"], seen["pgid"], seen["model"] = r.status, served.pid, served.model
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cmd, "_wait", ctrl_c)
+    rc, out, err = proj.run("serve", PIN, "--model", str(model_dir))
+    assert rc == 130 and seen["status"] == 200 and "stopped." in err and "error" not in err, (out, err)
+    assert seen["model"] == f"{PIN}/mymodel" and f"model: {PIN}/mymodel" in out and "dsadapt-perf" not in out
+    assert not group_members(seen["pgid"])
+    rc, out, _ = proj.run("serve", PIN, "--model", str(model_dir), "--unpatched", "--json")
+    assert rc == 130 and json.loads(out)["model"] == f"{PIN}-unpatched/mymodel"
+
+
+@needs_cpu_only
+def test_serve_says_so_when_its_server_exits_on_its_own(proj, model_dir, fake_engine, monkeypatch):
+    import signal
+
+    from patcher.cli.commands import serve as serve_cmd
+
+    real = serve_cmd._wait
+
+    def crash_then_wait(stop, served):
+        os.killpg(served.pid, signal.SIGKILL)
+        real(stop, served)
+
+    monkeypatch.setattr(serve_cmd, "_wait", crash_then_wait)
+    rc, out, err = proj.run("serve", PIN, "--model", str(model_dir))
+    assert rc == 7 and "the server exited on its own" in err and "server.log" in err, (out, err)
+
+
+def test_perf_help_speaks_of_the_two_servers_not_of_a_reference():
+    from click.testing import CliRunner
+
+    from patcher.cli.main import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["perf", "--help"]).output.split())
+    assert "the patched and the unpatched server run the same ranks" in text
+    assert "reference stays one process" not in text and "HF reference" not in text

@@ -68,9 +68,10 @@ def logit_pair(delta: float, dtype: str = "float32") -> tuple[LogitReport, Logit
 
 def write_check(proj: Proj, name: str, *, model: str, dtype: str, verdict: str, date: str,
                 stack_hash: str = HASH, style: str = "transformers", inputs: tuple | None = None,
-                comparison: dict | None = None) -> Path:
-    proj.reports.mkdir(parents=True, exist_ok=True)
+                comparison: dict | None = None, device: str = "CPU x (2 cores)",
+                patches: list[str] | None = None) -> Path:
     path = proj.reports / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     from patcher.gate.equivalence import current_rule
 
     comp = comparison or {**current_rule(dtype), "rows": []}
@@ -78,8 +79,10 @@ def write_check(proj: Proj, name: str, *, model: str, dtype: str, verdict: str, 
            "config_style": style, "dtype": dtype, "unpatched": False, "verdict": verdict, "reasons": [],
            "explanation": [], "report_path": str(path), "plot_path": None, "timings": {}, "comparison": comp,
            "bisect": None,
-           "provenance": {"date": date, "device": "CPU x (2 cores)", "stack_hash": stack_hash,
+           "provenance": {"date": date, "device": device, "stack_hash": stack_hash,
                           "command": f"dsadapt check {PIN} --model {model} --dtype {dtype}"}}
+    if patches is not None:
+        doc["provenance"]["patches"] = patches
     if inputs is not None:
         from patcher.gate.equivalence import save_inputs
 
@@ -105,6 +108,7 @@ def test_a_failure_of_the_current_stack_is_never_hidden_by_a_newer_pass_of_anoth
                 date="2026-12-01T11:00:00Z")
     r = rows(proj)[PIN]
     assert r["verdict"] == "fail" and r["check"].startswith("fail 2026-12-01T10:00:00Z")
+    assert "; newest check 2026-12-01T11:00:00Z" in r["check"]
     assert "1 of 2 configs fail: cpu v2 transformers float16" in r["check"]
     assert [(c["config"], c["verdict"]) for c in r["checks"]] == [("cpu v2 transformers float16", "fail"),
                                                                  ("cpu v3 transformers float32", "pass")]
@@ -171,6 +175,40 @@ def test_a_verdict_the_current_rule_would_not_give_is_flagged_and_rescored(proj,
     assert rc == 1 and json.loads(out)["verdict"] == "fail"
 
 
+def test_rescoring_a_tp_2_report_redraws_its_plot_with_tp2_and_the_yarn_marker(proj, monkeypatch):
+    """The rescored plot names the configuration as the check did (tp2, "(rescored)") and keeps
+    YaRN's original context (stored in the report: the model's folder may be on another machine)."""
+    import patcher.rules.plots as plots
+
+    path = write_check(proj, "v3-transformers-float32-tp2.json", model="v3", dtype="float32", verdict="pass",
+                       date="2026-12-01T10:00:00Z", inputs=logit_pair(1e-6))
+    doc = json.loads(path.read_text())
+    doc["parallel"] = {"tp": 2, "ep": False, "world_size": 2, "label": "tp2"}
+    doc["provenance"].update(original_max_position_embeddings=64, model_dir="/elsewhere/v3")
+    path.write_text(json.dumps(doc))
+    drawn = []
+    real = plots.plot_deltas
+
+    def spy(comparison, out, title=None, original_max=None):
+        drawn.append((title, original_max))
+        return real(comparison, out, title=title, original_max=original_max)
+
+    monkeypatch.setattr(plots, "plot_deltas", spy)
+    rc, out, err = proj.run("check", "--rescore", str(path))
+    assert rc == 0, err
+    assert drawn == [(f"{PIN} cpu v3 transformers float32 tp2 (rescored)", 64)]
+    assert json.loads(path.read_text())["plot_path"] == str(path.with_suffix(".png")) and path.with_suffix(".png").is_file()
+    # a report of a built-in model that predates the stored value: the built-in model's own config says it
+    del doc["provenance"]["original_max_position_embeddings"]
+    path.write_text(json.dumps(doc))
+    drawn.clear()
+    assert proj.run("check", "--rescore", str(path))[0] == 0
+    from patcher.checkpoints.tiny import deepseek_config
+    from patcher.rules.prompts import rope_original_max
+
+    assert drawn[0][1] == rope_original_max(deepseek_config("v3")) and drawn[0][1] is not None
+
+
 def test_a_report_without_inputs_is_flagged_when_its_rule_parameters_changed(proj, monkeypatch):
     import patcher.rules.logits as logits
 
@@ -226,3 +264,44 @@ def test_a_parallel_configuration_is_named_by_its_size(proj):
     assert sorted(c["config"] for c in r["checks"]) == ["cpu v3 transformers float32",
                                                          "cpu v3 transformers float32 tp2"]
     assert r["verdict"] == "fail" and "{" not in r["check"]
+
+
+def _table_rows(out: str, pin: str) -> list[str]:
+    """The lines of the first table's row of `pin` (its continuation lines too)."""
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(pin + " "))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i][:1].strip()), len(lines))
+    return lines[start:end]
+
+
+def test_the_table_dates_a_pin_by_its_newest_check_and_names_the_machines(proj, monkeypatch):
+    write_check(proj, "v2-transformers-float16.json", model="v2", dtype="float16", verdict="pass",
+                date="2026-11-20T10:00:00Z", device="GPU NVIDIA H200")
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="pass",
+                date="2026-12-01T11:00:00Z")
+    r = rows(proj)[PIN]
+    assert r["current"] and sorted(r["machines"]) == ["CPU", "H200"], r
+    assert r["newest"] == "2026-12-01T11:00:00Z" and {c["machine"] for c in r["checks"]} == {"CPU", "H200"}
+    monkeypatch.setenv("COLUMNS", "300")  # the cell on one line
+    rc, out, _ = proj.run("report")
+    cell = " ".join(_table_rows(out, PIN))
+    # the stale v2 float16 report (no yardstick) sorts first, but the row is dated by the newest check
+    assert rc == 0 and "2026-12-01 (CPU, H200)" in cell.replace("(H200, CPU)", "(CPU, H200)"), out
+    assert "2026-11-20" not in cell, out
+    # names are never cut inside a word (the table's wrapping: tests/cli/test_output.py)
+    monkeypatch.setenv("COLUMNS", "100")
+    rc, out, _ = proj.run("report")
+    assert "v3-transformers-" in out and "float32.json" in out and "transformers" in out, out
+
+
+def test_a_planted_copy_of_the_stack_never_stands_for_the_pin(proj):
+    """With no check of today's stack, an earlier version of it (its patches a subset of today's)
+    speaks, "stack changed since"; a copy with a patch more (a planted bug) never does."""
+    names = [e.name for e in load_stack(REPO_ROOT / "patches", PinRef("vllm", "v0.32.0")).entries]
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="pass",
+                date="2026-11-01T00:00:00Z", stack_hash="older", patches=names[:1])
+    write_check(proj, "planted/v3-transformers-float32.json", model="v3", dtype="float32", verdict="fail",
+                date="2026-12-01T00:00:00Z", stack_hash="planted", patches=[*names, "0003-planted-bug.patch"])
+    r = rows(proj)[PIN]
+    assert r["verdict"] == "pass" and "stack changed since" in r["check"] and not r["current"], r
+    assert [c["file"].endswith("/v0.32.0/v3-transformers-float32.json") for c in r["checks"]] == [True]

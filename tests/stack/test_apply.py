@@ -48,6 +48,18 @@ def test_apply_git_source_one_line_per_patch_and_same_tree_as_git_am(project, cl
     assert st["op"] is None and st["applied"]["head"] == git(co, "rev-parse", "HEAD")
 
 
+def test_apply_says_which_source_it_used_and_why_earlier_ones_were_passed_over(project, clean_stack):
+    """The text output says it, not only --json (docs/user-guide.md, "Apply the stack")."""
+    project.env["DSADAPT_SOURCES"] = "mirror,git"  # no mirror configured: passed over, then git
+    r = project.run("apply", REF1)
+    assert r.rc == 0, r
+    assert "(source: git " in r.out and "  passed over mirror: " in r.out, r.out
+    assert "  verified: " in r.out
+    doc = json.loads(project.run("apply", REF1, "--json").out)
+    assert doc["source"]["passed_over"] and doc["source"]["passed_over"][0].startswith("mirror: ")
+    assert f"  passed over {doc['source']['passed_over'][0]}" in r.out
+
+
 def test_apply_twice_is_a_noop_that_says_so(project, clean_stack):
     assert project.run("apply", REF1).rc == 0
     co = project.checkout()
@@ -81,6 +93,9 @@ def test_conflict_stops_names_patch_and_files_status_says_stopped(project):
     assert st["state"] == "stopped" and "1/3 patches done" in st["detail"]
     assert "stopped on a conflict in 0002-mod-default-scoring-to-tanh.patch" in st["detail"], st
     assert st["next"] == f"dsadapt continue {REF1}" and st["op"]["phase"] == "stopped"
+    # the table names it too, in its `next` column
+    table = project.run("status", env={"COLUMNS": "250"}).out.splitlines()
+    assert table[1].split()[-1] == "next" and table[3].endswith(f"dsadapt continue {REF1}"), table
     # apply again refuses while stopped
     again = project.run("apply", REF1)
     assert again.rc == 4 and "in progress" in again.err

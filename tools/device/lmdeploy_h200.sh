@@ -21,7 +21,8 @@
 # Results in $OUT (8 files at most, whatever the number of chains): log.txt (this script),
 # summary.txt (one line per command: chain, stack, command, exit status, verdict, margin, seconds),
 # summary.json (the same, with every check's --json result), install.json, host-pip-list.json,
-# reports.tgz (every report dsadapt published, per stack; each command's --json output and log;
+# reports.tgz (every report dsadapt published, per stack, with its recorded inputs (`check --rescore`
+# reads them); each command's --json output and log;
 # EXTRA's files; the environments' install records; runner logs while the archive stays < 15 MB).
 # Rehearsed on CPU with the toy engine: tests/tools/test_device_rehearsal.py.
 set -o pipefail
@@ -99,7 +100,8 @@ stamp done
 "$PYTHON" "$HERE/summarize.py" "$R" "$OUT/summary.json" > "$OUT/summary.txt"; cat "$OUT/summary.txt"
 # reports.tgz stays under the device's 16 MiB a file: JSON reports and logs only (heat maps and
 # plots are rebuilt here from the JSON), runner logs if room is left
-{ find reports stacks/*/reports results extra -type f \( -name '*.json' -o -name '*.log' -o -name '*.txt' \) 2>/dev/null
+{ find reports stacks/*/reports results extra -type f \( -name '*.json' -o -name '*.log' -o -name '*.txt' \
+    -o -name '*.inputs.json.gz' \) 2>/dev/null
   ls .dsadapt/venvs/*/dsadapt-install.json stacks/*/.dsadapt/venvs/*/dsadapt-install.json 2>/dev/null; } \
   > /tmp/dsadapt-pack.txt
 tar czf "$OUT/reports.tgz" -T /tmp/dsadapt-pack.txt

@@ -6,14 +6,15 @@
 #   bash tools/device/prepare_bundle.sh [OUT]        OUT: default .carry/gpu
 #
 # Knobs: PIN (lmdeploy@v0.18.0), VARIANT (pytorch), HAVE (tools/device/h200-pip-list.json),
-# PLANTED ("NAME=PATCH ..."; default the three planted LMDeploy bugs), DSADAPT (.venv/bin/dsadapt).
+# PLANTED ("NAME=PATCH ..."; default the three planted LMDeploy bugs; PLANTED= for none), DSADAPT
+# (.venv/bin/dsadapt).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/.carry/gpu}
 PIN=${PIN:-lmdeploy@v0.18.0}; VARIANT=${VARIANT:-pytorch}
 HAVE=${HAVE:-$ROOT/tools/device/h200-pip-list.json}
 DS=${DSADAPT:-$ROOT/.venv/bin/dsadapt}; PY=${PY:-$(dirname "$DS")/python}
-PLANTED=${PLANTED:-"decode-softmax=tools/gpu/lmdeploy-v0.18.0-decode-softmax-scale.patch
+PLANTED=${PLANTED-"decode-softmax=tools/gpu/lmdeploy-v0.18.0-decode-softmax-scale.patch
 kv-a-eps=tools/gpu/lmdeploy-v0.18.0-kv_a_layernorm-eps.patch
 prefill-softmax=tools/gpu/lmdeploy-v0.18.0-prefill-softmax-scale.patch"}
 # EXTRA_PLANTED: more NAME=PATCH stacks on top of PLANTED (tools/device/fp8_h200.sh prepare adds its own)

@@ -39,6 +39,10 @@ def _report(res, as_json: bool, verb: str) -> None:
     src = res.source or {}
     out(f"{res.ref}: {verb} {plural(len(res.outcomes), 'patch')} onto {res.base[:12]} "
         f"(source: {src.get('kind')} {src.get('origin')}) → {res.checkout}")
+    for why in src.get("passed_over") or []:  # the sources tried before it (the order: DSADAPT_SOURCES)
+        out(f"  passed over {why}")
+    if src.get("verified"):
+        out(f"  verified: {src['verified']}")
     out(f"  head {res.head[:12] if res.head else '?'} on branch dsadapt/{res.ref.split('@', 1)[1]}, stack {res.stack_hash[:10]}")
     if res.backup_ref:
         out(f"  previous branch kept as {res.backup_ref} (git -C {res.checkout} log {res.backup_ref})")

@@ -69,11 +69,11 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
         return
     click.echo(res.path)
     common.out(f"  {res.pin} ({res.variant}) for Python {res.python} {res.platform}: {res.size / 2**20:.1f} MiB, "
-        f"{res.files} files, {res.seconds:.0f} s")
+        f"{common.plural(res.files, 'file')}, {res.seconds:.0f} s")
     for side, b in res.builds.items():
         common.out(f"  {side:9} {Path(b['file']).name} ({b['kind']})")
     for name, st in res.stacks.items():
-        common.out(f"  stack {name}: {Path(st['file']).name} ({len(st['patches'])} patches, {st['stack_hash'][:8]}): "
+        common.out(f"  stack {name}: {Path(st['file']).name} ({common.plural(len(st['patches']), 'patch')}, {st['stack_hash'][:8]}): "
             f"project stacks/{name}/")
     for name, part in res.parts.items():
         common.out(f"  {name:9} {part['carried']} wheel(s) carried; from the target: {', '.join(part['host']) or 'nothing'}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from patcher.base.errors import DsadaptError, ExitCode, UsageError
+from patcher.base.errors import DsadaptError, ExitCode, UsageError, number, plural
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
@@ -78,7 +78,7 @@ def render(res: CheckResult) -> None:
                  "-" if r.first_divergence is None else str(r.first_divergence), _row_verdict(c, r)]
                 for r in c.rows]
         title = (f"{heading(res)} — model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, "
-                 f"{res.dtype}, {c.rule} rule" + (f", tol {c.tolerance:g}" if c.tolerance else ""))
+                 f"{res.dtype}, {c.rule} rule" + (f", tolerance {number(c.tolerance)}" if c.tolerance else ""))
         table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
                       "verdict"], rows)
     if res.bisect:
@@ -103,7 +103,7 @@ def render_bisect_summary(b: ModuleVerdict) -> None:
         out(f"per-module ({b.dtype}, {b.rule} rule): {f.words()}{phase}{ratio}; "
             f"{len(b.above)} point(s) above their limits of {b.compared}")
     elif b.passed:
-        out(f"per-module ({b.dtype}, {b.rule} rule): {b.compared} points within their limits")
+        out(f"per-module ({b.dtype}, {b.rule} rule): {plural(b.compared or 0, 'point')} within their limits")
     else:
         for r in b.reasons:
             out(f"per-module: {r}")
@@ -268,9 +268,10 @@ def report_ci(results: list[CheckResult], junit, not_run: Sequence[tuple[str, st
     """The verdicts for CI: JUnit XML (--junit FILE) and, on GitHub Actions, a table in the job's
     summary (failures become `::error` annotations at the error edge)."""
     from patcher.cli.ci import Case, md_table, step_summary, write_junit
+    from patcher.rules.verdicts import configuration
 
-    def label(r: CheckResult) -> str:
-        return " ".join(x for x in (r.variant, r.model, r.config_style, r.dtype) if x) + (" unpatched" if r.unpatched else "")
+    def label(r: CheckResult) -> str:  # tp2, unpatched, seedN included: no two runs share a name
+        return configuration(r.to_json())
 
     cases = [Case(f"{r.pin} {label(r)}", f"dsadapt.check.{r.engine}", float(r.timings.get("total_s") or 0),
                   failure=None if r.passed else ("\n".join(r.reasons) or "fail"),

@@ -26,7 +26,7 @@ from patcher.base.errors import UsageError, escape_line, plural  # noqa: F401 - 
 from patcher.cli import options
 from patcher.cli.options import color_enabled, verbosity
 from patcher.formats.lock import Lock, load_lock
-from patcher.formats.pinref import PinRef, parse_pinref
+from patcher.formats.pinref import PinRef, near_pin, parse_pinref
 
 
 @dataclass
@@ -91,12 +91,75 @@ class PinRefParam(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> PinRef:
         if isinstance(value, PinRef):
             return value
-        ref = parse_pinref(str(value))
-        if self.pinned and ctx is not None and not ctx.resilient_parsing:
-            obj = ctx.find_object(Context)
-            if obj is not None:
-                obj.lock.pin(ref)
+        obj = ctx.find_object(Context) if ctx is not None and not ctx.resilient_parsing else None
+        if obj is not None:
+            try:
+                ref = parse_pinref(str(value))
+            except UsageError as e:
+                _near_pin(obj, str(value), e)  # "did you mean vllm@v0.32.0" for vllm-v0.32.0, VLLM@v0.32.0
+                raise
+        else:
+            ref = parse_pinref(str(value))
+        if self.pinned and obj is not None:
+            obj.lock.pin(ref)
         return ref
+
+
+def _near_pin(obj: Context, text: str, error: UsageError) -> None:
+    """The parser's `error` again, its hint naming the pinned ENGINE@TAG that `text` plainly means
+    (`near_pin`), where the lock has one."""
+    try:
+        pins = obj.lock.pins
+    except Exception:  # noqa: BLE001 - no readable lock: the parser's own error stands
+        return
+    meant = near_pin(text, pins)
+    if meant:
+        raise UsageError(error.message, hint=f"did you mean {meant}?") from None
+
+
+def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of --model: the built-in tiny models, then directories (the shell's own)."""
+    from click.shell_completion import CompletionItem
+
+    from patcher.checkpoints.tiny import VARIANTS
+
+    return [CompletionItem(m, help="built-in tiny model") for m in VARIANTS if m.startswith(incomplete)] + \
+        [CompletionItem(incomplete, type="dir")]
+
+
+def complete_engine(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of an ENGINE argument: the engines of upstream.lock."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        lock = load_lock(load_config(None).lock_path)
+    except Exception:  # noqa: BLE001 - no project here: nothing to offer
+        return []
+    return [CompletionItem(e) for e in sorted(lock.engines) if e.startswith(incomplete)]
+
+
+def complete_tag(ctx: click.Context, param: click.Parameter, incomplete: str):
+    """Shell completion of a TAG option (`rebase --onto`): the pinned tags newer than the pin already
+    on the command line (every pinned tag without one)."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        lock = load_lock(load_config(None).lock_path)
+    except Exception:  # noqa: BLE001 - no project here: nothing to offer
+        return []
+    # the option waiting for its value leaves the words before it unparsed, in ctx.args
+    pin = (ctx.params or {}).get("pin") or next((a for a in ctx.args if "@" in a), None)
+    if pin and str(pin) in lock.pins:
+        later = lock.pins_of(str(pin).partition("@")[0])
+        tags = [p.tag for p in later[[str(p.ref) for p in later].index(str(pin)) + 1:]]
+    else:
+        tags = sorted({p.tag for p in lock.pins.values()})
+    return [CompletionItem(t) for t in tags if t.startswith(incomplete)]
+
+
+model_option = click.option(
+    "--model", default="v3", show_default=True, shell_complete=complete_model,
+    help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
 
 
 junit_option = click.option(
@@ -119,14 +182,20 @@ publish_option = click.option(
          "so runs never change committed files).")
 
 
-def parallel_options(f):
-    """--tp N and --ep: the engine's parallel configuration (the reference stays one process)."""
-    f = click.option("--ep", is_flag=True,
-                     help="Expert parallelism: spread the routed experts over the --tp ranks (where the "
-                          "engine offers it; needs --tp 2 or more).")(f)
-    return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
-                        help="Run the engine with tensor parallel size N, one rank a device (CPU core or GPU, "
-                             "as the engine's contract says); the HF reference stays one process.")(f)
+def parallel_options(f=None, *, served: bool = False):
+    """--tp N and --ep: the engine's parallel configuration; the HF reference stays one process
+    (`check`, `bisect`), or, with `served`, both servers of `perf` get the same (there is no reference)."""
+    def deco(f):
+        f = click.option("--ep", is_flag=True,
+                         help="Expert parallelism: spread the routed experts over the --tp ranks (where the "
+                              "engine offers it; needs --tp 2 or more).")(f)
+        where = ("; the patched and the unpatched server run the same ranks" if served else
+                 "; the HF reference stays one process")
+        return click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+                            help=f"Run the engine with tensor parallel size N, one rank a device (CPU core or GPU, "
+                                 f"as the engine's contract says){where}.")(f)
+
+    return deco(f) if f is not None else deco
 
 
 def model_options(f):
@@ -136,8 +205,7 @@ def model_options(f):
                           "deepseek (DeepSeek's released keys). Default: the engine's own, which `dsadapt list` shows "
                           "(config_style with --json) and its page in docs/engines/ states under \"Default config "
                           "style\".")(f)
-    return click.option("--model", default="v3", show_default=True,
-                        help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")(f)
+    return model_option(f)
 
 
 def build_options(verb: str):
@@ -222,6 +290,8 @@ def run_op(click_ctx: click.Context, ctx: Context, pin, flags: dict[str, bool], 
 _emitted_json = False
 #: off a terminal, table lines are kept within this many columns (COLUMNS overrides)
 PLAIN_WIDTH = 100
+#: a word (between spaces, or after a hyphen) up to this long is never broken by a table's wrapping
+WORD_MAX = 40
 
 
 _VERDICT_COLORS = {"PASS": "32", "OK": "32", "FAIL": "31", "FAILED": "31", "NOT VERIFIED": "33", "NOT RUN": "33"}
@@ -317,7 +387,9 @@ def plain_width() -> int:
 def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[object]],
                 width: int | None = None) -> str:
     """Aligned columns for pipes and logs. With `width`, no line is longer: the widest columns are
-    narrowed and their cells wrapped (at spaces where they can be) onto continuation lines."""
+    narrowed and their cells wrapped onto continuation lines, at spaces and after hyphens
+    (`v2-lite-deepseek-` / `bfloat16.json`); a column is never narrowed below its longest word (up
+    to `WORD_MAX` characters: names never break mid-word, a longer run of characters does)."""
     import textwrap
 
     cells = [[escape_line(str(c)) for c in columns]] + [[escape_line(str(x)) for x in r] for r in rows]
@@ -325,17 +397,23 @@ def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     if width is not None:
         gaps = 2 * (len(columns) - 1)
         # columns of short values (pins, verdicts, dates) keep their width; long text wraps
-        floor = [min(widths[i], max(len(columns[i]), 18)) for i in range(len(columns))]
-        while sum(widths) + gaps > width:
-            i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
-            if widths[i] <= floor[i]:
-                break
-            widths[i] -= 1
+        words = [max((len(w) for r in cells for w in _words(r[i])), default=0) for i in range(len(columns))]
+        # narrowed in stages: down to 18 columns or the longest word, then to the longest word (up to
+        # WORD_MAX), and only then inside words
+        stages = [[min(widths[i], max(len(columns[i]), 18, min(words[i], WORD_MAX))) for i in range(len(columns))],
+                  [min(widths[i], words[i], WORD_MAX) for i in range(len(columns))],
+                  [1] * len(columns)]
+        for floor in stages:
+            while sum(widths) + gaps > width:
+                i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
+                if widths[i] <= floor[i]:
+                    break
+                widths[i] -= 1
 
     def wrap(text: str, w: int) -> list[str]:
         if len(text) <= w:
             return [text]
-        return textwrap.wrap(text, w, break_long_words=True, break_on_hyphens=False) or [""]
+        return textwrap.wrap(text, w, break_long_words=True, break_on_hyphens=True) or [""]
 
     def lines(r: list[str]) -> list[str]:
         parts = [wrap(c, w) for c, w in zip(r, widths)]
@@ -347,6 +425,14 @@ def plain_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     for r in cells[1:]:
         text += lines(r)
     return "\n".join(text)
+
+
+def _words(text: str) -> list[str]:
+    """The pieces a table's wrapping may put on separate lines (textwrap's own split: at spaces, and
+    after a hyphen that follows a word)."""
+    import textwrap
+
+    return [w for w in textwrap.TextWrapper.wordsep_re.split(text) if w and not w.isspace()]
 
 
 def isatty() -> bool:

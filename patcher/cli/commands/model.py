@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from patcher.base.errors import size_words
 from patcher.checkpoints import tiny
 from patcher.cli.commands import common
 from patcher.cli.commands.common import Context, emit_json, json_option, progress_printer
@@ -102,7 +103,7 @@ def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int
         emit_json(data, schema="dsadapt.model/1")
     else:
         common.out(f"{data['path']}: like {like}, {layers} layer(s)" + (f" + {made.mtp} MTP" if made.mtp else "")
-            + f", seed {seed}, {made.params / 1e9:.2f} B params, {made.bytes / 2**30:.2f} GiB in {len(made.files)} "
+            + f", seed {seed}, {made.params / 1e9:.2f} B params, {size_words(made.bytes)} in {len(made.files)} "
             f"file(s), {made.seconds:.0f} s with {made.workers} worker(s)")
 
 
@@ -125,7 +126,7 @@ def slice_cmd(src: Path, layers: int, out: Path, as_json: bool) -> None:
     else:
         common.out(f"{data['path']}: layers 0-{layers - 1} of {res.source_layers}"
             + (f" ({res.dropped_mtp} MTP module(s) dropped)" if res.dropped_mtp else "")
-            + f", {res.tensors} tensors, {res.bytes / 2**30:.2f} GiB from {res.read_files} file(s), {res.seconds:.1f} s")
+            + f", {res.tensors} tensors, {size_words(res.bytes)} from {res.read_files} file(s), {res.seconds:.1f} s")
 
 
 COMMANDS = [model]

@@ -16,6 +16,7 @@ from patcher.cli.commands.common import (
     emit_json,
     json_option,
     junit_option,
+    model_option,
     out,
     parallel_options,
     pass_ctx,
@@ -68,7 +69,7 @@ def render(res) -> None:
 @click.command("perf")
 @click.argument("pin", metavar="ENGINE@TAG", required=False, type=PinRefParam())
 @click.option("--variant", default=None, help="Engine build variant (default: the first this machine can run).")
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default="deepseek", show_default=True,
               help="config.json style of a built-in model; deepseek loads in both builds (the unpatched vLLM 0.32 "
                    "cannot load the transformers style).")
@@ -91,7 +92,7 @@ def render(res) -> None:
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Recompute a saved report's ratios and verdict from its recorded runs (current rule, "
                    "--threshold if given) instead of measuring; rewrites the report and its plot.")
-@parallel_options
+@parallel_options(served=True)
 @junit_option
 @publish_option
 @json_option
@@ -159,8 +160,9 @@ def report_ci(res, junit) -> None:
     """The verdict for CI: JUnit XML (--junit FILE) and, on GitHub Actions, the gated ratios in the
     job's summary."""
     from patcher.cli.ci import Case, md_table, step_summary, write_junit
+    from patcher.rules.verdicts import configuration
 
-    name = f"{res.pin} {res.variant} {res.model} {res.config_style or ''} {res.dtype}".replace("  ", " ")
+    name = f"{res.pin} {configuration(res.to_json())}" + (" aa" if res.mode == "aa" else "")
     write_junit(junit, "dsadapt perf", [Case(name, f"dsadapt.perf.{res.engine}", float(res.timings.get("total_s") or 0),
                                              failure=None if res.passed else ("\n".join(res.reasons) or "fail"),
                                              output=f"report: {res.report_path}")])

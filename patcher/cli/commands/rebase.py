@@ -8,6 +8,8 @@ from patcher.base.errors import DsadaptError, UsageError
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
+    complete_engine,
+    complete_tag,
     emit_json,
     json_option,
     lock_for_new_pin,
@@ -32,7 +34,7 @@ from patcher.upstream.tags import upstream_tags
 
 
 @click.command("tags")
-@click.argument("engine")
+@click.argument("engine", shell_complete=complete_engine)
 @click.option("--pre", is_flag=True, help="Include pre-releases (rc, dev, alpha, beta).")
 @json_option
 @pass_ctx
@@ -66,7 +68,8 @@ def _onto(engine: str, onto: str) -> str:
 
 @click.command("rebase")
 @pinref_arg(required=False, pinned=False)
-@click.option("--onto", "onto", default=None, metavar="TAG", help="The upstream tag to carry the stack onto.")
+@click.option("--onto", "onto", default=None, metavar="TAG", shell_complete=complete_tag,
+              help="The upstream tag to carry the stack onto.")
 @click.option("--force", is_flag=True,
               help="Replace patches/ENGINE/NEW when it exists already (the stack there is kept in a backup ref "
                    "of the NEW checkout, named in the output).")

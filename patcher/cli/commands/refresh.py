@@ -41,9 +41,9 @@ def refresh_cmd(ctx: Context, pin: str, force: bool, as_json: bool) -> None:
     for w in warnings:
         warn(f"warning: {w}")
     if warnings:
-        warn(f"hint: reword the commit(s) in {ctx.cfg.checkout_dir(ref.engine, ref.tag)} (git rebase -i, `reword`): a "
-             f"body saying why, and the trailers docs/patch-format.md#trailers requires; then refresh again "
-             f"(`dsadapt verify {ref}` fails until then)")
+        from patcher.cli.commands.verify import reword_fix
+
+        warn(f"hint: {reword_fix(ctx, str(ref))}")
 
 
 def message_problems(ctx: Context, ref) -> list[str]:

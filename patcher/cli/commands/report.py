@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from patcher.cli.commands.common import Context, emit_json, json_option, out, pass_ctx, table
-from patcher.gate.report import SCHEMA, build_report
+from patcher.gate.report import SCHEMA, build_report, machine_name
 
 
 @click.command("report")
@@ -39,13 +39,13 @@ def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
            for r in rows])
     if not configs:
         return
-    lines = [[r.pin, c["config"], "check", c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
-              Path(c["file"]).name] for r in rows for c in r.checks]
-    lines += [[r.pin, c["config"], "perf" + ("" if c["workload"] == "calibrated" else " (quick)"), c["verdict"],
-               c["date"][:10], Path(c["file"]).name] for r in rows for c in r.perfs]
+    lines = [[r.pin, c["config"], "check: " + c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
+              c["machine"], Path(c["file"]).name] for r in rows for c in r.checks]
+    lines += [[r.pin, c["config"], "perf: " + c["verdict"] + ("" if c["workload"] == "calibrated" else " (quick run)"),
+               c["date"][:10], c["machine"], Path(c["file"]).name] for r in rows for c in r.perfs]
     if lines:
         table("verdicts of the current stacks, newest per configuration",
-              ["pin", "configuration", "gate", "verdict", "date", "report"], lines)
+              ["pin", "configuration", "gate: verdict", "date", "machine", "report"], lines)
     for r in rows:
         for c in r.checks:
             if c.get("stale"):
@@ -55,21 +55,21 @@ def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
 COMMANDS = [report_cmd]
 
 
-def _where(v: dict) -> str:
-    from patcher.gate.report import _GPU_RE
-
-    return "GPU" if _GPU_RE.search(v.get("device") or "") else "CPU"
+def _where(rows: list[dict]) -> str:
+    """The machines of the verdicts behind a cell ('CPU', 'H200', 'CPU, H200')."""
+    return ", ".join(dict.fromkeys(c.get("machine") or machine_name(c.get("device") or "") for c in rows))
 
 
 def _short_check(r) -> str:
-    """The table's cell: the worst configuration's verdict and date, how many configurations, what
-    is stale (the words in full: --json's `check`, and the configurations table below)."""
+    """The table's cell: the worst configuration's verdict, the newest date among the configurations
+    and the machines they were judged on, how many configurations, what is stale (the words in full:
+    --json's `check`, and the configurations table below)."""
     v = r.last_check
     if not v:
         return r.check
     n, bad = len(r.checks), sum(c["verdict"] != "pass" for c in r.checks)
-    word = "GPU-verified" if v["verdict"] == "pass" and _where(v) == "GPU" else v["verdict"]
-    cell = f"{word} {v['date'][:10]} ({_where(v)})"
+    word = "GPU-verified" if v["verdict"] == "pass" and all(c["machine"] != "CPU" for c in r.checks) else v["verdict"]
+    cell = f"{word} {max(c['date'] for c in r.checks)[:10]} ({_where(r.checks)})"
     if n > 1:
         cell += f", {bad} of {n} configs fail" if bad else f", {n} configs"
     if r.stale:
@@ -83,7 +83,8 @@ def _short_perf(r) -> str:
     v = r.last_perf
     if not v:
         return r.perf
-    cell = f"{v['verdict']} {v['date'][:10]} ({_where(v)})"
+    rows = [c for c in r.perfs if c.get("workload") == v.get("workload")] or [v]
+    cell = f"{v['verdict']} {max(c['date'] for c in rows)[:10]} ({_where(rows)})"
     if v.get("workload") != "calibrated":
         cell += ", quick run only"
     elif "newer quick run" in r.perf:

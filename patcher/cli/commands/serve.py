@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
 
 import click
 
-from patcher.base.errors import UsageError
+from patcher.base.errors import ExitCode, MachineError, UsageError
 from patcher.base.workdir import workdir_lock
 from patcher.cli.commands.common import (
     Context,
     PinRefParam,
     emit_json,
     json_option,
+    model_option,
     note,
     out,
     pass_ctx,
@@ -30,7 +32,7 @@ from patcher.gate.plan import served_engine_of
 
 @click.command("serve")
 @click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@click.option("--model", default="v3", show_default=True, help="Built-in tiny model (v3, v2-lite, v2) or a model directory.")
+@model_option
 @click.option("--config-style", type=click.Choice(["transformers", "deepseek"]), default=None,
               help="config.json style of a built-in model (default: the engine's own; for a served vLLM, what "
                    "`dsadapt perf` serves: deepseek).")
@@ -93,15 +95,25 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
                 for line in served.usage:
                     out(f"  {line}")
             note("Ctrl-C to stop.")
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the way to stop it
+                _wait(stop, served)
             note(f"stopping the {ref.engine} server …")
     finally:
         signal.signal(signal.SIGTERM, previous)
     note("stopped.")
+    # it ends only when stopped (Ctrl-C, SIGTERM): the documented exit code of an interrupted command
+    sys.exit(ExitCode.INTERRUPTED)
+
+
+def _wait(stop: threading.Event, served) -> None:
+    """Until `stop` is set (SIGTERM) or Ctrl-C; a server that exits on its own is an error (exit 7)
+    naming its log, never a silent wait for nothing."""
+    from patcher.base.procs import group_members
+
+    while not stop.wait(1.0):
+        if served.pid and not group_members(served.pid):
+            raise MachineError(f"the server exited on its own; its log: {served.log_path}",
+                               hint="read the log's last lines; rerun `dsadapt serve` once the cause is fixed")
 
 
 def _serving_engines() -> list[str]:

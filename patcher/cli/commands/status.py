@@ -123,8 +123,8 @@ def status_cmd(ctx: Context, as_json: bool) -> None:
     for s in sts:
         src = f"{s.source['kind']}" if s.source else "-"
         detail = s.detail + (f" ({plural(len(s.backups), 'backup ref')})" if s.backups else "")
-        rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail])
-    table("checkouts", ["pin", "state", "source", "detail"], rows)
+        rows.append([s.ref + ("" if s.pinned else " (not pinned)"), s.state, src, detail, s.next or "-"])
+    table("checkouts", ["pin", "state", "source", "detail", "next"], rows)
     if left:
         note(f"{len(left)} leftover(s) of killed runs: {', '.join(lo.path for lo in left[:3])}"
             f"{' …' if len(left) > 3 else ''}; `dsadapt gc` removes them")

@@ -21,6 +21,20 @@ from patcher.cli.commands.common import (
 from patcher.formats.patchfile import is_message_problem
 
 
+def reword_fix(ctx: Context, ref: str) -> str:
+    """How to fix commit messages the patch format rejects, in the same words for `verify` and
+    `refresh`: an interactive rebase onto the checkout's upstream base (its `refs/dsadapt/base`, so
+    the todo lists the stack's commits only, never the upstream commit under them)."""
+    from patcher.stack.checkout import BASE_REF
+
+    engine, _, tag = ref.partition("@")
+    co = ctx.cfg.checkout_dir(engine, tag)
+    first = "" if (co / ".git").exists() else f"`dsadapt apply {ref}`, then "
+    return (f"reword the commit(s): {first}`git -C {co} rebase -i {BASE_REF}` (mark them `reword`), give each a body "
+            f"and the trailers docs/patch-format.md#trailers requires, then `dsadapt refresh {ref}` (`dsadapt verify "
+            f"{ref}` fails until then)")
+
+
 @click.command("verify")
 @pinref_arg(required=False)
 @click.option("--fetch", is_flag=True,
@@ -62,7 +76,9 @@ def _report_ci(results, junit) -> None:
     write_junit(junit, "dsadapt verify", [
         Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
              skipped=r.unverifiable if r.unverifiable and not r.problems else None,
-             output=f"{r.patches} patches, applies: {r.applied}, source {r.source or '-'}") for r in results])
+             output=f"{plural(r.patches, 'patch')}, applies: "
+                    f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, source {r.source or '-'}")
+        for r in results])
 
 
 def _render(ctx: Context, r) -> None:
@@ -78,9 +94,7 @@ def _render(ctx: Context, r) -> None:
     for p in r.problems:
         out(f"  - {p}")
     if any(is_message_problem(p) for p in r.problems):
-        out(f"  fix: reword the commit(s) in the checkout (git -C {ctx.cfg.checkout_dir(*r.ref.split('@'))} "
-            f"rebase -i --root, `reword`), give each a body and the trailers docs/patch-format.md#trailers "
-            f"requires, then `dsadapt refresh {r.ref}`")
+        out(f"  fix: {reword_fix(ctx, r.ref)}")
 
 
 def _exit(results, one: bool) -> None:

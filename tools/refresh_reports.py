@@ -1,0 +1,297 @@
+"""Regenerate the committed report sets one machine can make (`make reports`): every line of
+reports/plan.txt for that machine, run through the product (`dsadapt ... --publish --json`, this
+checkout's code), one after the other, with a summary at the end.
+
+    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--start N] [--dry-run] [--plan FILE]
+
+Each command's --json output and stderr are kept in the work dir (`<work dir>/reports-refresh/`,
+named in the summary), with its exit status, seconds and the 1-minute load average before and
+after it: speed figures from a shared machine are only as good as the load they ran under, and
+every perf report records it too. Exit 0 when every command gave the verdict the plan expects (a
+pass, or the `=> fail` of a control run), 1 when one gave another verdict, and otherwise the first
+error's own exit code (6: cannot run here, e.g. Triton without a mirror of vllm_backend,
+`DSADAPT_MIRRORS='triton=/path/to/vllm_backend.git'`); a command that fails never stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "reports" / "plan.txt"
+MACHINES = ("cpu", "h200", "none")
+#: the commands that write a report (the plan's other lines prepare what they read)
+REPORTING = ("check", "perf")
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    machine: str
+    pin: str | None            # None: a command about no pin (`model make`)
+    argv: tuple[str, ...]      # the dsadapt command and its arguments, the pin left out
+    expect: str = "pass"
+    note: str = ""
+    line: int = 0
+
+    @property
+    def command(self) -> str:
+        return self.argv[0] if self.argv else ""
+
+    def dsadapt_args(self) -> list[str]:
+        """The command line after `dsadapt`: COMMAND [PIN] ARGS; --publish and --json for the ones
+        that write a report."""
+        args = [self.argv[0], *([self.pin] if self.pin else []), *self.argv[1:]]
+        return args + (["--publish", "--json"] if self.command in REPORTING else [])
+
+
+class PlanError(ValueError):
+    pass
+
+
+def parse_plan(text: str) -> list[PlanLine]:
+    """Pure: the plan's lines (comments and blank lines left out; `none` lines keep their reason)."""
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        body, _, comment = raw.partition("#")
+        if not body.strip():
+            continue
+        expect = "pass"
+        m = re.search(r"\s=>\s*(\w+)\s*$", body)
+        if m:
+            expect, body = m.group(1), body[:m.start()]
+        words = shlex.split(body)
+        if words[0] not in MACHINES:
+            raise PlanError(f"line {n}: machine {words[0]!r} is none of {', '.join(MACHINES)}")
+        if len(words) < 2 or (words[0] != "none" and len(words) < 3):
+            raise PlanError(f"line {n}: MACHINE PIN COMMAND [ARGS...] expected")
+        pin = None if words[1] == "-" else words[1]
+        if pin is not None and "@" not in pin:
+            raise PlanError(f"line {n}: {pin!r} is not ENGINE@TAG")
+        if expect not in ("pass", "fail"):
+            raise PlanError(f"line {n}: => {expect}: a verdict is pass or fail")
+        out.append(PlanLine(words[0], pin, tuple(words[2:]), expect, comment.strip(), n))
+    return out
+
+
+def load_plan(path: Path = PLAN) -> list[PlanLine]:
+    return parse_plan(path.read_text(encoding="utf-8"))
+
+
+@dataclass
+class Outcome:
+    line: PlanLine
+    rc: int
+    seconds: float
+    verdict: str                   # pass | fail | error | not run
+    detail: str = ""
+    reports: list[str] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+    log: str = ""
+
+    @property
+    def as_planned(self) -> bool:
+        return self.verdict == self.line.expect
+
+
+def outcome_of(line: PlanLine, rc: int, stdout: str) -> tuple[str, str, list[str]]:
+    """Pure: (verdict, detail, report paths) from a command's exit status and --json output."""
+    try:
+        doc = json.loads(stdout) if stdout.strip() else {}
+    except json.JSONDecodeError:
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    if doc.get("schema") == "dsadapt.error/1" or (rc not in (0, 1) and not doc.get("verdict")):
+        err = doc.get("error") or {}
+        verdict = "not run" if rc == 6 else "error"
+        return verdict, f"{err.get('message') or f'exit {rc}'}" + (f" (hint: {err['hint']})" if err.get("hint") else ""), []
+    if line.command not in REPORTING:
+        return ("pass" if rc == 0 else "error"), doc.get("path") or "", []
+    results = doc.get("results") if doc.get("schema") == "dsadapt.check-dtypes/1" else [doc]
+    reports = [str(r.get("report_path")) for r in results or [] if isinstance(r, dict) and r.get("report_path")]
+    dtypes = doc.get("dtypes") or {}
+    margins = doc.get("margins") if isinstance(doc.get("margins"), dict) else {}
+    detail = ", ".join(f"{d} {v}" for d, v in dtypes.items()) or str(margins.get("words") or "")
+    if doc.get("verdict") == "fail" and doc.get("reasons"):
+        detail = (detail + "; " if detail else "") + str(doc["reasons"][0])[:200]
+    return str(doc.get("verdict") or ("pass" if rc == 0 else "fail")), detail, reports
+
+
+BUILTIN_MODELS = ("v3", "v2-lite", "v2")
+
+
+def made_models(lines: list[PlanLine]) -> set[str]:
+    """Pure: the models the plan makes (`model make ... --out NAME`)."""
+    out = set()
+    for ln in lines:
+        if ln.argv[:2] == ("model", "make") and "--out" in ln.argv:
+            out.add(ln.argv[ln.argv.index("--out") + 1])
+    return out
+
+
+def _option(argv: tuple[str, ...], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def chains(lines: list[PlanLine]) -> tuple[str, str, list[str]]:
+    """Pure: a machine's lines as the device script runs them: (pin, variant, chain lines) for the
+    checks of built-in models, one chain each so that they run side by side (the device script's
+    format: CHAIN STACK COMMAND ARGS, the pin, --variant, --publish and --json added by it). The
+    lines about made models are `made_commands`'."""
+    made = made_models(lines)
+    pins = {ln.pin for ln in lines if ln.pin}
+    variants = {_option(ln.argv, "--variant") for ln in lines if ln.command in REPORTING}
+    if len(pins) != 1 or len(variants) != 1 or None in variants:
+        raise PlanError(f"one pin and one --variant per device call, not {sorted(map(str, pins))} / "
+                        f"{sorted(map(str, variants))}")
+    out = []
+    for ln in lines:
+        if ln.command not in REPORTING or _option(ln.argv, "--model") in made:
+            continue
+        args = list(ln.argv[1:])
+        i = args.index("--variant")
+        del args[i:i + 2]
+        out.append(f"c{len(out) + 1} main {ln.command} " + " ".join(args))
+    return pins.pop(), variants.pop(), out
+
+
+def made_commands(lines: list[PlanLine], models_dir: str) -> list[list[str]]:
+    """Pure: the lines that make a model and those that check one, in order, as dsadapt arguments,
+    a made model's name put under `models_dir`."""
+    made = made_models(lines)
+    out = []
+    for ln in lines:
+        uses = _option(ln.argv, "--model") in made or ln.argv[:2] == ("model", "make")
+        if not uses:
+            continue
+        args = ln.dsadapt_args() + (["--json"] if ln.argv[:2] == ("model", "make") else [])
+        for flag in ("--model", "--out"):
+            if flag in args and args[args.index(flag) + 1] in made:
+                args[args.index(flag) + 1] = f"{models_dir}/{args[args.index(flag) + 1]}"
+        out.append(args)
+    return out
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def work_dir() -> Path:
+    return Path(os.environ.get("DSADAPT_WORKDIR") or ROOT / ".dsadapt")
+
+
+def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
+    args = line.dsadapt_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                   if os.environ.get("PYTHONPATH") else "")}
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", " ".join([line.pin or "-", *line.argv]))[:80]
+    log = logs / f"{index:02d}-{slug}"
+    t0, before = time.monotonic(), _load()
+    with open(f"{log}.log", "w", encoding="utf-8") as err:
+        proc = subprocess.run([sys.executable, "-m", "patcher.cli.main", "--project", str(ROOT), *args],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+    Path(f"{log}.json").write_text(proc.stdout, encoding="utf-8")
+    try:
+        verdict, detail, reports = outcome_of(line, proc.returncode, proc.stdout)
+    except Exception as e:  # noqa: BLE001 - an output this tool cannot read ends nothing but this line
+        verdict, detail, reports = "error", f"unreadable --json output ({e.__class__.__name__}: {e})", []
+    return Outcome(line, proc.returncode, time.monotonic() - t0, verdict, detail, reports, (before, _load()),
+                   f"{log}.log")
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """Pure: one line per command, then the count."""
+    lines = []
+    for o in outcomes:
+        mark = "ok " if o.as_planned else "!! "
+        lines.append(f"{mark} {o.line.pin or '-':16} {' '.join(o.line.argv):55} {o.verdict:8} "
+                     f"(expected {o.line.expect}) {o.seconds:6.0f} s  load {o.load[0]:.1f} -> {o.load[1]:.1f}"
+                     + (f"\n      {o.detail}" if o.detail else ""))
+    bad = [o for o in outcomes if not o.as_planned]
+    lines.append(f"{len(outcomes)} commands, {len(outcomes) - len(bad)} as planned"
+                 + (f", {len(bad)} not: " + "; ".join(f"{o.line.pin or '-'} {' '.join(o.line.argv)}: {o.verdict}"
+                                                        for o in bad) if bad else ""))
+    return "\n".join(lines)
+
+
+def exit_code(outcomes: list[Outcome]) -> int:
+    """Pure: 0 when every command gave its planned verdict; the first error's exit code (not 0 or 1)
+    when one could not give a verdict; 1 when one gave another verdict than planned."""
+    for o in outcomes:
+        if o.verdict in ("error", "not run"):
+            return o.rc if o.rc not in (0, 1) else 7
+    return 0 if all(o.as_planned for o in outcomes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machine", default="cpu", choices=[m for m in MACHINES if m != "none"])
+    ap.add_argument("--only", action="append", default=[], metavar="PIN", help="only this pin's lines (repeatable)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--start", type=int, default=1, metavar="N",
+                    help="begin at the machine's N-th line (resume a run that stopped; --dry-run numbers them)")
+    ap.add_argument("--plan", type=Path, default=PLAN)
+    ap.add_argument("--chains", action="store_true",
+                    help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
+    ap.add_argument("--made", metavar="DIR", help="print the commands that make a model under DIR and check it, "
+                                                  "one shell-quoted dsadapt command line each")
+    a = ap.parse_args(argv)
+    try:
+        lines = [ln for ln in load_plan(a.plan) if ln.machine == a.machine and (not a.only or ln.pin in a.only)]
+    except (OSError, PlanError) as e:
+        print(f"error: {a.plan}: {e}", file=sys.stderr)
+        return 2
+    if not lines:
+        print(f"error: {a.plan} has no {a.machine} line" + (f" for {', '.join(a.only)}" if a.only else ""),
+              file=sys.stderr)
+        return 2
+    if a.chains or a.made:
+        try:
+            if a.chains:
+                pin, variant, out = chains(lines)
+                print(f"{pin} {variant}")
+                print("\n".join(out))
+            else:
+                for args in made_commands(lines, a.made):
+                    print(" ".join(shlex.quote(x) for x in args))
+        except PlanError as e:
+            print(f"error: {a.plan}: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if a.dry_run:
+        for i, ln in enumerate(lines, 1):
+            print(f"{i:2d}  dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))
+        return 0
+    if not 1 <= a.start <= len(lines):
+        print(f"error: --start {a.start}: the {a.machine} lines are 1 to {len(lines)}", file=sys.stderr)
+        return 2
+    logs = work_dir() / "reports-refresh"
+    logs.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for i, ln in enumerate(lines, 1):
+        if i < a.start:
+            continue
+        print(f"[{i}/{len(lines)}] dsadapt {' '.join(ln.dsadapt_args())}", flush=True)
+        o = run_line(ln, i, logs)
+        print(f"      {o.verdict}{' (as planned)' if o.as_planned else f' (planned: {ln.expect})'} in "
+              f"{o.seconds:.0f} s, load {o.load[0]:.1f} -> {o.load[1]:.1f}; log {o.log}", flush=True)
+        outcomes.append(o)
+    print(summary(outcomes))
+    print(f"reports published under {ROOT / 'reports'}; `dsadapt report` shows what they say")
+    return exit_code(outcomes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
