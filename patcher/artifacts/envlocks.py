@@ -215,7 +215,7 @@ def pin_envs(lock, ref, variant: str | None = None, python: str | None = None) -
         spec = plan_spec(lock, plan)
         if spec is None:
             out.append(PinEnv(str(entry.ref), v.name, None, None,
-                              f"{plan.pin} pins no wheel for variant {v.name}: nothing to lock"))
+                              f"no wheel is pinned for {plan.pin}'s variant {v.name}: nothing to lock"))
             continue
         if python:
             spec = replace(spec, python=python)
