@@ -7,13 +7,11 @@ projections), shards of a few GB (``model-00001-of-00000N.safetensors``, DeepSee
 ``model.safetensors.index.json``. A real checkpoint sliced to the same layers has the same files,
 names, shapes and dtypes; only the numbers differ.
 
-Weights: each tensor drawn from generators seeded by (seed, tensor name, chunk), scaled as the
-built-in tiny models are (`tiny.init_spec`: std 0.02, lm_head x10, attention projections x2,
-experts x2, router bias sigma 0.05, norms 1). FP8 weights get one more factor per 128 x 128 block,
-2^u with u uniform in [-1, 1]: trained weights' blocks differ in magnitude (that is why the
-scales exist), and i.i.d. Gaussian blocks would all get nearly the same scale, which would make
-a bug in block-scale handling (a transposed grid) invisible. The same arguments give
-byte-identical files, however many worker processes write them.
+Weights: the structure of trained weights (`patcher.checkpoints.structure`: outlier channels,
+attention sinks, confident routing, peaked logits, heavy-tailed per-block magnitudes), every value
+drawn from generators seeded by (seed, tensor name, 128-row block); FP8 weights are then quantized
+per 128 x 128 block as DeepSeek's are (scale = amax / 448). The same arguments give byte-identical
+files, however many worker processes write them.
 
 Writing is streamed: each shard's header is written first, then every tensor at its offset in
 chunks of at most 32 M values, so memory stays near one chunk per worker. Files appear under
@@ -22,7 +20,7 @@ OUT only when the whole checkpoint is written (a temporary folder is renamed at 
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import math
 import os
@@ -34,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import MachineError, UsageError, show, size_words
-from patcher.checkpoints import tiny
+from patcher.checkpoints import structure, tiny
 from patcher.checkpoints.fingerprint import publish_folder
 from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
 from patcher.checkpoints.model_dir import CONFIG_FILE, INDEX_FILE
@@ -44,8 +42,7 @@ from patcher.checkpoints.safetensors_io import TensorEntry, encode_header, layou
 #: Shard size DeepSeek's releases use (DeepSeek-V3: 163 shards of about 4.3 GB).
 SHARD_BYTES = 4_300_000_000
 CHUNK_VALUES = 32 * 1024 * 1024
-BLOCK_SPREAD = 1.0  # log2 range of the per-block magnitude factor of FP8 weights
-GENERATOR = "dsadapt-like/1"
+GENERATOR = "dsadapt-like/2"
 
 
 @dataclass
@@ -65,11 +62,6 @@ class MadeModel:
         return {"path": str(self.path), "like": self.like, "layers": self.layers, "mtp_layers": self.mtp,
                 "seed": self.seed, "params": self.params, "bytes": self.bytes, "files": len(self.files),
                 "seconds": round(self.seconds, 1), "workers": self.workers}
-
-
-def seed_for(seed: int, key: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def shard_name(i: int, n: int) -> str:
@@ -120,6 +112,7 @@ class _Task:
     dtype: str
     offset: int
     seed: int
+    config: str                          # the config.json (JSON text): the structure is planned from it
     block: tuple[int, int] | None = None
     scale_offset: int | None = None
 
@@ -131,45 +124,42 @@ def _raw(t: Any) -> Any:
     return t.contiguous().view(torch.uint8).numpy()
 
 
+@functools.lru_cache(maxsize=4)
+def _structure(config_json: str, seed: int) -> Any:
+    """The checkpoint's structure (patcher.checkpoints.structure), planned once per process."""
+    return structure.plan(json.loads(config_json), seed)
+
+
 def _write(task: _Task) -> int:
     """Fill one tensor's bytes (worker side). Returns the values written."""
     import torch
 
-    kind, std = tiny.init_spec(task.source)
+    st = _structure(task.config, task.seed)
     rows = task.shape[0]
     cols = math.prod(task.shape[1:]) if len(task.shape) > 1 else 1
     fd = os.open(task.path, os.O_WRONLY)
     try:
-        if kind == "ones":
-            dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
-            os.pwrite(fd, _raw(torch.ones(task.shape, dtype=dt)), task.offset)
-            return rows * cols
         if task.block is None:
             dt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[task.dtype]
-            step = max(1, CHUNK_VALUES // cols)
+            step = max(structure.ROW_BLOCK, (CHUNK_VALUES // cols) // structure.ROW_BLOCK * structure.ROW_BLOCK)
             item = torch.empty((), dtype=dt).element_size()
-            for c, r0 in enumerate(range(0, rows, step)):
+            for r0 in range(0, rows, step):
                 n = min(step, rows - r0)
-                g = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#{c}"))
-                x = torch.randn(n * cols, generator=g).mul_(std).to(dt)
+                x = structure.tensor_rows(st, task.source, task.shape, r0, r0 + n).to(dt)
                 os.pwrite(fd, _raw(x), task.offset + r0 * cols * item)
             return rows * cols
         from patcher.checkpoints import blockfp8
 
-        b0, b1 = task.block
+        b0, _ = task.block
         gr, gc = blockfp8.grid(task.shape, task.block)
-        gb = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#blocks"))
-        factor = torch.exp2((torch.rand(gr, gc, generator=gb) * 2 - 1) * BLOCK_SPREAD)
         scales = torch.empty(gr, gc, dtype=torch.float32)
         step = max(b0, (CHUNK_VALUES // cols) // b0 * b0)
-        for c, r0 in enumerate(range(0, rows, step)):
+        for r0 in range(0, rows, step):
             n = min(step, rows - r0)
-            g = torch.Generator().manual_seed(seed_for(task.seed, f"{task.source}#{c}"))
-            w = torch.randn(n, cols, generator=g).mul_(std)
+            w = structure.tensor_rows(st, task.source, task.shape, r0, r0 + n)
+            q, sc = blockfp8.quantize(w, task.block)
             i0, i1 = r0 // b0, -(-(r0 + n) // b0)
-            w.mul_(blockfp8.scale_grid(factor[i0:i1], (n, cols), task.block))
-            q, s = blockfp8.quantize(w, task.block)
-            scales[i0:i1] = s
+            scales[i0:i1] = sc
             os.pwrite(fd, _raw(q), task.offset + r0 * cols)
         assert task.scale_offset is not None
         os.pwrite(fd, _raw(scales), task.scale_offset)
@@ -221,6 +211,11 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
     if total + (1 << 28) > free:
         raise MachineError(f"not enough disk for {show(out, 80)}: the checkpoint takes {size_words(total)}, "
                            f"{size_words(free)} free", hint="free disk space, or make fewer --layers")
+    config_json = json.dumps(config, sort_keys=True)
+    if fp8 is not None and fp8.block[0] % structure.ROW_BLOCK:
+        raise UsageError(f"quantization_config.weight_block_size {list(fp8.block)}: fabricated block-FP8 weights need "
+                         f"row blocks that are a multiple of {structure.ROW_BLOCK}",
+                         hint="DeepSeek-V3's block is [128, 128]")
     tmp = out.parent / f".{out.name}.making-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -237,7 +232,7 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
                     continue
                 scale = by_name.get(e.name + "_scale_inv")
                 source = _source_name(spec_of[e.name], n_layers)
-                tasks.append(_Task(str(path), e.name, source, e.shape, e.dtype, len(head) + e.begin, seed,
+                tasks.append(_Task(str(path), e.name, source, e.shape, e.dtype, len(head) + e.begin, seed, config_json,
                                    fp8.block if (fp8 and scale is not None) else None,
                                    len(head) + scale.begin if scale is not None else None))
         workers = max(1, min(workers or default_workers(), len(tasks)))
@@ -282,8 +277,8 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
         params = sum(math.prod(t.shape) for t in specs if not t.name.endswith("_scale_inv"))
         made = MadeModel(out, like, n_layers, mtp_layers(config) if mtp is None else mtp, seed, params, sum(sizes.values()), dict(zip(names, digests)), workers=workers)
         info = {"generator": GENERATOR, "like": like, "released_as": REPOS.get(like or ""), "layers": n_layers,
-                "mtp_layers": made.mtp, "seed": seed, "params": params, "block_spread_log2": BLOCK_SPREAD if fp8 else None,
-                "files": made.files}
+                "mtp_layers": made.mtp, "seed": seed, "params": params,
+                "structure": structure.plan(config, seed).to_json(), "files": made.files}
         publish_folder(tmp, out, info, made.files, cache)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -76,8 +76,11 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     a whole layer's experts, then casts the stack: a second copy of the largest layer). `dtype`
     "fp8" is that model in bfloat16 with the engine's FP8 arithmetic emulated (activations
     quantized to e4m3 per token and 128 channels at every FP8 GEMM): the yardstick of an FP8
-    engine's own rounding. `fp8_bug` ("transposed", "inverse") plants a block-scale bug in the
-    dequantization (tests and tools/measure_bisect_noise.py only)."""
+    engine's own rounding. `fp8_bug` plants an FP8 bug (tests and tools/measure_bisect_noise.py only):
+    "transposed" / "inverse" in the dequantization (the scale grid read column-major; weight /
+    weight_scale_inv), and in the FP8 arithmetic of an fp8 model (`FP8_ACTIVATION_BUGS`) "e5m2"
+    (activations rounded through e5m2), "group512" (one activation scale per 512 channels instead
+    of 128), and "moe-e5m2" / "moe-group512" (the same in the routed experts only)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,11 +107,14 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
                                                  experts_implementation=experts)
     model = model.eval()
-    placed = load_fp8_checkpoint(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
+    if fp8_bug in FP8_ACTIVATION_BUGS and dtype != "fp8":
+        raise ValueError(f"fp8_bug {fp8_bug!r} is a bug of the FP8 arithmetic: it needs dtype fp8")
+    placed = load_fp8_checkpoint(model, model_dir, block, int(config.num_hidden_layers),
+                                 bug=None if fp8_bug in FP8_ACTIVATION_BUGS else fp8_bug)
     model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
     model.dsadapt_fp8_placed = placed
     if dtype == "fp8":
-        model = as_fp8_yardstick(model)
+        model = as_fp8_yardstick(model, FP8_ACTIVATION_BUGS.get(fp8_bug or ""))
     elif dtype != "float32":
         model = route_in_dtype(model.to(getattr(torch, dtype)), dtype)
     return model
@@ -167,13 +173,24 @@ def route_in_dtype(model, dtype: str):
     return model
 
 
-def as_fp8_yardstick(model):
+#: FP8 bugs of the arithmetic (`load_model`'s fp8_bug): (activation format, channels per scale,
+#: only in the routed experts).
+FP8_ACTIVATION_BUGS = {"e5m2": ("e5m2", 128, False), "group512": ("e4m3", 512, False),
+                       "moe-e5m2": ("e5m2", 128, True), "moe-group512": ("e4m3", 512, True)}
+
+
+def as_fp8_yardstick(model, bug=None):
     """The dequantized float32 model made the FP8 yardstick in place: bfloat16, with the FP8 GEMMs'
-    activation rounding emulated (`emulate_fp8_activations`)."""
+    activation rounding emulated (`emulate_fp8_activations`); `bug` (an FP8_ACTIVATION_BUGS value)
+    makes it an engine with that bug instead."""
     import torch
 
     model = route_in_dtype(model.to(torch.bfloat16), "fp8")
-    emulate_fp8_activations(model, model.dsadapt_fp8_placed)
+    if bug is None:
+        emulate_fp8_activations(model, model.dsadapt_fp8_placed)
+    else:
+        fmt, group, moe_only = bug
+        emulate_fp8_activations(model, model.dsadapt_fp8_placed, group=group, fmt=fmt, moe_only=moe_only)
     return model
 
 
@@ -336,10 +353,12 @@ def load_fp8_checkpoint(model, model_dir, block, n_layers, bug=None):
     return placed
 
 
-def emulate_fp8_activations(model, placed, group=128):
+def emulate_fp8_activations(model, placed, group=128, fmt="e4m3", moe_only=False):
     """What a block-FP8 engine does to the inputs of its FP8 GEMMs, in the (bfloat16) HF model:
-    quantized to e4m3 per token and `group` channels, then scaled back. On every linear whose
-    weight was FP8 (a forward pre-hook) and on the routed experts (both GEMMs of each expert)."""
+    quantized to e4m3 per token and 128 channels, then scaled back. On every linear whose weight was
+    FP8 (a forward pre-hook) and on the routed experts (both GEMMs of each expert). A planted bug
+    (`FP8_ACTIVATION_BUGS`) rounds through `fmt` with one scale per `group` channels, everywhere or
+    (`moe_only`) in the routed experts while the other GEMMs stay correct."""
     import types
 
     import torch
@@ -347,23 +366,24 @@ def emulate_fp8_activations(model, placed, group=128):
     fp8 = _blockfp8()
     linear = {n[: -len(".weight")] for n in placed if ".mlp.experts." not in n}
     experts = {n.split(".mlp.experts.")[0] + ".mlp.experts" for n in placed if ".mlp.experts." in n}
+    lin_group, lin_fmt = (128, "e4m3") if moe_only else (group, fmt)
 
     def pre(module, args):
-        return (fp8.quantize_activations(args[0], group),) + tuple(args[1:])
+        return (fp8.quantize_activations(args[0], lin_group, lin_fmt),) + tuple(args[1:])
 
     def expert_forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        x = fp8.quantize_activations(hidden_states, group)
+        x = fp8.quantize_activations(hidden_states, group, fmt)
         for e in hit:
             e = int(e[0])
             if e == self.num_experts:
                 continue
             pos, tok = torch.where(mask[e])
             gate, up = torch.nn.functional.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fp8.quantize_activations(self.act_fn(gate) * up, group)
+            h = fp8.quantize_activations(self.act_fn(gate) * up, group, fmt)
             h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out

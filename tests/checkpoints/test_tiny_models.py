@@ -215,15 +215,6 @@ def test_unscaled_init_would_be_flat():
     assert -(lp.exp() * lp).sum(-1).mean().item() > 0.9 * math.log(tm.VOCAB_SIZE)
 
 
-def test_init_spec_scales():
-    assert tm.init_spec("lm_head.weight") == ("normal", 0.2)
-    assert tm.init_spec("model.layers.1.self_attn.kv_b_proj.weight") == ("normal", 0.04)
-    assert tm.init_spec("model.layers.1.self_attn.o_proj.weight") == ("normal", 0.02)
-    assert tm.init_spec("model.layers.2.mlp.experts.3.down_proj.weight") == ("normal", 0.04)
-    assert tm.init_spec("model.layers.2.mlp.gate.e_score_correction_bias") == ("normal", 0.05)
-    assert tm.init_spec("model.layers.0.self_attn.kv_a_layernorm.weight") == ("ones", 1.0)
-
-
 # ---------------------------------------------------------------- command
 
 
