@@ -654,3 +654,58 @@ def make_tensors(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], see
     st = plan(config, seed)
     with single_thread():
         return {name: tensor_rows(st, name, shape).reshape(shape).contiguous() for name, shape in shapes.items()}
+
+
+# ----------------------------------------------------------------------------- what is measured
+
+#: `dsadapt model inspect`'s targets: (property, what is compared, target, where the target comes from).
+#: "published" properties are what trained LLMs are reported to have (the numbers are our choice
+#: inside the published range); "chosen" ones are what the gate needs.
+PROPERTY_TARGETS = (
+    ("outlier channels", "largest residual channel's mean |h| over the median channel's, after the first layer",
+     20.0, "published: Sun et al. 2024, 'Massive Activations in Large Language Models' (a few fixed channels, "
+     "up to 100,000x the others); Dettmers et al. 2022, LLM.int8() (systematic outlier features)"),
+    ("attention sinks", "attention on the first token from queries at position >= 8, the least of any layer",
+     0.2, "published: Xiao et al. 2023, StreamingLLM (initial tokens draw a large share of attention whatever "
+     "their meaning); Sun et al. 2024 (massive activations concentrate attention on their tokens)"),
+    ("sink heads", "share of heads whose attention on the first token is >= 0.3, the least of any layer",
+     0.25, "chosen"),
+    ("confident routing", "share of rows whose expert set in a low-precision run equals float32's, the least of "
+     "any MoE layer and dtype", 0.90, "chosen (the gate judges a MoE layer only where its own low-precision run "
+     "routes as float32 does)"),
+    ("peaked logits", "mean top-1 probability (float32)", 0.3, "chosen"),
+    ("heavy-tailed blocks", "99th percentile of the 128 x 128 blocks' RMS over the median block", 3.0,
+     "chosen (trained weights' blocks differ in magnitude: why block scales exist)"),
+)
+#: In a block-FP8 checkpoint the FP8 GEMMs' inputs must carry outliers past e4m3's normal range
+#: (2^-6 .. 448: 28,672x) for a per-128 activation scale to matter.
+FP8_INPUT_TARGET = 1e4
+
+
+def judge_structure(doc: dict[str, Any], fp8: bool = False) -> list[dict[str, Any]]:
+    """Each property of a `dsadapt.model-structure/1` document against its target (pure)."""
+    res = doc.get("residual") or []
+    later = [r["channel_ratio"] for r in res if r["layer"] >= 1] or [r["channel_ratio"] for r in res]
+    sinks = doc.get("sinks") or []
+    agree = [v for per in (doc.get("routing") or {}).get("agreement", {}).values() for v in per.values()]
+    values: dict[str, float | None] = {
+        "outlier channels": max(later) if later else None,
+        "attention sinks": min(s["mean"] for s in sinks) if sinks else None,
+        "sink heads": min(s["heads_over"] for s in sinks) if sinks else None,
+        "confident routing": min(agree) if agree else None,
+        "peaked logits": (doc.get("logits") or {}).get("top1"),
+        "heavy-tailed blocks": (doc.get("weights") or {}).get("p99_over_median"),
+    }
+    out = []
+    for name, what, target, source in PROPERTY_TARGETS:
+        v = values[name]
+        out.append({"property": name, "measured": what, "value": v, "target": target, "source": source,
+                    "ok": None if v is None else v >= target})
+    if fp8:
+        ins = [g["input_norm"] for g in doc.get("gemm_inputs") or [] if g.get("input_norm") is not None]
+        v = max(ins) if ins else None
+        out.append({"property": "FP8 GEMM-input outliers", "measured": "largest |x| over the median |x| of a row "
+                    "entering the attention projections (median over rows), the largest of any layer", "value": v,
+                    "target": FP8_INPUT_TARGET, "source": "chosen inside Sun et al. 2024's range; e4m3's normal "
+                    "range is 28,672x", "ok": None if v is None else v >= FP8_INPUT_TARGET})
+    return out

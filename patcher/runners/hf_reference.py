@@ -55,7 +55,15 @@ def parse_args(argv=None):
                     help="JSON {prompt id: token ids}: the exact sequences the engine ran (teacher-forced here)")
     ap.add_argument("--capture-dtypes", default="float32",
                     help="comma-separated dtypes to capture in (the first is the reference, the others noise yardsticks)")
+    ap.add_argument("--inspect", default=None,
+                    help="model-inspect mode: measure the activations' structure (structure_probe.py) into this JSON file")
+    ap.add_argument("--inspect-dtypes", default="",
+                    help="comma-separated low-precision dtypes whose routing and top-1 are compared with float32")
     args = ap.parse_args(argv)
+    if args.inspect is not None:
+        if args.prompts is None:
+            ap.error("--inspect needs --prompts")
+        return args
     if args.capture is None and (args.prompts is None or args.out is None):
         ap.error("--prompts and --out are required (or --capture for bisect mode)")
     if args.capture is not None and (args.capture_spec is None or args.capture_sequences is None):
@@ -542,6 +550,31 @@ def capture_main(args) -> int:
     return 0
 
 
+def inspect_main(args) -> int:
+    """Model-inspect mode: the structure of the checkpoint's activations (structure_probe.py) on the
+    given prompts, float32 and each of --inspect-dtypes; writes one JSON document."""
+    import torch
+    import transformers
+    from structure_probe import inspect
+
+    sequences = [list(p["token_ids"]) for p in kit.load_prompts(args.prompts)]
+    dtypes = [d for d in args.inspect_dtypes.split(",") if d]
+    t0 = time.time()
+    doc = inspect(lambda dt: load_model(args.model, dt, "eager", args.experts, device=args.device), sequences, dtypes,
+                  fp8_from_float32=lambda m: as_fp8_yardstick(m) if getattr(m, "dsadapt_fp8_placed", None) else None)
+    doc.update(transformers=transformers.__version__, torch=torch.__version__, device=args.device,
+               seconds=round(time.time() - t0, 1))
+    tmp = args.inspect + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    import os
+
+    os.replace(tmp, args.inspect)
+    kit.say("hf_reference", f"inspected {len(sequences)} sequences ({', '.join(['float32', *dtypes])}) in "
+                            f"{doc['seconds']:.1f}s -> {args.inspect}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -556,6 +589,9 @@ def main(argv=None):
     if args.capture:
         torch.manual_seed(0)
         return capture_main(args)
+    if args.inspect:
+        torch.manual_seed(0)
+        return inspect_main(args)
     torch.manual_seed(0)
     device = {"device": "cpu", "threads": torch.get_num_threads()}
     if args.device == "cuda":
