@@ -546,7 +546,7 @@ def _q_latent_rows(st: Structure, layer: int | None, x: Any, r0: int, r1: int) -
     y, _, _, _ = _sink_dirs(st, layer)
     d = st.hidden
     p = _pattern(st.common, d)
-    x -= (x @ p)[:, None] * p[None, :]
+    x -= _dot(x, p)[:, None] * p[None, :]
     mu = Q_LATENT_SHARE * math.sqrt(st.q_lora or 1) / (_COMMON_IN * math.sqrt(d))
     x += mu * y[r0:r1, None] * p[None, :]
     return x
@@ -569,7 +569,7 @@ def _q_heads_rows(st: Structure, layer: int | None, x: Any, r0: int, r1: int, q_
     else:
         u = _pattern(st.common, d)
         along = _COMMON_IN * math.sqrt(d)
-    x -= (x @ u)[:, None] * u[None, :]
+    x -= _dot(x, u)[:, None] * u[None, :]
     key = 0.95 * math.sqrt(st.kv_lora) * SINK_KEY   # the first token's key along kappa
     gaps = torch.tensor(st.sink_gaps.get(layer, ()) or [0.0] * st.heads)
     r = torch.arange(r0, r1)
@@ -595,7 +595,7 @@ def _kv_latent_rows(st: Structure, layer: int | None, x: Any, r0: int, r1: int) 
     mu = 3.0 * KV_A_GAIN / (_BOS_IN * math.sqrt(d))
     n = min(r1, st.kv_lora) - r0
     lat = x[:n]
-    lat -= (lat @ p)[:, None] * p[None, :]
+    lat -= _dot(lat, p)[:, None] * p[None, :]
     lat += (mu * math.sqrt(st.kv_lora) * z[r0:r0 + n])[:, None] * p[None, :]
     return x
 
@@ -607,7 +607,7 @@ def _kv_heads_rows(st: Structure, layer: int | None, x: Any, r0: int, r1: int) -
         return x
     _, z, kappa, omega = _sink_dirs(st, layer)
     per = st.nope + st.vdim
-    x -= (x @ z)[:, None] * z[None, :]
+    x -= _dot(x, z)[:, None] * z[None, :]
     r = torch.arange(r0, r1)
     h, j = r // per, r % per
     nope = j < st.nope
@@ -709,3 +709,9 @@ def judge_structure(doc: dict[str, Any], fp8: bool = False) -> list[dict[str, An
                     "target": FP8_INPUT_TARGET, "source": "chosen inside Sun et al. 2024's range; e4m3's normal "
                     "range is 28,672x", "ok": None if v is None else v >= FP8_INPUT_TARGET})
     return out
+
+
+def _dot(x: Any, v: Any) -> Any:
+    """Each row of `x` dotted with `v`, row by row (a matmul's result depends on how many rows it is
+    given; this does not, so a tensor is the same however its rows are chunked)."""
+    return (x * v).sum(-1)
