@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from checkpoint_support import small_v3_config, tiny_model

@@ -522,15 +522,16 @@ def test_explain_never_calls_a_raised_module_outside_the_forward(dtype, ratio):
     """The logits fail, every module passes, but the closest point has risen over what correct
     engines reach (an FP8 bug that doubles the error below a looser limit did this): the
     explanation names that point as inside the forward, never the sampler."""
+    from patcher.rules.divergence import ModuleVerdict
     from patcher.rules.modules import control_ratio
 
     assert ratio > control_ratio(dtype)
-    bis = {"passed": True, "dtype": dtype, "compared": 47, "margin": {
-        "where": "layer 0 q_a_norm", "phase": "prefill", "ratio": ratio, "margin": 1.04, "above": False}}
+    bis = ModuleVerdict(passed=True, rule="low-precision", dtype=dtype, compared=47, margin={
+        "where": "layer 0 q_a_norm", "phase": "prefill", "ratio": ratio, "margin": 1.04, "above": False})
     lines = explain(_comparison("low-precision"), {}, bis)
     assert not any("outside" in ln for ln in lines), lines
     assert any("inside the forward" in ln and "layer 0 q_a_norm" in ln and f"{ratio:.2f}x" in ln for ln in lines)
-    bis["margin"]["ratio"] = 0.99  # where the controls are: then the difference is outside the modules
+    bis.margin["ratio"] = 0.99  # where the controls are: then the difference is outside the modules
     assert any("outside the model's forward" in ln for ln in explain(_comparison("low-precision"), {}, bis))
 
 
