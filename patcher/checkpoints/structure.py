@@ -178,22 +178,20 @@ def attention_scaling(config: dict[str, Any]) -> float:
     return s
 
 
-def plan(config: dict[str, Any], seed: int) -> Structure:
-    """The structure of the checkpoint `config` describes, for `seed` (pure, deterministic)."""
-    import torch
-
-    d = int(config["hidden_size"])
+def _layer_kinds(config: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dense layers, MoE layers) of `config`."""
     n_layers = int(config["num_hidden_layers"])
     first_k = int(config.get("first_k_dense_replace") or 0)
     freq = int(config.get("moe_layer_freq") or 1)
     n_exp = int(config.get("n_routed_experts") or 0)
     moe = tuple(i for i in range(n_layers) if n_exp and i >= first_k and i % freq == 0)
-    dense = tuple(i for i in range(n_layers) if i not in moe)
-    g = _gen(seed, "structure")
-    perm = torch.randperm(d, generator=g).tolist()
-    k_out = 2 if d < 2048 else 4
-    # outlier channels in distinct 512-column groups (so per-512 scales see each once), the rest anywhere
-    groups = max(1, d // 512)
+    return tuple(i for i in range(n_layers) if i not in moe), moe
+
+
+def _pick_outliers(perm: list[int], k_out: int) -> tuple[int, ...]:
+    """The first `k_out` channels of `perm` in distinct 512-column groups (so per-512 scales see each
+    once) while there are groups left, then anywhere."""
+    groups = max(1, len(perm) // 512)
     picked: list[int] = []
     used_groups: set[int] = set()
     for c in perm:
@@ -203,7 +201,61 @@ def plan(config: dict[str, Any], seed: int) -> Structure:
             continue
         picked.append(c)
         used_groups.add(c // 512)
-    outliers = tuple(sorted(picked))
+    return tuple(sorted(picked))
+
+
+def _routing(config: dict[str, Any]) -> tuple[str, int, int]:
+    """(scoring function, n_group, topk_group) as HF's DeepSeek classes route `config`."""
+    v3 = config.get("model_type") == "deepseek_v3"
+    sigmoid = config.get("scoring_func") == "sigmoid" or (v3 and config.get("scoring_func") is None)
+    if not (v3 or config.get("topk_method") in ("group_limited_greedy", "noaux_tc")):
+        return ("sigmoid" if sigmoid else "softmax"), 1, 1
+    return ("sigmoid" if sigmoid else "softmax"), int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+
+
+def _expert_set(gl: Any, n_exp: int, top_k: int, n_group: int, topk_group: int) -> tuple[int, ...]:
+    """One cluster's experts: `top_k` spread over `topk_group` of the `n_group` groups."""
+    import torch
+
+    per_group = n_exp // n_group
+    chosen_groups = torch.randperm(n_group, generator=gl)[:topk_group].tolist()
+    each = top_k // topk_group
+    extra = top_k - each * topk_group
+    experts: list[int] = []
+    for j, grp in enumerate(sorted(chosen_groups)):
+        inside = torch.randperm(per_group, generator=gl)[:each + (1 if j < extra else 0)].tolist()
+        experts += [grp * per_group + e for e in inside]
+    return tuple(sorted(experts))
+
+
+def _sink_gaps(seed: int, n_layers: int, heads: int) -> dict[int, tuple[float, ...]]:
+    import torch
+
+    lo, hi = SINK_GAP
+    return {layer: tuple(float(x) for x in (lo + (hi - lo) * torch.rand(heads, generator=_gen(seed, f"sinks:{layer}"))))
+            for layer in range(n_layers)}
+
+
+def _routed_weight(config: dict[str, Any], scoring: str, top_k: int) -> float:
+    """What the router's weights of one token add up to, routed_scaling_factor included."""
+    routed_scale = float(config.get("routed_scaling_factor") or 1.0)
+    if scoring != "sigmoid":  # HF's DeepSeek-V2 never renormalises: the chosen experts hold about half the mass
+        return routed_scale * ROUTED_MASS
+    return routed_scale * (1.0 if config.get("norm_topk_prob", True) else top_k * _sigmoid(ROUTE_UP))
+
+
+def plan(config: dict[str, Any], seed: int) -> Structure:
+    """The structure of the checkpoint `config` describes, for `seed` (pure, deterministic)."""
+    import torch
+
+    d = int(config["hidden_size"])
+    n_layers = int(config["num_hidden_layers"])
+    n_exp = int(config.get("n_routed_experts") or 0)
+    dense, moe = _layer_kinds(config)
+    g = _gen(seed, "structure")
+    perm = torch.randperm(d, generator=g).tolist()
+    k_out = 2 if d < 2048 else 4
+    outliers = _pick_outliers(perm, k_out)
     rest = [c for c in perm if c not in outliers]
     common, rest = tuple(sorted(rest[:COMMON_CHANNELS])), rest[COMMON_CHANNELS:]
     bos, rest = tuple(sorted(rest[:BOS_CHANNELS])), rest[BOS_CHANNELS:]
@@ -211,57 +263,29 @@ def plan(config: dict[str, Any], seed: int) -> Structure:
     n_clusters = max(8, min(64, 2 * n_exp // max(1, top_k))) if n_exp else 8
     n_clusters = min(n_clusters, max(1, (d // 8) // CLUSTER_CHANNELS))
     clusters = tuple(tuple(sorted(rest[i * CLUSTER_CHANNELS:(i + 1) * CLUSTER_CHANNELS])) for i in range(n_clusters))
-    method = config.get("topk_method")
-    v3 = config.get("model_type") == "deepseek_v3"
-    scoring = "sigmoid" if (config.get("scoring_func") == "sigmoid" or (v3 and config.get("scoring_func") is None)) \
-        else "softmax"
-    grouped = v3 or method in ("group_limited_greedy", "noaux_tc")
-    n_group = int(config.get("n_group") or 1) if grouped else 1
-    topk_group = int(config.get("topk_group") or 1) if grouped else 1
+    scoring, n_group, topk_group = _routing(config)
     expert_sets: dict[int, tuple[tuple[int, ...], ...]] = {}
     for layer in moe:
         gl = _gen(seed, f"experts:{layer}")
-        sets = []
-        per_group = n_exp // n_group
-        for _ in range(n_clusters):
-            chosen_groups = torch.randperm(n_group, generator=gl)[:topk_group].tolist()
-            each = top_k // topk_group
-            extra = top_k - each * topk_group
-            experts: list[int] = []
-            for j, grp in enumerate(sorted(chosen_groups)):
-                n_here = each + (1 if j < extra else 0)
-                inside = torch.randperm(per_group, generator=gl)[:n_here].tolist()
-                experts += [grp * per_group + e for e in inside]
-            sets.append(tuple(sorted(experts)))
-        expert_sets[layer] = tuple(sets)
+        expert_sets[layer] = tuple(_expert_set(gl, n_exp, top_k, n_group, topk_group) for _ in range(n_clusters))
     heads = int(config["num_attention_heads"])
-    sink_gaps = {}
-    for layer in range(n_layers):
-        gs = _gen(seed, f"sinks:{layer}")
-        lo, hi = SINK_GAP
-        sink_gaps[layer] = tuple(float(x) for x in (lo + (hi - lo) * torch.rand(heads, generator=gs)))
     first_dense = dense[0] if dense and dense[0] < (moe[0] if moe else n_layers) else None
     inter = int(config.get("intermediate_size") or 0)
     super_neurons = tuple(sorted(torch.randperm(inter, generator=g)[: k_out * SUPER_NEURONS_PER_OUTLIER].tolist())) \
         if first_dense is not None and inter else ()
-    # each outlier channel holds OUTLIER_ENERGY / k of the residual's energy (the rest: about 1 a channel)
-    massive = math.sqrt(OUTLIER_ENERGY * d / k_out)
     q_lora = config.get("q_lora_rank")
-    routed_scale = float(config.get("routed_scaling_factor") or 1.0)
-    if scoring == "sigmoid":
-        norm = config.get("norm_topk_prob", True)
-        routed_weight = routed_scale * (1.0 if norm else top_k * _sigmoid(ROUTE_UP))
-    else:  # HF's DeepSeek-V2 never renormalises: the chosen experts hold about half the softmax mass
-        routed_weight = routed_scale * ROUTED_MASS
-    return Structure(seed=seed, routed_weight=routed_weight, hidden=d, vocab=int(config["vocab_size"]), layers=n_layers, heads=heads,
+    return Structure(seed=seed, routed_weight=_routed_weight(config, scoring, top_k), hidden=d,
+                     vocab=int(config["vocab_size"]), layers=n_layers, heads=heads,
                      nope=int(config["qk_nope_head_dim"]), rope=int(config["qk_rope_head_dim"]),
                      vdim=int(config["v_head_dim"]), kv_lora=int(config["kv_lora_rank"]),
                      q_lora=int(q_lora) if q_lora else None, scaling=attention_scaling(config),
                      dense_layers=dense, moe_layers=moe, n_experts=n_exp, top_k=top_k, n_group=n_group,
                      topk_group=topk_group, scoring=scoring, fp8=bool(config.get("quantization_config")),
-                     outliers=outliers, common=common, bos=bos, clusters=clusters, massive=massive,
+                     outliers=outliers, common=common, bos=bos, clusters=clusters,
+                     # each outlier channel holds OUTLIER_ENERGY / k of the residual's energy (the rest: about 1 a channel)
+                     massive=math.sqrt(OUTLIER_ENERGY * d / k_out),
                      super_neurons=super_neurons, first_dense=first_dense, expert_sets=expert_sets,
-                     sink_gaps=sink_gaps)
+                     sink_gaps=_sink_gaps(seed, n_layers, heads))
 
 
 def _sigmoid(x: float) -> float:
@@ -394,70 +418,99 @@ def _has_outliers(st: Structure, layer: int | None, part: str) -> bool:
     return layer > st.first_dense
 
 
-def _reads_residual(kind: str) -> bool:
-    return kind in ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj")
+@dataclass(frozen=True)
+class _Rows:
+    """Rows r0..r1 of one checkpoint tensor, its name read: the decoder layer (None outside the
+    layers) and the name inside it."""
+
+    name: str
+    local: str
+    layer: int | None
+    shape: tuple[int, ...]
+    r0: int
+    r1: int
+
+    @property
+    def kind(self) -> str:
+        return self.local.rsplit(".", 2)[-2] if self.local.endswith(".weight") else self.local
 
 
 def tensor_rows(st: Structure, name: str, shape: tuple[int, ...], r0: int = 0, r1: int | None = None) -> Any:
     """Rows r0..r1 of checkpoint tensor `name` (float32), as the structure says (module docstring)."""
+    m = _LAYER.match(name)
+    t = _Rows(name, m.group(2) if m else name, int(m.group(1)) if m else None, shape, r0,
+              shape[0] if r1 is None else r1)
+    whole = _whole_tensor_rows(st, t)
+    return whole if whole is not None else _projection_rows(st, t)
+
+
+def _whole_tensor_rows(st: Structure, t: _Rows) -> Any:
+    """The tensors made whole (vectors, the embedding, the head, MTP modules' projections, routers);
+    None for a decoder layer's projection."""
     import torch
 
-    rows = shape[0]
-    r1 = rows if r1 is None else r1
-    m = _LAYER.match(name)
-    layer = int(m.group(1)) if m else None
-    local = m.group(2) if m else name
-    if name.endswith("e_score_correction_bias"):
-        g = _gen(st.seed, name)
-        return (torch.randn(rows, generator=g) * ROUTER_BIAS_STD)[r0:r1]
-    if len(shape) == 1:
-        w = _norm_weight(st, name, layer)
+    rows, r0, r1 = t.shape[0], t.r0, t.r1
+    if t.name.endswith("e_score_correction_bias"):
+        return (torch.randn(rows, generator=_gen(st.seed, t.name)) * ROUTER_BIAS_STD)[r0:r1]
+    if len(t.shape) == 1:
+        w = _norm_weight(st, t.name, t.layer)
         return (w if w is not None else torch.ones(rows))[r0:r1]
-    cols = shape[1]
-    if name in ("model.embed_tokens.weight",) or local == "embed_tokens.weight":
+    if t.name == "model.embed_tokens.weight" or t.local == "embed_tokens.weight":  # and the MTP modules' copies
         return _embedding_rows(st, r0, r1)
-    if name == "lm_head.weight" or local == "shared_head.head.weight":
+    if t.name == "lm_head.weight" or t.local == "shared_head.head.weight":
         return _head_rows(st, r0, r1)
-    kind = local.rsplit(".", 2)[-2] if local.endswith(".weight") else local
-    if layer is not None and layer >= st.layers:  # MTP modules: plain fan-in scaled weights
-        return _random_rows(st, name, (rows, cols), r0, r1, GAIN.get(kind, 1.0) / math.sqrt(cols), True)
-    if local == "mlp.gate.weight":
-        return _router_rows(st, name, layer, rows, r0, r1)
-    expert = _EXPERT.match(local)
-    gain = GAIN.get(kind, 1.0)
-    if kind == "down_proj" and (expert or ".shared_experts." in local):
-        gain /= max(1.0, st.routed_weight) if expert else 1.0
-    if kind == "kv_a_proj_with_mqa":
-        gain = KV_A_GAIN
-    x = _random_rows(st, name, (rows, cols), r0, r1, gain / math.sqrt(cols), True)
-    d = st.hidden
-    if _reads_residual(kind) and kind not in ("gate_proj", "up_proj") and st.fp8 and layer is not None \
-            and _has_outliers(st, layer, "input_layernorm"):
+    if t.layer is not None and t.layer >= st.layers:  # MTP modules: plain fan-in scaled weights
+        return _random_rows(st, t.name, (rows, t.shape[1]), r0, r1, GAIN.get(t.kind, 1.0) / math.sqrt(t.shape[1]), True)
+    if t.local == "mlp.gate.weight":
+        return _router_rows(st, t.name, t.layer, rows, r0, r1)
+    return None
+
+
+def _projection_gain(st: Structure, t: _Rows) -> float:
+    if t.kind == "kv_a_proj_with_mqa":
+        return KV_A_GAIN
+    if t.kind == "down_proj" and _EXPERT.match(t.local):  # routed experts: their sum is scaled by the router
+        return GAIN["down_proj"] / max(1.0, st.routed_weight)
+    return GAIN.get(t.kind, 1.0)
+
+
+def _is_dense_mlp_input(st: Structure, t: _Rows) -> bool:
+    """The first dense layer's MLP gate/up projections (where the super neurons are)."""
+    return t.kind in ("gate_proj", "up_proj") and t.local.startswith("mlp.") and not _EXPERT.match(t.local) \
+        and "shared" not in t.local and t.layer == st.first_dense
+
+
+_HEAD_ROWS = {"q_a_proj": lambda st, t, x: _q_latent_rows(st, t.layer, x, t.r0, t.r1),
+              "q_b_proj": lambda st, t, x: _q_heads_rows(st, t.layer, x, t.r0, t.r1, st.q_lora or 0),
+              "q_proj": lambda st, t, x: _q_heads_rows(st, t.layer, x, t.r0, t.r1, None),
+              "kv_a_proj_with_mqa": lambda st, t, x: _kv_latent_rows(st, t.layer, x, t.r0, t.r1),
+              "kv_b_proj": lambda st, t, x: _kv_heads_rows(st, t.layer, x, t.r0, t.r1)}
+
+
+def _projection_rows(st: Structure, t: _Rows) -> Any:
+    """A decoder layer's projection: the random part, then what the structure writes into it."""
+    import torch
+
+    rows, cols, r0, r1 = t.shape[0], t.shape[1], t.r0, t.r1
+    x = _random_rows(st, t.name, (rows, cols), r0, r1, _projection_gain(st, t) / math.sqrt(cols), True)
+    if t.kind in ("q_a_proj", "q_proj", "kv_a_proj_with_mqa") and st.fp8 and t.layer is not None \
+            and _has_outliers(st, t.layer, "input_layernorm"):
         x[:, list(st.outliers)] = 0.0  # the outlier channels are read as nothing (an e4m3 block rounds them so)
-    if kind in ("o_proj", "down_proj"):
+    if t.kind in ("o_proj", "down_proj"):
         res = torch.tensor(st.reserved)
         sel = (res >= r0) & (res < r1)
         x[(res[sel] - r0).tolist()] = 0.0
-        if kind == "down_proj" and local == "mlp.down_proj.weight" and layer == st.first_dense:
+        if t.local == "mlp.down_proj.weight" and t.layer == st.first_dense:
             _super_write(st, x, r0, r1)
         return x
-    if kind in ("gate_proj", "up_proj") and local.startswith("mlp.") and not expert and "shared" not in local             and layer == st.first_dense:
-        p = _pattern(st.common, d) * (SUPER_PREACT / (_COMMON_IN * math.sqrt(d)))
+    if _is_dense_mlp_input(st, t):
+        p = _pattern(st.common, st.hidden) * (SUPER_PREACT / (_COMMON_IN * math.sqrt(st.hidden)))
         for j in st.super_neurons:
             if r0 <= j < r1:
                 x[j - r0] = p
         return x
-    if kind == "q_a_proj":
-        return _q_latent_rows(st, layer, x, r0, r1)
-    if kind == "q_b_proj":
-        return _q_heads_rows(st, layer, x, r0, r1, st.q_lora or 0)
-    if kind == "q_proj":
-        return _q_heads_rows(st, layer, x, r0, r1, None)
-    if kind == "kv_a_proj_with_mqa":
-        return _kv_latent_rows(st, layer, x, r0, r1)
-    if kind == "kv_b_proj":
-        return _kv_heads_rows(st, layer, x, r0, r1)
-    return x
+    head = _HEAD_ROWS.get(t.kind)
+    return head(st, t, x) if head is not None else x
 
 
 KV_A_GAIN = 0.35
