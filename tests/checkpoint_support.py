@@ -76,3 +76,35 @@ def mini_copy(dest: Path, like: str = "deepseek-v2-lite", layers: int = 2) -> Pa
     """A private copy (its files may be damaged) of a mini checkpoint made once per test session."""
     shutil.copytree(_mini_template(like, layers), dest)
     return dest
+
+
+def small_v3_config(hidden: int = 1024, layers: int = 4) -> dict[str, Any]:
+    """DeepSeek-V3's released config.json at a CPU size: its layer pattern (three dense layers, then
+    MoE), block-FP8 quantization, grouped routing (8 groups, 4 kept, 8 of 32 experts), MLA with
+    kv_lora_rank 512 / rope 64; hidden 1024 (eight 128-column activation groups, two of 512)."""
+    c = released_config("deepseek-v3", None, 0)
+    c.update(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=8, intermediate_size=2 * hidden,
+             moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4,
+             first_k_dense_replace=3, vocab_size=1600, max_position_embeddings=256, q_lora_rank=384,
+             num_hidden_layers=layers)
+    c["rope_scaling"] = dict(c["rope_scaling"], factor=4, original_max_position_embeddings=64)
+    return dict(sorted(c.items()))
+
+
+@cache
+def _small_v3_template() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="dsadapt-small-v3-")) / "model"
+    write_checkpoint(d, small_v3_config(), seed=0, mtp=0, like="deepseek-v3", workers=1)
+    return d
+
+
+def small_v3(dest: Path) -> Path:
+    """A hard-linked copy of the small V3-shaped block-FP8 checkpoint, made once per test session."""
+    src = _small_v3_template()
+    dest.mkdir(parents=True)
+    for p in src.iterdir():
+        try:
+            os.link(p, dest / p.name)
+        except OSError:
+            shutil.copy2(p, dest / p.name)
+    return dest

@@ -71,8 +71,10 @@ def run(out: Path, controls: list[str], bugs: list[str], dtypes: list[str], repe
     shutil.copy2(ROOT / "upstream.lock", root / "upstream.lock")
     shutil.copytree(ROOT / "patches", root / "patches")
     shared = ROOT / ".dsadapt"
+    # the slow tests' shared cache and environments when set (tests/shared_envs.py), else this checkout's
     env = {"DSADAPT_PROJECT": str(root), "DSADAPT_WORKDIR": str(root / ".dsadapt"),
-           "DSADAPT_CACHE": str(shared / "cache"), "DSADAPT_VENVS": str(shared / "venvs"), "DSADAPT_SOURCES": "pypi",
+           "DSADAPT_CACHE": os.environ.get("DSADAPT_TEST_CACHE") or str(shared / "cache"),
+           "DSADAPT_VENVS": os.environ.get("DSADAPT_TEST_VENVS") or str(shared / "venvs"), "DSADAPT_SOURCES": "pypi",
            "DSADAPT_MIRRORS": ""}
 
     def check(label: str, model: str, dtype: str) -> None:

@@ -65,11 +65,20 @@ def apply_scales_(w: Any, scale: Any, block: tuple[int, int] = (128, 128)) -> An
     return w
 
 
-def quantize_activations(x: Any, group: int = 128) -> Any:
+#: Activation rounding modes of `quantize_activations`: what a correct engine does ("e4m3") and
+#: the FP8 bugs the gate is calibrated on (docs/equivalence.md, "Block FP8").
+ACTIVATION_FORMATS = ("e4m3", "e5m2")
+
+
+def quantize_activations(x: Any, group: int = 128, fmt: str = "e4m3") -> Any:
     """What a dynamic block-FP8 GEMM does to its input, emulated: each token's channels in groups of
-    `group` scaled to e4m3's range, rounded to e4m3 and scaled back (returns x's dtype)."""
+    `group` scaled to e4m3's range (scale = amax / 448), rounded to e4m3 and scaled back (returns x's
+    dtype). `fmt` "e5m2" rounds through e5m2 first (2 mantissa bits instead of 3; what an engine that
+    quantizes its activations in the wrong FP8 format feeds its e4m3 GEMM)."""
     import torch
 
+    if fmt not in ACTIVATION_FORMATS:
+        raise ValueError(f"activation format {fmt!r}: one of {', '.join(ACTIVATION_FORMATS)}")
     shape = x.shape
     cols = shape[-1]
     flat = x.reshape(-1, cols).to(torch.float32)
@@ -79,5 +88,8 @@ def quantize_activations(x: Any, group: int = 128) -> Any:
     g = pad.view(flat.shape[0], ng, group)
     amax = g.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
     s = amax / E4M3_MAX
-    q = (g / s).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+    v = (g / s).clamp_(-E4M3_MAX, E4M3_MAX)
+    if fmt == "e5m2":
+        v = v.to(torch.float8_e5m2).to(torch.float32)
+    q = v.to(torch.float8_e4m3fn).to(torch.float32) * s
     return q.view(flat.shape[0], ng * group)[:, :cols].reshape(shape).to(x.dtype)

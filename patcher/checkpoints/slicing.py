@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from patcher.base.errors import MachineError, UsageError, show, size_words
+from patcher.base.errors import UsageError, show, size_words
 from patcher.checkpoints.fingerprint import INFO_FILE, publish_folder
+from patcher.checkpoints.folder import require_disk, require_new_folder, temporary_folder, write_index
 from patcher.checkpoints.layout import layer_of
 from patcher.checkpoints.model_dir import (
     CONFIG_FILE,
@@ -81,20 +81,8 @@ def sliced_config(config: dict[str, Any], k: int) -> dict[str, Any]:
     return out
 
 
-def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
-                     progress: Callable[[str], None] | None = None, chunk: int = COPY_CHUNK) -> SliceResult:
-    """Write the K-layer slice of the checkpoint in `src` into `out` (a new folder)."""
-    t0 = time.monotonic()
-    src, out = Path(src), Path(out)
-    ckpt = open_checkpoint(src)
-    require_layers(ckpt, k)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--out {show(out, 100)} exists and is not an empty folder",
-                         hint="pick a new folder (a slice is never written over another checkpoint)")
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise UsageError(f"--out {show(out, 100)} is inside the checkpoint being sliced",
-                         hint="write the slice next to the source, not into it")
-    names = kept(ckpt, k)
+def _plan_slice(ckpt: Checkpoint, names: list[str]) -> list[tuple[str, list[TensorEntry], str]]:
+    """(source file, the slice's entries, the slice's file name) per source shard holding kept tensors."""
     groups: dict[str, list[str]] = {}
     for n in names:
         groups.setdefault(ckpt.weight_map[n], []).append(n)
@@ -107,24 +95,51 @@ def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
             offset += e.nbytes
         fname = (f"model-{i + 1:05d}-of-{len(groups):06d}.safetensors" if ckpt.sharded else SINGLE_FILE)
         plan.append((src_file, entries, fname))
+    return plan
+
+
+def _copy_small_files(src: Path, tmp: Path, ckpt: Checkpoint) -> None:
+    """The source's other small files (tokenizer, generation config, remote code), weights excluded."""
+    weights = set(ckpt.shards) | {INDEX_FILE, CONFIG_FILE, INFO_FILE}
+    for p in sorted(src.iterdir()):
+        if p.name in weights or p.name.startswith(".") or not p.is_file() or p.is_symlink() \
+                or p.suffix == ".safetensors" or p.stat().st_size > SMALL_FILE:
+            continue
+        shutil.copy2(p, tmp / p.name)
+
+
+def _source_info(src: Path) -> Any:
+    """The source's own dsadapt.json (what it was made or cut from), None when it has none readable."""
+    if not (src / INFO_FILE).is_file():
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((src / INFO_FILE).read_text())
+    return None
+
+
+def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
+                     progress: Callable[[str], None] | None = None, chunk: int = COPY_CHUNK) -> SliceResult:
+    """Write the K-layer slice of the checkpoint in `src` into `out` (a new folder)."""
+    t0 = time.monotonic()
+    src, out = Path(src), Path(out)
+    ckpt = open_checkpoint(src)
+    require_layers(ckpt, k)
+    require_new_folder(out, "a slice")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise UsageError(f"--out {show(out, 100)} is inside the checkpoint being sliced",
+                         hint="write the slice next to the source, not into it")
+    names = kept(ckpt, k)
+    plan = _plan_slice(ckpt, names)
     total = sum(e[-1].end for _, e, _ in plan if e)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if total + (1 << 28) > free:
-        raise MachineError(f"not enough disk for the slice: it takes {size_words(total)}, "
-                           f"{size_words(free)} free under {show(out.parent, 60)}",
-                           hint="free disk space or write --out elsewhere")
+    require_disk(out, total, "free disk space or write --out elsewhere")
     dropped_mtp = sum(1 for layer in {layer_of(n) for n in ckpt.weight_map}
                       if layer is not None and layer >= ckpt.layers)
     if progress:
         progress(f"slicing {src.name}: layers 0-{k - 1} of {ckpt.layers}"
                  + (f", {dropped_mtp} MTP module(s) dropped" if dropped_mtp else "")
                  + f": {len(names)} tensors, {size_words(total)} from {len(plan)} of {len(ckpt.shards)} file(s)")
-    tmp = out.parent / f".{out.name}.slicing-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     digests: dict[str, str] = {}
-    try:
+    with temporary_folder(out, "slicing") as tmp:
         for src_file, entries, fname in plan:
             header = ckpt.shards[src_file]
             h = hashlib.sha256()
@@ -138,24 +153,13 @@ def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
         config = sliced_config(ckpt.config, k)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         if ckpt.sharded:
-            weight_map = {e.name: fname for _, entries, fname in plan for e in entries}
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                      "weight_map": dict(sorted(weight_map.items()))},
-                                                     indent=2) + "\n")
-        weights = set(ckpt.shards) | {INDEX_FILE, CONFIG_FILE, INFO_FILE}
-        for p in sorted(src.iterdir()):
-            if p.name in weights or p.name.startswith(".") or not p.is_file() or p.is_symlink() \
-                    or p.suffix == ".safetensors" or p.stat().st_size > SMALL_FILE:
-                continue
-            shutil.copy2(p, tmp / p.name)
-        info = {"sliced_from": str(src.resolve()), "layers": k, "source_layers": ckpt.layers,
-                "dropped_mtp_layers": dropped_mtp, "files": digests}
-        if (src / INFO_FILE).is_file():
-            with contextlib.suppress(OSError, ValueError):
-                info["source_info"] = json.loads((src / INFO_FILE).read_text())
+            write_index(tmp, {e.name: fname for _, entries, fname in plan for e in entries}, total)
+        _copy_small_files(src, tmp, ckpt)
+        info: dict[str, Any] = {"sliced_from": str(src.resolve()), "layers": k, "source_layers": ckpt.layers,
+                                "dropped_mtp_layers": dropped_mtp, "files": digests}
+        source_info = _source_info(src)
+        if source_info is not None:
+            info["source_info"] = source_info
         publish_folder(tmp, out, info, digests, cache)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return SliceResult(out, src, k, ckpt.layers, dropped_mtp, len(names), total, len(plan), digests,
                        time.monotonic() - t0)

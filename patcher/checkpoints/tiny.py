@@ -105,13 +105,7 @@ V2_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
-# Init scaling that makes next-token distributions peaked (measured: the module docstring above).
-INIT_STD = 0.02
-ROUTER_BIAS_STD = 0.05
-LM_HEAD_SCALE = 10.0
-ATTENTION_SCALE = 2.0
-EXPERT_SCALE = 2.0
-_ATTENTION_SCALED = ("q_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+INIT_STD = 0.02  # config.json's initializer_range (the weights themselves: patcher.checkpoints.structure)
 
 
 @dataclass(frozen=True)
@@ -351,39 +345,13 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_spec(name: str) -> tuple[str, float]:
-    """How tensor `name` is initialised: ("ones", 1) or ("normal", std) (pure)."""
-    if name.endswith("norm.weight"):
-        return "ones", 1.0
-    if name.endswith("e_score_correction_bias"):
-        return "normal", ROUTER_BIAS_STD
-    std = INIT_STD
-    if name == "lm_head.weight":
-        std *= LM_HEAD_SCALE
-    elif name.split(".")[-2] in _ATTENTION_SCALED:
-        std *= ATTENTION_SCALE
-    elif ".mlp.experts." in name or ".mlp.shared_experts." in name:
-        std *= EXPERT_SCALE
-    return "normal", std
-
-
-def _tensor_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def init_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """float32 tensors, each drawn from its own generator seeded by (seed, name)."""
-    torch = _import("torch")
-    tensors = {}
-    for name, shape in weight_shapes(config).items():
-        kind, std = init_spec(name)
-        if kind == "ones":
-            tensors[name] = torch.ones(shape, dtype=torch.float32)
-        else:
-            g = torch.Generator().manual_seed(_tensor_seed(seed, name))
-            tensors[name] = torch.randn(shape, generator=g, dtype=torch.float32) * std
-    return tensors
+    """float32 tensors with the structure of trained weights (patcher.checkpoints.structure), each
+    row block drawn from its own generator seeded by (seed, name, block)."""
+    _import("torch")
+    from patcher.checkpoints.structure import make_tensors
+
+    return make_tensors(config, weight_shapes(config), seed)
 
 
 # ---------------------------------------------------------------- making a model

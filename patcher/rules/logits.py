@@ -722,10 +722,32 @@ def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None =
         return located + [ln for ln in _explain_logits(c, config) if not ln.startswith("low-precision rule failed")]
     lines = _explain_logits(c, config)
     if bisect and bisect.passed:
-        lines.append(f"bisect: every module of every layer matches ({plural(bisect.compared or 0, 'point')}, each prompt "
-                     "run alone, prefill and decode): the difference is outside the model's forward — "
-                     "batching (only batch members diverge?), the sampler or logprob post-processing")
+        raised = raised_module(bisect)
+        if raised:
+            lines.append(raised)
+        else:
+            lines.append(f"bisect: every module of every layer matches ({plural(bisect.compared or 0, 'point')}, "
+                         "each prompt run alone, prefill and decode): the difference is outside the model's forward — "
+                         "batching (only batch members diverge?), the sampler or logprob post-processing")
     return lines
+
+
+def raised_module(bisect: ModuleVerdict) -> str | None:
+    """The line for a per-module comparison that passed although its closest point sits above what
+    correct engines reach in that dtype (`patcher.rules.modules.control_ratio`): the difference is
+    then inside the forward, at or before that module, below the per-module limit; None when every
+    point is where correct engines are (or the comparison is float32's)."""
+    from patcher.rules.modules import control_ratio
+
+    m = bisect.margin or {}
+    ratio, dtype = m.get("ratio"), bisect.dtype or ""
+    control = control_ratio(dtype)
+    if ratio is None or control is None or not ratio > control:
+        return None
+    return (f"bisect: every module is within its limit, but {m.get('where')} ({m.get('phase')} rows) is at "
+            f"{ratio:.2f}x the reference's own {dtype} error, above the {control:g}x correct engines reach: the "
+            f"difference is inside the forward, at or before {m.get('where')}, smaller than the per-module limit "
+            f"(`dsadapt bisect` in {dtype} shows every point)")
 
 
 def bisect_lines(bisect: ModuleVerdict | None) -> list[str]:

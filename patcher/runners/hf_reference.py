@@ -55,7 +55,15 @@ def parse_args(argv=None):
                     help="JSON {prompt id: token ids}: the exact sequences the engine ran (teacher-forced here)")
     ap.add_argument("--capture-dtypes", default="float32",
                     help="comma-separated dtypes to capture in (the first is the reference, the others noise yardsticks)")
+    ap.add_argument("--inspect", default=None,
+                    help="model-inspect mode: measure the activations' structure (structure_probe.py) into this JSON file")
+    ap.add_argument("--inspect-dtypes", default="",
+                    help="comma-separated low-precision dtypes whose routing and top-1 are compared with float32")
     args = ap.parse_args(argv)
+    if args.inspect is not None:
+        if args.prompts is None:
+            ap.error("--inspect needs --prompts")
+        return args
     if args.capture is None and (args.prompts is None or args.out is None):
         ap.error("--prompts and --out are required (or --capture for bisect mode)")
     if args.capture is not None and (args.capture_spec is None or args.capture_sequences is None):
@@ -76,8 +84,11 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
     a whole layer's experts, then casts the stack: a second copy of the largest layer). `dtype`
     "fp8" is that model in bfloat16 with the engine's FP8 arithmetic emulated (activations
     quantized to e4m3 per token and 128 channels at every FP8 GEMM): the yardstick of an FP8
-    engine's own rounding. `fp8_bug` ("transposed", "inverse") plants a block-scale bug in the
-    dequantization (tests and tools/measure_bisect_noise.py only)."""
+    engine's own rounding. `fp8_bug` plants an FP8 bug (tests and tools/measure_bisect_noise.py only):
+    "transposed" / "inverse" in the dequantization (the scale grid read column-major; weight /
+    weight_scale_inv), and in the FP8 arithmetic of an fp8 model (`FP8_ACTIVATION_BUGS`) "e5m2"
+    (activations rounded through e5m2), "group512" (one activation scale per 512 channels instead
+    of 128), and "moe-e5m2" / "moe-group512" (the same in the routed experts only)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,11 +115,14 @@ def load_model(model_dir, dtype="float32", attn="eager", experts="eager", config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
                                                  experts_implementation=experts)
     model = model.eval()
-    placed = load_fp8_checkpoint(model, model_dir, block, int(config.num_hidden_layers), bug=fp8_bug)
+    if fp8_bug in FP8_ACTIVATION_BUGS and dtype != "fp8":
+        raise ValueError(f"fp8_bug {fp8_bug!r} is a bug of the FP8 arithmetic: it needs dtype fp8")
+    placed = load_fp8_checkpoint(model, model_dir, block, int(config.num_hidden_layers),
+                                 bug=None if fp8_bug in FP8_ACTIVATION_BUGS else fp8_bug)
     model.dsadapt_fp8 = {"weight_block_size": list(block), "dequantized_tensors": len(placed)}
     model.dsadapt_fp8_placed = placed
     if dtype == "fp8":
-        model = as_fp8_yardstick(model)
+        model = as_fp8_yardstick(model, FP8_ACTIVATION_BUGS.get(fp8_bug or ""))
     elif dtype != "float32":
         model = route_in_dtype(model.to(getattr(torch, dtype)), dtype)
     return model
@@ -167,13 +181,24 @@ def route_in_dtype(model, dtype: str):
     return model
 
 
-def as_fp8_yardstick(model):
+#: FP8 bugs of the arithmetic (`load_model`'s fp8_bug): (activation format, channels per scale,
+#: only in the routed experts).
+FP8_ACTIVATION_BUGS = {"e5m2": ("e5m2", 128, False), "group512": ("e4m3", 512, False),
+                       "moe-e5m2": ("e5m2", 128, True), "moe-group512": ("e4m3", 512, True)}
+
+
+def as_fp8_yardstick(model, bug=None):
     """The dequantized float32 model made the FP8 yardstick in place: bfloat16, with the FP8 GEMMs'
-    activation rounding emulated (`emulate_fp8_activations`)."""
+    activation rounding emulated (`emulate_fp8_activations`); `bug` (an FP8_ACTIVATION_BUGS value)
+    makes it an engine with that bug instead."""
     import torch
 
     model = route_in_dtype(model.to(torch.bfloat16), "fp8")
-    emulate_fp8_activations(model, model.dsadapt_fp8_placed)
+    if bug is None:
+        emulate_fp8_activations(model, model.dsadapt_fp8_placed)
+    else:
+        fmt, group, moe_only = bug
+        emulate_fp8_activations(model, model.dsadapt_fp8_placed, group=group, fmt=fmt, moe_only=moe_only)
     return model
 
 
@@ -336,10 +361,12 @@ def load_fp8_checkpoint(model, model_dir, block, n_layers, bug=None):
     return placed
 
 
-def emulate_fp8_activations(model, placed, group=128):
+def emulate_fp8_activations(model, placed, group=128, fmt="e4m3", moe_only=False):
     """What a block-FP8 engine does to the inputs of its FP8 GEMMs, in the (bfloat16) HF model:
-    quantized to e4m3 per token and `group` channels, then scaled back. On every linear whose
-    weight was FP8 (a forward pre-hook) and on the routed experts (both GEMMs of each expert)."""
+    quantized to e4m3 per token and 128 channels, then scaled back. On every linear whose weight was
+    FP8 (a forward pre-hook) and on the routed experts (both GEMMs of each expert). A planted bug
+    (`FP8_ACTIVATION_BUGS`) rounds through `fmt` with one scale per `group` channels, everywhere or
+    (`moe_only`) in the routed experts while the other GEMMs stay correct."""
     import types
 
     import torch
@@ -347,23 +374,24 @@ def emulate_fp8_activations(model, placed, group=128):
     fp8 = _blockfp8()
     linear = {n[: -len(".weight")] for n in placed if ".mlp.experts." not in n}
     experts = {n.split(".mlp.experts.")[0] + ".mlp.experts" for n in placed if ".mlp.experts." in n}
+    lin_group, lin_fmt = (128, "e4m3") if moe_only else (group, fmt)
 
     def pre(module, args):
-        return (fp8.quantize_activations(args[0], group),) + tuple(args[1:])
+        return (fp8.quantize_activations(args[0], lin_group, lin_fmt),) + tuple(args[1:])
 
     def expert_forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        x = fp8.quantize_activations(hidden_states, group)
+        x = fp8.quantize_activations(hidden_states, group, fmt)
         for e in hit:
             e = int(e[0])
             if e == self.num_experts:
                 continue
             pos, tok = torch.where(mask[e])
             gate, up = torch.nn.functional.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = fp8.quantize_activations(self.act_fn(gate) * up, group)
+            h = fp8.quantize_activations(self.act_fn(gate) * up, group, fmt)
             h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
@@ -522,6 +550,31 @@ def capture_main(args) -> int:
     return 0
 
 
+def inspect_main(args) -> int:
+    """Model-inspect mode: the structure of the checkpoint's activations (structure_probe.py) on the
+    given prompts, float32 and each of --inspect-dtypes; writes one JSON document."""
+    import torch
+    import transformers
+    from structure_probe import inspect
+
+    sequences = [list(p["token_ids"]) for p in kit.load_prompts(args.prompts)]
+    dtypes = [d for d in args.inspect_dtypes.split(",") if d]
+    t0 = time.time()
+    doc = inspect(lambda dt: load_model(args.model, dt, "eager", args.experts, device=args.device), sequences, dtypes,
+                  fp8_from_float32=lambda m: as_fp8_yardstick(m) if getattr(m, "dsadapt_fp8_placed", None) else None)
+    doc.update(transformers=transformers.__version__, torch=torch.__version__, device=args.device,
+               seconds=round(time.time() - t0, 1))
+    tmp = args.inspect + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    import os
+
+    os.replace(tmp, args.inspect)
+    kit.say("hf_reference", f"inspected {len(sequences)} sequences ({', '.join(['float32', *dtypes])}) in "
+                            f"{doc['seconds']:.1f}s -> {args.inspect}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -536,6 +589,9 @@ def main(argv=None):
     if args.capture:
         torch.manual_seed(0)
         return capture_main(args)
+    if args.inspect:
+        torch.manual_seed(0)
+        return inspect_main(args)
     torch.manual_seed(0)
     device = {"device": "cpu", "threads": torch.get_num_threads()}
     if args.device == "cuda":

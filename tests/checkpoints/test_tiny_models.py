@@ -197,13 +197,14 @@ def test_styles_share_weights_and_hf_outputs(made):
 
 @pytest.mark.parametrize("variant", tm.VARIANTS)
 def test_outputs_are_peaked(made, variant):
-    """Measured (seed 0, 4 x 128 corpus tokens): see the module docstring of patcher.checkpoints.tiny."""
+    """Measured (seed 0, 4 x 128 corpus tokens, docs/models.md): mean top-1 probability 0.61, entropy
+    3.0 nats (41 % of uniform's) for each variant."""
     logprobs = torch.cat(hf_logprobs(made[(variant, "deepseek")].path, variant, corpus_prompts()))
     probs = logprobs.exp()
     entropy = -(probs * logprobs).sum(-1).mean().item()
     top1 = probs.max(-1).values.mean().item()
-    assert entropy < 0.6 * math.log(tm.VOCAB_SIZE), entropy
-    assert top1 > 0.1, top1
+    assert entropy < 0.5 * math.log(tm.VOCAB_SIZE), entropy
+    assert top1 > 0.5, top1
 
 
 def test_unscaled_init_would_be_flat():
@@ -213,15 +214,6 @@ def test_unscaled_init_would_be_flat():
     logits = hidden @ (torch.randn(tm.VOCAB_SIZE, 256, generator=g) * tm.INIT_STD).T
     lp = logits.log_softmax(-1)
     assert -(lp.exp() * lp).sum(-1).mean().item() > 0.9 * math.log(tm.VOCAB_SIZE)
-
-
-def test_init_spec_scales():
-    assert tm.init_spec("lm_head.weight") == ("normal", 0.2)
-    assert tm.init_spec("model.layers.1.self_attn.kv_b_proj.weight") == ("normal", 0.04)
-    assert tm.init_spec("model.layers.1.self_attn.o_proj.weight") == ("normal", 0.02)
-    assert tm.init_spec("model.layers.2.mlp.experts.3.down_proj.weight") == ("normal", 0.04)
-    assert tm.init_spec("model.layers.2.mlp.gate.e_score_correction_bias") == ("normal", 0.05)
-    assert tm.init_spec("model.layers.0.self_attn.kv_a_layernorm.weight") == ("ones", 1.0)
 
 
 # ---------------------------------------------------------------- command

@@ -505,6 +505,10 @@ CASES: dict[str, Case] = {
                                                      "has 2 decoder layer(s)", lambda p: _checkpoint(p, "none")),
     "model: slice of a damaged checkpoint": C("model slice {tmp}/ckpt --layers 1 --out {tmp}/slice", 2, "is missing",
                                               lambda p: _checkpoint(p, "missing shard")),
+    "model: inspect of a folder that is not a checkpoint": C("model inspect {tmp}/ckpt", 2, "not a checkpoint",
+                                                             lambda p: _checkpoint(p, "no weights")),
+    "model: inspect --dtype fp8 of a checkpoint without block FP8": C(
+        "model inspect {tmp}/ckpt --dtype fp8", 2, "needs a block-FP8 checkpoint", lambda p: _checkpoint(p, "none")),
     "model: make --like into a folder that holds files": C(
         "model make --like deepseek-v2-lite --layers 1 --out {tmp}/project", 2, "exists and is not an empty folder"),
     # ---- concurrent runs

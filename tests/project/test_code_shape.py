@@ -25,8 +25,6 @@ MAX_COMPLEXITY = 30  # radon's D ends at 30; E starts at 31
 KNOWN: dict[tuple[str, str], int] = {
     ("parameters", "patcher/gate/perf.py:run_perf"): 23,
     ("parameters", "patcher/gate/perf.py:measure"): 12,
-    ("complexity", "patcher/checkpoints/fabricate.py:write_checkpoint"): 45,
-    ("complexity", "patcher/checkpoints/slicing.py:slice_checkpoint"): 34,
     ("complexity", "patcher/rules/speed.py:build_workload"): 32,
     ("complexity", "patcher/rules/speed.py:build_points"): 31,
     ("complexity", "patcher/stack/refresh.py:refresh_stack"): 40,

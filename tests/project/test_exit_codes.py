@@ -162,6 +162,7 @@ SITUATIONS: dict[str, list[tuple]] = {
     "model make": [("unknown model variant", None, ["--variant", "v9", "--out", "OUT"], {}, 2),
                    ("--like without --layers", None, ["--like", "deepseek-v3", "--out", "OUT"], {}, 2)],
     "model slice": [("not a checkpoint", None, ["/nonexistent/checkpoint", "--layers", "1", "--out", "OUT"], {}, 2)],
+    "model inspect": [("not a checkpoint", None, ["/nonexistent/checkpoint"], {}, 2)],
 }
 #: Commands that never read upstream.lock or the configuration.
 NO_PROJECT = {"model make", "model slice"}

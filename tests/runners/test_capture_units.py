@@ -517,6 +517,24 @@ def test_explain_when_the_gate_fails_but_every_module_matches():
     assert any("outside the model's forward" in ln for ln in lines)
 
 
+@pytest.mark.parametrize("dtype, ratio", [("fp8", 1.2), ("bfloat16", 1.35), ("float16", 1.38)])
+def test_explain_never_calls_a_raised_module_outside_the_forward(dtype, ratio):
+    """The logits fail, every module passes, but the closest point has risen over what correct
+    engines reach (an FP8 bug that doubles the error below a looser limit did this): the
+    explanation names that point as inside the forward, never the sampler."""
+    from patcher.rules.divergence import ModuleVerdict
+    from patcher.rules.modules import control_ratio
+
+    assert ratio > control_ratio(dtype)
+    bis = ModuleVerdict(passed=True, rule="low-precision", dtype=dtype, compared=47, margin={
+        "where": "layer 0 q_a_norm", "phase": "prefill", "ratio": ratio, "margin": 1.04, "above": False})
+    lines = explain(_comparison("low-precision"), {}, bis)
+    assert not any("outside" in ln for ln in lines), lines
+    assert any("inside the forward" in ln and "layer 0 q_a_norm" in ln and f"{ratio:.2f}x" in ln for ln in lines)
+    bis.margin["ratio"] = 0.99  # where the controls are: then the difference is outside the modules
+    assert any("outside the model's forward" in ln for ln in explain(_comparison("low-precision"), {}, bis))
+
+
 def test_no_module_next_to_a_runner_script_shadows_the_standard_library():
     """Runner scripts run with their own directory first on sys.path: a module there named like a
     stdlib one (an engine's bisect.py once did) replaces it for everything the engine imports."""

@@ -134,3 +134,71 @@ def test_planted_block_scale_bugs_fail_with_a_wide_margin(hfr, fp8):
         f = res.first
         assert not res.passed and f is not None and f.layer == 0 and f.family == "attention", (bug, f)
         assert f.error > 4 * factor * f.noise, (bug, f.error, f.noise)  # a wide margin: 4x past the limit
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    from checkpoint_support import small_v3
+
+    return small_v3(tmp_path_factory.mktemp("smallv3") / "v3")
+
+
+@pytest.fixture(scope="module")
+def small_runs(hfr, small):
+    """The float32 reference and the FP8 yardstick captured on the small V3-shaped checkpoint."""
+    from patcher.rules.modules import REFERENCE_TABLE
+    from patcher.rules.prompts import build_prompt_set
+
+    config = json.loads((small / "config.json").read_text())
+    spec = REFERENCE_TABLE.spec(config, "float32")
+    seqs = {p.id: list(p.token_ids) for p in build_prompt_set(small, 16)}
+    ref = hfr.capture_run(hfr.load_model(str(small)), spec, seqs)
+    yard = hfr.capture_run(hfr.load_model(str(small), dtype="fp8"), spec, seqs)
+    return config, spec, seqs, ref, yard
+
+
+def _planted(hfr, small, small_runs, bug):
+    from patcher.rules.modules import compare_captures
+
+    config, spec, seqs, ref, yard = small_runs
+    cap = hfr.capture_run(hfr.load_model(str(small), dtype="fp8", fp8_bug=bug), spec, seqs)
+    return compare_captures(cap, ref, config, "fp8", reference_lp=yard)
+
+
+@pytest.mark.parametrize("bug, first", [
+    # activations rounded through e5m2: the very first FP8 GEMM (layer 0's inputs carry no outliers)
+    ("e5m2", {(0, "attn.q_a_norm")}),
+    # one activation scale per 512 channels: layer 0's MLP, whose super neurons read the few common
+    # channels (each the largest of its 128-channel group, so exact in e4m3 per 128 and not per 512)
+    # and write the outlier channels; then the first GEMMs whose input carries those outliers (layer
+    # 1's attention projections) at about 2x
+    ("group512", {(0, "mlp"), (1, "attn.q_a_norm")}),
+])
+def test_bugs_that_double_the_fp8_error_fail_at_their_first_module_by_half_again_the_limit(hfr, small, small_runs,
+                                                                                           bug, first):
+    from patcher.rules.modules import LOW_PRECISION_POINT_RULES
+
+    res = _planted(hfr, small, small_runs, bug)
+    f = res.first
+    assert not res.passed and f is not None and (f.layer, f.point) in first, (bug, f and f.where)
+    limit = LOW_PRECISION_POINT_RULES["fp8"].factor
+    assert f.phases[f.phase]["lower"] >= 1.5 * limit, (bug, f.phases[f.phase])
+    assert any("block-FP8" in ln and "activation quantization" in ln for ln in res.explanation)
+
+
+def test_a_moe_only_fp8_bug_fails_at_the_routed_experts(hfr, small, small_runs):
+    """Activations rounded through e5m2 in the routed experts only: every other point matches, the
+    MoE layer can be judged (its routing in FP8 agrees with float32) and names the routed experts."""
+    res = _planted(hfr, small, small_runs, "moe-e5m2")
+    f = res.first
+    assert not res.passed and f is not None and (f.layer, f.point) == (3, "routed"), f and f.where
+    assert all(not p.above for p in res.points if p.layer is not None and p.layer < 3)
+
+
+def test_the_fp8_yardstick_routes_like_float32_on_the_small_v3(small_runs):
+    from patcher.rules.modules import compare_captures
+
+    config, _, _, ref, yard = small_runs
+    clean = compare_captures(yard, ref, config, "fp8", reference_lp=yard)
+    agree = [p.value for p in clean.points if p.metric == "agreement"]
+    assert clean.passed and agree and min(agree) >= 0.9, agree

@@ -129,4 +129,34 @@ def slice_cmd(src: Path, layers: int, out: Path, as_json: bool) -> None:
             + f", {res.tensors} tensors, {size_words(res.bytes)} from {res.read_files} file(s), {res.seconds:.1f} s")
 
 
+@model.command("inspect")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(("bfloat16", "float16", "fp8")),
+              help="Low-precision run(s) compared with float32 (default: what the gate judges the checkpoint in: "
+                   "fp8 for block-FP8, else bfloat16 and float16). Repeatable.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the reference runs (auto: the GPU if this machine has one).")
+@json_option
+@common.pass_ctx
+def inspect_cmd(ctx: Context, src: Path, dtypes: tuple[str, ...], device: str, as_json: bool) -> None:
+    """Measure what decides whether a bug shows on the checkpoint SRC: outlier channels (massive activations),
+    attention sinks, how confidently the router picks experts in low precision, logit peakedness, per-block
+    weight magnitudes; each against its target (docs/models.md, "Structure"). Runs HF transformers (the gate's
+    reference) on the gate's prompts; exit 0 whatever it finds (the targets are reported, not enforced)."""
+    from patcher.base.errors import EngineUnavailable
+    from patcher.engines.base import has_cuda
+    from patcher.gate.inspect import inspect_model, render
+
+    if device == "cuda" and not has_cuda():
+        raise EngineUnavailable("--device cuda: no CUDA GPU on this machine", hint="use --device cpu")
+    where = ("cuda" if has_cuda() else "cpu") if device == "auto" else device
+    progress = progress_printer(not as_json)
+    doc = inspect_model(ctx.cfg, src, list(dtypes) or None, where, progress=progress)
+    if as_json:
+        emit_json(doc, schema="dsadapt.model-structure/1")
+    else:
+        for line in render(doc):
+            common.out(line)
+
+
 COMMANDS = [model]
