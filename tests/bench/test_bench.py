@@ -120,7 +120,7 @@ def test_stack_ops_bench_measures_dsadapt_next_to_raw_git_and_keeps_the_builds_s
     assert r.rc == 0, r
     rows = r.json()["stack_ops"]
     by = {(x["op"], x["n"]): x for x in rows}
-    for op in ("apply", "verify", "verify cold", "refresh"):
+    for op in ("apply", "verify", "verify, diff changed", "verify cold", "refresh"):
         for n in (1, 3):
             row = by[(op, n)]
             assert row["dsadapt_s"] > 0 and row["anchor_s"] > 0 and row["ratio"] > 0, row
