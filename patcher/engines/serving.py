@@ -160,7 +160,7 @@ class StreamLoadRecipe:
     def stream_job(self, job: LoadJob, model: str = "") -> dict:
         return {"protocol": str(self.protocol), "url": job.base_url, "model": model or job.settings.served_name,
                 "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path),
-                "wakeup": job.wakeup}
+                "wakeup": job.wakeup, "num_requests": job.num_requests}
 
     def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun:
         import json

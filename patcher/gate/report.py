@@ -194,8 +194,12 @@ def perf_workload(data: dict) -> str:
     mixes = [m.get("name") for m in w.get("mixes") or [] if isinstance(m, dict)]
     if mixes != ["short", "medium", "long"]:
         diffs.append("mixes " + ",".join(str(m) for m in mixes))
-    if (w.get("requests_per_run") or 0) < max(12, 2 * max(DEFAULT_CONCURRENCY)):
-        diffs.append(f"{w.get('requests_per_run')} requests per run")
+    raw_levels = w.get("requests_per_level")
+    per_level: dict = raw_levels if isinstance(raw_levels, dict) else {}
+    fewest = min([int(n) for n in per_level.values()] or [w.get("requests_per_run") or 0])
+    if fewest < max(12, 2 * max(DEFAULT_CONCURRENCY)):
+        diffs.append(f"{','.join(map(str, per_level.values())) if len(set(per_level.values())) > 1 else fewest} "
+                     "requests per run")
     if not (w.get("warmup_rounds") or 0) >= 1:
         diffs.append("no warm-up")
     if data.get("threshold") not in (None, DEFAULT_THRESHOLD):

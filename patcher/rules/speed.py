@@ -101,6 +101,8 @@ class Workload:
     rounds: int
     warmup_rounds: int = 1
     max_model_len: int = 256
+    #: requests per run at each level (aligned with `concurrency`); () = every level runs all of `requests()`
+    per_level: tuple[int, ...] = ()
 
     def requests(self) -> list[RequestSpec]:
         """The fixed request list: mixes interleaved round-robin (a, b, c, a, b, c, ...)."""
@@ -111,10 +113,20 @@ class Workload:
                     out.append(RequestSpec(len(out), m.name, m.input_len, m.output_len))
         return out
 
+    def requests_at(self, concurrency: int) -> list[RequestSpec]:
+        """The requests of one run at `concurrency`: the first of the fixed list (the mixes stay
+        interleaved, so every run of a level sends the same ones, as balanced as they go)."""
+        every = self.requests()
+        if not self.per_level:
+            return every
+        return every[:dict(zip(self.concurrency, self.per_level))[concurrency]]
+
     def to_json(self) -> dict:
+        n = len(self.requests())
         return {"mixes": [asdict(m) for m in self.mixes], "concurrency": list(self.concurrency),
                 "rounds": self.rounds, "warmup_rounds": self.warmup_rounds, "max_model_len": self.max_model_len,
-                "requests_per_run": len(self.requests())}
+                "requests_per_run": n,
+                "requests_per_level": {str(c): len(self.requests_at(c)) for c in self.concurrency}}
 
 
 def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
@@ -146,13 +158,26 @@ def default_mixes(original_context: int | None, max_model_len: int, requests_per
 def build_workload(*, original_context: int | None, max_model_len: int = 256,
                    input_lens: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
                    concurrency: Sequence[int] | None = None, rounds: int = DEFAULT_ROUNDS,
-                   requests: int | None = None, warmup_rounds: int = 1) -> Workload:
+                   requests: int | Sequence[int] | None = None, warmup_rounds: int = 1) -> Workload:
     """The workload from the command-line options (validated; UsageError with a hint).
 
     `requests` is the number of requests per run (default: twice the highest concurrency,
-    at least 12), exactly that many, spread as evenly as they go over the mixes. `input_lens`/`output_lens` replace the
-    default mixes (a single value is used for every mix).
+    at least 12), exactly that many, spread as evenly as they go over the mixes; a sequence gives
+    one number per concurrency level (a run at concurrency 1 sends its requests one after the
+    other, one at 16 sixteen at a time: `--requests 8,32` makes both about as long). `input_lens`/
+    `output_lens` replace the default mixes (a single value is used for every mix).
     """
+    per_level: tuple[int, ...] = ()
+    if requests is not None and not isinstance(requests, int):
+        levels = tuple(concurrency or DEFAULT_CONCURRENCY)
+        per_level = tuple(requests)
+        if len(per_level) == 1:
+            requests, per_level = per_level[0], ()
+        elif len(per_level) != len(levels):
+            raise UsageError(f"--requests has {len(per_level)} values for {len(levels)} concurrency levels",
+                             hint="give one value for every level (in the order of --concurrency), or one for all")
+        else:
+            requests = max(per_level)
     conc = tuple(concurrency or DEFAULT_CONCURRENCY)
     if len(set(conc)) != len(conc):
         raise UsageError(f"--concurrency {','.join(map(str, conc))}: a level is repeated", hint="list each level once")
@@ -164,12 +189,12 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
     if max_model_len < 2:
         raise UsageError(f"--max-model-len {max_model_len} is too small", hint="use 256 for the built-in models")
     n_mixes = 3 if not (input_lens or output_lens) else max(len(input_lens or ()), len(output_lens or ()))
-    total = requests if requests is not None else max(12, 2 * max(conc))
+    total = int(requests) if isinstance(requests, int) else max(12, 2 * max(conc))
     if total < 1:
         raise UsageError("--requests must be positive", hint="e.g. --requests 32")
-    if total < n_mixes:
-        raise UsageError(f"--requests {total} is fewer than the {n_mixes} prompt/output mixes (each needs a request)",
-                         hint=f"use --requests {n_mixes} or more")
+    if total < n_mixes or (per_level and min(per_level) < n_mixes):
+        raise UsageError(f"--requests {min([total, *per_level])} is fewer than the {n_mixes} prompt/output mixes "
+                         "(each needs a request)", hint=f"use --requests {n_mixes} or more")
     # exactly `total` requests: the first mixes get one more when it does not divide evenly
     per_mix = [total // n_mixes + (1 if i < total % n_mixes else 0) for i in range(n_mixes)]
     if input_lens or output_lens:
@@ -192,7 +217,7 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
             raise UsageError(f"mix {m.name}: {m.input_len} prompt + {m.output_len} output tokens exceed "
                              f"--max-model-len {max_model_len}",
                              hint="shorten --input-len/--output-len or raise --max-model-len (within the model's context)")
-    return Workload(mixes, conc, rounds, warmup_rounds, max_model_len)
+    return Workload(mixes, conc, rounds, warmup_rounds, max_model_len, per_level)
 
 
 # ---------------------------------------------------------------- runs

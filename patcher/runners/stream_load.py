@@ -93,6 +93,8 @@ def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
 def run_job(job: dict) -> None:
     with open(job["workload"]) as f:
         reqs = json.load(f)
+    if job.get("num_requests") is not None:  # the run's own share: the first of the workload's requests
+        reqs = reqs[:int(job["num_requests"])]
     timeout = float(job.get("timeout_s", 600))
     wakeup = int(job.get("wakeup") or 0)
     if wakeup and reqs:  # untimed: the first request, `wakeup` times, at the run's concurrency
