@@ -180,7 +180,7 @@ def perf_workload(data: dict) -> str:
     """Pure: "calibrated" for a speed-gate run of the default workload (levels, mixes, requests,
     at least the default rounds and warm-up, the default threshold: what docs/speed.md calibrated),
     else what makes it quicker or different ("3 rounds", "concurrency 4", ...)."""
-    from patcher.rules.speed import DEFAULT_CONCURRENCY, DEFAULT_ROUNDS, DEFAULT_THRESHOLD
+    from patcher.rules.speed import DEFAULT_CONCURRENCY, DEFAULT_ROUNDS, DEFAULT_THRESHOLD, default_requests
 
     raw = data.get("workload")
     w: dict = raw if isinstance(raw, dict) else {}
@@ -196,10 +196,10 @@ def perf_workload(data: dict) -> str:
         diffs.append("mixes " + ",".join(str(m) for m in mixes))
     raw_levels = w.get("requests_per_level")
     per_level: dict = raw_levels if isinstance(raw_levels, dict) else {}
-    fewest = min([int(n) for n in per_level.values()] or [w.get("requests_per_run") or 0])
-    if fewest < max(12, 2 * max(DEFAULT_CONCURRENCY)):
-        diffs.append(f"{','.join(map(str, per_level.values())) if len(set(per_level.values())) > 1 else fewest} "
-                     "requests per run")
+    sent = {str(c): int(per_level.get(str(c)) or w.get("requests_per_run") or 0) for c in conc}
+    if any(n < default_requests(int(c)) for c, n in sent.items()):
+        counts = sorted(set(sent.values()))
+        diffs.append(f"{','.join(map(str, sent.values())) if len(counts) > 1 else counts[0]} requests per run")
     if not (w.get("warmup_rounds") or 0) >= 1:
         diffs.append("no warm-up")
     if data.get("threshold") not in (None, DEFAULT_THRESHOLD):
