@@ -401,11 +401,7 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     # re-judging a stored check is a pure function of its files and of the rules: remembered per
     # machine (the work dir's cache), keyed by both, so an unchanged report is read, not re-judged
     cache_file = cfg.cache / "report-rejudged.json"
-    try:
-        seen = json.loads(cache_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        seen = {}
-    seen = seen if isinstance(seen, dict) else {}
+    seen = _read_cache(cache_file)
     digest, rule_note = _rules_digest(seen)
     if seen.get("rules") != digest:
         seen = {}
@@ -451,30 +447,13 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale, margin=margin),
                              memo=memo["check"])
     perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of, memo=memo["perf"])
+    parse_cache = ParseCache.in_workdir(cfg.workdir)
     for engine in sorted(lock.engines):
         decl = lock.engine(engine)  # its PyPI names as the project declares them, as `verify` judges Drop-When
-        dists = (decl.name, *decl.pypi)
         pins = lock.pins_of(engine)
         for i, entry in enumerate(pins):
-            try:
-                stack = load_stack(cfg.patches_root, entry.ref, must_exist=False,
-                                   cache=ParseCache.in_workdir(cfg.workdir))
-            except DsadaptError as e:
-                rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
-                continue
-            current = stack.hash if stack.exists else None
-            mine = verdicts.get(str(entry.ref), [])
-            words, last = check_words(mine, current)
-            checks, _ = newest_per_config(mine, current)
-            p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current)
-            statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
-            rows.append(PinReport(
-                str(entry.ref), len(stack), stack.exists, current,
-                dict(sorted(statuses.items())), words, asdict(last) if last else None,
-                drop_candidates(stack, entry, pins[i + 1:], dists, satisfied), perf=p_words,
-                last_perf=asdict(last_perf) if last_perf else None,
-                checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
-                verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks)))
+            rows.append(_pin_row(cfg, entry, pins[i + 1:], (decl.name, *decl.pypi), (verdicts, perfs),
+                                 satisfied, parse_cache))
     # what a file no longer listed left in the memo goes, as the re-judging cache's entries do
     listed = {str(f) for root in cfg.report_roots if root.is_dir() for f in root.rglob("*.json")}
     memo = {k: {f: v for f, v in m.items() if f in listed} for k, m in memo.items()}
@@ -482,16 +461,54 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     fresh = {**{f: v for f, v in known.items() if f in listed and f in memo["check"]}, **fresh}
     if not rule_note and seen.get("rule_of_files"):  # stated by a pristine process for today's files: kept
         rule_note = {"rule_of_files": seen["rule_of_files"]}
-    ParseCache.in_workdir(cfg.workdir).save()
-    if fresh != known or memo != seen.get("verdicts") or drops != seen.get("drops") or \
-            rule_note.get("rule_of_files") != seen.get("rule_of_files"):
-        with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
-            from patcher.base.fsutil import atomic_write_text
-
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cache_file, json.dumps({"rules": digest, "reports": fresh, "verdicts": memo,
-                                                      "drops": drops, **rule_note}, sort_keys=True))
+    parse_cache.save()
+    _write_cache(cache_file, seen, {"rules": digest, "reports": fresh, "verdicts": memo, "drops": drops, **rule_note})
     return rows
+
+
+def _read_cache(cache_file: Path) -> dict:
+    """The re-judging cache as last written ({} when absent, unreadable or not an object)."""
+    try:
+        seen = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return seen if isinstance(seen, dict) else {}
+
+
+def _write_cache(cache_file: Path, seen: dict, new: dict) -> None:
+    """Write the re-judging cache when anything in it changed since `seen` was read."""
+    if all(new.get(k) == seen.get(k) for k in ("rules", "reports", "verdicts", "drops", "rule_of_files")):
+        return
+    with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
+        from patcher.base.fsutil import atomic_write_text
+
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache_file, json.dumps(new, sort_keys=True))
+
+
+def _pin_row(cfg: Config, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...],
+             read: tuple[dict[str, list[Verdict]], dict[str, list[Verdict]]], satisfied,
+             parse_cache: ParseCache) -> PinReport:
+    """One pin's row: its stack, its checks' and speed-gate runs' verdicts (`read`: check and perf
+    verdicts by pin) and the patches a newer pin may drop."""
+    verdicts, perfs = read
+    try:
+        stack = load_stack(cfg.patches_root, entry.ref, must_exist=False, cache=parse_cache)
+    except DsadaptError as e:
+        return PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message)
+    current = stack.hash if stack.exists else None
+    mine = verdicts.get(str(entry.ref), [])
+    words, last = check_words(mine, current)
+    checks, _ = newest_per_config(mine, current)
+    p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current)
+    statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
+    return PinReport(
+        str(entry.ref), len(stack), stack.exists, current,
+        dict(sorted(statuses.items())), words, asdict(last) if last else None,
+        drop_candidates(stack, entry, newer, dists, satisfied), perf=p_words,
+        last_perf=asdict(last_perf) if last_perf else None,
+        checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
+        verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks))
 
 # ---------------------------------------------------------------- re-judging stored checks
 #

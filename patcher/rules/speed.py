@@ -25,6 +25,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from patcher.base.errors import UsageError
 
@@ -129,14 +130,15 @@ class Workload:
                 "requests_per_level": {str(c): len(self.requests_at(c)) for c in self.concurrency}}
 
 
-def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    """'1,4,16' -> (1, 4, 16); positive integers only; None/'' -> None."""
+def parse_int_list(text: str | None, option: str, *, zero: bool = False) -> tuple[int, ...] | None:
+    """'1,4,16' -> (1, 4, 16); positive integers only (`zero`: 0 too, for a caller that says
+    itself why 0 is wrong); None/'' -> None."""
     if text is None or not str(text).strip():
         return None
     out = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) <= 0:
+        if not part.isdigit() or (int(part) <= 0 and not zero):
             raise UsageError(f"{option} {text!r}: {part!r} is not a positive integer",
                              hint=f"give a comma list, e.g. {option} 1,4,16")
         out.append(int(part))
@@ -511,7 +513,7 @@ def build_points(runs: Iterable[RunRecord], concurrency: Sequence[int], sides: t
     for r in runs:
         if r.round >= 0:
             by[(r.concurrency, r.round, r.side)] = r
-    boot = {"samples": samples, "level": level, "seed": seed}
+    boot: dict[str, Any] = {"samples": samples, "level": level, "seed": seed}
     points = []
     for c in concurrency:
         rounds = sorted({rd for (cc, rd, _s) in by if cc == c})

@@ -130,7 +130,8 @@ def closed_loop(reqs: list, concurrency: int, send) -> tuple[list, float]:
     t_run = time.perf_counter()
 
     def work(k: int) -> None:
-        i, barrier = k, ready
+        i = k
+        barrier: threading.Barrier | None = ready
         while i < n:
             records[i] = send(reqs[i], barrier, t_run)
             barrier = None

@@ -144,7 +144,7 @@ def perf_request(ctx: Context, pin, *, variant, model, config_style, dtype, conc
     check_threshold(threshold)
     if time_limit <= 0:
         raise UsageError(f"--time-limit {time_limit:g} must be positive", hint="seconds, e.g. --time-limit 1800")
-    reqs = parse_int_list(requests, "--requests")
+    reqs = parse_int_list(requests, "--requests", zero=True)  # 0: the workload says why not
     req = PerfRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
                       concurrency=parse_int_list(concurrency, "--concurrency"),
                       input_lens=parse_int_list(input_len, "--input-len"),
