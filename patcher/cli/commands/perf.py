@@ -79,8 +79,8 @@ def render(res) -> None:
                                                  "mixes, one past YaRN's original context).")
 @click.option("--output-len", default=None, help="Output lengths, a comma list matching --input-len.")
 @click.option("--requests", default=None, metavar="N[,N...]",
-              help="Requests per run (default: 2x the highest concurrency, >= 12); a comma list gives one per "
-                   "concurrency level (e.g. 8,32 with --concurrency 1,16: runs of about the same length).")
+              help="Requests per run (default at each level: 4 per concurrent stream, at least 16); a comma "
+                   "list gives one per concurrency level (e.g. 16,64 with --concurrency 1,16).")
 @click.option("--rounds", type=int, default=DEFAULT_ROUNDS, show_default=True, help="Measured rounds per side and level.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up rounds (not measured).")
 @click.option("--max-model-len", type=int, default=256, show_default=True, help="Context length both servers get.")
