@@ -102,7 +102,7 @@ def drive() -> None:
         job = json.loads(line)
         if job.get("stall"):
             time.sleep(3600)
-        reqs = json.loads(Path(job["workload"]).read_text())
+        reqs = json.loads(Path(job["workload"]).read_text())[:int(job["num_requests"])]
         wakeup = int(job.get("wakeup") or 0)
         if wakeup:  # untimed, like the real tools: the first request, `wakeup` times
             with ThreadPoolExecutor(min(wakeup, job["concurrency"])) as pool:
@@ -153,7 +153,7 @@ class FakeRecipe:
 
     def job(self, job):
         return {"url": job.base_url, "workload": str(job.workload_path), "concurrency": job.concurrency,
-                "out": str(job.out_path), "stall": self.stall, "wakeup": job.wakeup}
+                "out": str(job.out_path), "stall": self.stall, "wakeup": job.wakeup, "num_requests": job.num_requests}
 
     def parse(self, job, requests):
         from patcher.engines.serving import ParsedRun
@@ -179,14 +179,14 @@ def small_workload(rounds: int = 2, concurrency=(1, 2), requests: int = 4):
 
 def orchestrate(state: Path, stall: bool) -> None:
     """measure() with the fake engine; the servers' process groups go to STATE/groups.json."""
-    from patcher.gate.perf import measure
+    from patcher.gate.perf import MeasureSetup, measure
 
     def on_servers(servers):
         (state / "groups.json").write_text(json.dumps({s: srv.proc.pgid for s, srv in servers.items()}))
 
     recipe = FakeRecipe({"A": (0.01, 0.002), "B": (0.01, 0.002)}, stall=stall)
     measure(recipe, {"patched": Path("A"), "unpatched": Path("B")}, settings(state), small_workload(rounds=50),
-            state / "work", time_limit_s=600, on_servers=on_servers,
+            state / "work", MeasureSetup(time_limit_s=600), on_servers=on_servers,
             progress=lambda m: (state / "progress.log").open("a").write(m + "\n"))
 
 

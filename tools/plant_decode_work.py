@@ -5,12 +5,16 @@
 
 Edits the DeepSeek decoder layer of the checkout (`dsadapt apply` made it; commit and
 `dsadapt refresh` afterwards, as for any patch): at the start of every decoder layer's forward
-pass, DSADAPT_PLANTED_MATMULS (read once, when the model module is imported; 0 or unset:
-nothing) chained 64x64 matrix products on the layer's device and dtype, with an identity
-matrix, so the output is exactly unchanged (the gate's logits still pass) and the cost is a
-constant amount of device work per step, the same whatever the batch: a CUDA graph captures
-the products and replays them at every decode step; it is not a Python sleep, which a graph
-would skip. The knob is read from the environment, so one build serves the A/A runs (0) and
+pass, a number of chained 64x64 matrix products on the layer's device and dtype, with an
+identity matrix, so the output is exactly unchanged (the gate's logits still pass). The number
+comes from DSADAPT_PLANTED_MATMULS (read once, when the model module is imported; 0 or unset:
+nothing): "N" is N products at every step whatever the batch; "1:N1,16:N16" sets it by the
+step's token count (N1 for a step of one token -- decode at concurrency 1 --, N16 for 16,
+straight lines between, the nearest end outside), so that one build can cost the same fraction
+of a step at every concurrency although a step of 16 sequences costs more than one of 1 (on a
+CPU; a GPU step of a small model costs about the same whatever the batch). A CUDA graph captures
+the products of its batch size and replays them at every decode step; it is not a Python sleep,
+which a graph would skip. The knob is read from the environment, so one build serves the A/A runs (0) and
 every planted strength (N) without rebuilding; the unpatched build has no such code, so only
 the patched side pays. tools/calibrate_speed.sh uses it; docs/speed.md has the numbers.
 
@@ -32,14 +36,36 @@ FILES = {"vllm": "vllm/model_executor/models/deepseek_v2.py",
          "lmdeploy": "lmdeploy/pytorch/models/deepseek_v2.py"}
 CLASS = "class DeepseekV2DecoderLayer("
 MARK = "DSADAPT_PLANTED_MATMULS"
-KNOB = (f"\n# planted by tools/plant_decode_work.py (speed-gate calibration, never shipped): {MARK}\n"
-        f"# chained 64x64 products per decoder layer and forward pass\n"
-        f"_DSADAPT_PLANTED_MATMULS = int(__import__('os').environ.get('{MARK}') or 0)\n")
+KNOB = f"""
+# planted by tools/plant_decode_work.py (speed-gate calibration, never shipped): {MARK}
+# chained 64x64 products per decoder layer and forward pass: "N" (every step), or "T:N,T:N,..." (by the
+# step's token count: N at T tokens, straight lines between, the nearest end outside)
+def _dsadapt_planted_table(text):
+    if ":" not in text:
+        return ((1, int(text or 0)),)
+    return tuple(sorted((int(t), int(n)) for t, n in (x.split(":") for x in text.split(",") if x.strip())))
+
+
+_DSADAPT_PLANTED = _dsadapt_planted_table(__import__('os').environ.get('{MARK}') or '0')
+
+
+def _dsadapt_planted_products(tokens):
+    pts = _DSADAPT_PLANTED
+    if tokens <= pts[0][0]:
+        return pts[0][1]
+    for (t0, n0), (t1, n1) in zip(pts, pts[1:]):
+        if tokens <= t1:
+            return round(n0 + (n1 - n0) * (tokens - t0) / (t1 - t0))
+    return pts[-1][1]
+
+"""
 WORK = """\
-        if _DSADAPT_PLANTED_MATMULS:  # planted: a constant amount of device work per step
+        _dsadapt_n = _dsadapt_planted_products(hidden_states.numel() // hidden_states.shape[-1]) \\
+            if any(n for _t, n in _DSADAPT_PLANTED) else 0
+        if _dsadapt_n:  # planted: a fixed amount of device work per layer and step (by its token count)
             _eye = torch.eye(64, device=hidden_states.device, dtype=hidden_states.dtype)
             _x = _eye
-            for _ in range(_DSADAPT_PLANTED_MATMULS):
+            for _ in range(_dsadapt_n):
                 _x = torch.mm(_x, _eye)
             hidden_states = hidden_states + (_x[0, 0] - 1)  # exactly + 0: keeps the products live
 """

@@ -61,12 +61,16 @@ def kind(d: dict) -> str:
     return "planted" if planted_strength(d) else "ab"
 
 
-def planted_strength(d: dict) -> int:
+def planted_strength(d: dict) -> str:
+    """The planted strength as the knob was set ("12", or per token count "1:12,16:30"); "" when
+    nothing was planted (no record, 0, or 0 at every token count)."""
     prov = d.get("provenance") or {}
+    raw = str((prov.get("planted") or {}).get("matmuls") or "").strip()
     try:
-        return int((prov.get("planted") or {}).get("matmuls") or 0)
-    except (TypeError, ValueError):
-        return 0
+        counts = [int(x.split(":")[-1]) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        return ""
+    return raw if any(counts) else ""
 
 
 def _ci(r: dict) -> str:
@@ -102,10 +106,25 @@ def order_split(d: dict, conc: int, metric: str) -> tuple[float | None, float | 
     return geo[0], geo[1]
 
 
-def contains_one(d: dict) -> tuple[int, int]:
-    rs = [p["ratios"][m] for p in d["points"] for m in GATED]
+def contains_one(d: dict, conc: int | None = None) -> tuple[int, int]:
+    """(gated intervals containing 1, gated intervals), over every level or at `conc`."""
+    rs = [p["ratios"][m] for p in d["points"] for m in GATED if conc is None or p["concurrency"] == conc]
     ok = [r for r in rs if r.get("lo") is not None and r["lo"] <= 1.0 <= r["hi"]]
     return len(ok), len(rs)
+
+
+def flagged(d: dict, conc: int, threshold: float) -> list[str]:
+    """The gated metrics whose whole interval lies below the threshold at `conc` (the gate's rule)."""
+    return [m for p in d["points"] if p["concurrency"] == conc for m in GATED
+            if p["ratios"][m].get("hi") is not None and p["ratios"][m]["hi"] < threshold]
+
+
+def burst_spread(d: dict, conc: int) -> float | None:
+    """The largest spread (ms) of a run's opening burst at `conc`, over both sides (None: not recorded)."""
+    xs = [side.get("burst_spread_ms_max") for p in d["points"] if p["concurrency"] == conc
+          for side in (p.get("sides") or {}).values()]
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return max(xs) if xs else None
 
 
 def summarize(reports: list[tuple[Path, dict]]) -> tuple[str, dict]:
@@ -141,7 +160,19 @@ def summarize(reports: list[tuple[Path, dict]]) -> tuple[str, dict]:
                   f"({sum(i[0] for i in ints)} of {sum(i[1] for i in ints)} intervals); "
                   f"verdict pass in {sum(1 for _f, d in aa if d['verdict'] == 'pass')} of {len(aa)}", ""]
         data["aa"] = {"runs": len(aa), "all_contain_one": full, "intervals_containing_one": sum(i[0] for i in ints),
-                      "intervals": sum(i[1] for i in ints)}
+                      "intervals": sum(i[1] for i in ints), "per_level": {}}
+        for c in conc:
+            at = [contains_one(d, c) for _f, d in aa]
+            runs_ok = sum(1 for k, n in at if n and k == n)
+            spread = [x for x in (burst_spread(d, c) for _f, d in aa) if x is not None]
+            lines.append(f"- concurrency {c}: every gated interval contains 1 in **{runs_ok} of {len(aa)}** A/A runs "
+                         f"({sum(k for k, _n in at)} of {sum(n for _k, n in at)} intervals)"
+                         + (f"; opening burst sent within {max(spread):.1f} ms" if spread else ""))
+            data["aa"]["per_level"][str(c)] = {"all_contain_one": runs_ok, "runs": len(aa),
+                                               "intervals_containing_one": sum(k for k, _n in at),
+                                               "intervals": sum(n for _k, n in at),
+                                               "burst_spread_ms_max": max(spread) if spread else None}
+        lines.append("")
         lines += ["Order check (A/A): geometric mean of the per-round ratios when the first side went first / when "
                   "the second did (an advantage of going first puts them on opposite sides of 1):", "",
                   "| c | " + " | ".join(SHORT[m] for m in GATED) + " |", "|---|" + "---|" * len(GATED)]
@@ -175,22 +206,35 @@ def summarize(reports: list[tuple[Path, dict]]) -> tuple[str, dict]:
             lines.append(f"| {c} | " + " | ".join(cells) + f" | {'-' if best is None else f'{100 * best:.1f} %'} |")
         lines += [""]
     if planted:
-        fails = sum(1 for _f, d in planted if d["verdict"] == "fail")
-        lines += ["## Planted", "", f"- the gate failed **{fails} of {len(planted)}** planted runs", "",
-                  "Slowdown the plant caused (1 - estimate; median over the planted runs):", "",
-                  "| c | " + " | ".join(SHORT[m] for m in GATED) + " |", "|---|" + "---|" * len(GATED)]
-        data["planted"] = {"runs": len(planted), "failed": fails, "slowdown": {}}
-        for c in conc:
-            cells = []
-            for m in GATED:
-                est = [p["ratios"][m]["estimate"] for _f, d in planted for p in d["points"]
-                       if p["concurrency"] == c and p["ratios"][m].get("estimate")]
-                cells.append(f"{100 * (1 - statistics.median(est)):.1f} %" if est else "-")
-                if est:
-                    data["planted"]["slowdown"].setdefault(str(c), {})[m] = 1 - statistics.median(est)
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        lines += [""]
+        lines += _planted_section(planted, conc, threshold, data)
     return "\n".join(lines) + "\n", data
+
+
+def _planted_section(planted: list[tuple[Path, dict]], conc: list[int], threshold: float, data: dict) -> list[str]:
+    """The planted runs: how many the gate failed, at each level how many it flagged (and by which
+    metric), and the slowdown the plant caused (median of 1 - estimate); the numbers into `data`."""
+    fails = sum(1 for _f, d in planted if d["verdict"] == "fail")
+    lines = ["## Planted", "", f"- the gate failed **{fails} of {len(planted)}** planted runs"]
+    data["planted"] = {"runs": len(planted), "failed": fails, "slowdown": {}, "flagged": {}}
+    for c in conc:
+        per = [flagged(d, c, threshold) for _f, d in planted]
+        by_metric = {m: sum(1 for f in per if m in f) for m in GATED}
+        hit = sum(1 for f in per if f)
+        lines.append(f"- concurrency {c}: flagged in **{hit} of {len(planted)}** planted runs ("
+                     + ", ".join(f"{SHORT[m]} {k}" for m, k in by_metric.items()) + ")")
+        data["planted"]["flagged"][str(c)] = {"runs": hit, "of": len(planted), **by_metric}
+    lines += ["", "Slowdown the plant caused (1 - estimate; median over the planted runs):", "",
+              "| c | " + " | ".join(SHORT[m] for m in GATED) + " |", "|---|" + "---|" * len(GATED)]
+    for c in conc:
+        cells = []
+        for m in GATED:
+            est = [p["ratios"][m]["estimate"] for _f, d in planted for p in d["points"]
+                   if p["concurrency"] == c and p["ratios"][m].get("estimate")]
+            cells.append(f"{100 * (1 - statistics.median(est)):.1f} %" if est else "-")
+            if est:
+                data["planted"]["slowdown"].setdefault(str(c), {})[m] = 1 - statistics.median(est)
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def main(argv: list[str]) -> int:

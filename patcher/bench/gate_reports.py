@@ -122,7 +122,7 @@ def perf_markdown(reports: list[tuple[str, dict]]) -> str:
         out += [f"### {d['pin']} ({d.get('variant')}) {d.get('model')} {d.get('config_style') or ''} "
                 f"{d.get('dtype')}: {title}, {d['verdict']}", "",
                 f"`{rel}` — {prov.get('date')}, {prov.get('device')}; `{prov.get('command')}`; "
-                f"{w.get('rounds')} rounds of {w.get('requests_per_run')} requests (mixes {mixes}) after "
+                f"{w.get('rounds')} rounds of {_requests(w)} requests (mixes {mixes}) after "
                 f"{w.get('warmup_rounds')} warm-up round(s); CPUs {prov.get('cpus')} (compute "
                 f"{prov.get('compute_cpus')}); 1/5/15-minute load average {prov.get('load_average_before')} "
                 f"before, {prov.get('load_average_after')} after.", ""]
@@ -137,3 +137,12 @@ def perf_markdown(reports: list[tuple[str, dict]]) -> str:
                 lines.append(sentence)
         out += [f"- {s}" for s in lines] + [""]
     return "\n".join(out)
+
+
+def _requests(w: dict) -> str:
+    """Requests per run: one number, or one per level ("6 at c=1, 32 at c=16")."""
+    raw = w.get("requests_per_level")
+    per: dict = raw if isinstance(raw, dict) else {}
+    if len(set(per.values())) > 1:
+        return ", ".join(f"{n} at c={c}" for c, n in per.items())
+    return str(w.get("requests_per_run"))

@@ -133,7 +133,7 @@ def _startup_markdown(report: BenchReport, kept: dict[str, str]) -> list[str]:
         "interpreter with `-c pass` (no launcher: the stricter one), so what the machine does meanwhile hits them "
         "all; medians of the wall times, and of the CPU time (user + system), which load distorts less. `--help`, `list`, `status` and `report` run in the "
         "project itself; `tags` against a local git remote (the network is not timed); the warm build in the "
-        "project after one untimed build. Goals: start-up ≤ 0.12 s and ≤ 4× the anchor, the warm build ≤ 1 s. "
+        "project after one untimed build. Goals: start-up ≤ 0.12 s and ≤ 4× both anchors (`met` judges the stricter one), the warm build ≤ 1 s. "
         "How: patcher/bench/startup.py.",
         "",
         _md_table(COLUMNS, startup_table(report.startup)),
@@ -187,10 +187,12 @@ def _stack_markdown(report: BenchReport, kept: dict[str, str]) -> list[str]:
         "run on the same files and base: `git am -3` of the N patch files onto the base in a clone (reset "
         "outside the timing) for apply; one `git apply --cached` of the whole stack in a temporary index and "
         "object directory (with `read-tree` of the base and `write-tree`) for verify; `git format-patch` of "
-        "the same N commits for refresh. `verify` runs again on the same blobs (the stacks alternate between "
-        "two that differ in one commit message: what an unchanged or slightly changed stack costs, nothing "
-        "to compile); `verify cold` first removes verify's memory of what compiled, and its note says how much "
-        "of it the compiles are. `apply` re-applies over another stack (the checkout exists); `refresh` exports an unchanged branch "
+        "the same N commits for refresh. `verify` runs on a stack whose diffs it has seen (the stacks "
+        "alternate between two that differ in one commit message: what an unchanged or reworded stack costs; "
+        "its apply and compiles are remembered); `verify, diff changed` after the last patch's diff changed "
+        "(git apply runs again, one file compiles); `verify cold` first removes every memory of earlier runs "
+        "(what compiled, what git apply made, the parsed patch files), and its note says how much of it the "
+        "compiles are. `apply` re-applies over another stack (the checkout exists); `refresh` exports an unchanged branch "
         "(zero bytes written). Start-up runs in the project itself; `rebase` is warm (both checkouts made "
         "beforehand) with the real stack; `verify all` verifies every pinned stack of the project, warm. "
         "How: patcher/bench/stack_ops.py.",

@@ -9,10 +9,11 @@ made with git itself (`fast-import` commits on the base, exported with dsadapt's
 - apply: `dsadapt apply PIN` re-applying a stack of N patches over the previous one (the
   checkout exists, the branch holds another stack); anchor: `git am -3` of the same N patch
   files onto the same base in a clone (the clone is reset outside the timing).
-- verify: `dsadapt verify PIN` run again on the same blobs (its compile memory warm: what a
-  verify of an unchanged or slightly changed stack costs), and cold (the memory removed first,
-  its compile time stated); anchor: one `git apply --cached` of the whole stack in a temporary
-  index and object directory (`read-tree` of the base before, `write-tree` after).
+- verify: `dsadapt verify PIN` of a stack whose diffs are unchanged (one commit message differs
+  from the last run: its apply and compiles remembered), of one whose last diff is new (git apply
+  runs, one file compiles), and cold (every memory removed first, its compile time stated);
+  anchor: one `git apply --cached` of the whole stack in a temporary index and object directory
+  (`read-tree` of the base before, `write-tree` after).
 - refresh: `dsadapt refresh PIN` of the applied branch; anchor: `git format-patch` of the same
   commits into a directory.
 Every dsadapt time is a whole command (a new Python process), medians are reported. Start-up:
@@ -37,7 +38,8 @@ from patcher.formats.lock import Lock, format_lock, version_key
 
 SIZES = (1, 10, 100, 500, 1000)
 ANCHOR_ENV = {**os.environ, "LC_ALL": "C", "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@example.org"}
-TARGETS = {"apply": "≤ 2× anchor from N = 100", "verify": "≤ 2× anchor from N = 100", "verify cold": "stated",
+TARGETS = {"apply": "≤ 2× anchor from N = 100", "verify": "≤ 2× anchor from N = 100",
+           "verify, diff changed": "≤ 2× anchor from N = 100", "verify cold": "stated",
            "refresh": "≤ 3× anchor", "rebase": "≤ 1.5 s", "verify all": "≤ 2 s", "start-up": "≤ 0.12 s"}
 
 
@@ -142,10 +144,12 @@ def _apply_anchor(co_path: Path, base: str, files: list[Path], scratch: Path) ->
 
 
 def _verify_cold(argv: list[str], env: dict[str, str], work: Path) -> tuple[float, float, int]:
-    """verify with its compile memory removed first: (seconds, of them compiling, files compiled)."""
+    """verify with every memory of earlier runs removed first (what compiled, what `git apply` made,
+    the parsed patch files): (seconds, of them compiling, files compiled)."""
     import json
 
-    shutil.rmtree(work / "compiled", ignore_errors=True)
+    for memory in ("compiled", "verified", "parsed"):
+        shutil.rmtree(work / memory, ignore_errors=True)
     t0 = time.perf_counter()
     r = subprocess.run(argv + ["--json"], env=env, capture_output=True, text=True)
     dt = time.perf_counter() - t0
@@ -153,6 +157,20 @@ def _verify_cold(argv: list[str], env: dict[str, str], work: Path) -> tuple[floa
         raise RuntimeError(f"{' '.join(argv[:4])} exited {r.returncode}: {r.stderr.strip()[-200:]}")
     st = (json.loads(r.stdout).get("stacks") or [{}])[0]
     return dt, float(st.get("compile_s") or 0.0), int(st.get("compiled_now") or 0)
+
+
+def _verify_changed_diff(argv: list[str], env: dict[str, str], last: Path, n: int, rnd: int) -> float:
+    """verify after the last patch's added line changed (a diff no run has seen: git apply runs, the
+    changed file is compiled), the file put back afterwards."""
+    text = last.read_text(encoding="utf-8")
+    line = f"+# dsadapt bench patch {n}\n"
+    if line not in text:
+        raise RuntimeError(f"{last.name}: the added line {line.strip()!r} is not there")
+    last.write_text(text.replace(line, f"+# dsadapt bench patch {n}, changed in round {rnd}\n", 1), encoding="utf-8")
+    try:
+        return _timed(argv, env, ok=(0, 1))
+    finally:
+        last.write_text(text, encoding="utf-8")
 
 
 def _scratch_project(cfg: Config, lock: Lock, pins: list[str], root: Path, stacks: bool) -> tuple[Path, dict]:
@@ -256,7 +274,7 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
             _timed(dsa + ["apply", pin], env)  # the checkout now holds the other stack: each apply re-applies
             _timed(dsa + ["verify", pin], env, ok=(0, 1))  # the stack's blobs compiled once (untimed)
             apply_runs, am_runs, verify_runs, refresh_runs, fp_runs = [], [], [], [], []
-            cold_runs, compile_runs, anchor_runs = [], [], []
+            cold_runs, compile_runs, anchor_runs, changed_runs = [], [], [], []
             compiled = 0
             for r in range(repeat):
                 write_stack(d, stacks[r % 2])
@@ -275,18 +293,23 @@ def run_stack_bench(cfg: Config, lock: Lock, pin: str | None = None, sizes=SIZES
                                        "--no-stat", "--zero-commit", "--no-signature", "-o", str(out),
                                        f"{base}..refs/heads/{co.branch}"], ANCHOR_ENV))
                 shutil.rmtree(out, ignore_errors=True)
+                changed_runs.append(_verify_changed_diff(dsa + ["verify", pin], env, files[-1], n, r))
             am = _median(am_runs)
             rows.append(OpRow("apply", n, _median(apply_runs), am, "git am -3 of the same files", runs_s=apply_runs,
                               anchor_runs_s=am_runs))
             apply_anchor = _median(anchor_runs)
             rows.append(OpRow("verify", n, _median(verify_runs), apply_anchor,
                               "one temp-index git apply --cached of the whole stack",
-                              note="run again on the same blobs: compiles nothing", runs_s=verify_runs,
-                              anchor_runs_s=anchor_runs))
+                              note="unchanged diffs (one message reworded): the apply remembered, nothing compiled",
+                              runs_s=verify_runs, anchor_runs_s=anchor_runs))
+            rows.append(OpRow("verify, diff changed", n, _median(changed_runs), apply_anchor,
+                              "one temp-index git apply --cached of the whole stack",
+                              note="the last patch's diff new: git apply runs, one file compiled",
+                              runs_s=changed_runs, anchor_runs_s=anchor_runs))
             rows.append(OpRow("verify cold", n, _median(cold_runs), apply_anchor,
                               "one temp-index git apply --cached of the whole stack",
-                              note=f"compile memory empty: {_median(compile_runs):.2f} s of it compile {compiled} "
-                                   f"file(s)", runs_s=cold_runs, anchor_runs_s=anchor_runs))
+                              note=f"no memory (apply, parses, compiles): {_median(compile_runs):.2f} s of it compile "
+                                   f"{compiled} file(s)", runs_s=cold_runs, anchor_runs_s=anchor_runs))
             rows.append(OpRow("refresh", n, _median(refresh_runs), _median(fp_runs), "git format-patch of the same commits",
                               runs_s=refresh_runs, anchor_runs_s=fp_runs))
         if rebase_to:

@@ -12,7 +12,8 @@ local path takes milliseconds). The warm build is `dsadapt build PIN --variant V
 of the project (the user's cache) after one untimed build (checkout, release wheel and output all
 there).
 
-Goals (the issue's table): every start-up <= 0.12 s and <= 4x the anchor; the warm build <= 1 s.
+Goals: every start-up <= 0.12 s and <= 4x the anchor -- the stricter of the two anchors, dsadapt's
+own interpreter, when `python3` on PATH is a slower launcher --; the warm build <= 1 s.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from patcher.base.config import Config
 from patcher.formats.lock import Lock, format_lock
 
 START_UP = (("--help",), ("list",), ("status",), ("report",))
-GOALS = {"start-up": "≤ 0.12 s and ≤ 4× anchor", "warm build": "≤ 1 s"}
+GOALS = {"start-up": "≤ 0.12 s and ≤ 4× either anchor", "warm build": "≤ 1 s"}
 COLUMNS = ["what", "command", "dsadapt", "CPU", "python3 -c pass", "ratio", "own python -c pass", "ratio to it", "goal",
            "met", "note"]
 
@@ -64,7 +65,10 @@ class StartRow:
             return None
         if self.what == "warm build":
             return self.wall_s <= 1.0
-        return self.wall_s <= 0.12 and (self.ratio is None or self.ratio <= 4.0)
+        # against the stricter anchor: dsadapt's own interpreter (a `python3` on PATH may be a launcher
+        # such as pyenv's shim, several times slower than the interpreter it starts)
+        ratios = [r for r in (self.ratio, self.own_ratio) if r is not None]
+        return self.wall_s <= 0.12 and (not ratios or max(ratios) <= 4.0)
 
     def to_json(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "own_ratio": self.own_ratio, "met": self.met}

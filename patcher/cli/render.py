@@ -20,9 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
-import traceback
 
 import click
 
@@ -117,7 +115,8 @@ def to_error(e: BaseException, args: list[str] | None = None) -> DsadaptError:
                           f"{e.start})", hint="save the file as UTF-8")
     if isinstance(e, OSError):
         return os_error(e)
-    if isinstance(e, subprocess.TimeoutExpired):
+    sp = sys.modules.get("subprocess")  # (not imported here: a timeout can only come from code that did)
+    if sp is not None and isinstance(e, sp.TimeoutExpired):
         cmd = e.cmd if isinstance(e.cmd, str) else " ".join(str(x) for x in (e.cmd or [])[:3])
         return MachineError(f"{show(cmd, 60)} did not finish within {e.timeout:g} s",
                             hint="check the network or raise DSADAPT_GIT_TIMEOUT, then rerun")
@@ -157,6 +156,8 @@ def render_error(err: DsadaptError, cause: BaseException | None = None, *, as_js
     hint_line = one_line(hint) if hint else None
     try:
         if debug_enabled() and cause is not None:
+            import traceback
+
             traceback.print_exception(type(cause), cause, cause.__traceback__, file=sys.stderr)
         sys.stderr.write(f"error: {message}\n")
         if hint_line:

@@ -356,6 +356,9 @@ class Engine(Protocol):
     module_map: Mapping[str, str]
     # -- serving: what a pin served by `serve` speaks; None: dsadapt cannot serve it
     serve_api: str | None
+    # -- the environment variables of its own that tune it (prefixes): a server the speed gate starts
+    #    gets what its recipe sets, never what dsadapt's own environment happens to hold
+    env_prefixes: tuple[str, ...]
 
     def tag_to_version(self, tag: str) -> str: ...
     def version_to_tag(self, version: str) -> str: ...
@@ -464,6 +467,7 @@ class EngineBase:
     bisect_table: ClassVar[Any] = None
     module_map: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     serve_api: ClassVar[str | None] = None
+    env_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __repr__(self) -> str:
         return f"<engine {self.name} ({type(self).__module__}.{type(self).__qualname__})>"

@@ -160,7 +160,7 @@ class StreamLoadRecipe:
     def stream_job(self, job: LoadJob, model: str = "") -> dict:
         return {"protocol": str(self.protocol), "url": job.base_url, "model": model or job.settings.served_name,
                 "workload": str(job.workload_path), "concurrency": job.concurrency, "out": str(job.out_path),
-                "wakeup": job.wakeup}
+                "wakeup": job.wakeup, "num_requests": job.num_requests}
 
     def parse(self, job: LoadJob, requests: Sequence[RequestSpec]) -> ParsedRun:
         import json
@@ -169,5 +169,6 @@ class StreamLoadRecipe:
         if len(d["requests"]) != len(requests):
             raise ValueError(f"{job.out_path}: {len(d['requests'])} requests reported, {len(requests)} sent")
         recs = [RequestRecord(q["mix"], int(q["input_len"]), int(q["output_len"]), float(q["ttft_s"]),
-                              float(q["latency_s"]), bool(q["ok"]), str(q.get("error") or "")) for q in d["requests"]]
+                              float(q["latency_s"]), bool(q["ok"]), str(q.get("error") or ""),
+                              None if q.get("sent_s") is None else float(q["sent_s"])) for q in d["requests"]]
         return ParsedRun(float(d["duration_s"]), recs, d.get("tool") or {})

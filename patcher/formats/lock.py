@@ -7,12 +7,11 @@ docs/lock-format.md.
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import tomli_w
 
 from patcher.base.errors import LockError, UsageError, show
 from patcher.base.textfile import read_text
@@ -158,12 +157,58 @@ def pin_sort_key(p: LockEntry):
 
 
 def version_key(v: str):
+    """(0, a PEP 440 version) for a valid version, (1, the text) for anything else: valid versions
+    first, in PEP 440 order. A plain release (``0.32.0``, ``26.01``) is compared without packaging's
+    parser (`_Release`), which a start-up that only sorts the lock's pins would otherwise import."""
+    if _PLAIN_RELEASE.fullmatch(v):
+        return (0, _Release(v))
     from packaging.version import InvalidVersion, Version
 
     try:
         return (0, Version(v))
     except InvalidVersion:
         return (1, v)
+
+
+_PLAIN_RELEASE = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})*")
+
+
+@functools.total_ordering
+class _Release:
+    """A plain release version, ordered as packaging.version.Version orders it (by its numbers,
+    trailing zeros left out: 1.0 == 1.0.0); compared with any other version through packaging."""
+
+    __slots__ = ("text", "release")
+
+    def __init__(self, text: str):
+        self.text = text
+        parts = [int(x) for x in text.split(".")]
+        while len(parts) > 1 and parts[-1] == 0:
+            parts.pop()
+        self.release = tuple(parts)
+
+    def _other(self, other):
+        if isinstance(other, _Release):
+            return other.release, self.release
+        from packaging.version import Version
+
+        if isinstance(other, Version):
+            return other, Version(self.text)
+        return None
+
+    def __eq__(self, other) -> bool:
+        got = self._other(other)
+        return NotImplemented if got is None else got[1] == got[0]
+
+    def __lt__(self, other) -> bool:
+        got = self._other(other)
+        return NotImplemented if got is None else got[1] < got[0]
+
+    def __hash__(self) -> int:
+        return hash(self.release)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 # ---------------------------------------------------------------- loading
@@ -388,6 +433,8 @@ def format_lock(lock: Lock) -> str:
         if arts:
             t["artifacts"] = arts
         doc["pins"][key] = t
+    import tomli_w  # (only when a lock is written: reading it is every command's start-up)
+
     return HEADER + "\n" + tomli_w.dumps(doc)
 
 

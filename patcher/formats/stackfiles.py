@@ -7,12 +7,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from patcher.base.errors import PatchFormatError, StackError, show
 from patcher.base.fsutil import atomic_write_text
 from patcher.base.textfile import read_text
 from patcher.formats.patchfile import Patch, format_patch, lint_patch, parse_patch, patch_filename
 from patcher.formats.pinref import PinRef
+
+if TYPE_CHECKING:
+    from patcher.formats.parsecache import ParseCache
 
 SERIES_HEADER = "# Patch order for this stack; one file per line. Written by dsadapt; comments survive.\n"
 
@@ -104,7 +108,10 @@ def _regular_file(path: Path, what: str) -> bool:
     return stat.S_ISREG(mode)
 
 
-def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> Stack:
+def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True, cache: ParseCache | None = None) -> Stack:
+    """The stack of `ref` under `patches_root`, every patch parsed (`cache`: parses remembered by
+    the files' content, `patcher.formats.parsecache`; the same Stack either way; the caller saves
+    the cache once its command has got that far without an error)."""
     d = stack_dir(patches_root, ref)
     series = d / "series"
     if not series.exists():
@@ -123,7 +130,7 @@ def load_stack(patches_root: Path, ref: PinRef, *, must_exist: bool = True) -> S
         # bytes as they are: a CRLF patch stays CRLF, and the format check refuses it
         text = read_text(f, PatchFormatError, where=str(f),
                          hint="a patch is UTF-8 text; regenerate it with `dsadapt refresh` or `git format-patch`")
-        entries.append(StackEntry(name, parse_patch(text, where=str(f)), text))
+        entries.append(StackEntry(name, cache.parse(text, str(f)) if cache is not None else parse_patch(text, where=str(f)), text))
     stack = Stack(ref, d, tuple(entries))
     refuse_unsafe_links(stack, None)  # what the stack's own links do (the base's: once it is known)
     return stack
@@ -141,8 +148,8 @@ def refuse_unsafe_links(stack: Stack, base_links: dict[str, str] | None) -> None
                                     "tree; fix or drop that patch")
 
 
-def lint_stack(stack: Stack) -> list[str]:
-    """Problems in the stack's files themselves (not whether it applies)."""
+def lint_stack(stack: Stack, cache: ParseCache | None = None) -> list[str]:
+    """Problems in the stack's files themselves (not whether it applies); `cache` as for `load_stack`."""
     problems = []
     listed = {e.name for e in stack.entries}
     if stack.dir.is_dir():
@@ -151,7 +158,7 @@ def lint_stack(stack: Stack) -> list[str]:
                 problems.append(f"{f}: not listed in series")
     for i, e in enumerate(stack.entries, 1):
         where = str(stack.dir / e.name)
-        problems += lint_patch(e.patch, e.text, where)
+        problems += cache.lint(e.patch, e.text, where) if cache is not None else lint_patch(e.patch, e.text, where)
         expected = patch_filename(i, e.patch.subject)
         if e.name != expected:
             problems.append(f"{where}: file name should be {expected} (position {i}, from its subject)")

@@ -185,22 +185,30 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    """The environment of a server or load generator: ours without engine tuning variables, the
-    recipe's `extra`, and the runner protocol (dsadapt_runner) on PYTHONPATH."""
+#: thread-pool tuning variables of the OpenMP runtimes engines use: a server gets the recipe's, never ours
+THREAD_ENV_PREFIXES = ("OMP_", "KMP_", "GOMP_")
+
+
+def _env(extra: dict[str, str], engine_prefixes: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of a server or load generator: ours without tuning variables (the engine's
+    own, `Engine.env_prefixes`, and the OpenMP runtimes'), the recipe's `extra`, and the runner
+    protocol (dsadapt_runner) on PYTHONPATH."""
     from patcher.runners.launch import kit_pythonpath
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_", "KMP_", "GOMP_"))}
+    drop = (*engine_prefixes, *THREAD_ENV_PREFIXES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     env["PYTHONPATH"] = kit_pythonpath(env)
     return env
 
 
 def start_server(side: str, recipe: PerfRecipe, python: Path, settings: ServeSettings, work: Path,
-                 cpus: Sequence[int], deadline_s: float, avoid: Sequence[int] = ()) -> Server:
+                 cpus: Sequence[int], deadline_s: float, avoid: Sequence[int] = (),
+                 env_prefixes: Sequence[str] = ()) -> Server:
     port = free_port(avoid=avoid)
     cmd = recipe.server_command(python, port, settings)
-    proc = start_guarded(f"{side} server", cmd.argv, log_path=work / f"server-{side}.log", env=_env(cmd.env),
+    proc = start_guarded(f"{side} server", cmd.argv, log_path=work / f"server-{side}.log",
+                         env=_env(cmd.env, env_prefixes),
                          cwd=work, deadline_s=deadline_s, cpus=cpus, grace_s=10)
     url = f"http://127.0.0.1:{port}"
     return Server(side, proc, url, url + cmd.ready_path)
@@ -236,10 +244,12 @@ def wait_ready(servers: Sequence[Server], timeout_s: float, progress=None) -> No
 class LoadDriver:
     """The recipe's long-lived load generator; one job at a time."""
 
-    def __init__(self, recipe: PerfRecipe, python: Path, work: Path, cpus: Sequence[int], deadline_s: float):
+    def __init__(self, recipe: PerfRecipe, python: Path, work: Path, cpus: Sequence[int], deadline_s: float,
+                 env_prefixes: Sequence[str] = ()):
         cmd = recipe.driver_command(python)
         self.work = work
-        self.proc = start_guarded("load generator", cmd.argv, log_path=work / "load.log", env=_env(cmd.env),
+        self.proc = start_guarded("load generator", cmd.argv, log_path=work / "load.log",
+                                  env=_env(cmd.env, env_prefixes),
                                   cwd=work, deadline_s=deadline_s, cpus=cpus, grace_s=5, stdin_pipe=True)
         self.n = 0
 
@@ -292,96 +302,128 @@ class Measurement:
     timings: dict
 
 
+@dataclass(frozen=True)
+class MeasureSetup:
+    """Where and how long `measure` runs: the two sides (the first is the build under test), the
+    CPUs of the load generator and of this process (`cpus`), where both servers start
+    (`server_cpus`; default `cpus` and the compute cores), the time limit of the whole measurement
+    and of a server's start, and the environment variables of the engine's own that a server or the
+    load generator must not inherit from this process (`Engine.env_prefixes`)."""
+
+    sides: tuple[str, str] = (speed.PATCHED, speed.UNPATCHED)
+    cpus: tuple[int, ...] = ()
+    server_cpus: tuple[int, ...] | None = None
+    time_limit_s: float = 3600.0
+    server_start_s: float = SERVER_START_S
+    env_prefixes: tuple[str, ...] = ()
+
+
 def measure(recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, workload: speed.Workload, work: Path,
-            *, sides: tuple[str, str] = (speed.PATCHED, speed.UNPATCHED), cpus: Sequence[int] = (),
-            server_cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
-            server_start_s: float = SERVER_START_S, progress: Callable[[str], None] | None = None,
+            setup: MeasureSetup = MeasureSetup(), progress: Callable[[str], None] | None = None,
             on_servers: Callable[[dict[str, Server]], None] | None = None) -> Measurement:
     """Serve both sides, warm up, run the schedule; always stop every process it started.
 
     `pythons` maps each side to the interpreter of its environment; the load generator runs
     with the second side's (the baseline's). Both servers get the same CPUs (`Placement`):
-    they start on `server_cpus` (default: `cpus` and the compute cores); once they serve, on
-    CPU builds each of their threads moves to `cpus` except the compute threads the engine
-    bound to `settings.compute_cpus` itself. The load generator -- and this process, while it
-    measures -- run on `cpus`. Every run (warm-up or measured) is preceded by an untimed wake-up
-    request (`wakeup_requests`), so neither side is measured straight out of idling while the
-    other ran. Raises ServerFailed (a side did not serve), PerfRunError (load
-    generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
+    they start on `setup.server_cpus`; once they serve, on CPU builds each of their threads moves
+    to `setup.cpus` except the compute threads the engine bound to `settings.compute_cpus` itself.
+    The load generator -- and this process, while it measures -- run on `setup.cpus`. Every run
+    (warm-up or measured) is preceded by an untimed wake-up request (`wakeup_requests`), so neither
+    side is measured straight out of idling while the other ran. Raises ServerFailed (a side did
+    not serve), PerfRunError (load generator, time limit) or KeyboardInterrupt (Ctrl-C, SIGTERM)."""
     t_start = time.monotonic()
-    deadline = t_start + time_limit_s
-    guard_deadline = time_limit_s + 60  # the guards' own backstop, past our own limit
     work.mkdir(parents=True, exist_ok=True)
-    requests = workload.requests()
-    workload_path = recipe.write_workload(requests, settings, work)
-    runs: list[speed.RunRecord] = []
     timings: dict = {}
     with ExitStack() as stack, _sigterm_as_interrupt():
         # this thread and the sampler thread started from it stay off the servers' cores (every
         # process started below gets its CPUs from its guard, not from us)
-        stack.enter_context(_pinned_self(cpus))
-        servers: dict[str, Server] = {}
-        start_cpus = tuple(sorted(set(server_cpus) if server_cpus else set(cpus) | set(settings.compute_cpus)))
-        for side in sides:  # CPU builds: start on every core (start-up is imports and loading), pinned once serving
-            srv = start_server(side, recipe, pythons[side], settings, work, start_cpus, guard_deadline,
-                               avoid=[int(s.url.rsplit(":", 1)[1]) for s in servers.values()])
-            stack.callback(srv.proc.stop)
-            servers[side] = srv
-            if progress:
-                progress(f"{side} server starting (pid group {srv.proc.pgid}, {srv.url}); log: {srv.proc.log_path}")
-        if on_servers:
-            on_servers(servers)
-        if progress:
-            progress(f"waiting for the {' and '.join(sides)} servers to load the model and serve")
-        sampler = MemorySampler({s: srv.proc.pgid for s, srv in servers.items()}).start()
-        stack.callback(sampler.stop)
-        wait_ready(list(servers.values()), min(server_start_s, max(1.0, deadline - time.monotonic())), progress)
+        stack.enter_context(_pinned_self(setup.cpus))
+        servers, sampler = _serve_both(stack, recipe, pythons, settings, work, setup, progress, on_servers)
         timings["servers_ready_s"] = round(time.monotonic() - t_start, 2)
-        if settings.compute_cpus and cpus and set(cpus) != set(start_cpus):
-            for srv in servers.values():
-                repin(srv.proc.pgid, cpus, keep=settings.compute_cpus)
-        driver = LoadDriver(recipe, pythons[sides[1]], work, cpus, guard_deadline)
+        driver = LoadDriver(recipe, pythons[setup.sides[1]], work, setup.cpus, setup.time_limit_s + 60,
+                            setup.env_prefixes)
         stack.callback(driver.stop)
-        plan = speed.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds)
         t_runs = time.monotonic()
-        step, done = _stepper(progress)
-        for order, (rnd, conc, side) in enumerate(plan):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PerfRunError(f"the run passed its time limit of {time_limit_s:.0f} s "
-                                   f"after {order} of {len(plan)} runs",
-                                   hint="raise --time-limit, or lower --rounds/--requests/--concurrency")
-            tag = f"{side}-{'w' if rnd < 0 else 'r'}{abs(rnd)}-c{conc}"
-            job = LoadJob(side, rnd, conc, servers[side].url, workload_path, len(requests),
-                          work / "results" / f"{order:03d}-{tag}.json", settings, wakeup_requests(conc))
-            job.out_path.parent.mkdir(parents=True, exist_ok=True)
-            job.out_path.unlink(missing_ok=True)
-            for s, srv in servers.items():
-                if not srv.proc.alive():
-                    raise ServerFailed(s, f"the {s} server died during the run",
-                                       srv.proc.log_path, hint=f"log: {srv.proc.log_path}")
-            label = f"warm-up {rnd + workload.warmup_rounds + 1}/{workload.warmup_rounds}" if rnd < 0 \
-                else f"round {rnd + 1}/{workload.rounds}"
-            if step:
-                step(f"{label}, concurrency {conc}, {side}")
-            sampler.reset_window()
-            driver.run(recipe.job(job), remaining)
-            sampler.sample()
-            parsed = recipe.parse(job, requests)
-            rec = speed.RunRecord(side, rnd, conc, parsed.duration_s, parsed.requests, order, parsed.tool,
-                              sampler.window.get(side) or None, sampler.gpu_window.get(side))
-            if rnd >= 0:
-                runs.append(rec)
-            if done:
-                m = speed.run_metrics(rec)
-                done(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
-                     f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
-                     + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
+        runs = _run_schedule(recipe, servers, sampler, driver, settings, workload, work,
+                             t_start + setup.time_limit_s, setup, progress)
         timings["runs_s"] = round(time.monotonic() - t_runs, 2)
         sampler.sample()
         peak_rss, peak_gpu = dict(sampler.peak), dict(sampler.gpu_peak)
     timings["measure_s"] = round(time.monotonic() - t_start, 2)
     return Measurement(runs, peak_rss, peak_gpu, timings)
+
+
+def _serve_both(stack: ExitStack, recipe: PerfRecipe, pythons: dict[str, Path], settings: ServeSettings, work: Path,
+                setup: MeasureSetup, progress, on_servers) -> tuple[dict[str, Server], MemorySampler]:
+    """Both servers started at once, each stopped when `stack` closes, serving, on their CPUs; the
+    memory sampler running."""
+    guard_deadline = setup.time_limit_s + 60  # the guards' own backstop, past our own limit
+    servers: dict[str, Server] = {}
+    start_cpus = tuple(sorted(set(setup.server_cpus) if setup.server_cpus
+                              else set(setup.cpus) | set(settings.compute_cpus)))
+    for side in setup.sides:  # CPU builds: start on every core (start-up is imports and loading), pinned once serving
+        srv = start_server(side, recipe, pythons[side], settings, work, start_cpus, guard_deadline,
+                           avoid=[int(s.url.rsplit(":", 1)[1]) for s in servers.values()],
+                           env_prefixes=setup.env_prefixes)
+        stack.callback(srv.proc.stop)
+        servers[side] = srv
+        if progress:
+            progress(f"{side} server starting (pid group {srv.proc.pgid}, {srv.url}); log: {srv.proc.log_path}")
+    if on_servers:
+        on_servers(servers)
+    if progress:
+        progress(f"waiting for the {' and '.join(setup.sides)} servers to load the model and serve")
+    sampler = MemorySampler({s: srv.proc.pgid for s, srv in servers.items()}).start()
+    stack.callback(sampler.stop)
+    wait_ready(list(servers.values()), min(setup.server_start_s, max(1.0, setup.time_limit_s)), progress)
+    if settings.compute_cpus and setup.cpus and set(setup.cpus) != set(start_cpus):
+        for srv in servers.values():
+            repin(srv.proc.pgid, setup.cpus, keep=settings.compute_cpus)
+    return servers, sampler
+
+
+def _run_schedule(recipe: PerfRecipe, servers: dict[str, Server], sampler: MemorySampler, driver: LoadDriver,
+                  settings: ServeSettings, workload: speed.Workload, work: Path, deadline: float,
+                  setup: MeasureSetup, progress) -> list[speed.RunRecord]:
+    """Every run of the schedule, warm-up first, each a job of the load generator; the measured ones."""
+    workload_path = recipe.write_workload(workload.requests(), settings, work)
+    plan = speed.schedule(workload.rounds, workload.concurrency, setup.sides, workload.warmup_rounds)
+    step, done = _stepper(progress)
+    runs: list[speed.RunRecord] = []
+    for order, (rnd, conc, side) in enumerate(plan):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PerfRunError(f"the run passed its time limit of {setup.time_limit_s:.0f} s "
+                               f"after {order} of {len(plan)} runs",
+                               hint="raise --time-limit, or lower --rounds/--requests/--concurrency")
+        tag = f"{side}-{'w' if rnd < 0 else 'r'}{abs(rnd)}-c{conc}"
+        sent = workload.requests_at(conc)
+        job = LoadJob(side, rnd, conc, servers[side].url, workload_path, len(sent),
+                      work / "results" / f"{order:03d}-{tag}.json", settings, wakeup_requests(conc))
+        job.out_path.parent.mkdir(parents=True, exist_ok=True)
+        job.out_path.unlink(missing_ok=True)
+        for s, srv in servers.items():
+            if not srv.proc.alive():
+                raise ServerFailed(s, f"the {s} server died during the run",
+                                   srv.proc.log_path, hint=f"log: {srv.proc.log_path}")
+        label = f"warm-up {rnd + workload.warmup_rounds + 1}/{workload.warmup_rounds}" if rnd < 0 \
+            else f"round {rnd + 1}/{workload.rounds}"
+        if step:
+            step(f"{label}, concurrency {conc}, {side}")
+        sampler.reset_window()
+        driver.run(recipe.job(job), remaining)
+        sampler.sample()
+        parsed = recipe.parse(job, sent)
+        rec = speed.RunRecord(side, rnd, conc, parsed.duration_s, parsed.requests, order, parsed.tool,
+                              sampler.window.get(side) or None, sampler.gpu_window.get(side))
+        if rnd >= 0:
+            runs.append(rec)
+        if done:
+            m = speed.run_metrics(rec)
+            done(f"{label}, concurrency {conc}, {side}: {_fmt(m['output_throughput'], '.1f')} tok/s, "
+                 f"TTFT {_fmt(m['ttft_mean'], '.0f')} ms, TPOT {_fmt(m['tpot_mean'], '.1f')} ms"
+                 + (f", {int(m['failed'] or 0)} failed" if m["failed"] else ""))
+    return runs
 
 
 def wakeup_requests(concurrency: int) -> int:
@@ -531,106 +573,173 @@ def preflight(lock: Lock, ref: PinRef, variant: str | None, dtype: str | None = 
     return entry, spec, recipe
 
 
-def run_perf(cfg: Config, lock: Lock, ref: PinRef, *, model: str = "v3", config_style: str | None = None,
-             dtype: str | None = None, variant: str | None = None, concurrency: Sequence[int] | None = None,
-             input_lens: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
-             rounds: int = speed.DEFAULT_ROUNDS, requests: int | None = None, warmup_rounds: int = 1,
-             max_model_len: int = 256, threshold: float = speed.DEFAULT_THRESHOLD, aa: bool = False,
-             cpus: Sequence[int] | None = None, time_limit_s: float = 3600.0,
-             progress: Callable[[str], None] | None = None, stream: bool = True, command: str | None = None,
-             on_servers: Callable[[dict[str, Server]], None] | None = None,
-             parallel: Parallel = SINGLE) -> PerfResult:
+@dataclass(frozen=True)
+class PerfRequest:
+    """What one `dsadapt perf` run is asked to measure (the command line, validated by the CLI)."""
+
+    ref: PinRef
+    model: str = "v3"
+    config_style: str | None = None
+    dtype: str | None = None
+    variant: str | None = None
+    concurrency: tuple[int, ...] | None = None
+    input_lens: tuple[int, ...] | None = None
+    output_lens: tuple[int, ...] | None = None
+    rounds: int = speed.DEFAULT_ROUNDS
+    requests: int | tuple[int, ...] | None = None   # per run; a tuple: one per concurrency level
+    warmup_rounds: int = 1
+    max_model_len: int = 256
+    threshold: float = speed.DEFAULT_THRESHOLD
+    aa: bool = False                     # the patched build on both sides (A/A calibration)
+    cpus: tuple[int, ...] | None = None
+    time_limit_s: float = 3600.0
+    parallel: Parallel = SINGLE
+    command: str | None = None           # as the user typed it (the report's provenance)
+
+    def workload(self, original_context: int | None) -> speed.Workload:
+        return speed.build_workload(original_context=original_context, max_model_len=self.max_model_len,
+                                    input_lens=self.input_lens, output_lens=self.output_lens,
+                                    concurrency=self.concurrency, rounds=self.rounds, requests=self.requests,
+                                    warmup_rounds=self.warmup_rounds)
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        return (speed.PATCHED, speed.PATCHED + "-2") if self.aa else (speed.PATCHED, speed.UNPATCHED)
+
+    @property
+    def mode(self) -> str:
+        return "aa" if self.aa else "patched-vs-unpatched"
+
+
+@dataclass
+class _Prepared:
+    """What `run_perf` knows before anything is served: the plan of the run and its report's frame."""
+
+    recipe: PerfRecipe
+    workload: speed.Workload
+    settings: ServeSettings
+    where: Placement
+    cpus: tuple[int, ...]
+    out: Path
+    work: Path
+    pythons: dict[str, Path]
+    common: dict
+    provenance: dict
+    install_s: float
+    env_prefixes: tuple[str, ...]
+
+
+def run_perf(cfg: Config, lock: Lock, req: PerfRequest, *, progress: Callable[[str], None] | None = None,
+             stream: bool = True, on_servers: Callable[[dict[str, Server]], None] | None = None) -> PerfResult:
+    """Measure both builds of `req.ref` (or the patched one twice: `req.aa`), judge, write the report."""
+    t_start = time.monotonic()
+    p = _prepare(cfg, lock, req, progress, stream)
+    sides = req.sides
+    setup = MeasureSetup(sides, p.where.load, p.where.servers, req.time_limit_s, env_prefixes=p.env_prefixes)
+    try:
+        m = measure(p.recipe, p.pythons, p.settings, p.workload, p.work, setup, progress, on_servers)
+    except ServerFailed as e:
+        return _server_failed(req, p, e, t_start)
+    points = speed.build_points(m.runs, p.workload.concurrency, sides)
+    verdict, reasons = speed.decide(points, req.threshold, sides)
+    w = p.workload
+    first = speed.order_balance(speed.schedule(w.rounds, w.concurrency, sides, w.warmup_rounds), sides)
+    prov = {**p.provenance, "load_average_after": _loadavg(), "peak_rss": m.peak_rss, "peak_gpu": m.peak_gpu,
+            "logs": {"work": str(p.work)}, "went_first": {str(c): n for c, n in first.items()},
+            "wakeup_requests": {str(c): wakeup_requests(c) for c in w.concurrency}}
+    timings = {"install_s": p.install_s, **m.timings, "total_s": round(time.monotonic() - t_start, 2)}
+    result = PerfResult(**p.common, verdict=verdict, reasons=reasons, points=[x.to_json() for x in points],
+                        band=speed.band(points, req.threshold), plot_path=None, provenance=prov, timings=timings,
+                        runs=[r.to_json() for r in m.runs])
+    result.plot_path = _plot(result, p.out)
+    _write(p.out, result)
+    return result
+
+
+def _prepare(cfg: Config, lock: Lock, req: PerfRequest, progress, stream: bool) -> _Prepared:
+    """Preflight, the model and the workload, the placement, both environments, the report's frame."""
+    from patcher.base.machine import gpu_local_cpus
     from patcher.formats.stackfiles import load_stack
     from patcher.gate.equivalence import model_fingerprint, report_paths, resolve_model
     from patcher.gate.hosts import RunHost
     from patcher.rules.prompts import rope_original_max
 
-    t_start = time.monotonic()
-    check_threshold(threshold)
-    entry, spec, recipe = preflight(lock, ref, variant, dtype, parallel=parallel, cpus=cpus)
+    ref = req.ref
+    check_threshold(req.threshold)
+    entry, spec, recipe = preflight(lock, ref, req.variant, req.dtype, parallel=req.parallel, cpus=req.cpus)
     eng = engine(ref.engine)
-    dtype = dtype or recipe.dtypes[0]
+    dtype = req.dtype or recipe.dtypes[0]
     stack = load_stack(cfg.patches_root, ref)
-    model_dir, label, style = resolve_model(cfg, model, config_style or "deepseek", progress)
-    config = json.loads((model_dir / "config.json").read_text())
-    original = rope_original_max(config)
-    workload = speed.build_workload(original_context=original, max_model_len=max_model_len, input_lens=input_lens,
-                                output_lens=output_lens, concurrency=concurrency, rounds=rounds, requests=requests,
-                                warmup_rounds=warmup_rounds)
-    cpus = tuple(cpus) if cpus else default_cpus()
-    from patcher.base.machine import gpu_local_cpus
-
+    model_dir, label, style = resolve_model(cfg, req.model, req.config_style or "deepseek", progress)
+    original = rope_original_max(json.loads((model_dir / "config.json").read_text()))
+    workload = req.workload(original)
+    cpus = tuple(req.cpus) if req.cpus else default_cpus()
     where = place(cpus, spec.device, gpu_local_cpus() if spec.device == "cuda" else ())
-    compute, service = where.compute, where.load
-    settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=max_model_len,
-                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=compute,
-                             tp=parallel.tp, ep=parallel.ep)
-    out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if aa else "perf", parallel=parallel)
+    settings = ServeSettings(model_dir=model_dir, dtype=dtype, max_model_len=req.max_model_len,
+                             max_num_seqs=max(workload.concurrency), device=spec.device, compute_cpus=where.compute,
+                             tp=req.parallel.tp, ep=req.parallel.ep)
+    out = report_paths(cfg, ref, label, style, dtype, False, kind="perf-aa" if req.aa else "perf",
+                       parallel=req.parallel)
     work = cfg.workdir / "runs" / out.relative_to(cfg.reports_root).with_suffix("")
-    sides = (speed.PATCHED, speed.PATCHED + "-2") if aa else (speed.PATCHED, speed.UNPATCHED)
+    sides = req.sides
     t0 = time.monotonic()
     host = RunHost(cfg, lock, progress, stream)
     plan = eng.env_plan(entry, spec, lock)
     env_a = host.environment(plan)
-    env_b = env_a if aa else host.environment(plan, unpatched=True)
-    py_a, inst_a, py_b, inst_b = env_a.python, env_a.provenance(), env_b.python, env_b.provenance()
+    env_b = env_a if req.aa else host.environment(plan, unpatched=True)
     install_s = round(time.monotonic() - t0, 2)
     load_before = _loadavg()
     if progress:
-        progress(f"{ref} ({spec.name}) {'A/A: the patched build against itself' if aa else 'patched vs unpatched'}, "
-                 f"model {label} ({style} config), {dtype}, concurrency {','.join(map(str, workload.concurrency))}, "
-                 f"{workload.rounds} rounds of {len(workload.requests())} requests; load average {load_before}")
-    base_prov = {
-        "date": _now(), "device": device_description(), "command": command or f"dsadapt perf {ref}",
-        "stack_hash": stack.hash, "patches": [e.name for e in stack.entries], "mode": "aa" if aa else "patched-vs-unpatched",
-        "installed": {sides[0]: inst_a, sides[1]: inst_b}, "model_fingerprint": model_fingerprint(model_dir, cfg.cache),
-        "model_dir": str(model_dir), "original_max_position_embeddings": original, "tool": recipe.tool,
-        "cpus": list(cpus), "compute_cpus": list(compute), "service_cpus": list(service),
-        "server_cpus": list(where.servers),
+        progress(f"{ref} ({spec.name}) {'A/A: the patched build against itself' if req.aa else 'patched vs unpatched'}"
+                 f", model {label} ({style} config), {dtype}, concurrency {','.join(map(str, workload.concurrency))}, "
+                 f"{workload.rounds} rounds of {_requests_words(workload)} requests; load average {load_before}")
+    provenance = {
+        "date": _now(), "device": device_description(), "command": req.command or f"dsadapt perf {ref}",
+        "stack_hash": stack.hash, "patches": [e.name for e in stack.entries], "mode": req.mode,
+        "installed": {sides[0]: env_a.provenance(), sides[1]: env_b.provenance()},
+        "model_fingerprint": model_fingerprint(model_dir, cfg.cache), "model_dir": str(model_dir),
+        "original_max_position_embeddings": original, "tool": recipe.tool, "cpus": list(cpus),
+        "compute_cpus": list(where.compute), "service_cpus": list(where.load), "server_cpus": list(where.servers),
         "load_average_before": load_before,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "dsadapt": _dsadapt_version(),
     }
     common = dict(pin=str(ref), engine=ref.engine, variant=spec.name, model=label, config_style=style, dtype=dtype,
-                  mode="aa" if aa else "patched-vs-unpatched", sides=list(sides), threshold=threshold,
-                  workload=workload.to_json(), report_path=str(out), parallel=parallel.to_json())
-    try:
-        m = measure(recipe, {sides[0]: py_a, sides[1]: py_b}, settings, workload, work, sides=sides, cpus=service,
-                    server_cpus=where.servers,
-                    time_limit_s=time_limit_s, progress=progress, on_servers=on_servers)
-    except ServerFailed as e:
-        if e.side == sides[0] and not aa:
-            # The build under test does not serve the model at all: a verdict, as `check` says for load failures.
-            result = PerfResult(**common, verdict="fail", reasons=[e.message], points=[], band={},  # type: ignore[arg-type]
-                                plot_path=None, provenance={**base_prov, "load_average_after": _loadavg(),
-                                                            "server_log": str(e.log_path)},
-                                timings={"install_s": install_s, "total_s": round(time.monotonic() - t_start, 2)})
-            _write(out, result)
-            return result
-        if e.side == sides[1]:
-            raise BaselineUnavailable(f"the unpatched {ref} cannot serve model {label} ({style} config): "
-                                      f"{e.message.split(': ', 1)[-1]}",
-                                      hint="compare on a model both builds load (for vLLM 0.32: --config-style "
-                                           f"deepseek); server log: {e.log_path}") from e
-        raise
-    points = speed.build_points(m.runs, workload.concurrency, sides)
-    verdict, reasons = speed.decide(points, threshold, sides)
-    first = speed.order_balance(speed.schedule(workload.rounds, workload.concurrency, sides, workload.warmup_rounds), sides)
-    prov = {**base_prov, "load_average_after": _loadavg(), "peak_rss": m.peak_rss, "peak_gpu": m.peak_gpu,
-            "logs": {"work": str(work)}, "went_first": {str(c): n for c, n in first.items()},
-            "wakeup_requests": {str(c): wakeup_requests(c) for c in workload.concurrency}}
-    timings = {"install_s": install_s, **m.timings, "total_s": round(time.monotonic() - t_start, 2)}
-    result = PerfResult(**common, verdict=verdict, reasons=reasons, points=[p.to_json() for p in points],  # type: ignore[arg-type]
-                        band=speed.band(points, threshold), plot_path=None, provenance=prov, timings=timings,
-                        runs=[r.to_json() for r in m.runs])
+                  mode=req.mode, sides=list(sides), threshold=req.threshold, workload=workload.to_json(),
+                  report_path=str(out), parallel=req.parallel.to_json())
+    return _Prepared(recipe, workload, settings, where, cpus, out, work, {sides[0]: env_a.python, sides[1]: env_b.python},
+                     common, provenance, install_s, tuple(getattr(eng, "env_prefixes", ())))
+
+
+def _requests_words(w: speed.Workload) -> str:
+    per = [len(w.requests_at(c)) for c in w.concurrency]
+    return str(per[0]) if len(set(per)) == 1 else "/".join(map(str, per))
+
+
+def _server_failed(req: PerfRequest, p: _Prepared, e: ServerFailed, t_start: float) -> PerfResult:
+    """A side that did not serve: the build under test's failure is a verdict (as `check` says for a
+    load failure); the baseline's means nothing to compare with (exit 6); anything else is raised."""
+    if e.side == req.sides[0] and not req.aa:
+        result = PerfResult(**p.common, verdict="fail", reasons=[e.message], points=[], band={}, plot_path=None,
+                            provenance={**p.provenance, "load_average_after": _loadavg(), "server_log": str(e.log_path)},
+                            timings={"install_s": p.install_s, "total_s": round(time.monotonic() - t_start, 2)})
+        _write(p.out, result)
+        return result
+    if e.side == req.sides[1]:
+        raise BaselineUnavailable(f"the unpatched {req.ref} cannot serve model {p.common['model']} "
+                                  f"({p.common['config_style']} config): {e.message.split(': ', 1)[-1]}",
+                                  hint="compare on a model both builds load (for vLLM 0.32: --config-style "
+                                       f"deepseek); server log: {e.log_path}") from e
+    raise e
+
+
+def _plot(result: PerfResult, out: Path) -> str | None:
     try:
         from patcher.rules.plots import plot_perf
 
-        result.plot_path = str(plot_perf(result.to_json(), out.with_suffix(".png")))
+        return str(plot_perf(result.to_json(), out.with_suffix(".png")))
     except ImportError:  # matplotlib is optional
-        result.plot_path = None
-    _write(out, result)
-    return result
+        return None
 
 
 def rescore(path: Path, threshold: float | None = None, pin: str | None = None) -> PerfResult:
@@ -663,12 +772,7 @@ def rescore(path: Path, threshold: float | None = None, pin: str | None = None) 
     out = Path(path)
     result.report_path = str(out)
     if points:
-        try:
-            from patcher.rules.plots import plot_perf
-
-            result.plot_path = str(plot_perf(result.to_json(), out.with_suffix(".png")))
-        except ImportError:
-            result.plot_path = None
+        result.plot_path = _plot(result, out)
     _write(out, result)
     return result
 

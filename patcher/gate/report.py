@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 
 from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, UsageError
-from patcher.engines.registry import adapter
 from patcher.formats.lock import Lock, LockEntry
+from patcher.formats.parsecache import ParseCache
 from patcher.formats.patchfile import drop_when_satisfied
 from patcher.formats.stackfiles import Stack, load_stack
 
@@ -206,7 +206,7 @@ def perf_workload(data: dict) -> str:
     """Pure: "calibrated" for a speed-gate run of the default workload (levels, mixes, requests,
     at least the default rounds and warm-up, the default threshold: what docs/speed.md calibrated),
     else what makes it quicker or different ("3 rounds", "concurrency 4", ...)."""
-    from patcher.rules.speed import DEFAULT_CONCURRENCY, DEFAULT_ROUNDS, DEFAULT_THRESHOLD
+    from patcher.rules.speed import DEFAULT_CONCURRENCY, DEFAULT_ROUNDS, DEFAULT_THRESHOLD, default_requests
 
     raw = data.get("workload")
     w: dict = raw if isinstance(raw, dict) else {}
@@ -220,8 +220,12 @@ def perf_workload(data: dict) -> str:
     mixes = [m.get("name") for m in w.get("mixes") or [] if isinstance(m, dict)]
     if mixes != ["short", "medium", "long"]:
         diffs.append("mixes " + ",".join(str(m) for m in mixes))
-    if (w.get("requests_per_run") or 0) < max(12, 2 * max(DEFAULT_CONCURRENCY)):
-        diffs.append(f"{w.get('requests_per_run')} requests per run")
+    raw_levels = w.get("requests_per_level")
+    per_level: dict = raw_levels if isinstance(raw_levels, dict) else {}
+    sent = {str(c): int(per_level.get(str(c)) or w.get("requests_per_run") or 0) for c in conc}
+    if any(n < default_requests(int(c)) for c, n in sent.items()):
+        counts = sorted(set(sent.values()))
+        diffs.append(f"{','.join(map(str, sent.values())) if len(counts) > 1 else counts[0]} requests per run")
     if not (w.get("warmup_rounds") or 0) >= 1:
         diffs.append("no warm-up")
     if data.get("threshold") not in (None, DEFAULT_THRESHOLD):
@@ -240,22 +244,36 @@ def perf_verdict_of(data, file: str) -> Verdict | None:
     return Verdict(file, **fields, workload=perf_workload(data))
 
 
-def read_verdicts(*reports_roots: Path, of=None) -> dict[str, list[Verdict]]:
+def read_verdicts(*reports_roots: Path, of=None, memo: dict | None = None) -> dict[str, list[Verdict]]:
     """Every check report under the given report folders (any depth), by pin (`of=perf_verdict_of`:
-    every speed-gate report instead)."""
+    every speed-gate report instead). `memo` ({file: [stamps, verdict fields or None]}, read and
+    updated): a file whose report, inputs and bisect report are unchanged (size, mtime) is not
+    parsed again -- `report` reads every report of the project at each start."""
     of = of or verdict_of
     out: dict[str, list[Verdict]] = {}
     # a bisect report (<check>-bisect.json) is read with its check report, never as a verdict
     files = [f for root in reports_roots if root.is_dir() for f in sorted(root.rglob("*.json"))
              if not f.name.endswith("-bisect.json")]
     for f in files:
-        data = _report_doc(f)
-        if data is None:
-            continue
-        v = of(data, str(f))
+        key = _stamps(f) if memo is not None else None
+        hit = memo.get(str(f)) if memo is not None else None
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and isinstance(hit[1], (dict, type(None))):
+            v = Verdict(**hit[1]) if hit[1] is not None else None
+        else:
+            data = _report_doc(f)
+            if data is None:
+                continue
+            v = of(data, str(f))
+            if memo is not None:
+                memo[str(f)] = [key, asdict(v) if v is not None else None]
         if v is not None:
             out.setdefault(v.pin, []).append(v)
     return out
+
+
+def _stamps(f: Path) -> list:
+    """(size, mtime) of a report and of the files its verdict reads besides it (inputs, bisect report)."""
+    return [_stamp(f), _stamp(inputs_path(f)), _stamp(f.with_name(f.stem + "-bisect.json"))]
 
 
 _DOCS: dict[tuple[str, int, int], object] = {}
@@ -364,14 +382,16 @@ def perf_words(verdicts: list[Verdict], stack_hash: str | None,
     return words, worst, quick
 
 
-def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...]) -> list[DropCandidate]:
-    """Pure: patches whose Drop-When spec a newer pin's version satisfies (the oldest such pin)."""
+def drop_candidates(stack: Stack, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...],
+                    satisfied=drop_when_satisfied) -> list[DropCandidate]:
+    """Pure: patches whose Drop-When spec a newer pin's version satisfies (the oldest such pin);
+    `satisfied` stands in for `drop_when_satisfied` (a cache of it)."""
     out = []
     for e in stack.entries:
         for spec in e.patch.trailer_values("Drop-When"):
             for n in newer:
                 try:
-                    hit = drop_when_satisfied(spec, dists, n.version)
+                    hit = satisfied(spec, dists, n.version)
                 except ValueError:  # packaging's InvalidRequirement: not a spec (`verify` says so)
                     break
                 if hit:
@@ -390,19 +410,33 @@ def _row(v: Verdict, project: Path) -> dict:
     return d
 
 
-def _rules_digest() -> str:
+def _rules_digest(stored: dict | None = None) -> tuple[str, dict]:
     """What today's rules are: a digest of the modules that judge a stored check (a change to any of
-    them re-judges every report)."""
+    them re-judges every report) and of the logit rule's parameters as the rule states them now (a
+    rule changed without a change to these files, e.g. by a plugin or a test, is a changed rule too).
+
+    Returns (digest, what the cache keeps to say it next time). The parameters are a function of
+    the files while `patcher.rules.logits` is as its import made it: a process that has not
+    imported it takes them from `stored` when they were stated, for the same files, by a process
+    that imported the module only to state them (so never changed it) -- `report` then imports no
+    rule module; any other process states them itself."""
     import hashlib
+    import sys
 
     h = hashlib.sha256()
     rules = Path(__file__).resolve().parents[1] / "rules"
     for f in sorted([*rules.glob("*.py"), Path(__file__).resolve()]):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    # and the logit rule's parameters as the rule states them now (a rule changed without a change
-    # to these files, e.g. by a plugin or a test, is a changed rule too)
-    h.update(json.dumps([current_rule(d) for d in ("float32", "bfloat16", "float16")], sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    files = h.hexdigest()
+    kept = (stored or {}).get("rule_of_files")
+    fresh = "patcher.rules.logits" not in sys.modules
+    if fresh and isinstance(kept, dict) and kept.get("files") == files and isinstance(kept.get("params"), list):
+        params = kept["params"]
+    else:
+        params = [current_rule(d) for d in ("float32", "bfloat16", "float16")]
+        kept = {"files": files, "params": params} if fresh else None
+    h.update(json.dumps(params, sort_keys=True).encode())
+    return h.hexdigest()[:16], {"rule_of_files": kept} if kept else {}
 
 
 def _stamp(path: Path) -> list:
@@ -417,12 +451,9 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     # re-judging a stored check is a pure function of its files and of the rules: remembered per
     # machine (the work dir's cache), keyed by both, so an unchanged report is read, not re-judged
     cache_file = cfg.cache / "report-rejudged.json"
-    digest = _rules_digest()
-    try:
-        seen = json.loads(cache_file.read_text(encoding="utf-8"))
-        if not isinstance(seen, dict) or seen.get("rules") != digest:
-            seen = {}
-    except (OSError, ValueError):
+    seen = _read_cache(cache_file)
+    digest, rule_note = _rules_digest(seen)
+    if seen.get("rules") != digest:
         seen = {}
     known = dict(seen.get("reports") or {})
     fresh: dict[str, list] = {}
@@ -430,7 +461,7 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
     def judged(data: dict, file: str) -> list:
         """[stamps, drift, margin] of one report, from the cache while its files are unchanged."""
         f = Path(file)
-        key = [_stamp(f), _stamp(inputs_path(f)), _stamp(f.with_name(f.stem + "-bisect.json"))]
+        key = _stamps(f)
         hit = known.get(file)
         if isinstance(hit, list) and len(hit) == 3 and hit[0] == key:
             fresh[file] = hit
@@ -449,41 +480,88 @@ def build_report(cfg: Config, lock: Lock) -> list[PinReport]:
         return judged(data, file)[2]
 
     rows = []
-    verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale, margin=margin))
-    perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of)
+    # whether a version satisfies a Drop-When spec: remembered (packaging's parser is most of a
+    # `report` start-up otherwise); a spec it cannot read is never remembered
+    drops: dict[str, bool] = {k: v for k, v in (seen.get("drops") or {}).items() if isinstance(v, bool)}
+
+    def satisfied(spec: str, dist_names: tuple[str, ...], version: str) -> bool:
+        key = json.dumps([spec, sorted(dist_names), version])
+        if key not in drops:
+            drops[key] = drop_when_satisfied(spec, dist_names, version)
+        return drops[key]
+
+    # the verdicts themselves, per file while it is unchanged (same rules: the digest keys the cache)
+    memo = {k: dict(v) for k, v in (seen.get("verdicts") or {}).items() if isinstance(v, dict)}
+    memo.setdefault("check", {})
+    memo.setdefault("perf", {})
+    verdicts = read_verdicts(*cfg.report_roots, of=lambda d, f: verdict_of(d, f, stale=stale, margin=margin),
+                             memo=memo["check"])
+    perfs = read_verdicts(*cfg.report_roots, of=perf_verdict_of, memo=memo["perf"])
+    parse_cache = ParseCache.in_workdir(cfg.workdir)
     for engine in sorted(lock.engines):
-        ad = adapter(engine)
-        dists = (ad.name, *ad.pypi)
+        decl = lock.engine(engine)  # its PyPI names as the project declares them, as `verify` judges Drop-When
         pins = lock.pins_of(engine)
         for i, entry in enumerate(pins):
-            try:
-                stack = load_stack(cfg.patches_root, entry.ref, must_exist=False)
-            except DsadaptError as e:
-                rows.append(PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message))
-                continue
-            current = stack.hash if stack.exists else None
-            names = tuple(e.name for e in stack.entries) if stack.exists else None
-            mine = verdicts.get(str(entry.ref), [])
-            words, last = check_words(mine, current, patches=names)
-            checks, changed = newest_per_config(mine, current, names)
-            p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current, names)
-            statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
-            rows.append(PinReport(
-                str(entry.ref), len(stack), stack.exists, current,
-                dict(sorted(statuses.items())), words, asdict(last) if last else None,
-                drop_candidates(stack, entry, pins[i + 1:], dists), perf=p_words,
-                last_perf=asdict(last_perf) if last_perf else None,
-                checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
-                verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks),
-                current=bool(checks) and not changed, machines=machines(checks),
-                newest=max((v.date for v in checks), default=None)))
-    if fresh != known:
-        with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
-            from patcher.base.fsutil import atomic_write_text
-
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cache_file, json.dumps({"rules": digest, "reports": fresh}, sort_keys=True))
+            rows.append(_pin_row(cfg, entry, pins[i + 1:], (decl.name, *decl.pypi), (verdicts, perfs),
+                                 satisfied, parse_cache))
+    # what a file no longer listed left in the memo goes, as the re-judging cache's entries do
+    listed = {str(f) for root in cfg.report_roots if root.is_dir() for f in root.rglob("*.json")}
+    memo = {k: {f: v for f, v in m.items() if f in listed} for k, m in memo.items()}
+    # a report read from the memo was not re-judged this time: its re-judging entry stays
+    fresh = {**{f: v for f, v in known.items() if f in listed and f in memo["check"]}, **fresh}
+    if not rule_note and seen.get("rule_of_files"):  # stated by a pristine process for today's files: kept
+        rule_note = {"rule_of_files": seen["rule_of_files"]}
+    parse_cache.save()
+    _write_cache(cache_file, seen, {"rules": digest, "reports": fresh, "verdicts": memo, "drops": drops, **rule_note})
     return rows
+
+
+def _read_cache(cache_file: Path) -> dict:
+    """The re-judging cache as last written ({} when absent, unreadable or not an object)."""
+    try:
+        seen = json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return seen if isinstance(seen, dict) else {}
+
+
+def _write_cache(cache_file: Path, seen: dict, new: dict) -> None:
+    """Write the re-judging cache when anything in it changed since `seen` was read."""
+    if all(new.get(k) == seen.get(k) for k in ("rules", "reports", "verdicts", "drops", "rule_of_files")):
+        return
+    with contextlib.suppress(OSError):  # a cache: a read-only work dir only costs the re-judging
+        from patcher.base.fsutil import atomic_write_text
+
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache_file, json.dumps(new, sort_keys=True))
+
+
+def _pin_row(cfg: Config, entry: LockEntry, newer: list[LockEntry], dists: tuple[str, ...],
+             read: tuple[dict[str, list[Verdict]], dict[str, list[Verdict]]], satisfied,
+             parse_cache: ParseCache) -> PinReport:
+    """One pin's row: its stack, its checks' and speed-gate runs' verdicts (`read`: check and perf
+    verdicts by pin) and the patches a newer pin may drop."""
+    verdicts, perfs = read
+    try:
+        stack = load_stack(cfg.patches_root, entry.ref, must_exist=False, cache=parse_cache)
+    except DsadaptError as e:
+        return PinReport(str(entry.ref), 0, True, None, {}, "never checked", error=e.message)
+    current = stack.hash if stack.exists else None
+    names = tuple(e.name for e in stack.entries) if stack.exists else None
+    mine = verdicts.get(str(entry.ref), [])
+    words, last = check_words(mine, current, patches=names)
+    checks, changed = newest_per_config(mine, current, names)
+    p_words, last_perf, perf_rows = perf_words(perfs.get(str(entry.ref), []), current, names)
+    statuses = Counter(p.upstream_status or "(none)" for p in stack.patches)
+    return PinReport(
+        str(entry.ref), len(stack), stack.exists, current,
+        dict(sorted(statuses.items())), words, asdict(last) if last else None,
+        drop_candidates(stack, entry, newer, dists, satisfied), perf=p_words,
+        last_perf=asdict(last_perf) if last_perf else None,
+        checks=[_row(v, cfg.project) for v in checks], perfs=[_row(v, cfg.project) for v in perf_rows],
+        verdict=(last.verdict if last else "never checked"), stale=sum(bool(v.stale) for v in checks),
+        current=bool(checks) and not changed, machines=machines(checks),
+        newest=max((v.date for v in checks), default=None))
 
 # ---------------------------------------------------------------- re-judging stored checks
 #

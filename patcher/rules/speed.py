@@ -25,6 +25,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from patcher.base.errors import UsageError
 
@@ -101,6 +102,8 @@ class Workload:
     rounds: int
     warmup_rounds: int = 1
     max_model_len: int = 256
+    #: requests per run at each level (aligned with `concurrency`); () = every level runs all of `requests()`
+    per_level: tuple[int, ...] = ()
 
     def requests(self) -> list[RequestSpec]:
         """The fixed request list: mixes interleaved round-robin (a, b, c, a, b, c, ...)."""
@@ -111,20 +114,31 @@ class Workload:
                     out.append(RequestSpec(len(out), m.name, m.input_len, m.output_len))
         return out
 
+    def requests_at(self, concurrency: int) -> list[RequestSpec]:
+        """The requests of one run at `concurrency`: the first of the fixed list (the mixes stay
+        interleaved, so every run of a level sends the same ones, as balanced as they go)."""
+        every = self.requests()
+        if not self.per_level:
+            return every
+        return every[:dict(zip(self.concurrency, self.per_level))[concurrency]]
+
     def to_json(self) -> dict:
+        n = len(self.requests())
         return {"mixes": [asdict(m) for m in self.mixes], "concurrency": list(self.concurrency),
                 "rounds": self.rounds, "warmup_rounds": self.warmup_rounds, "max_model_len": self.max_model_len,
-                "requests_per_run": len(self.requests())}
+                "requests_per_run": n,
+                "requests_per_level": {str(c): len(self.requests_at(c)) for c in self.concurrency}}
 
 
-def parse_int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    """'1,4,16' -> (1, 4, 16); positive integers only; None/'' -> None."""
+def parse_int_list(text: str | None, option: str, *, zero: bool = False) -> tuple[int, ...] | None:
+    """'1,4,16' -> (1, 4, 16); positive integers only (`zero`: 0 too, for a caller that says
+    itself why 0 is wrong); None/'' -> None."""
     if text is None or not str(text).strip():
         return None
     out = []
     for part in str(text).split(","):
         part = part.strip()
-        if not part.isdigit() or int(part) <= 0:
+        if not part.isdigit() or (int(part) <= 0 and not zero):
             raise UsageError(f"{option} {text!r}: {part!r} is not a positive integer",
                              hint=f"give a comma list, e.g. {option} 1,4,16")
         out.append(int(part))
@@ -143,35 +157,74 @@ def default_mixes(original_context: int | None, max_model_len: int, requests_per
             Mix("long", long_in, long_out, requests_per_mix))
 
 
+#: Requests per run at concurrency c, by default: `REQUESTS_PER_STREAM` per concurrent stream, at
+#: least `MIN_REQUESTS` -- 16 at concurrency 1 and 4, 64 at 16. A run at concurrency c keeps c
+#: requests in flight (a closed loop), so four per stream make every level a steady state of
+#: several waves rather than one opening burst, whose batching depends on the server's own speed.
+REQUESTS_PER_STREAM = 4
+MIN_REQUESTS = 16
+
+
+def default_requests(concurrency: int) -> int:
+    return max(MIN_REQUESTS, REQUESTS_PER_STREAM * concurrency)
+
+
 def build_workload(*, original_context: int | None, max_model_len: int = 256,
                    input_lens: Sequence[int] | None = None, output_lens: Sequence[int] | None = None,
                    concurrency: Sequence[int] | None = None, rounds: int = DEFAULT_ROUNDS,
-                   requests: int | None = None, warmup_rounds: int = 1) -> Workload:
+                   requests: int | Sequence[int] | None = None, warmup_rounds: int = 1) -> Workload:
     """The workload from the command-line options (validated; UsageError with a hint).
 
-    `requests` is the number of requests per run (default: twice the highest concurrency,
-    at least 12), exactly that many, spread as evenly as they go over the mixes. `input_lens`/`output_lens` replace the
-    default mixes (a single value is used for every mix).
+    `requests` is the number of requests per run: one number for every level, or a sequence with
+    one per concurrency level (in the order of `concurrency`); default `default_requests(c)` at
+    each level. A run sends exactly that many: the first of one fixed list, whose mixes are
+    interleaved and hold as many requests as the largest run needs, spread as evenly as they go.
+    `input_lens`/`output_lens` replace the default mixes (a single value is used for every mix).
     """
     conc = tuple(concurrency or DEFAULT_CONCURRENCY)
+    _check_options(conc, rounds, warmup_rounds, max_model_len)
+    per_level = _requests_per_level(requests, conc)
+    n_mixes = 3 if not (input_lens or output_lens) else max(len(input_lens or ()), len(output_lens or ()))
+    if min(per_level) < n_mixes:
+        raise UsageError(f"--requests {min(per_level)} is fewer than the {n_mixes} prompt/output mixes "
+                         "(each needs a request)", hint=f"use --requests {n_mixes} or more")
+    total = max(per_level)
+    # exactly `total` requests in the list: the first mixes get one more when it does not divide evenly
+    per_mix = [total // n_mixes + (1 if i < total % n_mixes else 0) for i in range(n_mixes)]
+    mixes = _mixes(original_context, max_model_len, input_lens, output_lens, per_mix)
+    stored = () if len(set(per_level)) == 1 else per_level
+    return Workload(mixes, conc, rounds, warmup_rounds, max_model_len, stored)
+
+
+def _check_options(conc: tuple[int, ...], rounds: int, warmup_rounds: int, max_model_len: int) -> None:
     if len(set(conc)) != len(conc):
         raise UsageError(f"--concurrency {','.join(map(str, conc))}: a level is repeated", hint="list each level once")
     if rounds < 2:
         raise UsageError(f"--rounds {rounds}: the confidence interval needs at least 2 rounds",
-                         hint="use --rounds 3 or more (5 is the default)")
+                         hint=f"use --rounds 3 or more ({DEFAULT_ROUNDS} is the default)")
     if warmup_rounds < 0:
         raise UsageError("--warmup must be 0 or more", hint="1 warm-up round is the default")
     if max_model_len < 2:
         raise UsageError(f"--max-model-len {max_model_len} is too small", hint="use 256 for the built-in models")
-    n_mixes = 3 if not (input_lens or output_lens) else max(len(input_lens or ()), len(output_lens or ()))
-    total = requests if requests is not None else max(12, 2 * max(conc))
-    if total < 1:
+
+
+def _requests_per_level(requests: int | Sequence[int] | None, conc: tuple[int, ...]) -> tuple[int, ...]:
+    """Requests per run at each level (aligned with `conc`), from the option's one or per-level values."""
+    if requests is None:
+        return tuple(default_requests(c) for c in conc)
+    given = (requests,) if isinstance(requests, int) else tuple(requests)
+    if len(given) not in (1, len(conc)):
+        raise UsageError(f"--requests has {len(given)} values for {len(conc)} concurrency levels",
+                         hint="give one value for every level (in the order of --concurrency), or one for all")
+    if min(given) < 1:
         raise UsageError("--requests must be positive", hint="e.g. --requests 32")
-    if total < n_mixes:
-        raise UsageError(f"--requests {total} is fewer than the {n_mixes} prompt/output mixes (each needs a request)",
-                         hint=f"use --requests {n_mixes} or more")
-    # exactly `total` requests: the first mixes get one more when it does not divide evenly
-    per_mix = [total // n_mixes + (1 if i < total % n_mixes else 0) for i in range(n_mixes)]
+    return given * len(conc) if len(given) == 1 else given
+
+
+def _mixes(original_context: int | None, max_model_len: int, input_lens: Sequence[int] | None,
+           output_lens: Sequence[int] | None, per_mix: list[int]) -> tuple[Mix, ...]:
+    """The mixes with their request counts: the default three, or the ones --input-len/--output-len
+    name; each checked against the context length."""
     if input_lens or output_lens:
         ins, outs = list(input_lens or ()), list(output_lens or ())
         if ins and outs and len(ins) != len(outs) and 1 not in (len(ins), len(outs)):
@@ -192,7 +245,7 @@ def build_workload(*, original_context: int | None, max_model_len: int = 256,
             raise UsageError(f"mix {m.name}: {m.input_len} prompt + {m.output_len} output tokens exceed "
                              f"--max-model-len {max_model_len}",
                              hint="shorten --input-len/--output-len or raise --max-model-len (within the model's context)")
-    return Workload(mixes, conc, rounds, warmup_rounds, max_model_len)
+    return mixes
 
 
 # ---------------------------------------------------------------- runs
@@ -209,6 +262,9 @@ class RequestRecord:
     latency_s: float
     ok: bool = True
     error: str = ""
+    #: when it was sent, seconds from the run's first request (None: the load tool does not say);
+    #: the spread of the opening burst is in the report (`arrival_spread`)
+    sent_s: float | None = None
 
 
 @dataclass
@@ -442,6 +498,8 @@ def aggregate(runs: Sequence[RunRecord]) -> dict:
     gpu = [r.peak_gpu for r in runs if r.peak_gpu is not None]
     out["peak_rss"] = max(rss) if rss else None
     out["peak_gpu"] = max(gpu) if gpu else None
+    spreads = [x for x in (burst_spread_s(r) for r in runs) if x is not None]
+    out["burst_spread_ms_max"] = round(1000 * max(spreads), 3) if spreads else None
     return out
 
 
@@ -455,6 +513,7 @@ def build_points(runs: Iterable[RunRecord], concurrency: Sequence[int], sides: t
     for r in runs:
         if r.round >= 0:
             by[(r.concurrency, r.round, r.side)] = r
+    boot: dict[str, Any] = {"samples": samples, "level": level, "seed": seed}
     points = []
     for c in concurrency:
         rounds = sorted({rd for (cc, rd, _s) in by if cc == c})
@@ -464,25 +523,37 @@ def build_points(runs: Iterable[RunRecord], concurrency: Sequence[int], sides: t
         a_runs = [by[(c, rd, a_side)] for rd in rounds]
         b_runs = [by[(c, rd, b_side)] for rd in rounds]
         a_per, b_per = [run_metrics(r) for r in a_runs], [run_metrics(r) for r in b_runs]
-        ratios = {m.name: paired_ratio(m.name, [p[m.name] for p in a_per], [p[m.name] for p in b_per],
-                                       samples=samples, level=level, seed=seed)
+        ratios = {m.name: paired_ratio(m.name, [p[m.name] for p in a_per], [p[m.name] for p in b_per], **boot)
                   for m in METRICS}
-        mixes: dict[str, dict] = {}
-        for mix in sorted({q.mix for r in a_runs + b_runs for q in r.requests}):
-            entry: dict = {}
-            per_side: dict[str, list[dict]] = {}
-            for side, side_runs in ((a_side, a_runs), (b_side, b_runs)):
-                per_side[side] = [request_metrics([q for q in r.requests if q.mix == mix]) for r in side_runs]
-                pooled = request_metrics([q for r in side_runs for q in r.requests if q.mix == mix])
-                entry[side] = {k: pooled[k] for k in ("ttft_mean", "tpot_mean", "e2el_p50")}
-            entry["ratios"] = {k: replace(paired_ratio(k, [p[k] for p in per_side[a_side]],
-                                                       [p[k] for p in per_side[b_side]],
-                                                       samples=samples, level=level, seed=seed), gated=False).to_json()
-                               for k in ("ttft_mean", "tpot_mean")}
-            mixes[mix] = entry
         points.append(Point(c, {a_side: aggregate(a_runs), b_side: aggregate(b_runs)},
-                            {a_side: a_per, b_side: b_per}, ratios, mixes))
+                            {a_side: a_per, b_side: b_per}, ratios, _mix_entries(sides, a_runs, b_runs, boot)))
     return points
+
+
+def _mix_entries(sides: tuple[str, str], a_runs: Sequence[RunRecord], b_runs: Sequence[RunRecord],
+                 boot: dict) -> dict[str, dict]:
+    """Per mix: each side's pooled TTFT/TPOT/latency and the paired TTFT and TPOT ratios (never gated)."""
+    a_side, b_side = sides
+    mixes: dict[str, dict] = {}
+    for mix in sorted({q.mix for r in (*a_runs, *b_runs) for q in r.requests}):
+        entry: dict = {}
+        per_side: dict[str, list[dict]] = {}
+        for side, side_runs in ((a_side, a_runs), (b_side, b_runs)):
+            per_side[side] = [request_metrics([q for q in r.requests if q.mix == mix]) for r in side_runs]
+            pooled = request_metrics([q for r in side_runs for q in r.requests if q.mix == mix])
+            entry[side] = {k: pooled[k] for k in ("ttft_mean", "tpot_mean", "e2el_p50")}
+        entry["ratios"] = {k: replace(paired_ratio(k, [p[k] for p in per_side[a_side]],
+                                                   [p[k] for p in per_side[b_side]], **boot), gated=False).to_json()
+                           for k in ("ttft_mean", "tpot_mean")}
+        mixes[mix] = entry
+    return mixes
+
+
+def burst_spread_s(run: RunRecord) -> float | None:
+    """Seconds between the first and the last send of a run's opening burst (its first
+    `concurrency` requests); None when the load tool does not record send times."""
+    sent = sorted(q.sent_s for q in run.requests[:run.concurrency] if q.sent_s is not None)
+    return sent[-1] - sent[0] if len(sent) >= 2 else None
 
 
 # ---------------------------------------------------------------- verdict

@@ -13,16 +13,24 @@ and ``protocol`` the path of the engine's protocol module (``patcher/engines/<en
 stream_protocol.py``, stdlib only): ``request(model, row) -> (path, body)``, ``tokens(event,
 so_far, record) -> (new, total)`` for each server-sent event, and optionally ``summary(records,
 elapsed) -> dict`` (the engine's own metric code over the same timings). First ``wakeup`` copies of the
-first request are sent, untimed (the server is awake when it is measured); then the requests are
-offered all at once and run ``concurrency`` at a time (a thread each); per request it records when the
-response started streaming tokens (TTFT), when it ended (latency) and how many tokens came back.
+first request are sent, untimed (the server is awake when it is measured); then ``concurrency``
+workers (a thread each) send the requests in order, each its next one as soon as its last has
+ended (a closed loop). The first ``concurrency`` requests leave together: every worker connects
+and serializes its first request, then all wait at one barrier and send at once -- a server
+sees the opening burst arrive within about a millisecond, not spread over the time it takes to
+start the threads (a scheduler that admits waiting requests only between decode chunks would
+otherwise batch them by how fast it happens to be). Per request it records when it was sent
+(``sent_s``, from the run's start), when the response started streaming tokens (TTFT), when it
+ended (latency) and how many tokens came back.
 The driver exits at end of input and when its parent process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -47,17 +55,33 @@ def load_protocol(path: str):
 _PROTOCOLS: dict = {}
 
 
-def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
-    """Send one request; (mix, input_len, output_len, ttft_s, latency_s, ok, error, ticks)."""
+def one(url: str, protocol: str, model: str, r: dict, timeout: float, ready: threading.Barrier | None = None,
+        t_run: float | None = None) -> dict:
+    """Send one request; (mix, input_len, output_len, sent_s, ttft_s, latency_s, ok, error, ticks).
+    With `ready`, the connection is made and the body serialized first, then the request waits at
+    that barrier and is sent when every worker of the burst is ready; `t_run`: the run's start
+    (perf_counter), from which `sent_s` counts."""
     u = urllib.parse.urlparse(url)
     proto = load_protocol(protocol)
     path, body = proto.request(model, r)
+    payload = json.dumps(body)
     rec = {"mix": r["mix"], "input_len": int(r["input_len"]), "output_len": 0, "ttft_s": 0.0, "latency_s": 0.0,
            "ok": False, "error": "", "ticks": []}
-    t0 = time.perf_counter()
+    c = HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
     try:
-        c = HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
-        c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        c.connect()
+    except OSError as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[:300]
+    if ready is not None:
+        with contextlib.suppress(threading.BrokenBarrierError):  # a worker of the burst never got ready: send anyway
+            ready.wait(timeout)
+    if rec["error"]:
+        return rec
+    t0 = time.perf_counter()
+    if t_run is not None:
+        rec["sent_s"] = round(t0 - t_run, 6)
+    try:
+        c.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
         resp = c.getresponse()
         if resp.status != 200:
             rec["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
@@ -87,22 +111,60 @@ def one(url: str, protocol: str, model: str, r: dict, timeout: float) -> dict:
             rec["error"] = f"{tokens} tokens streamed, {r['output_len']} asked for"
     except (OSError, ValueError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        c.close()
     return rec
+
+
+def closed_loop(reqs: list, concurrency: int, send) -> tuple[list, float]:
+    """`send(r, ready, t_run) -> record` for every request, `concurrency` at a time: worker k sends
+    request k, all of the first burst together (`ready`, a barrier), then each worker the next
+    unsent request when its last one ended. (records in request order, seconds from the first
+    send of the burst to the end of the last request)."""
+    n = len(reqs)
+    workers = max(1, min(int(concurrency), n))
+    ready = threading.Barrier(workers)
+    records: list = [None] * n
+    nxt = [workers]
+    lock = threading.Lock()
+    t_run = time.perf_counter()
+
+    def work(k: int) -> None:
+        i = k
+        barrier: threading.Barrier | None = ready
+        while i < n:
+            records[i] = send(reqs[i], barrier, t_run)
+            barrier = None
+            with lock:
+                i, nxt[0] = nxt[0], nxt[0] + 1
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = [r["sent_s"] for r in records if r and "sent_s" in r]
+    start = min(sent) if sent else 0.0  # the run starts when the burst leaves, not when threads start
+    for r in records:
+        if r and "sent_s" in r:
+            r["sent_s"] = round(r["sent_s"] - start, 6)
+    return records, time.perf_counter() - t_run - start
 
 
 def run_job(job: dict) -> None:
     with open(job["workload"]) as f:
         reqs = json.load(f)
+    if job.get("num_requests") is not None:  # the run's own share: the first of the workload's requests
+        reqs = reqs[:int(job["num_requests"])]
     timeout = float(job.get("timeout_s", 600))
     wakeup = int(job.get("wakeup") or 0)
     if wakeup and reqs:  # untimed: the first request, `wakeup` times, at the run's concurrency
         with ThreadPoolExecutor(min(wakeup, int(job["concurrency"]))) as pool:
             list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout),
                           [reqs[0]] * wakeup))
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(int(job["concurrency"])) as pool:
-        records = list(pool.map(lambda r: one(job["url"], job["protocol"], job.get("model", ""), r, timeout), reqs))
-    elapsed = time.perf_counter() - t0
+    records, elapsed = closed_loop(reqs, int(job["concurrency"]),
+                                   lambda r, ready, t_run: one(job["url"], job["protocol"], job.get("model", ""), r,
+                                                               timeout, ready, t_run))
     summary = getattr(load_protocol(job["protocol"]), "summary", None)
     tool = {"tool": "dsadapt stream_load", "duration": elapsed, **(summary(records, elapsed) if summary else {})}
     for r in records:

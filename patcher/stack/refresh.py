@@ -19,6 +19,7 @@ from patcher.base.errors import DsadaptError, RefusedToClobber, WorkspaceError
 from patcher.base.fsutil import atomic_write_bytes, remove_file
 from patcher.base.gitutil import Git
 from patcher.formats.lock import Lock
+from patcher.formats.parsecache import ParseCache
 from patcher.formats.patchfile import Patch, parse_patch
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import format_series, stack_dir
@@ -77,9 +78,10 @@ def changed_lines(diff: str) -> list[str]:
 
 
 def export_commits(git: Git, base: str, head: str, empty: list[BranchCommit] | None = None,
-                   branch: str | None = None) -> list[Patch]:
+                   branch: str | None = None, cache: ParseCache | None = None) -> list[Patch]:
     """Commits base..head as normalized Patch objects: one `git format-patch` for all of them. Empty
-    commits (`git commit --allow-empty`: no change to export) are left out and added to `empty`."""
+    commits (`git commit --allow-empty`: no change to export) are left out and added to `empty`
+    (`cache`: the work dir's parse cache, which an unchanged commit's text hits)."""
     commits = branch_commits(git, base, head, branch)
     if empty is not None:
         empty += [c for c in commits if c.empty]
@@ -91,7 +93,8 @@ def export_commits(git: Git, base: str, head: str, empty: list[BranchCommit] | N
     if len(pieces) != len(commits):  # (format-patch leaves out what it finds empty: one at a time)
         pieces = [git.run(*FORMAT_PATCH, "-1", c.commit).out.split(MBOX_FROM, 1)[-1] for c in commits]
     pieces = [with_mode_only_index(git, c.commit, p) for c, p in zip(commits, pieces)]
-    return [parse_patch(MBOX_FROM + p, where=f"commit {c.commit[:12]}") for c, p in zip(commits, pieces)]
+    parse = cache.parse if cache is not None else (lambda text, where: parse_patch(text, where=where))
+    return [parse(MBOX_FROM + p, f"commit {c.commit[:12]}") for c, p in zip(commits, pieces)]
 
 
 _MODE_ONLY = re.compile(r"^diff --git a/(?P<path>[^\n]+?) b/(?P=path)\nold mode (\d+)\nnew mode (\d+)\n(?!index )", re.M)
@@ -256,7 +259,7 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
     cur_series = (d / "series").read_bytes() if (d / "series").is_file() else None
     cur_names = series_names(cur_series)
     empty: list[BranchCommit] = []
-    patches = export_commits(g, base, head, empty, co.branch)
+    patches = export_commits(g, base, head, empty, co.branch, ParseCache.in_workdir(cfg.workdir))
     for c in empty:
         tx.notes.append(f"commit {c.commit[:12]} ({c.subject}) is empty: left out of the stack (a patch must "
                         "change something; the commit stays on the branch)")

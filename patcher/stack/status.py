@@ -14,6 +14,7 @@ from patcher.base.errors import DsadaptError, StackError, VerificationError, Wor
 from patcher.base.gitutil import GitError
 from patcher.base.workdir import lock_holder
 from patcher.formats.lock import Lock, LockEntry
+from patcher.formats.parsecache import ParseCache
 from patcher.formats.stackfiles import Stack, load_stack
 from patcher.stack.checkout import (
     Checkout,
@@ -60,7 +61,8 @@ def checkout_status(cfg: Config, lock: Lock, entry: LockEntry, running: int | No
                         next=f"dsadapt apply {entry.ref}")
     stack_error = None
     try:
-        stack: Stack | None = load_stack(cfg.patches_root, entry.ref, must_exist=False)
+        stack: Stack | None = load_stack(cfg.patches_root, entry.ref, must_exist=False,
+                                          cache=ParseCache.in_workdir(cfg.workdir))
         st.stack_hash = stack.hash if stack else None
     except DsadaptError as e:
         stack, stack_error = None, e.message
@@ -257,4 +259,5 @@ def status_all(cfg: Config, lock: Lock, status_of=None) -> list[CheckoutStatus]:
                 st.detail += (f"; not pinned: a later `dsadapt rebase … --onto {co.ref.tag}` (or `apply`) reuses this "
                               f"checkout as it is; move it away to have it made again")
             out.append(st)
+    ParseCache.in_workdir(cfg.workdir).save()
     return out

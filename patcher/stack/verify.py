@@ -8,6 +8,16 @@ checkout's `.git`, whatever the outcome. The patched `.py` files are compiled on
 blob id: the ids that compiled are remembered in the work dir (`compiled/<python>.txt`), so a
 verify of an unchanged or slightly changed stack compiles only what changed; a missing or
 damaged file of ids only costs the compiles.
+
+What `git apply` made of a stack is remembered too (`verified/<key>.json`): whether a stack
+applies, and the blob ids and modes it leaves, is a function of the base commit, the text `git
+apply` reads, and the git that applies it, so the key is a digest of exactly those (plus this
+module's and the patch parser's source, `apply_key`). A verify of a stack whose patches changed
+only in their messages (a reword) or not at all then runs no `git apply`; every problem is still
+computed from what is here now (names, lint, pre-images). Only a clean apply of a stack that makes
+no symbolic link is remembered, with a checksum; an entry that is missing, damaged, written by
+another version or half-written (it is replaced atomically: a kill leaves the old one or none)
+is a miss, and verify applies the stack as if it had never run -- never another verdict.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, SourceError
 from patcher.base.gitutil import Git
 from patcher.formats.lock import Lock
+from patcher.formats.parsecache import ParseCache
 from patcher.formats.patchfile import ZERO_ID
 from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import (
@@ -40,6 +51,8 @@ from patcher.formats.stackfiles import (
 from patcher.stack.checkout import ensure_checkout, tree_links
 
 CACHE_LIMIT = 200_000  # ids kept in a compile cache file; past that it starts again from the newest half
+APPLIED_KEEP = 64      # remembered applies kept in the work dir (the newest)
+APPLIED_FORMAT = "dsadapt.verified/1"
 
 
 @dataclass
@@ -53,6 +66,7 @@ class VerifyResult:
     compile_s: float = 0.0   # the time those compiles took
     source: str | None = None
     unverifiable: str | None = None  # no source could provide the pinned tree here
+    apply_remembered: bool = False   # what `git apply` made of this exact diff text was known from an earlier run
 
     @property
     def ok(self) -> bool:
@@ -64,13 +78,14 @@ class VerifyResult:
 
 def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Stack | None = None) -> VerifyResult:
     entry = lock.pin(ref)
+    parsed = ParseCache.in_workdir(cfg.workdir)
     if stack is None:
         try:
-            stack = load_stack(cfg.patches_root, ref)
+            stack = load_stack(cfg.patches_root, ref, cache=parsed)
         except DsadaptError as broken:
             return VerifyResult(str(ref), 0, [broken.message])
     res = VerifyResult(str(ref), len(stack))
-    res.problems += lint_stack(stack)
+    res.problems += lint_stack(stack, parsed)
     decl = lock.engine(ref.engine)  # the engine's PyPI names as the project declares them (no adapter loaded)
     allowed = {decl.name, *decl.pypi}
     for e in stack.entries:
@@ -82,6 +97,7 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Sta
         co, _ = ensure_checkout(cfg, lock, entry, progress)
     except SourceError as unreachable:  # lint results stand; applying needs the tree
         res.unverifiable = unreachable.message
+        parsed.save()
         return res
     state = co.load()
     src = state.source or {}
@@ -89,9 +105,19 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Sta
     base = co.base()
     expected, _post, chain = expected_preimages(stack.patches)
     res.problems += chain
-    if src.get("kind") == "pypi":
-        res.problems += [f"pre-image: {m}" for m in
-                         preimage_mismatches(expected, co.git.blobs_at(base, sorted(expected)), stack)]
+    pypi = src.get("kind") == "pypi"
+    key = apply_key(stack, base, pypi)
+    known = recall_apply(cfg, key) if key else None
+    compiled = _read_ids(compile_cache_path(cfg)) if known is not None else set()
+    if known is not None and _compile(cfg, None, stack, _blob_ids(known["changed"]), res, compiled):
+        res.applied, res.apply_remembered = True, True
+        if pypi:
+            res.problems += [f"pre-image: {m}" for m in preimage_mismatches(expected, known["base_blobs"], stack)]
+        parsed.save()
+        return res
+    base_blobs = co.git.blobs_at(base, sorted(expected)) if pypi else {}
+    if pypi:
+        res.problems += [f"pre-image: {m}" for m in preimage_mismatches(expected, base_blobs, stack)]
     with scratch_git(cfg, co.git) as g:
         base_links = tree_links(g, base) if touches_links(stack.patches) else None
         if base_links is not None:  # links the stack makes, moves or retargets, after each patch
@@ -100,12 +126,130 @@ def verify_stack(cfg: Config, lock: Lock, ref: PinRef, progress=None, stack: Sta
         named = any("symbolic link" in p for p in res.problems)
         if res.applied and tree:
             changed = _changed(g, base, tree)  # one diff-tree: new blob ids and modes, as git made them
-            if not named and any(SYMLINK_MODE in modes for modes, _oid in changed.values()):
+            links_made = any(SYMLINK_MODE in modes for modes, _oid in changed.values())
+            if not named and links_made:
                 res.problems += tree_link_problems(tree_links(g, base) if base_links is None else base_links,
                                                    tree_links(g, tree))
-            _compile(cfg, g, stack, {p: oid for p, (modes, oid) in changed.items()
-                                     if oid != ZERO_ID and modes[1] in ("100644", "100755")}, res)
+            _compile(cfg, g, stack, _blob_ids(changed), res)
+            if key and not links_made:
+                remember_apply(cfg, key, {"changed": changed, "base_blobs": base_blobs})
+    parsed.save()  # (after the checkout is known good: a refused input writes nothing)
     return res
+
+
+# ---------------------------------------------------------------- what `git apply` made, remembered
+
+
+def _code_digest() -> bytes:
+    """This module's and the patch parser's source: a change to how verify applies or reads a stack
+    gives every remembered apply another key."""
+    import hashlib
+
+    from patcher.formats import patchfile, stackfiles
+
+    h = hashlib.sha256()
+    for mod in (sys.modules[__name__], patchfile, stackfiles):
+        try:
+            h.update(Path(mod.__file__ or "").read_bytes())
+        except OSError:
+            h.update(os.urandom(16))  # no source to hash: never matches
+    return h.digest()
+
+
+def _git_identity() -> str:
+    """The git that applies (its path, size and mtime: another git may apply differently)."""
+    exe = shutil.which("git") or "git"
+    try:
+        st = os.stat(exe)
+        return f"{os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return exe
+
+
+#: lines of a patch's message part that `git apply` could take for a diff header (it reads the
+#: whole text it is given, message included)
+_HEADERISH = ("diff ", "--- ", "+++ ", "@@ ", "Index: ", "*** ", "GIT binary patch", "Binary files ")
+
+
+def applied_text(text: str) -> str:
+    """Pure: the part of a patch file that decides what `git apply` does with it: everything from
+    the first `diff --git` line, plus the message part whenever a line there looks like a diff
+    header (then the whole file). A reword of a message leaves it unchanged."""
+    at = 0 if text.startswith("diff --git ") else text.find("\ndiff --git ") + 1
+    if at <= 0:
+        return text
+    head = text[:at]
+    if any(line.startswith(_HEADERISH) for line in head.split("\n")):
+        return text
+    return text[at:]
+
+
+def apply_key(stack: Stack, base: str, pypi: bool) -> str | None:
+    """The digest naming what `git apply --cached` of the whole stack onto `base` gives (None: not
+    remembered -- a stack that may touch symbolic links is always applied)."""
+    import hashlib
+
+    if not stack.entries or touches_links(stack.patches):
+        return None
+    h = hashlib.sha256(APPLIED_FORMAT.encode() + b"\0" + _code_digest())
+    h.update(f"{_git_identity()}\0{base}\0{int(pypi)}\0".encode())
+    for e in stack.entries:
+        body = applied_text(e.text if e.text.endswith("\n") else e.text + "\n").encode("utf-8", "surrogateescape")
+        h.update(len(body).to_bytes(8, "big") + body)
+    return h.hexdigest()
+
+
+def _applied_dir(cfg: Config) -> Path:
+    return cfg.workdir / "verified"
+
+
+def _entry_digest(value: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def recall_apply(cfg: Config, key: str) -> dict | None:
+    """The remembered outcome of a clean apply ({"changed", "base_blobs"}), or None (unknown, or an
+    entry that does not check out: never trusted)."""
+    import json
+
+    try:
+        doc = json.loads((_applied_dir(cfg) / f"{key}.json").read_text(encoding="utf-8"))
+        value = doc["value"]
+        if doc.get("format") != APPLIED_FORMAT or doc.get("key") != key or doc.get("sha256") != _entry_digest(value):
+            return None
+        changed = {str(p): ((str(m[0][0]), str(m[0][1])), str(m[1])) for p, m in value["changed"].items()}
+        blobs = {str(p): (None if o is None else str(o)) for p, o in value["base_blobs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return {"changed": changed, "base_blobs": blobs}
+
+
+def remember_apply(cfg: Config, key: str, value: dict) -> None:
+    """Keep a clean apply's outcome (atomically: a kill leaves the old entry or none; concurrent
+    writers of one key write the same thing). Only the newest `APPLIED_KEEP` entries stay."""
+    import json
+
+    d = _applied_dir(cfg)
+    plain = json.loads(json.dumps(value))
+    doc = {"format": APPLIED_FORMAT, "key": key, "value": plain, "sha256": _entry_digest(plain)}
+    tmp = d / f".{key}.json.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, d / f"{key}.json")
+        entries = sorted(d.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
+        for old in entries[:-APPLIED_KEEP]:
+            old.unlink(missing_ok=True)
+    except OSError:  # a memory that cannot be written only costs the apply next time
+        tmp.unlink(missing_ok=True)
+
+
+def _blob_ids(changed: dict[str, tuple[tuple[str, str], str]]) -> dict[str, str]:
+    """{path: new blob id} of the regular files the stack changed (deleted ones left out)."""
+    return {p: oid for p, (modes, oid) in changed.items() if oid != ZERO_ID and modes[1] in ("100644", "100755")}
 
 
 class scratch_git:
@@ -199,16 +343,21 @@ def _remember(path: Path, known: set[str], new: list[str]) -> None:
         pass  # a cache that cannot be written only costs the compiles next time
 
 
-def _compile(cfg: Config, g: Git, stack: Stack, blobs_of: dict[str, str], res: VerifyResult) -> None:
+def _compile(cfg: Config, g: Git | None, stack: Stack, blobs_of: dict[str, str], res: VerifyResult,
+             known: set[str] | None = None) -> bool:
     """Compile every patched .py file of the result tree (`blobs_of`: path -> blob id of what the
-    stack changed), skipping blob ids that compiled before."""
+    stack changed), skipping blob ids that compiled before (`known`: those ids, read from the work
+    dir when not given). Without `g` (no tree to read blobs from) nothing is compiled: False, and
+    `res` untouched, when some blob would need it."""
     owner = {f.new_path: e.name for e in stack.entries for f in e.patch.files if f.new_path}
     ids = {p: oid for p, oid in blobs_of.items() if p.endswith(".py") and p in owner}
     cache = compile_cache_path(cfg)
-    known = _read_ids(cache)
+    known = _read_ids(cache) if known is None else known
     todo = sorted({oid for oid in ids.values() if oid not in known})
+    if g is None and todo:
+        return False
     t0 = time.perf_counter()
-    blobs = g.cat_blobs(todo)
+    blobs = g.cat_blobs(todo) if g is not None else {}
     good: set[str] = set()
     bad: dict[str, SyntaxError] = {}
     for oid in todo:
@@ -229,6 +378,7 @@ def _compile(cfg: Config, g: Git, stack: Stack, blobs_of: dict[str, str], res: V
     res.compiled_now = len(good) + len(bad)
     res.compile_s = round(time.perf_counter() - t0, 3)
     _remember(cache, known, sorted(good))
+    return True
 
 
 def verify_pins(cfg: Config, lock: Lock, refs: list[PinRef], *, fetch: bool = False,
@@ -244,8 +394,10 @@ def verify_pins(cfg: Config, lock: Lock, refs: list[PinRef], *, fetch: bool = Fa
             results.append(verify_stack(cfg, lock, ref, progress))
             continue
         try:  # lint only: the pinned tree is not here, and fetching it is what --fetch is for
-            stack = load_stack(cfg.patches_root, ref)
-            res = VerifyResult(str(ref), len(stack), lint_stack(stack))
+            parsed = ParseCache.in_workdir(cfg.workdir)
+            stack = load_stack(cfg.patches_root, ref, cache=parsed)
+            res = VerifyResult(str(ref), len(stack), lint_stack(stack, parsed))
+            parsed.save()
         except Exception as broken:  # noqa: BLE001 - a broken stack is its result
             res = VerifyResult(str(ref), 0, [getattr(broken, "message", str(broken))])
         res.unverifiable = (f"no checkout of its pinned tree here (`dsadapt verify {ref}` or `dsadapt verify "

@@ -408,23 +408,26 @@ def source_blocker(cfg: Config, decl: EngineDecl, entry: LockEntry, probe_timeou
     cache = cfg.cache / "git" / f"{decl.name}.git"
     if (cache / "refs" / "dsadapt" / "fetched" / entry.tag).is_file():
         return None
-    reasons = []
-    for kind in cfg.sources:
+    reasons: dict[str, str] = {}
+    # whether ANY source can provide the tree does not depend on the order they are tried in: the
+    # local answers first, so a remote is probed only when nothing here can provide the tree
+    for kind in sorted(cfg.sources, key=lambda k: k == "git"):
         if kind == "pypi":
             if entry.source_artifact() is not None:
                 return None
-            reasons.append("pypi: no release artifact in the lock")
+            reasons[kind] = "pypi: no release artifact in the lock"
         elif kind == "mirror":
             if any(m.exists() for m in cfg.mirrors.get(decl.name, ())):
                 return None
-            reasons.append("mirror: none configured")
+            reasons[kind] = "mirror: none configured"
         elif kind == "git" and decl.git:
             try:
                 git_remote_tags(decl.git, probe_timeout)
                 return None
             except (Unreachable, subprocess.TimeoutExpired, OSError, DsadaptError):
-                reasons.append(f"git: {decl.git} unreachable")
-    return "no source here for its tree (" + "; ".join(reasons) + ")" if reasons else "no source configured"
+                reasons[kind] = f"git: {decl.git} unreachable"
+    said = [reasons[k] for k in cfg.sources if k in reasons]  # in the order the sources are tried
+    return "no source here for its tree (" + "; ".join(said) + ")" if said else "no source configured"
 
 
 # ---------------------------------------------------------------- PyPI index (for pin and tags)

@@ -120,7 +120,7 @@ def test_stack_ops_bench_measures_dsadapt_next_to_raw_git_and_keeps_the_builds_s
     assert r.rc == 0, r
     rows = r.json()["stack_ops"]
     by = {(x["op"], x["n"]): x for x in rows}
-    for op in ("apply", "verify", "verify cold", "refresh"):
+    for op in ("apply", "verify", "verify, diff changed", "verify cold", "refresh"):
         for n in (1, 3):
             row = by[(op, n)]
             assert row["dsadapt_s"] > 0 and row["anchor_s"] > 0 and row["ratio"] > 0, row
@@ -152,7 +152,7 @@ def test_startup_bench_times_commands_next_to_the_anchor_and_the_warm_build(proj
         if row["what"] == "start-up":
             assert row["anchor_s"] > 0 and row["ratio"] == round(row["wall_s"] / row["anchor_s"], 2) and row["own_s"] > 0
             assert len(row["runs_s"]) == len(row["anchor_runs_s"]) == 5
-            assert row["met"] == (row["wall_s"] <= 0.12 and row["ratio"] <= 4)
+            assert row["met"] == (row["wall_s"] <= 0.12 and max(row["ratio"], row["own_ratio"]) <= 4)
     assert rows[f"dsadapt build {REF1} --variant cpu"]["met"] == (rows[f"dsadapt build {REF1} --variant cpu"]["wall_s"] <= 1)
     md = out.read_text()
     assert "## Start-up and warm build" in md and "| start-up | dsadapt tags vllm |" in md

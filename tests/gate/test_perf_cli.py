@@ -211,6 +211,32 @@ def test_each_run_is_one_progress_line_and_runs_send_exactly_the_requests_asked(
     assert rep["provenance"]["went_first"] == {"2": {"patched": 1, "unpatched": 1}}
 
 
+@needs_cpu_only
+def test_requests_per_level_each_level_runs_its_own_number(proj, model_dir, fake_engine):
+    rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), "--concurrency", "1,3", "--rounds", "2",
+                            "--requests", "3,6", "--warmup", "0")
+    assert rc in (0, 1), err
+    rep = json.loads(proj.report().read_text())
+    assert {r["concurrency"]: len(r["requests"]) for r in rep["runs"]} == {1: 3, 3: 6}
+    assert rep["workload"]["requests_per_level"] == {"1": 3, "3": 6}
+    rc, out, err = proj.run("perf", PIN, "--model", str(model_dir), "--concurrency", "1,3", "--requests", "3,6,9")
+    assert rc == 2 and "3 values for 2 concurrency levels" in err
+
+
+def test_a_server_inherits_no_tuning_variable_of_its_engine_or_of_openmp(monkeypatch):
+    """The engine's own prefixes (Engine.env_prefixes) and OpenMP's are dropped from what a server
+    inherits; the recipe's settings are what it gets."""
+    from patcher.engines.registry import engine
+    from patcher.gate.perf import _env
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    monkeypatch.setenv("DSADAPT_KEEP", "1")
+    env = _env({"OMP_NUM_THREADS": "1"}, engine("vllm").env_prefixes)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["OMP_NUM_THREADS"] == "1" and env["DSADAPT_KEEP"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" in _env({}, engine("lmdeploy").env_prefixes)  # not LMDeploy's to drop
+
+
 def test_the_perf_plot_labels_every_panel_and_says_which_way_each_ratio_points(tmp_path, monkeypatch):
     """Every panel has a title and axis labels, every drawn series a legend entry, and each gated
     ratio's entry says which side is divided by which (< 1 always means the first side is slower)."""

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from patcher.base.procs import group_members, start_guarded
-from patcher.gate.perf import PerfRunError, ServerFailed, measure
+from patcher.gate.perf import MeasureSetup, PerfRunError, ServerFailed, measure
 from patcher.rules import speed as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,11 +46,12 @@ def groups():
     assert not leftover, f"processes left behind: {leftover}"
 
 
-def _measure(tmp_path, groups, speeds, recipe_cls=perf_fake.FakeRecipe, **kw):
+def _measure(tmp_path, groups, speeds, recipe_cls=perf_fake.FakeRecipe, progress=None, **kw):
     recipe = recipe_cls(speeds, stall=kw.pop("stall", False))
+    workload = kw.pop("workload", perf_fake.small_workload())
     return measure(recipe, {"patched": Path("A"), "unpatched": Path("B")}, perf_fake.settings(tmp_path),
-                   kw.pop("workload", perf_fake.small_workload()), tmp_path / "work",
-                   on_servers=lambda s: groups.extend(x.proc.pgid for x in s.values()), **kw)
+                   workload, tmp_path / "work", MeasureSetup(**kw), progress=progress,
+                   on_servers=lambda s: groups.extend(x.proc.pgid for x in s.values()))
 
 
 class DeadDriver(perf_fake.FakeRecipe):

@@ -132,7 +132,7 @@ def _perf(proj: Proj, name: str, verdict: str, date: str, rounds: int) -> None:
     mixes = [{"name": n, "input_len": 16, "output_len": 16, "requests": 11} for n in ("short", "medium", "long")]
     doc = {"schema": "dsadapt.perf-report/1", "pin": PIN, "variant": "cpu", "model": "v3", "config_style": "deepseek",
            "dtype": "float32", "verdict": verdict, "mode": "patched-vs-unpatched", "threshold": 0.95,
-           "workload": {"concurrency": [1, 4, 16], "mixes": mixes, "requests_per_run": 33, "rounds": rounds,
+           "workload": {"concurrency": [1, 4, 16], "mixes": mixes, "requests_per_run": 64, "rounds": rounds,
                         "warmup_rounds": 1, "max_model_len": 256},
            "provenance": {"date": date, "device": "CPU x (2 cores)", "stack_hash": HASH}}
     (proj.reports / name).write_text(json.dumps(doc))

@@ -20,13 +20,8 @@ MAX_PARAMETERS = 10
 MAX_COMMAND_LINES = 60
 MAX_COMPLEXITY = 30  # radon's D ends at 30; E starts at 31
 
-#: (measure, "path:qualified name") -> today's number. Parameters: run_perf and measure are the
-#: speed gate's (its own request objects are under way); complexity: the functions named here.
+#: (measure, "path:qualified name") -> today's number (complexity: radon's cyclomatic complexity).
 KNOWN: dict[tuple[str, str], int] = {
-    ("parameters", "patcher/gate/perf.py:run_perf"): 23,
-    ("parameters", "patcher/gate/perf.py:measure"): 12,
-    ("complexity", "patcher/rules/speed.py:build_workload"): 32,
-    ("complexity", "patcher/rules/speed.py:build_points"): 31,
     ("complexity", "patcher/stack/refresh.py:refresh_stack"): 40,
     ("complexity", "patcher/stack/apply.py:apply_stack"): 38,
     ("complexity", "patcher/stack/transaction.py:Transaction.abort"): 33,

@@ -220,6 +220,20 @@ def test_a_run_sends_exactly_the_requests_asked_for(requests, per_mix):
     assert [m.requests for m in w.mixes] == per_mix
 
 
+def test_requests_per_level_send_the_first_of_one_fixed_list_at_each_level():
+    w = P.build_workload(original_context=64, concurrency=(1, 16), requests=(6, 32))
+    assert len(w.requests()) == 32 and [len(w.requests_at(c)) for c in (1, 16)] == [6, 32]
+    assert w.requests_at(1) == w.requests()[:6]
+    assert [r.mix for r in w.requests_at(1)] == ["short", "medium", "long"] * 2  # still interleaved
+    assert w.to_json()["requests_per_level"] == {"1": 6, "16": 32}
+    one = P.build_workload(original_context=64, concurrency=(1, 16), requests=(12,))
+    assert one.per_level == () and [len(one.requests_at(c)) for c in (1, 16)] == [12, 12]
+    with pytest.raises(UsageError, match="2 values for 3 concurrency levels"):
+        P.build_workload(original_context=64, concurrency=(1, 4, 16), requests=(6, 32))
+    with pytest.raises(UsageError, match="fewer than the 3"):
+        P.build_workload(original_context=64, concurrency=(1, 16), requests=(2, 32))
+
+
 def test_fewer_requests_than_mixes_is_refused():
     with pytest.raises(UsageError, match="fewer than the 3 prompt/output mixes"):
         P.build_workload(original_context=64, requests=2)

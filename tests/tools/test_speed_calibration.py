@@ -82,6 +82,27 @@ def test_the_plant_is_a_fixed_number_of_products_per_layer_and_step_and_changes_
         assert all(tuple(s) == (64, 64) for s in calls)
 
 
+def test_a_planted_table_sets_the_products_by_the_steps_token_count(monkeypatch):
+    """"1:10,16:40": 10 products for a step of one token, 40 for 16, straight lines between and the
+    nearest end outside (a 40-token prefill pays as a 16-sequence step); a tensor of (1, tokens,
+    hidden), as LMDeploy passes it, counts its tokens the same way."""
+    torch = pytest.importorskip("torch")
+    text = _tool("plant_decode_work").plant(ENGINE_FILE)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(1) or real_mm(a, b))
+    monkeypatch.setenv("DSADAPT_PLANTED_MATMULS", "16:40,1:10")  # any order
+    ns: dict = {}
+    exec(compile(text, "deepseek_v2.py", "exec"), ns)
+    layer = ns["DeepseekV2DecoderLayer"]()
+    for shape, expected in (((1, 16), 10), ((2, 16), 12), ((8, 16), 24), ((16, 16), 40), ((40, 16), 40),
+                            ((1, 8, 16), 24)):
+        calls.clear()
+        h = torch.randn(*shape)
+        assert torch.equal(layer(None, h), h * 2)
+        assert len(calls) == expected, shape
+
+
 def test_the_plant_refuses_a_file_without_the_decoder_layer():
     plant = _tool("plant_decode_work").plant
     with pytest.raises(ValueError, match="no class DeepseekV2DecoderLayer"):
@@ -121,8 +142,12 @@ def test_the_summary_counts_coverage_detections_and_the_smallest_slowdown(tmp_pa
     (tmp_path / "not-a-report.json").write_text("{}")
     text, data = cal.summarize(cal.load([tmp_path]))
     assert data["aa"]["runs"] == 4 and data["aa"]["all_contain_one"] == 4
-    assert data["planted"] == {"runs": 4, "failed": 4, "slowdown": data["planted"]["slowdown"]}
+    assert data["planted"] == {"runs": 4, "failed": 4, "slowdown": data["planted"]["slowdown"],
+                               "flagged": data["planted"]["flagged"]}
+    assert data["planted"]["flagged"]["1"]["runs"] == 4 and data["planted"]["flagged"]["4"]["runs"] == 4
+    assert data["aa"]["per_level"]["1"]["all_contain_one"] == 4
     assert data["planted"]["slowdown"]["1"]["output_throughput"] == pytest.approx(0.15, abs=0.02)
     small = data["smallest_detected"]["1"]
     assert 0.05 < min(small.values()) < 0.1  # threshold 0.95 and a few % of noise: 6-8 %
     assert "**4 of 4** A/A runs" in text and "**4 of 4** planted runs" in text
+    assert "- concurrency 4: flagged in **4 of 4** planted runs" in text

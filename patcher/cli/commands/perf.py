@@ -26,7 +26,7 @@ from patcher.cli.commands.common import (
     to_parallel,
     to_ref,
 )
-from patcher.rules.speed import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, build_workload, parse_int_list
+from patcher.rules.speed import DEFAULT_ROUNDS, DEFAULT_THRESHOLD, METRICS, parse_int_list
 
 
 def _f(x, spec: str) -> str:
@@ -79,7 +79,9 @@ def render(res) -> None:
 @click.option("--input-len", default=None, help="Prompt lengths, a comma list (one mix each; default: 3 built-in "
                                                  "mixes, one past YaRN's original context).")
 @click.option("--output-len", default=None, help="Output lengths, a comma list matching --input-len.")
-@click.option("--requests", type=int, default=None, help="Requests per run (default: 2x the highest concurrency, >= 12).")
+@click.option("--requests", default=None, metavar="N[,N...]",
+              help="Requests per run (default at each level: 4 per concurrent stream, at least 16); a comma "
+                   "list gives one per concurrency level (e.g. 16,64 with --concurrency 1,16).")
 @click.option("--rounds", type=int, default=DEFAULT_ROUNDS, show_default=True, help="Measured rounds per side and level.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Warm-up rounds (not measured).")
 @click.option("--max-model-len", type=int, default=256, show_default=True, help="Context length both servers get.")
@@ -108,19 +110,33 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     confidence intervals. It fails when a gated ratio (tokens/s, TTFT, TPOT) is below the
     threshold with its whole interval.
     """
-    from patcher.gate.perf import check_threshold, parse_cpus, perf_or_raise, preflight, rescore, run_perf
-    from patcher.gate.plan import check_split, choose_model
+    from patcher.gate.perf import perf_or_raise, rescore, run_perf
 
     if rescore_path is not None:
         given = click.get_current_context().get_parameter_source("threshold") != click.core.ParameterSource.DEFAULT
         res = rescore(rescore_path, threshold if given else None, pin=str(to_ref(pin)) if pin else None)
-        if as_json:
-            emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
-        else:
-            render(res)
-        report_ci(res, junit)
-        perf_or_raise(res)
-        return
+    else:
+        req = perf_request(ctx, pin, variant=variant, model=model, config_style=config_style, dtype=dtype,
+                           concurrency=concurrency, input_len=input_len, output_len=output_len, requests=requests,
+                           rounds=rounds, warmup=warmup, max_model_len=max_model_len, threshold=threshold, aa=aa,
+                           cpus=cpus, time_limit=time_limit, tp=tp, ep=ep)
+        with workdir_lock(ctx.cfg):
+            res = run_perf(ctx.cfg, ctx.lock, req, progress=progress_printer(), stream=not as_json)
+    if as_json:
+        emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
+    else:
+        render(res)
+    report_ci(res, junit)
+    perf_or_raise(res)
+
+
+def perf_request(ctx: Context, pin, *, variant, model, config_style, dtype, concurrency, input_len, output_len,
+                 requests, rounds, warmup, max_model_len, threshold, aa, cpus, time_limit, tp, ep):
+    """The command line as a PerfRequest, every check that needs no engine made first (bad input
+    exits 2, a pin that cannot run here 6, before anything is created)."""
+    from patcher.gate.perf import PerfRequest, check_threshold, parse_cpus, preflight
+    from patcher.gate.plan import check_split, choose_model
+
     if not pin:
         raise UsageError("name one ENGINE@TAG (or --rescore REPORT)", hint="e.g. dsadapt perf vllm@v0.32.0")
     ref = to_ref(pin)
@@ -129,31 +145,20 @@ def perf_cmd(ctx: Context, pin, variant, model, config_style, dtype, concurrency
     check_threshold(threshold)
     if time_limit <= 0:
         raise UsageError(f"--time-limit {time_limit:g} must be positive", hint="seconds, e.g. --time-limit 1800")
-    conc = parse_int_list(concurrency, "--concurrency")
-    ins = parse_int_list(input_len, "--input-len")
-    outs = parse_int_list(output_len, "--output-len")
-    cpu_list = parse_cpus(cpus)
-    parallel = to_parallel(tp, ep)
-    check_split(choice, parallel)
-    # the workload's own checks (lengths, rounds, requests), before anything is made
-    build_workload(original_context=None, max_model_len=max_model_len, input_lens=ins, output_lens=outs,
-                   concurrency=conc, rounds=rounds, requests=requests, warmup_rounds=warmup)
+    reqs = parse_int_list(requests, "--requests", zero=True)  # 0: the workload says why not
+    req = PerfRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
+                      concurrency=parse_int_list(concurrency, "--concurrency"),
+                      input_lens=parse_int_list(input_len, "--input-len"),
+                      output_lens=parse_int_list(output_len, "--output-len"), rounds=rounds,
+                      requests=reqs[0] if reqs and len(reqs) == 1 else reqs, warmup_rounds=warmup,
+                      max_model_len=max_model_len, threshold=threshold, aa=aa, cpus=parse_cpus(cpus),
+                      time_limit_s=time_limit, parallel=to_parallel(tp, ep),
+                      command="dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None)
+    check_split(choice, req.parallel)
+    req.workload(None)  # the workload's own checks (lengths, rounds, requests), before anything is made
     # unknown pin/variant, cannot run here (in this parallel configuration), no recipe: before anything is made
-    preflight(ctx.lock, ref, variant, dtype, parallel=parallel, cpus=cpu_list)
-    command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    progress = progress_printer()
-    with workdir_lock(ctx.cfg):
-        res = run_perf(ctx.cfg, ctx.lock, ref, model=model, config_style=config_style, dtype=dtype, variant=variant,
-                       concurrency=conc, input_lens=ins, output_lens=outs, rounds=rounds, requests=requests,
-                       warmup_rounds=warmup, max_model_len=max_model_len, threshold=threshold, aa=aa, cpus=cpu_list,
-                       time_limit_s=time_limit, progress=progress, stream=not as_json, command=command,
-                       parallel=parallel)
-    if as_json:
-        emit_json({k: v for k, v in res.to_json().items() if k != "runs"}, schema="dsadapt.perf-report/1")
-    else:
-        render(res)
-    report_ci(res, junit)
-    perf_or_raise(res)
+    preflight(ctx.lock, ref, variant, dtype, parallel=req.parallel, cpus=req.cpus)
+    return req
 
 
 def report_ci(res, junit) -> None:

