@@ -2,7 +2,7 @@
 
 HF transformers (the gate's reference environment) runs the gate's own prompts through the
 checkpoint in float32 and in each low-precision dtype the gate would judge it in
-(patcher/runners/structure_probe.py, through hf_reference.py's ``--inspect`` mode); each property
+(patcher/runners/activation_stats.py, through hf_reference.py's ``--inspect`` mode); each property
 is then held to its target (`patcher.checkpoints.structure.judge_structure`). Cached by the
 checkpoint's fingerprint, the prompts, the dtypes, the device and the scripts, like the reference.
 """
@@ -62,7 +62,7 @@ def inspect_model(cfg: Config, model_dir: Path, dtypes: list[str] | None = None,
     fp = fingerprint(ckpt, cfg.cache, progress).sha256
     prompts = prompts_to_json(build_prompt_set(model_dir))
     script = REFERENCE_RUNNER.script
-    probe = script.parent / "structure_probe.py"
+    probe = script.parent / "activation_stats.py"
     key = hashlib.sha256(json.dumps({
         "model": fp, "prompts": prompts, "dtypes": dtypes, "device": device, "transformers": REFERENCE_TRANSFORMERS,
         "runner": hashlib.sha256(script.read_bytes()).hexdigest(),

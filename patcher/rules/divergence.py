@@ -137,3 +137,16 @@ class ModuleVerdict:
         kw.setdefault("passed", None)
         kw.setdefault("rule", None)
         return cls(**kw)
+
+
+#: The largest ratio (error / the reference's own) correct stacks reach per low-precision dtype,
+#: measured (docs/equivalence.md, "Margins"): above it a point has risen over the controls even
+#: within its limit, and `explain` says the difference is inside the forward.
+CONTROL_RATIOS = {"bfloat16": 1.3, "float16": 1.3, "fp8": 1.1}
+
+
+def control_ratio(dtype: str) -> float | None:
+    """`CONTROL_RATIOS` of a low-precision dtype (an unlisted one: bfloat16's); None for float32/64."""
+    if dtype in ("float32", "float64") or not dtype:
+        return None
+    return CONTROL_RATIOS.get(dtype, CONTROL_RATIOS["bfloat16"])

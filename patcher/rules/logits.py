@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from patcher.base.errors import DsadaptError, number, plural
-from patcher.rules.divergence import ModuleVerdict
+from patcher.rules.divergence import ModuleVerdict, control_ratio
 from patcher.rules.prompts import rope_original_max
 
 SCHEMA = "dsadapt.logit-report/1"
@@ -734,11 +734,9 @@ def explain(comparison: Comparison, config: dict, bisect: ModuleVerdict | None =
 
 def raised_module(bisect: ModuleVerdict) -> str | None:
     """The line for a per-module comparison that passed although its closest point sits above what
-    correct engines reach in that dtype (`patcher.rules.modules.control_ratio`): the difference is
+    correct engines reach in that dtype (`patcher.rules.divergence.control_ratio`): the difference is
     then inside the forward, at or before that module, below the per-module limit; None when every
     point is where correct engines are (or the comparison is float32's)."""
-    from patcher.rules.modules import control_ratio
-
     m = bisect.margin or {}
     ratio, dtype = m.get("ratio"), bisect.dtype or ""
     control = control_ratio(dtype)

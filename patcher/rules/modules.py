@@ -655,19 +655,6 @@ def _pair(eng_doc, ref_doc, key, prompts, rows_of=None):
     return _align(eng_doc, e, ref_doc, r, prompts)
 
 
-#: The largest ratio (error / the reference's own) correct stacks reach per low-precision dtype,
-#: measured (docs/equivalence.md, "Margins"): above it a point has risen over the controls even
-#: within its limit, and `explain` says the difference is inside the forward.
-CONTROL_RATIOS = {"bfloat16": 1.3, "float16": 1.3, "fp8": 1.1}
-
-
-def control_ratio(dtype: str) -> float | None:
-    """`CONTROL_RATIOS` of a low-precision dtype (an unlisted one: bfloat16's); None for float32/64."""
-    if dtype in STRICT_DTYPES or not dtype:
-        return None
-    return CONTROL_RATIOS.get(dtype, CONTROL_RATIOS["bfloat16"])
-
-
 def low_precision_rule(dtype: str) -> LowPrecisionPointRule:
     """The per-module rule of a low-precision dtype (an unlisted one: bfloat16's, the coarsest)."""
     return LOW_PRECISION_POINT_RULES.get(dtype, LOW_PRECISION_POINT_RULES["bfloat16"])

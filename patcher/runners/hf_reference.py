@@ -56,7 +56,7 @@ def parse_args(argv=None):
     ap.add_argument("--capture-dtypes", default="float32",
                     help="comma-separated dtypes to capture in (the first is the reference, the others noise yardsticks)")
     ap.add_argument("--inspect", default=None,
-                    help="model-inspect mode: measure the activations' structure (structure_probe.py) into this JSON file")
+                    help="model-inspect mode: measure the activations' structure (activation_stats.py) into this JSON file")
     ap.add_argument("--inspect-dtypes", default="",
                     help="comma-separated low-precision dtypes whose routing and top-1 are compared with float32")
     args = ap.parse_args(argv)
@@ -551,11 +551,11 @@ def capture_main(args) -> int:
 
 
 def inspect_main(args) -> int:
-    """Model-inspect mode: the structure of the checkpoint's activations (structure_probe.py) on the
+    """Model-inspect mode: the structure of the checkpoint's activations (activation_stats.py) on the
     given prompts, float32 and each of --inspect-dtypes; writes one JSON document."""
     import torch
     import transformers
-    from structure_probe import inspect
+    from activation_stats import inspect
 
     sequences = [list(p["token_ids"]) for p in kit.load_prompts(args.prompts)]
     dtypes = [d for d in args.inspect_dtypes.split(",") if d]

@@ -522,8 +522,7 @@ def test_explain_never_calls_a_raised_module_outside_the_forward(dtype, ratio):
     """The logits fail, every module passes, but the closest point has risen over what correct
     engines reach (an FP8 bug that doubles the error below a looser limit did this): the
     explanation names that point as inside the forward, never the sampler."""
-    from patcher.rules.divergence import ModuleVerdict
-    from patcher.rules.modules import control_ratio
+    from patcher.rules.divergence import ModuleVerdict, control_ratio
 
     assert ratio > control_ratio(dtype)
     bis = ModuleVerdict(passed=True, rule="low-precision", dtype=dtype, compared=47, margin={
