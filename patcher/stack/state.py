@@ -4,7 +4,7 @@ and the record of the operation in progress (plain data, pure; the transaction w
 State files of earlier versions are read and migrated here, once, into the current schema: an op
 recorded by schema 1 becomes an op in phase `Phase.LEGACY`, which the transaction can only abort.
 A record that does not have the shape of a state (truncated, half written, hand-edited) raises
-ValueError; the checkout then rebuilds it from git (stack/rebuild.py).
+ValueError; the checkout then rebuilds it from git (stack/record.py).
 """
 
 from __future__ import annotations

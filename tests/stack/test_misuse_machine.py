@@ -13,7 +13,7 @@ branch, as the hints say): never a git command of the user's ("manual").
 
 MISUSE_MACHINE_EXAMPLES / MISUSE_MACHINE_STEPS bound the run; the CI profile (HYPOTHESIS_PROFILE=ci)
 (misuse_support) is derandomized. MISUSE_SHRINK=1 shrinks a failing sequence (minutes). MISUSE_SUMMARY=<file>
-appends the tally as one JSON line.
+appends the tally as one JSON line; MISUSE_LOG=<file> every sequence's steps.
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ class Checkout(RuleBasedStateMachine):
             self._drive_to_done()
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if os.environ.get("MISUSE_LOG"):  # every sequence, one line each (what the tally counts)
+                with open(os.environ["MISUSE_LOG"], "a") as f:
+                    f.write("machine: " + " | ".join(self.log) + "\n")
 
     # ------------------------------------------------------------ judging
 
@@ -150,20 +153,28 @@ class Checkout(RuleBasedStateMachine):
     def applied(self) -> None:
         assert self.p.run("apply", REF1).rc == 0
 
-    @rule(cmd=st.sampled_from(COMMANDS))
-    def dsadapt(self, cmd: str) -> None:
+    @rule(cmd=st.sampled_from(COMMANDS), follow=st.one_of(st.none(), st.integers(0, 3)))
+    def dsadapt(self, cmd: str, follow: int | None) -> None:
+        """A dsadapt command; when it refuses, the user mostly does what its hint says, right away
+        and literally (`follow` picks one of its alternatives; None: the user does something else)."""
         TALLY["steps"] += 1
         TALLY["dsadapt"] += 1
         argv = cmd.split()
         argv.insert(1, REF1)
+        self.hint = ""
         self._judged(cmd, lambda: self.p.run(*argv), locked_out=self._locked_out())
+        if follow is not None and self.hint:
+            self._follow_hint(follow)
 
-    @rule(cmd=st.sampled_from(COMMANDS), at=st.integers(1, 45))
+    @rule(cmd=st.sampled_from(COMMANDS), at=st.integers(1, 24))
     def killed(self, cmd: str, at: int) -> None:
+        """A dsadapt command killed with -9 at its `at`-th fault point (a git start or end, a durable
+        write, a removal); most commands have 25 to 140 of them, so most such runs are killed."""
         TALLY["steps"] += 1
         TALLY["kill runs"] += 1
         argv = cmd.split()
         argv.insert(1, REF1)
+        self.hint = ""
 
         def run():
             killed, rc = fork_run(self.p, argv, {"DSADAPT_FAULT": f"any:{at}"})
@@ -172,10 +183,10 @@ class Checkout(RuleBasedStateMachine):
 
         self._judged(f"{cmd} (kill -9 at point {at})", run)
 
-    @precondition(lambda self: bool(self.hint))
-    @rule(which=st.integers(0, 3))
-    def follow_the_hint(self, which: int) -> None:
-        """The user does what the last refusal said, literally (one of its alternatives)."""
+    def _follow_hint(self, which: int) -> None:
+        """The user does what the refusal just said, literally (one of its alternatives): git in the
+        checkout, dsadapt through the CLI; a git command that stops on a conflict is undone with its
+        own --abort."""
         alts = alternatives(self.hint)
         self.hint = ""
         if not alts:
@@ -199,6 +210,7 @@ class Checkout(RuleBasedStateMachine):
         return git(self.co, *args, check=False)
 
     def _git_step(self, what: str) -> None:
+        self.hint = ""   # a hint is followed right after the refusal that gave it, or not at all
         TALLY["steps"] += 1
         TALLY["git steps"] += 1
         self.n += 1
