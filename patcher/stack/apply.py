@@ -19,6 +19,7 @@ from patcher.formats.pinref import PinRef
 from patcher.formats.stackfiles import Stack, load_stack, refuse_unsafe_links, touches_links
 from patcher.stack.checkout import (
     Checkout,
+    HeadState,
     Progress,
     branch_lag,
     check_preimages,
@@ -80,60 +81,75 @@ def apply_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False, pr
     tx = tx.finish_interrupted(("apply", "refresh"))
     state, g = tx.state, co.git
     hs = head_state(co)
-    cur_branch, head, refs = hs.branch, hs.head, hs.refs
-    base = refs.get(BASE_REF) or co.base()
+    base = hs.refs.get(BASE_REF) or co.base()
     co._base = base
     head_branch = hs.branch_head
     applied = state.applied
     dirty = g.dirty_files()
     if (not dirty and applied and not applied.needs_refresh and applied.stack_hash == stack.hash
-            and head_branch == applied.head and cur_branch == co.branch):
+            and head_branch == applied.head and hs.branch == co.branch):
         return StackResult(str(ref), str(co.path), state.source, base, head_branch, stack.hash, noop=True,
                            notes=tx.notes)
-    off = hs.problem(co)
-    if off and not force:
-        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}", hint=off[1])
-    if dirty and not force:
-        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(dirty[:3])}"
-                             f"{'…' if len(dirty) > 3 else ''})",
-                             hint="commit them and run `dsadapt refresh`, or pass --force (they are kept in a backup ref)")
-    expected_head = applied.head if applied else base
-    if applied and applied.needs_refresh and head_branch == applied.head and not force:
-        raise WorkspaceError(f"{ref}: {co.branch} holds conflict resolutions or skips not exported to the stack "
-                             f"({', '.join(applied.needs_refresh)})",
-                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
-    if head_branch and head_branch != expected_head and not force:
-        ahead, behind = branch_lag(g, expected_head, head_branch)
-        again = f"`dsadapt apply {ref} --force` applies patches/ again (the branch is kept in a backup ref)"
-        if ahead == 0 and behind:
-            raise WorkspaceError(f"{ref}: branch {co.branch} was moved back by hand: it lacks {behind} commit(s) of "
-                                 "the applied stack",
-                                 hint=f"`dsadapt refresh {ref}` drops their patches from the stack (the files are kept "
-                                      f"in a backup ref); {again}")
-        if behind:
-            raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead} commit(s) not exported to the stack and lacks "
-                                 f"{behind} of the applied stack (rewritten or reset by hand)",
-                                 hint=f"`dsadapt refresh {ref}` exports the branch as it is (patches of the commits it "
-                                      f"lacks are dropped; the files are kept in a backup ref); {again}")
-        raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead if ahead is not None else '?'} commit(s) not "
-                             "exported to the stack",
-                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
+    if not force:
+        _refuse_to_move(co, hs, applied, base, dirty)
     if (state.source or {}).get("kind") == "pypi":
         check_preimages(co, stack, base)
     if touches_links(stack.patches):  # the links the base holds count as well: chains, renames, retargets
         refuse_unsafe_links(stack, tree_links(g, base))
+    op = _apply_op(co, stack, hs, base, dirty)
+    tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
+    return tx.run()
+
+
+def _refuse_to_move(co: Checkout, hs: HeadState, applied: Applied | None, base: str, dirty: list[str]) -> None:
+    """(apply without --force) Refused while the checkout holds work patches/ does not: HEAD off
+    the branch, uncommitted changes, resolutions not exported, or commits the branch gained or lost
+    by hand since the stack was applied."""
+    ref, g, head_branch = co.ref, co.git, hs.branch_head
+    off = hs.problem(co)
+    if off:
+        raise WorkspaceError(f"{ref}: {off[0]} in {co.path}", hint=off[1])
+    if dirty:
+        raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes ({', '.join(dirty[:3])}"
+                             f"{'…' if len(dirty) > 3 else ''})",
+                             hint="commit them and run `dsadapt refresh`, or pass --force (they are kept in a backup ref)")
+    expected_head = applied.head if applied else base
+    if applied and applied.needs_refresh and head_branch == applied.head:
+        raise WorkspaceError(f"{ref}: {co.branch} holds conflict resolutions or skips not exported to the stack "
+                             f"({', '.join(applied.needs_refresh)})",
+                             hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
+    if not head_branch or head_branch == expected_head:
+        return
+    ahead, behind = branch_lag(g, expected_head, head_branch)
+    again = f"`dsadapt apply {ref} --force` applies patches/ again (the branch is kept in a backup ref)"
+    if ahead == 0 and behind:
+        raise WorkspaceError(f"{ref}: branch {co.branch} was moved back by hand: it lacks {behind} commit(s) of "
+                             "the applied stack",
+                             hint=f"`dsadapt refresh {ref}` drops their patches from the stack (the files are kept "
+                                  f"in a backup ref); {again}")
+    if behind:
+        raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead} commit(s) not exported to the stack and lacks "
+                             f"{behind} of the applied stack (rewritten or reset by hand)",
+                             hint=f"`dsadapt refresh {ref}` exports the branch as it is (patches of the commits it "
+                                  f"lacks are dropped; the files are kept in a backup ref); {again}")
+    raise WorkspaceError(f"{ref}: branch {co.branch} has {ahead if ahead is not None else '?'} commit(s) not "
+                         "exported to the stack",
+                         hint=f"run `dsadapt refresh {ref}` to keep them, or pass --force (the branch is kept in a backup ref)")
+
+
+def _apply_op(co: Checkout, stack: Stack, hs: HeadState, base: str, dirty: list[str]) -> Op:
+    """The apply op, with a backup ref named for each kind of work it would move away: uncommitted
+    work, the branch's commits, HEAD's own commits, commits only git's reflog holds."""
+    g, refs, head_branch = co.git, hs.refs, hs.branch_head
     only_reflog = reflog_only(g)  # what the user left behind by hand: kept before anything moves
     want = [k for k, cond in (("work", bool(dirty)), ("branch", bool(head_branch and head_branch != base)),
                               ("head", bool(hs.only_head)), ("reflog", bool(only_reflog))) if cond]
     names = co.next_backup_names(len(want), {r for r in refs if r.startswith(BACKUP_PREFIX)})
-    saves = dict(zip(want, names))
-    op = Op(kind="apply", ref=str(ref), stack_hash=stack.hash,
-            patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
-            orig=Orig(cur_branch, head, head_branch, refs.get(STACK_REF), bool(dirty),
-                      work_fingerprint(g) if dirty else None), saves=saves,
-            extra={"reflog": only_reflog} if only_reflog else {})
-    tx.begin(op, [e.text for e in stack.entries], stack_files(stack))
-    return tx.run()
+    return Op(kind="apply", ref=str(co.ref), stack_hash=stack.hash,
+              patches=[PatchMeta(e.name, e.patch.subject) for e in stack.entries],
+              orig=Orig(hs.branch, hs.head, head_branch, refs.get(STACK_REF), bool(dirty),
+                        work_fingerprint(g) if dirty else None), saves=dict(zip(want, names)),
+              extra={"reflog": only_reflog} if only_reflog else {})
 
 
 def _open_op(cfg: Config, ref: PinRef | None, on_patch, progress) -> Transaction:

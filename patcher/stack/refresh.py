@@ -240,74 +240,108 @@ def refresh_stack(cfg: Config, lock: Lock, ref: PinRef, *, force: bool = False) 
                              ["finished the interrupted refresh", *tx.notes])
     if tx.state.op is not None:
         tx.refuse()
+    head = _exported_head(co)
+    ex = _export(tx, co, head)
+    applied = tx.state.applied
+    if ex.cur == ex.target and applied and applied.head == head and applied.stack_hash == ex.new_hash \
+            and not applied.needs_refresh:
+        return RefreshResult(str(ref), [], [], None, tx.notes)  # nothing to write, nothing to record
+    # (when only the record lags behind the branch, the op below writes no file: the same files before and after)
+    rec = _last_in_step(tx, ex)
+    newer = [n for n in sorted(set(ex.cur) | set(rec or {}) | set(ex.target))
+             if (rec is None or ex.cur.get(n) != rec.get(n)) and ex.cur.get(n) != ex.target.get(n)
+             and (n in ex.cur or (rec is not None and n in rec))]
+    if newer and not force:
+        what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
+        more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
+        raise RefusedToClobber(f"{ref}: {ex.rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that "
+                               "change; refresh would overwrite it",
+                               hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept "
+                                    f"in a backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the "
+                                    "current files are kept in a backup ref)")
+    return _write_stack(tx, ex, bool(newer))
+
+
+@dataclass
+class _Export:
+    """What a refresh would write: the branch's commits as stack files, beside patches/ now."""
+
+    head: str                     # the branch's commit exported
+    rel: str                      # the stack dir, from the project root
+    patches: list[Patch]
+    target: dict[str, bytes]      # the files the export gives
+    cur: dict[str, bytes]         # the files patches/ holds now (of either series)
+    cur_names: list[str]          # the patches patches/ lists now
+    new_hash: str
+
+
+def _exported_head(co: Checkout) -> str:
+    """The branch's head that refresh exports, refused while work is elsewhere (uncommitted, off
+    the branch, a git operation of the user's, another worktree) or the branch is missing."""
+    ref = co.ref
     refuse_hand_made(co, False)
-    g = co.git
-    dirty = g.dirty_files()
-    if dirty:
+    if co.git.dirty_files():
         raise WorkspaceError(f"{ref}: {co.path} has uncommitted changes; refresh exports commits only",
                              hint=f"commit them on {co.branch} (git commit, or git commit --fixup + rebase), then refresh")
     hs = head_state(co)
     off = hs.problem(co)
     if off:  # work that is not on the branch refresh exports: never report "unchanged" over it
         raise WorkspaceError(f"{ref}: {off[0]} in {co.path}; refresh exports branch {co.branch}", hint=off[1])
-    head = hs.branch_head
-    if not head:
+    if not hs.branch_head:
         raise WorkspaceError(f"{ref}: branch {co.branch} is missing", hint=f"run `dsadapt apply {ref}`")
-    base = co.base()
-    d = stack_dir(cfg.patches_root, ref)
-    rel = str(d.relative_to(cfg.project))
+    return hs.branch_head
+
+
+def _export(tx: Transaction, co: Checkout, head: str) -> _Export:
+    """The branch base..head exported (empty commits left out, with a note) beside patches/ now."""
+    d = stack_dir(co.cfg.patches_root, co.ref)
     cur_series = (d / "series").read_bytes() if (d / "series").is_file() else None
     cur_names = series_names(cur_series)
     empty: list[BranchCommit] = []
-    patches = export_commits(g, base, head, empty, co.branch, ParseCache.in_workdir(cfg.workdir))
+    patches = export_commits(co.git, co.base(), head, empty, co.branch, ParseCache.in_workdir(co.cfg.workdir))
     for c in empty:
         tx.notes.append(f"commit {c.commit[:12]} ({c.subject}) is empty: left out of the stack (a patch must "
                         "change something; the commit stays on the branch)")
     target, names = exported_files(patches, cur_series.decode("utf-8", "replace") if cur_series else None)
     cur = read_stack_files(d, sorted(set(cur_names) | set(names)))
-    new_hash = files_hash(target, names)
+    return _Export(head, str(d.relative_to(co.cfg.project)), patches, target, cur, cur_names,
+                   files_hash(target, names))
+
+
+def _last_in_step(tx: Transaction, ex: _Export) -> dict[str, bytes] | None:
+    """What patches/ held when the branch was last in step with it (the apply, or the last
+    refresh); None when that is not known."""
     applied = tx.state.applied
-    if cur == target and applied and applied.head == head and applied.stack_hash == new_hash \
-            and not applied.needs_refresh:
-        return RefreshResult(str(ref), [], [], None, tx.notes)  # nothing to write, nothing to record
-    # (when only the record lags behind the branch, the op below writes no file: the same files before and after)
-    # What patches/ held when the branch was last in step with it (the apply, or the last refresh)
     if applied and applied.snapshot:
-        rec: dict[str, bytes] | None = tx.read_files(applied.snapshot)
-    elif applied and files_hash(cur, cur_names) == applied.stack_hash:
-        rec = cur
-    else:
-        rec = None
-    newer = [n for n in sorted(set(cur) | set(rec or {}) | set(target))
-             if (rec is None or cur.get(n) != rec.get(n)) and cur.get(n) != target.get(n)
-             and (n in cur or (rec is not None and n in rec))]
-    if newer and not force:
-        what = "changed (or removed) since it was applied" if rec is not None else "not what this checkout applied"
-        more = f" (+{len(newer) - 1} more)" if len(newer) > 1 else ""
-        raise RefusedToClobber(f"{ref}: {rel}/{newer[0]}{more} {what}, and branch {co.branch} does not hold that change; "
-                      "refresh would overwrite it",
-                      hint=f"take the newer patches/ with `dsadapt apply {ref} --force` (your branch is kept in a "
-                           f"backup ref), or overwrite them with `dsadapt refresh {ref} --force` (the current files "
-                           "are kept in a backup ref)")
-    dropped = dropped_patches(cur, cur_names, patches)
-    before = tx.files_commit(cur) if cur else tx.files_commit({})
-    backup = co.next_backup_names(1)[0] if newer or dropped else None
-    after = tx.files_commit(target)
-    op = Op(kind="refresh", ref=str(ref), stack_hash=new_hash, patches=[],
-            orig=Orig(g.current_branch(), g.rev("HEAD"), head, g.rev(STACK_REF), False), phase=Phase.FINISH,
+        return tx.read_files(applied.snapshot)
+    if applied and files_hash(ex.cur, ex.cur_names) == applied.stack_hash:
+        return ex.cur
+    return None
+
+
+def _write_stack(tx: Transaction, ex: _Export, clobbers: bool) -> RefreshResult:
+    """The refresh op: the files before and after recorded as commits, then written (a backup ref
+    keeps the previous files when newer ones are overwritten or a patch is dropped)."""
+    co, g = tx.co, tx.git
+    dropped = dropped_patches(ex.cur, ex.cur_names, ex.patches)
+    before = tx.files_commit(ex.cur) if ex.cur else tx.files_commit({})
+    backup = co.next_backup_names(1)[0] if clobbers or dropped else None
+    after = tx.files_commit(ex.target)
+    op = Op(kind="refresh", ref=str(co.ref), stack_hash=ex.new_hash, patches=[],
+            orig=Orig(g.current_branch(), g.rev("HEAD"), ex.head, g.rev(STACK_REF), False), phase=Phase.FINISH,
             saves={"backup": backup} if backup else {},
-            extra={"stack_dir": rel, "before": before, "after": after, "head": head, "backup": backup,
-                   "names_before": cur_names})
+            extra={"stack_dir": ex.rel, "before": before, "after": after, "head": ex.head, "backup": backup,
+                   "names_before": ex.cur_names})
     tx.begin(op, [], None)
     if dropped:
         more = f" (+{len(dropped) - 1} more)" if len(dropped) > 1 else ""
         tx.notes.append(f"no longer in the stack: {dropped[0]}{more} (no commit of branch {co.branch} has its subject "
                         f"or its change)")
     if backup:
-        tx.notes.append(f"the previous files of {rel} are kept in {backup} "
+        tx.notes.append(f"the previous files of {ex.rel} are kept in {backup} "
                         f"(`git -C {co.path} show {backup}:<file>`)")
     res = tx.run()
-    return RefreshResult(str(ref), res.changed, res.removed, backup, tx.notes)  # type: ignore[attr-defined]
+    return RefreshResult(str(co.ref), res.changed, res.removed, backup, tx.notes)  # type: ignore[attr-defined]
 
 
 def dropped_patches(cur: dict[str, bytes], names: list[str], patches: list[Patch]) -> list[str]:

@@ -791,15 +791,22 @@ class Transaction:
         pos = self._am_pos()
         return pos is not None and op.am.indices[pos - 1] == op.stopped and op.stopped not in op.outcomes
 
-    def user_continue(self) -> StackResult:
-        op = self.op
+    def _stop_of_user(self) -> tuple[AmRun, int] | None:
+        """(continue, skip) The stop git am still stands on, with its position; None when there is
+        none (what the user did at the stop by hand is adopted first)."""
         self._refuse_legacy()
         self._adopt_stop()
-        if self._at_stop():
-            am = op.am
-            assert am is not None
-            pos = self._am_pos()
-            assert pos is not None
+        if not self._at_stop():
+            return None
+        pos = self._am_pos()
+        assert self.op.am is not None and pos is not None
+        return self.op.am, pos
+
+    def user_continue(self) -> StackResult:
+        op = self.op
+        stop = self._stop_of_user()
+        if stop is not None:
+            am, pos = stop
             head = self.git.head_commit()
             if head != am.head_at_stop:
                 # the user committed the resolution by hand: that commit is the patch's new form
@@ -836,20 +843,15 @@ class Transaction:
         self._save_work("your changes while the patch was stopped")
 
     def user_skip(self) -> StackResult:
-        op = self.op
-        self._refuse_legacy()
-        self._adopt_stop()
-        if self._at_stop():
-            am = op.am
-            assert am is not None
-            pos = self._am_pos()
-            assert pos is not None
+        stop = self._stop_of_user()
+        if stop is not None:
+            pos = stop[1]
             self._save_beyond_stop()
             self.set_phase(Phase.SKIP)
             rc, out = self._run_am("--skip")
             self._after_am(rc, out, pos + 1)
             return self.run()
-        if op.phase == Phase.SKIP:
+        if self.op.phase == Phase.SKIP:
             return self.run()
         raise WorkspaceError(f"{self.co.ref}: not stopped on a patch", hint=f"run `dsadapt continue {self.co.ref}`")
 
@@ -906,7 +908,7 @@ class Transaction:
     def abort(self) -> list[str]:
         """Back to the recorded starting point: branch, HEAD, work tree (including uncommitted and
         untracked work). Returns notes (backup refs kept for work made during the op)."""
-        op, g = self.op, self.git
+        op = self.op
         if op.phase != Phase.ABORT:
             op.abort_from = op.phase
             op.phase = Phase.ABORT
@@ -918,22 +920,37 @@ class Transaction:
             op.abort_saved = True
             self.write()
         if touched and not op.restored:
-            if self.co.am_in_progress():
-                remove_tree(self.co.am_dir)
-            self._restore_branch_and_tree()
-            if op.orig.dirty and op.saves.get("work"):
-                work = op.saves["work"]
-                r = g.run("stash", "apply", "--index", work, check=False)
-                if not r.ok:
-                    r = g.run("stash", "apply", work, check=False)
-                if not r.ok or (op.orig.print is not None and work_fingerprint(g) != op.orig.print):
-                    self.notes.append(f"your uncommitted work could not be restored exactly; it is kept in {work} "
-                                      f"(`git -C {self.co.path} stash apply {work}`)")
-                    op.saves["keep_work"] = "1"
+            self._restore_checkout()
             op.restored = True
             self.write()
         self.kind.undo(self)
-        # backups that are now redundant: everything they hold is back in place
+        self._drop_redundant_backups(touched)
+        self._restore_stack_ref()
+        kept = [k for k in (op.saves.get("kept") or "").split(",") + [op.saves.get("foreign") or ""] if k]
+        for k in kept:
+            self.notes.append(f"work made during the {self.kind.verb} is kept in {k}")
+        self.close(None)
+        return self.notes
+
+    def _restore_checkout(self) -> None:
+        """(abort) The branch, HEAD and work tree as they were, then the user's uncommitted work."""
+        op, g = self.op, self.git
+        if self.co.am_in_progress():
+            remove_tree(self.co.am_dir)
+        self._restore_branch_and_tree()
+        if op.orig.dirty and op.saves.get("work"):
+            work = op.saves["work"]
+            r = g.run("stash", "apply", "--index", work, check=False)
+            if not r.ok:
+                r = g.run("stash", "apply", work, check=False)
+            if not r.ok or (op.orig.print is not None and work_fingerprint(g) != op.orig.print):
+                self.notes.append(f"your uncommitted work could not be restored exactly; it is kept in {work} "
+                                  f"(`git -C {self.co.path} stash apply {work}`)")
+                op.saves["keep_work"] = "1"
+
+    def _drop_redundant_backups(self, touched: bool) -> None:
+        """(abort) Backups that are now redundant: everything they hold is back in place."""
+        op, g = self.op, self.git
         if op.saves.get("work") and not op.saves.get("keep_work") and touched or op.saves.get("work") and not touched:
             self._drop_backup(op.saves["work"])
         branch = op.saves.get("branch")
@@ -943,16 +960,15 @@ class Transaction:
             self._drop_backup(op.saves["head"])  # HEAD holds them again, as before the op
         if op.saves.get("reflog") and g.rev(op.saves["reflog"]):  # kept: a reflog is no place for work
             self.notes.append(f"your commits that only git's reflog held stay kept in {op.saves['reflog']}")
+
+    def _restore_stack_ref(self) -> None:
+        """(abort) refs/dsadapt/stack as before the op (or gone, when there was none)."""
+        op, g = self.op, self.git
         if op.orig.stack_ref:
             if g.rev(STACK_REF) != op.orig.stack_ref:
                 g.update_ref(STACK_REF, op.orig.stack_ref)
         elif g.rev(STACK_REF):
             g.delete_ref(STACK_REF)
-        kept = [k for k in (op.saves.get("kept") or "").split(",") + [op.saves.get("foreign") or ""] if k]
-        for k in kept:
-            self.notes.append(f"work made during the {self.kind.verb} is kept in {k}")
-        self.close(None)
-        return self.notes
 
     def _drop_backup(self, ref: str) -> None:
         """A backup whose content is back in place: no longer kept (nor made again by `repair`)."""
