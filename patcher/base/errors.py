@@ -64,12 +64,18 @@ _LABELS = {
 
 
 class DsadaptError(Exception):
-    """Base class. `exit_code` is what the CLI exits with; subclasses say which one.
+    """Base class. `exit_code` is what the CLI exits with; subclasses say which one (a class keyword).
 
     A bare DsadaptError means "the operation failed for a reason outside the input" (7).
     """
 
     exit_code: int = ExitCode.ENVIRONMENT
+
+    def __init_subclass__(cls, exit_code: int | None = None, **kw) -> None:
+        """`class X(DsadaptError, exit_code=ExitCode.USAGE)`: the code X and its subclasses exit with."""
+        super().__init_subclass__(**kw)
+        if exit_code is not None:
+            cls.exit_code = exit_code
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
@@ -80,10 +86,8 @@ class DsadaptError(Exception):
         return self.message
 
 
-class UsageError(DsadaptError):
+class UsageError(DsadaptError, exit_code=ExitCode.USAGE):
     """Bad input: arguments, environment variables, unknown engine, malformed ENGINE@TAG, ..."""
-
-    exit_code = ExitCode.USAGE
 
 
 class ConfigError(UsageError):
@@ -106,28 +110,20 @@ class UnsafeArtifact(UsageError):
     """A pinned artifact would write outside the tree or into git's own files: refused, as data."""
 
 
-class SourceError(DsadaptError):
+class SourceError(DsadaptError, exit_code=ExitCode.CANNOT_RUN):
     """No source could materialize a pinned tree here (no network, no mirror, no artifact)."""
 
-    exit_code = ExitCode.CANNOT_RUN
 
-
-class VerificationError(DsadaptError):
+class VerificationError(DsadaptError, exit_code=ExitCode.VERIFICATION):
     """Something does not match the lock (moved tag, sha256, tree or blob id)."""
 
-    exit_code = ExitCode.VERIFICATION
 
-
-class WorkspaceError(DsadaptError):
+class WorkspaceError(DsadaptError, exit_code=ExitCode.STOPPED):
     """The state on disk forbids the operation (dirty, mid-apply, nothing in progress, busy...)."""
 
-    exit_code = ExitCode.STOPPED
 
-
-class ConflictStop(DsadaptError):
+class ConflictStop(DsadaptError, exit_code=ExitCode.STOPPED):
     """A patch did not apply; the checkout is stopped mid-apply for the user to resolve."""
-
-    exit_code = ExitCode.STOPPED
 
 
 class RefusedToClobber(WorkspaceError):
@@ -138,52 +134,40 @@ class BuildError(DsadaptError):
     """A build could not be made (a tool failed)."""
 
 
-class ToolchainMissing(BuildError):
+class ToolchainMissing(BuildError, exit_code=ExitCode.MISSING):
     """A full source build (or a command) needs a toolchain or dependency this machine lacks."""
-
-    exit_code = ExitCode.MISSING
 
 
 class MissingDependency(ToolchainMissing):
     """An optional Python dependency (an extra of dsadapt) is not installed."""
 
 
-class EngineRunFailed(DsadaptError):
+class EngineRunFailed(DsadaptError, exit_code=ExitCode.FAILED):
     """The engine could not load or run the model (a runner exit, a server that died at load).
 
     For the gate that is a verdict (fail), not an accident: `check` reports it as such.
     Subclasses may carry `log_path` / `log_tail`.
     """
 
-    exit_code = ExitCode.FAILED
 
-
-class CheckFailed(DsadaptError):
+class CheckFailed(DsadaptError, exit_code=ExitCode.FAILED):
     """The equivalence gate found a divergence."""
 
-    exit_code = ExitCode.FAILED
 
-
-class EngineUnavailable(DsadaptError):
+class EngineUnavailable(DsadaptError, exit_code=ExitCode.CANNOT_RUN):
     """The engine cannot run on this machine (no GPU, wrong Python...). Never a pass."""
 
-    exit_code = ExitCode.CANNOT_RUN
 
-
-class MachineError(DsadaptError):
+class MachineError(DsadaptError, exit_code=ExitCode.ENVIRONMENT):
     """The machine failed the operation: file system (read-only, permission, disk full) or a tool."""
 
-    exit_code = ExitCode.ENVIRONMENT
 
-
-class InternalError(DsadaptError):
+class InternalError(DsadaptError, exit_code=ExitCode.INTERNAL):
     """A bug in dsadapt: an exception nobody expected."""
 
-    exit_code = ExitCode.INTERNAL
 
-
-class Interrupted(DsadaptError):
-    exit_code = ExitCode.INTERRUPTED
+class Interrupted(DsadaptError, exit_code=ExitCode.INTERRUPTED):
+    """Ctrl-C (SIGINT) stopped the command."""
 
 
 # ---------------------------------------------------------------- one-line text
