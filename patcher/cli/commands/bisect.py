@@ -11,22 +11,7 @@ import click
 
 from patcher.base.errors import CheckFailed, DsadaptError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.common import (
-    Context,
-    PinRefParam,
-    build_options,
-    emit_json,
-    json_option,
-    model_options,
-    out,
-    parallel_options,
-    pass_ctx,
-    progress_printer,
-    prompt_seed_option,
-    table,
-    to_parallel,
-    to_ref,
-)
+from patcher.cli.commands import common
 from patcher.gate.equivalence import run_check
 from patcher.gate.hosts import RunHost
 from patcher.gate.plan import CheckRequest, choose_model, plan_check
@@ -56,36 +41,36 @@ def render(res: CheckResult, b: ModuleVerdict, points: list[PointResult] | None)
         columns = ["layer", "point", "error", "limit", "ref noise", "rows", "status"]
         if parallel:
             columns.insert(2, "rank")
-        table(f"{heading(res)}, per module — model {res.model}"
-              f"{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, {b.rule} rule",
-              columns, [_point_row(p, b.first, parallel) for p in points])
+        common.table(f"{heading(res)}, per module — model {res.model}"
+                     f"{' (' + res.config_style + ' config)' if res.config_style else ''}, {res.dtype}, {b.rule} rule",
+                     columns, [_point_row(p, b.first, parallel) for p in points])
     for line in b.explanation or b.reasons:
-        out(f"  {line}")
-    out(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
+        common.out(f"  {line}")
+    common.out(f"logit gate: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:2])}"))
     if b.report_path:
-        out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
-    out(f"check report: {res.report_path}")
+        common.out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
+    common.out(f"check report: {res.report_path}")
 
 
 @click.command("bisect", short_help="Name the first (layer, module) where the engine diverges from HF transformers on the gate's prompts.")
-@click.argument("pin", metavar="ENGINE@TAG", type=PinRefParam())
-@model_options
+@click.argument("pin", metavar="ENGINE@TAG", type=common.PinRefParam())
+@common.model_options
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="The engine's dtype (default: float32 where the engine has it, else its first; fp8 for a "
                    "block-FP8 checkpoint).")
-@build_options("Bisect")
-@parallel_options
-@prompt_seed_option
-@json_option
-@pass_ctx
-def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, tp, ep,
+@common.build_options("Bisect")
+@common.parallel_options
+@common.prompt_seed_option
+@common.json_option
+@common.pass_ctx
+def bisect_cmd(ctx: common.Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, tp, ep,
                prompt_seed, as_json) -> None:
     """Compare every decoder layer's modules with HF transformers on the gate's prompts and name the first
     (layer, module) that diverges. One engine start, one reference run. Exit 0 when every point is within
     its limit, 1 when one is not (the report says where)."""
-    ref = to_ref(pin)
+    ref = common.to_ref(pin)
     assert ref is not None  # PIN is a required argument
-    parallel = to_parallel(tp, ep)
+    parallel = common.to_parallel(tp, ep)
     choice = choose_model(model, parallel)
     command = "dsadapt " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     req = CheckRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant, unpatched=unpatched,
@@ -95,21 +80,21 @@ def bisect_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched
     # before anything is made
     plan = plan_check(ctx.cfg, ctx.lock, req, choice, capture=True)
     dtype = plan.dtypes[0]
-    progress = progress_printer()
+    progress = common.progress_printer()
     with workdir_lock(ctx.cfg):
         res = run_check(plan, dtype, host=RunHost(ctx.cfg, ctx.lock, progress, not as_json),
                         on_line=progress.note if progress is not None else None)
     b = res.bisect
     if b is None:  # the engine produced nothing to compare (it failed to load or run the model)
         if as_json:
-            emit_json({"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, "passed": False,
-                       "first": None, "reasons": res.reasons, "check": res.to_json()})
+            common.emit_json({"schema": "dsadapt.bisect-report/1", "pin": str(ref), "dtype": dtype, "passed": False,
+                              "first": None, "reasons": res.reasons, "check": res.to_json()})
         raise CheckFailed(f"{ref}: nothing to bisect — {'; '.join(res.reasons[:1])}",
                           hint=f"check report: {res.report_path}")
     report = json.loads(Path(b.report_path).read_text()) if b.report_path and Path(b.report_path).is_file() else None
     if as_json:
-        emit_json(report or {"schema": "dsadapt.bisect-report/1", "pin": str(ref), **b.to_json()},
-                  schema="dsadapt.bisect-report/1")
+        common.emit_json(report or {"schema": "dsadapt.bisect-report/1", "pin": str(ref), **b.to_json()},
+                         schema="dsadapt.bisect-report/1")
     else:
         render(res, b, [PointResult.from_json(p) for p in report["points"]] if report else None)
     if b.passed is False:

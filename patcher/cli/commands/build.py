@@ -12,66 +12,56 @@ from patcher.artifacts.builder import build_pin, buildable_here
 from patcher.artifacts.venvs import install_plan
 from patcher.base.errors import DsadaptError, SourceError, UsageError
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.common import (
-    Context,
-    emit_json,
-    json_option,
-    out,
-    pass_ctx,
-    pinref_arg,
-    progress_printer,
-    ref_of,
-    table,
-)
+from patcher.cli.commands import common
 from patcher.engines.registry import engine
 from patcher.formats.bundle import default_variant
 
 
 @click.command("build")
-@pinref_arg()
+@common.pinref_arg()
 @click.option("--variant", default=None, help="Build variant (vllm: cpu|cuda; lmdeploy: cuda|pytorch).")
-@json_option
-@pass_ctx
-def build_cmd(ctx: Context, pin: str, variant: str | None, as_json: bool) -> None:
+@common.json_option
+@common.pass_ctx
+def build_cmd(ctx: common.Context, pin: str, variant: str | None, as_json: bool) -> None:
     """Build the patched engine into dist/ and print the artifact, its sha256 and how it was built."""
-    ref = ref_of(pin)
+    ref = common.ref_of(pin)
     ctx.lock.pin(ref)  # bad input fails before the work-dir lock file is created
     if variant is not None:
         engine(ref.engine).variant(variant)
     with workdir_lock(ctx.cfg):
-        res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=progress_printer())
+        res = build_pin(ctx.cfg, ctx.lock, ref, variant, progress=common.progress_printer())
     if as_json:
-        emit_json(res.to_json(), schema="dsadapt.build/1")
+        common.emit_json(res.to_json(), schema="dsadapt.build/1")
         return
     click.echo(res.artifact)
-    out(f"  sha256 {res.sha256}")
-    out(f"  {res.kind} build in {res.seconds:.1f} s: {res.how}")
+    common.out(f"  sha256 {res.sha256}")
+    common.out(f"  {res.kind} build in {res.seconds:.1f} s: {res.how}")
     for p in res.replaced:
-        out(f"  replaced {p}")
+        common.out(f"  replaced {p}")
     for p in res.added:
-        out(f"  added    {p}")
+        common.out(f"  added    {p}")
     for p in res.removed:
-        out(f"  removed  {p}")
+        common.out(f"  removed  {p}")
     if res.left_out:
-        out(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
+        common.out(f"  left out {len(res.left_out)} member(s) for variant {res.variant}")
     eng = engine(ref.engine)
     blocker = eng.run_blocker(ctx.lock.pin(ref), eng.variant(res.variant))
     if blocker:
-        out(f"  note: built here, but it cannot run here: {blocker}")
+        common.out(f"  note: built here, but it cannot run here: {blocker}")
 
 
 @click.command("install")
-@pinref_arg(required=False)
+@common.pinref_arg(required=False)
 @click.option("--variant", default=None)
 @click.option("--offline", "offline", type=click.Path(path_type=Path), default=None, metavar="BUNDLE",
               help="Install from a bundle (`dsadapt bundle`: a folder or .tar) with no network: pip --no-index.")
 @click.option("--system-site-packages", is_flag=True,
               help="With --offline: the environments see the packages of the one dsadapt runs in (the host's "
                    "CUDA torch), which the bundle did not carry.")
-@json_option
-@pass_ctx
-def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Path | None, system_site_packages: bool,
-                as_json: bool) -> None:
+@common.json_option
+@common.pass_ctx
+def install_cmd(ctx: common.Context, pin: str | None, variant: str | None, offline: Path | None,
+                system_site_packages: bool, as_json: bool) -> None:
     """Create (or reuse) the environment the pin runs in and install the patched engine there.
 
     For most engines that is the pin's own virtual environment; a served engine (Triton's vLLM
@@ -87,7 +77,7 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
     if system_site_packages:
         raise UsageError("--system-site-packages goes with --offline",
                          hint="an engine's recipe decides whether its online environment sees the host's packages")
-    ref = ref_of(pin)
+    ref = common.ref_of(pin)
     entry = ctx.lock.pin(ref)
     eng = engine(ref.engine)
     spec = eng.variant_for(entry, default_variant(ctx.cfg, ref, variant))
@@ -96,52 +86,52 @@ def install_cmd(ctx: Context, pin: str | None, variant: str | None, offline: Pat
 
     require_lock(ctx.cfg.project, ctx.lock, entry, spec)  # no lock: one line, before anything is made (exit 6)
     with workdir_lock(ctx.cfg):
-        res = install_plan(ctx.cfg, ctx.lock, plan, progress=progress_printer(), stream=not as_json)
+        res = install_plan(ctx.cfg, ctx.lock, plan, progress=common.progress_printer(), stream=not as_json)
     if as_json:
-        emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None}, schema="dsadapt.install/1")
+        common.emit_json({**res.to_json(), "pin": str(ref), "note": plan.note or None}, schema="dsadapt.install/1")
         return
-    out(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
+    common.out(f"{res.ref} ({res.variant}): {'already installed' if res.reused else 'installed'} in {res.venv} ({res.seconds:.0f} s)")
     if plan.note:
-        out(f"  {plan.note}")
+        common.out(f"  {plan.note}")
     if res.removed:
-        out(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
-    out(f"  activate: {res.activate}")
+        common.out(f"  removed {', '.join(res.removed)} (their PyPI builds break imports next to this engine)")
+    common.out(f"  activate: {res.activate}")
 
 
-def _install_offline(ctx: Context, pin: str | None, variant: str | None, bundle: Path, system_site_packages: bool,
-                     as_json: bool) -> None:
+def _install_offline(ctx: common.Context, pin: str | None, variant: str | None, bundle: Path,
+                     system_site_packages: bool, as_json: bool) -> None:
     from patcher.formats.bundle import read_manifest
     from patcher.offline.install import install_offline, open_bundle
 
-    progress = progress_printer()
+    progress = common.progress_printer()
     with workdir_lock(ctx.cfg):
         directory = open_bundle(ctx.cfg, bundle, progress)
         m = read_manifest(directory)
-        if pin is not None and str(ref_of(pin)) != m.pin:
-            raise UsageError(f"the bundle holds {m.pin}, not {ref_of(pin)}", hint=f"dsadapt install --offline {bundle}")
+        if pin is not None and str(common.ref_of(pin)) != m.pin:
+            raise UsageError(f"the bundle holds {m.pin}, not {common.ref_of(pin)}", hint=f"dsadapt install --offline {bundle}")
         if variant is not None and variant != m.variant:
             raise UsageError(f"the bundle holds variant {m.variant} of {m.pin}, not {variant}",
                              hint=f"make a bundle with --variant {variant}")
         res = install_offline(ctx.cfg, ctx.lock, directory, system_site_packages=system_site_packages,
                               progress=progress, stream=not as_json)
     if as_json:
-        emit_json(res.to_json(), schema="dsadapt.install-offline/1")
+        common.emit_json(res.to_json(), schema="dsadapt.install-offline/1")
         return
-    out(f"{res.pin} ({res.variant}) installed from {res.bundle}")
+    common.out(f"{res.pin} ({res.variant}) installed from {res.bundle}")
     for side, env in res.environments.items():
-        out(f"  {side:9} {env['venv']} ({'reused' if env['reused'] else 'installed'}, {env['artifact']})")
+        common.out(f"  {side:9} {env['venv']} ({'reused' if env['reused'] else 'installed'}, {env['artifact']})")
     if res.host_packages:
-        out("  from this host: " + ", ".join(f"{n} {v or '?'}" for n, v in sorted(res.host_packages.items())))
+        common.out("  from this host: " + ", ".join(f"{n} {v or '?'}" for n, v in sorted(res.host_packages.items())))
     for w in res.warnings:
-        out(f"  note: {w}")
-    out(f"next: dsadapt check {res.pin} --variant {res.variant} --model v3 --dtype {{bfloat16|float16|...}}"
-        + (" [--unpatched]" if "unpatched" in res.environments else ""))
+        common.out(f"  note: {w}")
+    common.out(f"next: dsadapt check {res.pin} --variant {res.variant} --model v3 --dtype {{bfloat16|float16|...}}"
+               + (" [--unpatched]" if "unpatched" in res.environments else ""))
 
 
 @click.command("build-all")
-@json_option
-@pass_ctx
-def build_all_cmd(ctx: Context, as_json: bool) -> None:
+@common.json_option
+@common.pass_ctx
+def build_all_cmd(ctx: common.Context, as_json: bool) -> None:
     """Build every pin (and variant) that can be built on this machine; a table of the rest says why not."""
     rows, data, failed = [], [], False
     with workdir_lock(ctx.cfg):
@@ -156,7 +146,7 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                        "status": "skipped", "reason": reason, "runs_here": runs is None, "run_blocker": runs}
                 if reason is None:
                     try:
-                        res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=progress_printer())
+                        res = build_pin(ctx.cfg, ctx.lock, entry.ref, v, progress=common.progress_printer())
                         row.update(kind=res.kind, artifact=res.artifact, sha256=res.sha256,
                                    seconds=round(time.monotonic() - t0, 1), status="built")
                     except SourceError:  # no source reachable here: cannot be built here, not a failure
@@ -171,9 +161,9 @@ def build_all_cmd(ctx: Context, as_json: bool) -> None:
                              f"{row['seconds']:.1f}" if row["seconds"] is not None else "-", str(row["status"]),
                              str(note)])
     if as_json:
-        emit_json({"builds": data, "ok": not failed}, schema="dsadapt.build-all/1")
+        common.emit_json({"builds": data, "ok": not failed}, schema="dsadapt.build-all/1")
     else:
-        table("build-all", ["pin", "variant", "kind", "artifact", "s", "status", "note"], rows)
+        common.table("build-all", ["pin", "variant", "kind", "artifact", "s", "status", "note"], rows)
     if failed:
         sys.exit(1)
 

@@ -13,24 +13,7 @@ import click
 
 from patcher.base.errors import DsadaptError, ExitCode, UsageError, number, plural
 from patcher.base.workdir import workdir_lock
-from patcher.cli.commands.common import (
-    Context,
-    PinRefParam,
-    build_options,
-    emit_json,
-    json_option,
-    junit_option,
-    model_options,
-    out,
-    parallel_options,
-    pass_ctx,
-    progress_printer,
-    prompt_seed_option,
-    publish_option,
-    table,
-    to_parallel,
-    to_ref,
-)
+from patcher.cli.commands import common
 from patcher.formats.pinref import PinRef
 from patcher.gate.plan import CheckRequest, ModelChoice, choose_model
 from patcher.gate.result import CheckResult, bisect_command, check_or_raise, heading, num
@@ -71,7 +54,7 @@ def _row_verdict(c: Comparison, r: PromptRow) -> str:
 def render(res: CheckResult) -> None:
     c = res.comparison
     if c is None or not c.rows:
-        out(f"{res.pin}: the engine produced no logits")
+        common.out(f"{res.pin}: the engine produced no logits")
     else:
         rows = [[r.id, str(r.positions), num(r.max_abs), num(r.mean_abs), num(r.top1_agreement, ".3f"),
                  {True: "yes", False: "NO", None: "-"}.get(r.greedy_match),
@@ -79,19 +62,19 @@ def render(res: CheckResult) -> None:
                 for r in c.rows]
         title = (f"{heading(res)} — model {res.model}{' (' + res.config_style + ' config)' if res.config_style else ''}, "
                  f"{res.dtype}, {c.rule} rule" + (f", tolerance {number(c.tolerance)}" if c.tolerance else ""))
-        table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
-                      "verdict"], rows)
+        common.table(title, ["prompt", "positions", "max |Δ|", "mean |Δ|", "top-1 agree", "greedy", "1st div",
+                             "verdict"], rows)
     if res.bisect:
         render_bisect_summary(res.bisect)
-    out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
-        verdict=res.verdict.upper())
+    common.out(f"verdict: {res.verdict.upper()}" + ("" if res.passed else f" — {'; '.join(res.reasons[:3])}"),
+               verdict=res.verdict.upper())
     if res.margins and res.margins.words:
-        out(f"margins: {res.margins.words}")
+        common.out(f"margins: {res.margins.words}")
     for line in res.explanation if not res.passed else []:
-        out(f"  explain: {line}")
-    out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
+        common.out(f"  explain: {line}")
+    common.out(f"report: {res.report_path}" + (f"  plot: {res.plot_path}" if res.plot_path else ""))
     if not res.passed and not (res.bisect and res.bisect.report_path):
-        out(f"localize it: {bisect_command(res)}")
+        common.out(f"localize it: {bisect_command(res)}")
 
 
 def render_bisect_summary(b: ModuleVerdict) -> None:
@@ -100,24 +83,24 @@ def render_bisect_summary(b: ModuleVerdict) -> None:
     if f is not None:
         phase = f", {f.phase} rows" if f.phase else ""
         ratio = f", {f.ratio:.2f}x the reference's own error" if f.ratio is not None else ""
-        out(f"per-module ({b.dtype}, {b.rule} rule): {f.words()}{phase}{ratio}; "
-            f"{len(b.above)} point(s) above their limits of {b.compared}")
+        common.out(f"per-module ({b.dtype}, {b.rule} rule): {f.words()}{phase}{ratio}; "
+                   f"{len(b.above)} point(s) above their limits of {b.compared}")
     elif b.passed:
-        out(f"per-module ({b.dtype}, {b.rule} rule): {plural(b.compared or 0, 'point')} within their limits")
+        common.out(f"per-module ({b.dtype}, {b.rule} rule): {plural(b.compared or 0, 'point')} within their limits")
     else:
         for r in b.reasons:
-            out(f"per-module: {r}")
+            common.out(f"per-module: {r}")
     if b.report_path:
-        out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
+        common.out(f"bisect report: {b.report_path}" + (f"  heat map: {b.plot_path}" if b.plot_path else ""))
 
 
 @click.command("check")
-@click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=PinRefParam())
-@model_options
+@click.argument("pin", metavar="[ENGINE@TAG]", required=False, type=common.PinRefParam())
+@common.model_options
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp8"]), default=None,
               help="Check one dtype (default: every dtype the engine serves here — float32 where it has it, "
                    "bfloat16, float16 — one verdict each and one overall; fp8, and only fp8, for a block-FP8 checkpoint).")
-@build_options("Check")
+@common.build_options("Check")
 @click.option("--all", "all_pins", is_flag=True, help="Every pin that can run here; the others are listed with the reason.")
 @click.option("--explain", is_flag=True, help="Print where the first divergence is and which layer family it points to.")
 @click.option("--reference-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -125,18 +108,18 @@ def render_bisect_summary(b: ModuleVerdict) -> None:
 @click.option("--bisect", "bisect", is_flag=True,
               help="When the gate fails, compare every layer's modules with HF (`dsadapt bisect`) from the same "
                    "engine run and name the first that diverges. Low-precision checks always do.")
-@parallel_options
-@prompt_seed_option
+@common.parallel_options
+@common.prompt_seed_option
 @click.option("--rescore", "rescore_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Apply the current rule to a saved check report's recorded inputs instead of running anything; "
                    "rewrites the report and its plot (a report made before inputs were kept cannot be rescored: "
                    "it says which command reruns it).")
-@junit_option
-@publish_option
-@json_option
-@pass_ctx
-def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins, explain,
-              reference_device, bisect, tp, ep, prompt_seed, rescore_path, junit, as_json) -> None:
+@common.junit_option
+@common.publish_option
+@common.json_option
+@common.pass_ctx
+def check_cmd(ctx: common.Context, pin, model, config_style, dtype, variant, unpatched, unpatched_engine, all_pins,
+              explain, reference_device, bisect, tp, ep, prompt_seed, rescore_path, junit, as_json) -> None:
     """Run the engine and HF transformers on the same prompts and compare logits. Exit 0 only on pass.
 
     With --tp N [--ep] the engine runs on N ranks and the same comparison runs against the
@@ -154,7 +137,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
     if all_pins and unpatched_engine:
         raise UsageError("--unpatched-engine names one pin's served engine: it does not go with --all",
                          hint="dsadapt check ENGINE@TAG --unpatched-engine")
-    parallel = to_parallel(tp, ep)
+    parallel = common.to_parallel(tp, ep)
     choice = choose_model(model, parallel)
     request = partial(CheckRequest, model=model, config_style=config_style, dtype=dtype, reference_on=reference_device,
                       bisect="on-fail" if bisect else None, command=command_line(click.get_current_context()),
@@ -166,7 +149,7 @@ def check_cmd(ctx: Context, pin, model, config_style, dtype, variant, unpatched,
         return
     from patcher.formats.bundle import default_variant
 
-    ref = to_ref(pin)
+    ref = common.to_ref(pin)
     assert ref is not None
     _check_one(ctx, request(ref, variant=default_variant(ctx.cfg, ref, variant), unpatched=unpatched,
                             unpatched_engine=unpatched_engine), choice, explain, junit, as_json)
@@ -177,14 +160,15 @@ def _rescore(path: Path, junit, as_json: bool) -> None:
 
     res = rescore_check(path)
     if as_json:
-        emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
+        common.emit_json({"schema": "dsadapt.check-report/1", **res.to_json()})
     else:
         render(res)
     report_ci([res], junit)
     check_or_raise(res)
 
 
-def _check_one(ctx: Context, req: CheckRequest, choice: ModelChoice, explain: bool, junit, as_json: bool) -> None:
+def _check_one(ctx: common.Context, req: CheckRequest, choice: ModelChoice, explain: bool, junit,
+               as_json: bool) -> None:
     """One pin, every dtype asked: planned first (bad input, cannot run here: before anything is
     made), then run on one host (one build and install)."""
     from patcher.gate.hosts import RunHost
@@ -194,32 +178,32 @@ def _check_one(ctx: Context, req: CheckRequest, choice: ModelChoice, explain: bo
     name = f"{req.pin}{' ' + req.variant if req.variant else ''}"
     with skipped_case_on_cannot_run(junit, name):  # cannot run here (no lock, no GPU): a skipped JUnit case
         plan = plan_check(ctx.cfg, ctx.lock, req, choice)
-    progress = progress_printer()
+    progress = common.progress_printer()
 
     def shown(res: CheckResult) -> None:
         render(res)
         if explain and res.passed:
-            out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
+            common.out(f"  explain: {res.explanation[0] if res.explanation else 'equivalent'}")
 
     with skipped_case_on_cannot_run(junit, f"{req.pin} {plan.spec.name}"), workdir_lock(ctx.cfg):
         done = check_pin(plan, RunHost(ctx.cfg, ctx.lock, progress, not as_json),
                          progress.note if progress is not None else None, None if as_json else shown)
     if as_json:
-        emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(req.pin), done),
-                  schema="dsadapt.check-report/1")
+        common.emit_json(done[0].to_json() if len(done) == 1 else overall_json(str(req.pin), done),
+                         schema="dsadapt.check-report/1")
     elif len(done) > 1:
         word = "PASS" if all(r.passed for r in done) else "FAIL"
-        out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
+        common.out(f"overall: {word} (" + ", ".join(f"{r.dtype} {r.verdict}" for r in done) + ")", verdict=word)
     report_ci(done, junit)
     pin_or_raise(str(req.pin), done)
 
 
-def _check_all(ctx: Context, request: Callable[[PinRef], CheckRequest], choice: ModelChoice, title: str, junit,
+def _check_all(ctx: common.Context, request: Callable[[PinRef], CheckRequest], choice: ModelChoice, title: str, junit,
                as_json: bool) -> None:
     from patcher.gate.hosts import RunHost
     from patcher.gate.overall import check_all
 
-    progress = progress_printer()
+    progress = common.progress_printer()
     with workdir_lock(ctx.cfg):
         outcomes = check_all(ctx.cfg, ctx.lock, request, choice,
                              lambda: RunHost(ctx.cfg, ctx.lock, progress, not as_json),
@@ -228,13 +212,13 @@ def _check_all(ctx: Context, request: Callable[[PinRef], CheckRequest], choice: 
               [(o.pin, o.reason or "", o.verdict == "error") for o in outcomes if not o.ran])
     failed = any(o.verdict in ("fail", "error") for o in outcomes)
     if as_json:
-        emit_json({"results": [o.to_json() for o in outcomes], "ok": any(o.ran for o in outcomes) and not failed},
-                  schema="dsadapt.check-all/1")
+        common.emit_json({"results": [o.to_json() for o in outcomes], "ok": any(o.ran for o in outcomes) and not failed},
+                         schema="dsadapt.check-all/1")
     else:
-        table(title, ["pin", "verdict", "detail"], [_all_row(o) for o in outcomes])
-        out(f"{sum(o.verdict == 'pass' for o in outcomes)} passed, "
-            f"{sum(o.verdict in ('fail', 'error') for o in outcomes)} failed, "
-            f"{sum(o.verdict == 'not run' for o in outcomes)} not run here (never counted as passes)")
+        common.table(title, ["pin", "verdict", "detail"], [_all_row(o) for o in outcomes])
+        common.out(f"{sum(o.verdict == 'pass' for o in outcomes)} passed, "
+                   f"{sum(o.verdict in ('fail', 'error') for o in outcomes)} failed, "
+                   f"{sum(o.verdict == 'not run' for o in outcomes)} not run here (never counted as passes)")
     if failed:
         sys.exit(ExitCode.FAILED)
     if not any(o.ran for o in outcomes):

@@ -6,22 +6,11 @@ import sys
 
 import click
 
-from patcher.cli.commands.common import (
-    Context,
-    emit_json,
-    json_option,
-    junit_option,
-    out,
-    pass_ctx,
-    pinref_arg,
-    plural,
-    progress_printer,
-    ref_of,
-)
+from patcher.cli.commands import common
 from patcher.formats.patchfile import is_message_problem
 
 
-def reword_fix(ctx: Context, ref: str) -> str:
+def reword_fix(ctx: common.Context, ref: str) -> str:
     """How to fix commit messages the patch format rejects, in the same words for `verify` and
     `refresh`: an interactive rebase onto the checkout's upstream base (its `refs/dsadapt/base`, so
     the todo lists the stack's commits only, never the upstream commit under them)."""
@@ -36,14 +25,14 @@ def reword_fix(ctx: Context, ref: str) -> str:
 
 
 @click.command("verify")
-@pinref_arg(required=False)
+@common.pinref_arg(required=False)
 @click.option("--fetch", is_flag=True,
               help="Without ENGINE@TAG: also fetch the pinned tree of every pin that has no checkout here yet "
                    "(downloads release artifacts, creates checkouts), so that every stack is applied.")
-@junit_option
-@json_option
-@pass_ctx
-def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool) -> None:
+@common.junit_option
+@common.json_option
+@common.pass_ctx
+def verify_cmd(ctx: common.Context, pin: str | None, fetch: bool, junit, as_json: bool) -> None:
     """Lint one stack (or every pinned stack) and apply it in a temporary index.
 
     Without ENGINE@TAG every stack is linted, and applied where its pinned tree is here (a
@@ -53,17 +42,17 @@ def verify_cmd(ctx: Context, pin: str | None, fetch: bool, junit, as_json: bool)
     from patcher.base.workdir import workdir_lock
     from patcher.stack.verify import verify_pins
 
-    refs = [ref_of(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
-                                      if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
+    refs = [common.ref_of(pin)] if pin else [p.ref for p in ctx.lock.sorted_pins()
+                                             if (ctx.cfg.patches_root / p.engine / p.tag / "series").exists()]
     for ref in refs:
         ctx.lock.pin(ref)  # unknown pins fail before anything is created
     with workdir_lock(ctx.cfg):
-        results = verify_pins(ctx.cfg, ctx.lock, refs, fetch=fetch or bool(pin), progress=progress_printer())
+        results = verify_pins(ctx.cfg, ctx.lock, refs, fetch=fetch or bool(pin), progress=common.progress_printer())
     _report_ci(results, junit)
     if as_json:
-        emit_json({"schema": "dsadapt.verify/1", "ok": all(r.ok for r in results) if pin else
-                   not any(r.problems for r in results) and any(r.ok for r in results),
-                   "stacks": [r.to_json() for r in results], "unverifiable": [r.ref for r in results if r.unverifiable]})
+        common.emit_json({"schema": "dsadapt.verify/1", "ok": all(r.ok for r in results) if pin else
+                          not any(r.problems for r in results) and any(r.ok for r in results),
+                          "stacks": [r.to_json() for r in results], "unverifiable": [r.ref for r in results if r.unverifiable]})
     else:
         for r in results:
             _render(ctx, r)
@@ -76,25 +65,25 @@ def _report_ci(results, junit) -> None:
     write_junit(junit, "dsadapt verify", [
         Case(r.ref, "dsadapt.verify", failure="\n".join(r.problems) if r.problems else None,
              skipped=r.unverifiable if r.unverifiable and not r.problems else None,
-             output=f"{plural(r.patches, 'patch')}, applies: "
+             output=f"{common.plural(r.patches, 'patch')}, applies: "
                     f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, source {r.source or '-'}")
         for r in results])
 
 
-def _render(ctx: Context, r) -> None:
+def _render(ctx: common.Context, r) -> None:
     """One stack's verdict, its problems, and the fix of those its commit messages cause."""
     if r.unverifiable and not r.problems:
-        out(f"{r.ref}: NOT VERIFIED — {plural(r.patches, 'patch')} lint clean, not applied: "
-            f"{r.unverifiable}", verdict="NOT VERIFIED")
+        common.out(f"{r.ref}: NOT VERIFIED — {common.plural(r.patches, 'patch')} lint clean, not applied: "
+                   f"{r.unverifiable}", verdict="NOT VERIFIED")
         return
     verdict = "ok" if r.ok else "FAILED"
-    out(f"{r.ref}: {verdict} — {plural(r.patches, 'patch')}, applies: "
-        f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, {r.compiled} .py file(s) "
-        f"compile, source {r.source or '-'}", verdict=verdict)
+    common.out(f"{r.ref}: {verdict} — {common.plural(r.patches, 'patch')}, applies: "
+               f"{'yes' if r.applied else 'not checked' if r.unverifiable else 'no'}, {r.compiled} .py file(s) "
+               f"compile, source {r.source or '-'}", verdict=verdict)
     for p in r.problems:
-        out(f"  - {p}")
+        common.out(f"  - {p}")
     if any(is_message_problem(p) for p in r.problems):
-        out(f"  fix: {reword_fix(ctx, r.ref)}")
+        common.out(f"  fix: {reword_fix(ctx, r.ref)}")
 
 
 def _exit(results, one: bool) -> None:
