@@ -183,6 +183,14 @@ class CaptureTable:
     rows: dict | None = None  # engines: {"path": "", "ids": kwarg, "positions": kwarg}
     notes: tuple[str, ...] = ()
 
+    @classmethod
+    def of_engine(cls, name: str, sites: tuple[Site, ...], *, positions: str, notes: tuple[str, ...] = ()) -> CaptureTable:
+        """An engine's table over DeepSeek's module tree as HF names it (decoder layers under
+        `model.layers`): the root forward's `input_ids` and its `positions` keyword map the captured
+        rows to (prompt, position)."""
+        return cls(name=name, layers="model.layers", sites=sites, notes=notes,
+                   rows={"path": "", "ids": "input_ids", "positions": positions})
+
     def module_map(self) -> dict[str, str]:
         """HF transformers' name of each point -> where this side captures it (for docs and reports)."""
         out: dict[str, str] = {}

@@ -46,10 +46,8 @@ from patcher.rules.modules import CaptureTable, Site
 
 L = "model.layers.{i}"
 
-TABLE = CaptureTable(
-    name="lmdeploy",
-    layers="model.layers",
-    rows={"path": "", "ids": "input_ids", "positions": "position_ids"},
+TABLE = CaptureTable.of_engine(
+    "lmdeploy", positions="position_ids",
     sites=(
         Site("embed", "model.embed_tokens", token_axis=1),
         Site("input_norm", f"{L}.input_layernorm", take=0, token_axis=1),

@@ -46,10 +46,8 @@ from patcher.rules.modules import CaptureTable, Site
 RSF = ("routed_scaling_factor", 1.0)
 L = "model.layers.{i}"
 
-TABLE = CaptureTable(
-    name="vllm",
-    layers="model.layers",
-    rows={"path": "", "ids": "input_ids", "positions": "positions"},
+TABLE = CaptureTable.of_engine(
+    "vllm", positions="positions",
     sites=(
         Site("embed", "model.embed_tokens"),
         Site("input_norm", f"{L}.input_layernorm", take=0),
