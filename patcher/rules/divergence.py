@@ -72,22 +72,25 @@ class FirstDivergence:
 
 @dataclass(frozen=True)
 class PointAbove:
-    """A compared point above its limit (the first and those downstream of it)."""
+    """A compared point above its limit (the first and those downstream of it), with what the
+    comparison measured there: always its error and limit; the phase judged and the ratio to the
+    reference's own error where the rule has them (low precision), else None."""
 
     layer: int | None
     point: str
-    error: float | None = None
-    limit: float | None = None
-    phase: str | None = None
-    ratio: float | None = None
-    rank: int | None = None
+    error: float | None
+    limit: float | None
+    phase: str | None
+    ratio: float | None
+    rank: int | None = None    # parallel runs: the rank whose view it is
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> PointAbove:
-        return cls(**_known(cls, d))
+        """(a report's `above` entry; one written before a measure was kept has it as None)"""
+        return cls(**{"error": None, "limit": None, "phase": None, "ratio": None, **_known(cls, d)})
 
 
 @dataclass
