@@ -189,7 +189,7 @@ class Checkout:
         for ref in self._broken_refs(refs):  # git skips them (with a warning on every command): kept aside
             self._set_aside_broken(ref)
             if ref == self.branch_ref:  # the branch's last value is in its reflog
-                last = self._reflog_tip(ref)
+                last = next(iter(record.reflog_values(self.layout, ref)), None)
                 if last and g.rev(last):
                     g.update_ref(ref, last, why="dsadapt: the branch's ref was damaged; its reflog's last value")
                     self.notes.append(f"made branch {self.branch} again at {last[:12]}, its reflog's last value")
@@ -219,13 +219,6 @@ class Checkout:
                           and not n.endswith(".lock")]
         return sorted(f for f in files if f not in valid)
 
-    def _reflog_tip(self, ref: str) -> str | None:
-        try:
-            lines = (self.layout.git_dir / "logs" / ref).read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return None
-        parts = lines[-1].split() if lines else []
-        return parts[1] if len(parts) > 1 and len(parts[1]) == 40 else None
 
     def _set_aside_broken(self, ref: str) -> None:
         """A loose ref file git cannot read (git skips it as broken) is kept aside before the ref is

@@ -38,6 +38,7 @@ from patcher.stack.state import Applied, NewerState, State
 SNAPSHOT_IDENT = f"dsadapt <dsadapt@localhost> {FIXED_DATE}"
 ARTIFACT_TRAILER = "Artifact-Sha256"   # the pypi source's base commit names the wheel it unpacked
 BASE_SEARCH = 5000                     # commits of the branch searched for the pinned base
+REFLOG_SEARCH = 20                     # and the latest values of the branch's and HEAD's reflogs, each once
 
 
 # ---------------------------------------------------------------- the stack files as data (pure)
@@ -242,6 +243,28 @@ class Derived:
     how: list[str]            # what it was derived from, in words
 
 
+def reflog_values(layout: CheckoutLayout, ref: str) -> list[str]:
+    """The commits a ref's reflog recorded it at, newest first, read from its file (git refuses to
+    read the reflog of a ref whose own file is damaged)."""
+    try:
+        lines = (layout.git_dir / "logs" / ref).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    parts = (l.split(maxsplit=2) for l in reversed(lines))
+    return [p[1] for p in parts if len(p) > 1 and len(p[1]) == 40 and p[1] != "0" * 40]
+
+
+def _tips(layout: CheckoutLayout, tip: str | None, branch_ref: str) -> list[str]:
+    """Where the pinned base is looked for: the branch (or HEAD), then what the branch's and HEAD's
+    reflogs held last (a branch recommitted from scratch, a HEAD moved away)."""
+    out = [tip] if tip else []
+    for ref in (branch_ref, "HEAD"):
+        for c in reflog_values(layout, ref):
+            if c not in out and len(out) <= REFLOG_SEARCH:
+                out.append(c)
+    return out
+
+
 def _base_from_lock(g: Git, tip: str, entry: LockEntry) -> tuple[str, dict] | None:
     """The commit of `tip`'s first-parent history that `entry` pins, and the source it came from."""
     if entry.commit and g.run("merge-base", "--is-ancestor", entry.commit, tip, check=False).ok:
@@ -298,16 +321,20 @@ def derive(g: Git, layout: CheckoutLayout, ref: str, branch_ref: str, entry: Loc
     cannot be told."""
     how: list[str] = []
     refs = dict(g.refs("refs/heads/", REFS))
-    tip = refs.get(branch_ref) or g.rev("HEAD")
+    # (a branch whose ref file git cannot read is made again from its reflog's last value: that is its tip)
+    tip = refs.get(branch_ref) or g.rev("HEAD") or next(iter(reflog_values(layout, branch_ref)), None)
     base = refs.get(BASE_REF)
     source: dict = {}
     if base:
         how.append(f"the base from {BASE_REF}")
-    elif entry is not None and tip:
-        found = _base_from_lock(g, tip, entry)
-        if found:
-            base, source = found
-            how.append(f"the base from the branch's commit the lock pins ({source['verified'].split(': ', 1)[1]})")
+    elif entry is not None:
+        for at in _tips(layout, tip, branch_ref):
+            found = _base_from_lock(g, at, entry)
+            if found:
+                base, source = found
+                seen = "the branch's commit" if at == tip else f"the commit (of {at[:12]}, in the reflog)"
+                how.append(f"the base from {seen} the lock pins ({source['verified'].split(': ', 1)[1]})")
+                break
     if not base:
         raise WorkspaceError(f"{ref}: the checkout's state record is lost and its base cannot be told from git "
                              f"({BASE_REF} is missing and no commit of the branch is the one upstream.lock pins)",

@@ -77,6 +77,13 @@ def _broken_ref_files(co):
         (co / ".git" / "refs" / "dsadapt" / r).write_text("not a commit id\n")
 
 
+def _everything_and_the_branch_ref(co):
+    """No record, no copy, no dsadapt ref, and the branch's own ref file damaged: neither the
+    branch nor HEAD reach the base; their reflogs do."""
+    _every_dsadapt_ref_and_file(co)
+    (co / ".git" / git(co, "symbolic-ref", "HEAD")).write_text("damaged\n")
+
+
 DAMAGE = {"deleted": _deleted, "half written": _half, "keys missing, wrong types": _keys_only,
           "not JSON": _not_json, "a list": _a_list, "a directory": _a_directory,
           "the record's folder and its copy removed": _own_dir_and_copy,
@@ -188,6 +195,25 @@ def test_a_base_that_git_cannot_tell_is_refused_with_the_command_that_makes_the_
         assert f"move {co} away" in text and f"dsadapt apply {REF1}" in text, (cmd, r)
         assert r.rc in (0, 4) and (r.rc == 0 or error_shape(r.err) is None), r
     assert git(co, "log", "-1", "--format=%s") == "mine: a module of my own"  # nothing moved
+
+
+def test_with_the_branch_ref_damaged_too_the_base_comes_from_the_reflogs(project, clean_stack, tmp_path):
+    """Neither the branch nor HEAD reach the base (the branch's ref file is damaged, every dsadapt
+    ref and file is gone): the base is found through their reflogs, the branch is made again from
+    its reflog, and the unexported commit is refused, then exported, as in every other case."""
+    co = _applied_with_a_commit(project)
+    _everything_and_the_branch_ref(co)
+    before = work_now(project)
+    st = project.run("status", "--json").json()["checkouts"][0]
+    assert st["state"] != "stack applied" and "rebuilt" in st["detail"], st
+    r = project.run("apply", REF1)
+    assert r.rc == 4 and "not exported" in r.err and error_shape(r.err) is None, r
+    assert git(co, "rev-parse", "refs/dsadapt/base") == project.upstream.commits[TAG1]
+    r = project.run("refresh", REF1)
+    assert r.rc == 0 and "0004-mine-a-module-of-my-own.patch" in r.out, r
+    assert lost(project, before) == []
+    assert project.run("status", "--json").json()["checkouts"][0]["state"] == "stack applied"
+    assert status_problems(project, tmp_path / "oracle") == []
 
 
 def test_a_record_written_by_a_newer_dsadapt_is_refused_not_rebuilt(project, clean_stack):
