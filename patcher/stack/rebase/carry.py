@@ -154,7 +154,7 @@ class RebaseKind:
         ex = tx.op.extra
         cfg = tx.co.cfg
         if ex.get("lock_after") is not None:
-            _write_pin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(tx.co.ref))
+            _move_lock(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(tx.co.ref), pinned=True)
         old = PinRef(*ex["from"].split("@", 1))
         g = tx.git
         base = tx.co.base()
@@ -285,7 +285,7 @@ class RebaseKind:
                 with contextlib.suppress(OSError):
                     d.rmdir()
         if ex.get("lock_before") is not None:
-            _unpin(cfg.lock_path, ex["lock_before"], ex["lock_after"], str(co.ref))
+            _move_lock(cfg.lock_path, ex["lock_after"], ex["lock_before"], str(co.ref), pinned=False)
 
 
     def describe(self, co: Checkout, op: Op) -> tuple[str, str, str | None] | None:
@@ -325,28 +325,20 @@ def _resolve(cfg: Config, s: str) -> Path:
     return cfg.project / s  # relative paths of older records are the project's
 
 
-def _write_pin(path: Path, before: str, after: str, key: str) -> None:
+def _move_lock(path: Path, frm: str, to: str, key: str, *, pinned: bool) -> None:
+    """Make upstream.lock hold `to` where it holds `frm` (nothing to do where it holds `to`); a lock
+    someone edited meanwhile gets only the one change: `key` pinned (its entry as `to` has it) or
+    unpinned. Rolling forward pins NEW (`frm` the lock before, `to` after); rolling back unpins it."""
     cur = path.read_text(encoding="utf-8")
-    if cur == after:
+    if cur == to:
         return
-    if cur == before:
-        atomic_write_text(path, after)
-        return
-    lock = load_lock(path)  # someone edited the lock meanwhile: add the entry to what is there now
-    if key not in lock.pins:
-        write_lock(lock.with_pin(parse_lock(after, path).pin(key)), path)
-
-
-def _unpin(path: Path, before: str, after: str, key: str) -> None:
-    """Remove the pin the rebase added: the old bytes, unless someone changed the lock since."""
-    cur = path.read_text(encoding="utf-8")
-    if cur == before:
-        return
-    if cur == after:
-        atomic_write_text(path, before)
+    if cur == frm:
+        atomic_write_text(path, to)
         return
     lock = load_lock(path)
-    if key in lock.pins:
+    if pinned and key not in lock.pins:
+        write_lock(lock.with_pin(parse_lock(to, path).pin(key)), path)
+    elif not pinned and key in lock.pins:
         write_lock(replace(lock, pins={k: v for k, v in lock.pins.items() if k != key}), path)
 
 
