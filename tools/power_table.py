@@ -105,7 +105,7 @@ def publish(report: Path, dest: Path) -> Path:
             shutil.copyfile(report.with_suffix(suffix), dest / report.with_suffix(suffix).name)
     # what a device call brings back has the JSON only: the Markdown and the plot are made from it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from patcher.rules.mde import markdown, result_from_json
+    from patcher.gate.detection import markdown, result_from_json
 
     if not (dest / report.with_suffix(".md").name).is_file():
         (dest / report.with_suffix(".md").name).write_text(markdown(result_from_json(d)), encoding="utf-8")

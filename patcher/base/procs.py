@@ -22,6 +22,7 @@ It exits with ARGV's status when ARGV exited first, else 124 (deadline) or 143.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -274,6 +275,31 @@ class Guarded:
 
     def members(self) -> list[int]:
         return group_members(self.pgid)
+
+    def send_job(self, doc: dict, done: Path) -> bool:
+        """One job of the done-file protocol of dsadapt's long-lived runners (JSON lines on stdin,
+        each answered by writing its ``done`` file): `doc` sent with `done` (made ready: its folder
+        made, an old one removed). False when the process's stdin is gone."""
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.unlink(missing_ok=True)
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps({**doc, "done": str(done)}) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def wait_for(self, path: Path, timeout_s: float) -> str:
+        """Wait for `path` to appear: "done", or "exited" (the process ended first), or "late"."""
+        end = time.monotonic() + timeout_s
+        while not path.exists():
+            if not self.alive():
+                return "exited"
+            if time.monotonic() > end:
+                return "late"
+            time.sleep(0.05)
+        return "done"
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the group (the guard escalates to SIGKILL after its grace), then make sure:

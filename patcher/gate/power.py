@@ -40,6 +40,7 @@ from patcher.engines.registry import engine
 from patcher.formats.lock import Lock
 from patcher.formats.pinref import PinRef
 from patcher.gate import bisect
+from patcher.gate.detection import PowerResult, markdown
 from patcher.gate.equivalence import (
     ENGINE_TOP_K,
     MAX_TOKENS,
@@ -190,14 +191,8 @@ class PowerRunner:
         """Queue a job on the runner's stdin; returns the path its answer will be written to."""
         self.n += 1
         done = self.work / "jobs" / f"{self.n:04d}.done.json"
-        done.parent.mkdir(parents=True, exist_ok=True)
-        done.unlink(missing_ok=True)
-        try:
-            assert self.proc.proc.stdin is not None
-            self.proc.proc.stdin.write((json.dumps({**job, "done": str(done)}) + "\n").encode())
-            self.proc.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise self._died() from None
+        if not self.proc.send_job(job, done):
+            raise self._died()
         return done
 
     def wait(self, done: Path, timeout_s: float = JOB_TIMEOUT_S) -> dict:
@@ -205,14 +200,12 @@ class PowerRunner:
         from patcher.base.procs import log_tail
 
         limit = timeout_s + (self.start_s if self.answered == 0 else 0.0)
-        end = time.monotonic() + limit
-        while not done.exists():
-            if not self.proc.alive():
-                raise self._died()
-            if time.monotonic() > end:
-                raise PowerError(f"the {self.proc.name} took more than {limit:.0f} s for one perturbation setting",
-                                 hint=f"log: {self.log}")
-            time.sleep(0.05)
+        came = self.proc.wait_for(done, limit)
+        if came == "exited":
+            raise self._died()
+        if came == "late":
+            raise PowerError(f"the {self.proc.name} took more than {limit:.0f} s for one perturbation setting",
+                             hint=f"log: {self.log}")
         self.answered += 1
         answer = json.loads(done.read_text())
         if not answer.get("ok"):
@@ -638,7 +631,7 @@ def _run_engine(r: _PowerRun, judge: Judge, prompts_path: Path, prompt_ids: list
 
 
 def run_power(plan: PowerPlan, dtype: str, *, host: RunHost | None = None,
-              on_line: Callable[[str], None] | None = None) -> P.PowerResult:
+              on_line: Callable[[str], None] | None = None) -> PowerResult:
     """The power run of one planned pin and model in one of the plan's dtypes (see the module doc).
     `host`: one `RunHost` shared by the runs of one command (several dtypes), so the engine is built
     and installed once; it carries the progress."""
@@ -652,7 +645,7 @@ def run_power(plan: PowerPlan, dtype: str, *, host: RunHost | None = None,
     return result
 
 
-def _result(r: _PowerRun, judge: Judge, found: _Outcome) -> P.PowerResult:
+def _result(r: _PowerRun, judge: Judge, found: _Outcome) -> PowerResult:
     req, control = r.req, found.control
     if not control.get("passed"):
         for cell in r.cells:
@@ -661,7 +654,7 @@ def _result(r: _PowerRun, judge: Judge, found: _Outcome) -> P.PowerResult:
     r.timings.update({k: v for k, v in found.engine.items() if k.endswith("_s")})
     reasons = P.verdict(r.cells, control.get("passed", False), control.get("reasons") or [], req.require)
     r.timings["total_s"] = round(time.monotonic() - r.t_start, 2)
-    return P.PowerResult(
+    return PowerResult(
         pin=str(req.pin), engine=req.pin.engine, variant=r.plan.check.spec.name, model=r.label, config_style=r.style,
         dtype=req.dtype, unpatched=req.unpatched, kind=req.kind,
         search={**asdict(req.search), "grid": req.grid, "time_limit": req.time_limit}, cells=r.cells,
@@ -745,7 +738,7 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def write_report(result: P.PowerResult, out: Path) -> None:
+def write_report(result: PowerResult, out: Path) -> None:
     """The power report: JSON (schema dsadapt.power-report/1), its Markdown twin and its plot, each whole."""
     from patcher.base.fsutil import atomic_write_text
 
@@ -760,7 +753,7 @@ def write_report(result: P.PowerResult, out: Path) -> None:
         png.unlink(missing_ok=True)
         result.plot_path = None
     atomic_write_text(out, json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")
-    atomic_write_text(out.with_suffix(".md"), P.markdown(result))
+    atomic_write_text(out.with_suffix(".md"), markdown(result))
 
 
 def default_command(req: PowerRequest) -> str:

@@ -494,7 +494,7 @@ def bisect_result(doc: dict):
 
 
 def plot_power(result, out: Path) -> Path:
-    """A power run (`patcher.rules.mde.PowerResult`): one column per (target, phase), eps on a log
+    """A power run (`patcher.gate.detection.PowerResult`): one column per (target, phase), eps on a log
     axis; every trial a marker (red cross: the gate flagged it, green circle: it did not, grey: not
     planted), the MDE of each cell a black bar, the searched range's ends dashed lines. A column
     with no bar the gate never flagged in the range; one with its bar on the lower line is flagged

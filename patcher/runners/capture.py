@@ -154,6 +154,7 @@ class _Hooks:
     """What a `Recorder` and a `Perturber` share: the hooks and wrappers to undo, and which decoder
     layer is running (a forward pre-hook on each layer of the spec's ``layers``)."""
 
+    spec: dict
     handles: list
     restores: list
     layer: int | None
@@ -165,6 +166,19 @@ class _Hooks:
         for i, layer in enumerate(layers):
             self.handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
         return len(layers)
+
+    def _install_root(self, root) -> int:
+        """The layer tracking and the root forward's pre-hook (`_root_pre`, where the spec names the
+        root's ``rows``); returns how many layers are tracked."""
+        n_layers = self._track_layers(root, self.spec)
+        rows = self.spec.get("rows")
+        if rows:
+            self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
+                self._root_pre(rows), with_kwargs=True))
+        return n_layers
+
+    def _root_pre(self, rows: dict):
+        raise NotImplementedError
 
     def _layer_pre(self, i: int):
         def hook(module, args):
@@ -178,6 +192,12 @@ class _Hooks:
             undo()
         self.handles.clear()
         self.restores.clear()
+
+
+def point_paths(point: dict, n_layers: int) -> list[str]:
+    """The module paths of a spec point: one per layer where its path holds ``{i}``."""
+    path = point["path"]
+    return [path.replace("{i}", str(i)) for i in range(n_layers)] if "{i}" in path else [path]
 
 
 def root_inputs(rows: dict, args, kwargs):
@@ -231,17 +251,13 @@ class Recorder(_Hooks):
     # -- installation
     def install(self, root) -> None:
         """Register every hook and wrapper the spec asks for."""
-        n_layers = self._track_layers(root, self.spec)
-        rows = self.spec.get("rows")
-        if rows:
-            self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
-                self._root_pre(rows), with_kwargs=True))
+        n_layers = self._install_root(root)
         groups: dict[tuple, list[dict]] = {}
         for p in self.spec["points"]:
             if "function" in p:
                 groups.setdefault(("function", p["function"]), []).append(p)
                 continue
-            paths = [p["path"].replace("{i}", str(i)) for i in range(n_layers)] if "{i}" in p["path"] else [p["path"]]
+            paths = point_paths(p, n_layers)
             found = False
             for path in paths:
                 obj = _try_resolve(root, path)
@@ -555,11 +571,7 @@ class Perturber(_Hooks):
 
     # -- installation
     def install(self, root) -> None:
-        n_layers = self._track_layers(root, self.spec)
-        rows = self.spec.get("rows")
-        if rows:
-            self.handles.append(resolve(root, rows.get("path", "")).register_forward_pre_hook(
-                self._root_pre(rows), with_kwargs=True))
+        n_layers = self._install_root(root)
         for k, item in enumerate(self.plan):
             self.tallies.setdefault(item["point"], _Tally())
             entries = [p for p in self.spec["points"] if p["point"] == item["point"]]
@@ -569,7 +581,7 @@ class Perturber(_Hooks):
                 if "function" in e:
                     found |= self._wrap_function(e, k)
                     continue
-                paths = [e["path"].replace("{i}", str(i)) for i in range(n_layers)] if "{i}" in e["path"] else [e["path"]]
+                paths = point_paths(e, n_layers)
                 for path in paths:
                     obj = _try_resolve(root, path)
                     if obj is None:

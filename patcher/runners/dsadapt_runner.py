@@ -103,6 +103,20 @@ def add_parallel_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+def parse_engine_args(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """An engine runner's command line: its own options (in `ap`) and the parallel, capture and
+    power protocols, parsed and checked (argparse's exit 2 for a combination no engine runs)."""
+    add_parallel_args(ap)
+    add_capture_args(ap)
+    add_power_args(ap)
+    args = ap.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be at least 1")
+    if args.power_jobs and (args.capture_spec is None or args.tensor_parallel_size != 1):
+        ap.error("--power-jobs needs --capture-spec and one rank")
+    return args
+
+
 def parallel_settings(args: argparse.Namespace, **extra) -> dict:
     """``settings.parallel`` of a report: what the engine ran with."""
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)

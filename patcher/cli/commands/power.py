@@ -22,12 +22,13 @@ from patcher.cli.commands.common import (
     table,
     to_ref,
 )
+from patcher.gate.detection import SCHEMA, PowerResult
 from patcher.gate.hosts import RunHost
 from patcher.gate.power import PowerRequest, plan_power, run_power
 from patcher.rules import mde as P
 
 
-def render(res: P.PowerResult) -> None:
+def render(res: PowerResult) -> None:
     rows = []
     for c in res.cells:
         at = next((t for t in c.judged() if t.flagged and t.eps == c.flagged_at), None)
@@ -114,7 +115,7 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
     progress = progress_printer()
     on_line = progress.note if progress is not None else None
     host = RunHost(ctx.cfg, ctx.lock, progress, not as_json)  # one build and install for every dtype
-    done: list[P.PowerResult] = []
+    done: list[PowerResult] = []
     with workdir_lock(ctx.cfg):
         for dt in plan.dtypes:
             res = run_power(plan, dt, host=host, on_line=on_line)
@@ -123,7 +124,7 @@ def power_cmd(ctx: Context, pin, model, config_style, dtypes, variant, unpatched
                 render(res)
     if as_json:
         if len(done) == 1:
-            emit_json(done[0].to_json(), schema=P.SCHEMA)
+            emit_json(done[0].to_json(), schema=SCHEMA)
         else:
             emit_json({"pin": str(ref), "passed": all(r.passed for r in done), "dtypes": {r.dtype: r.passed for r in done},
                        "results": [r.to_json() for r in done]}, schema="dsadapt.power-dtypes/1")

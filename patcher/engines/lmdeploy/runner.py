@@ -65,14 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--session-len", type=int, default=SESSION_LEN)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.05,
                     help="fraction of free GPU memory for the KV cache")
-    kit.add_parallel_args(ap)
-    kit.add_capture_args(ap)
-    kit.add_power_args(ap)
-    args = ap.parse_args(argv)
-    if args.tensor_parallel_size < 1:
-        ap.error("--tensor-parallel-size must be at least 1")
-    if args.power_jobs and (args.capture_spec is None or args.tensor_parallel_size != 1):
-        ap.error("--power-jobs needs --capture-spec and one rank")
+    args = kit.parse_engine_args(ap, argv)
     if args.expert_parallel:
         ap.error("--expert-parallel: this runner runs LMDeploy's tensor parallelism only")
     return args

@@ -50,14 +50,7 @@ import dsadapt_runner as kit
 def parse_args(argv=None):
     ap = kit.parser(__doc__.split("\n")[0], ("float32", "bfloat16", "float16", "fp8"))
     ap.add_argument("--max-model-len", type=int, default=256)
-    kit.add_parallel_args(ap)
-    kit.add_capture_args(ap)
-    kit.add_power_args(ap)
-    args = ap.parse_args(argv)
-    if args.tensor_parallel_size < 1:
-        ap.error("--tensor-parallel-size must be at least 1")
-    if args.power_jobs and (args.capture_spec is None or args.tensor_parallel_size != 1):
-        ap.error("--power-jobs needs --capture-spec and one rank")
+    args = kit.parse_engine_args(ap, argv)
     return args
 
 
