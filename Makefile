@@ -81,8 +81,10 @@ bench: setup
 ## Regenerate the committed reports this machine can make: reports/plan.txt's cpu lines (vLLM 0.32 on
 ## CPU: every built-in model in every dtype, the V3 at TP 2, the speed gate at its documented size,
 ## the control; Triton r26.01 with a mirror of vllm_backend in DSADAPT_MIRRORS), each published into
-## reports/ by `dsadapt ... --publish`. Hours on 2 cores: run it when the machine is quiet (every
-## command's load average is in the summary). REPORTS_ARGS: e.g. --only vllm@v0.32.0, --dry-run.
+## reports/ by `dsadapt ... --publish`. About 2 hours on 2 cores: run it when the machine is quiet (every
+## command's load average is in the summary). Killed, it resumes when run again (--fresh: from the
+## start). REPORTS_ARGS: e.g. --only vllm@v0.32.0, --dry-run (each command's time when last run),
+## --lock FILE (hold FILE's flock while each command runs).
 REPORTS_ARGS ?=
 reports: setup
 	$(BIN)/python tools/refresh_reports.py $(REPORTS_ARGS)

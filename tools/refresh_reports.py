@@ -2,7 +2,8 @@
 reports/plan.txt for that machine, run through the product (`dsadapt ... --publish --json`, this
 checkout's code), one after the other, with a summary at the end.
 
-    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--start N] [--dry-run] [--plan FILE]
+    python tools/refresh_reports.py [--machine cpu] [--only PIN] [--start N] [--fresh] [--lock FILE]
+                                    [--dry-run] [--plan FILE]
 
 Each command's --json output and stderr are kept in the work dir (`<work dir>/reports-refresh/`,
 named in the summary), with its exit status, seconds and the 1-minute load average before and
@@ -11,11 +12,24 @@ every perf report records it too. Exit 0 when every command gave the verdict the
 pass, or the `=> fail` of a control run), 1 when one gave another verdict, and otherwise the first
 error's own exit code (6: cannot run here, e.g. Triton without a mirror of vllm_backend,
 `DSADAPT_MIRRORS='triton=/path/to/vllm_backend.git'`); a command that fails never stops the rest.
+
+A run that stops (killed, the machine rebooted) is resumed by running it again: each command that
+gave its planned verdict is recorded in `reports-refresh/state.json` as soon as it ends, with a
+fingerprint of what its reports depend on (patcher/, patches/, upstream.lock, pyproject.toml, the
+plan line), and a later run skips it while that fingerprint holds and its reports are still
+there; the command that was running when the run stopped starts again from its beginning (its
+reports are each written whole). `--fresh` forgets the record. Every command's seconds are kept
+too (`reports-refresh/durations.json`, across fingerprints): `--dry-run` lists the commands with
+the time each took last, and a run says at its start how long the remaining ones took then.
+`--lock FILE` holds FILE's lock (flock) while each command runs, so that on a shared machine other
+engine work waits for the command running and not for the whole refresh.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -31,6 +45,8 @@ PLAN = ROOT / "reports" / "plan.txt"
 MACHINES = ("cpu", "h200", "none")
 #: the commands that write a report (the plan's other lines prepare what they read)
 REPORTING = ("check", "perf")
+#: how a command runs: this checkout's dsadapt under this Python
+DSADAPT = (sys.executable, "-m", "patcher.cli.main")
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,7 @@ class Outcome:
     reports: list[str] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
     log: str = ""
+    earlier: bool = False          # recorded by an earlier run of the same inputs, not run again
 
     @property
     def as_planned(self) -> bool:
@@ -192,7 +209,10 @@ def work_dir() -> Path:
     return Path(os.environ.get("DSADAPT_WORKDIR") or ROOT / ".dsadapt")
 
 
-def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
+def run_line(line: PlanLine, index: int, logs: Path, held: tuple[int, ...] = ()) -> Outcome:
+    """One command through this checkout's dsadapt. `held`: lock fds the command inherits, so that a
+    command outliving a killed refresh keeps them held (no second refresh, no other engine work, starts
+    beside it)."""
     args = line.dsadapt_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
                                                    if os.environ.get("PYTHONPATH") else "")}
@@ -200,8 +220,8 @@ def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
     log = logs / f"{index:02d}-{slug}"
     t0, before = time.monotonic(), _load()
     with open(f"{log}.log", "w", encoding="utf-8") as err:
-        proc = subprocess.run([sys.executable, "-m", "patcher.cli.main", "--project", str(ROOT), *args],
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+        proc = subprocess.run([*DSADAPT, "--project", str(ROOT), *args],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT, pass_fds=held)
     Path(f"{log}.json").write_text(proc.stdout, encoding="utf-8")
     try:
         verdict, detail, reports = outcome_of(line, proc.returncode, proc.stdout)
@@ -211,6 +231,119 @@ def run_line(line: PlanLine, index: int, logs: Path) -> Outcome:
                    f"{log}.log")
 
 
+#: what a committed report depends on, besides its plan line: a change to any of them is a new run
+INPUTS = ("patcher", "patches", "upstream.lock", "pyproject.toml")
+
+
+def inputs_fingerprint(root: Path = ROOT) -> str:
+    """sha256 over the files the reports depend on (INPUTS: names and contents, caches left out)."""
+    h = hashlib.sha256()
+    for top in INPUTS:
+        base = root / top
+        files = [base] if base.is_file() else sorted(f for f in base.rglob("*") if f.is_file()
+                                                       and "__pycache__" not in f.parts)
+        for f in files:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def line_key(line: PlanLine) -> str:
+    """Pure: a plan line as the record knows it (its words, not its line number)."""
+    return " ".join([line.machine, line.pin or "-", *line.argv, "=>", line.expect])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Written whole: a kill leaves the old record or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def done_earlier(state: dict, fingerprint: str, line: PlanLine, root: Path = ROOT) -> Outcome | None:
+    """Pure but for reading whether reports exist: the recorded outcome of `line` when the record is
+    of these inputs, it gave its planned verdict and every report it wrote is still there."""
+    if state.get("inputs") != fingerprint:
+        return None
+    rec = (state.get("done") or {}).get(line_key(line))
+    if not isinstance(rec, dict) or rec.get("verdict") != line.expect:
+        return None
+    reports = [str(r) for r in rec.get("reports") or []]
+    if not all((root / r).is_file() for r in reports):
+        return None
+    load = rec.get("load") or [0.0, 0.0]
+    return Outcome(line, int(rec.get("rc") or 0), float(rec.get("seconds") or 0.0), str(rec["verdict"]),
+                   str(rec.get("detail") or ""), reports, (float(load[0]), float(load[1])), str(rec.get("log") or ""),
+                   earlier=True)
+
+
+def record(state: dict, fingerprint: str, o: Outcome, root: Path = ROOT) -> dict:
+    """Pure: the record with `o` in it (a record of other inputs is started again)."""
+    if state.get("inputs") != fingerprint:
+        state = {"inputs": fingerprint, "done": {}}
+    reports = []
+    for r in o.reports:
+        try:
+            reports.append(Path(r).resolve().relative_to(root).as_posix())
+        except ValueError:
+            reports.append(r)
+    done = dict(state.get("done") or {})
+    done[line_key(o.line)] = {"verdict": o.verdict, "rc": o.rc, "seconds": round(o.seconds, 1), "detail": o.detail,
+                              "reports": reports, "load": list(o.load), "log": o.log}
+    return {**state, "done": done}
+
+
+def estimate(lines: list[PlanLine], durations: dict) -> tuple[float, list[PlanLine]]:
+    """Pure: (seconds the lines took when last run here, the lines never run here)."""
+    known = [durations[line_key(ln)] for ln in lines if isinstance(durations.get(line_key(ln)), dict)]
+    return (sum(float(d.get("seconds") or 0.0) for d in known),
+            [ln for ln in lines if not isinstance(durations.get(line_key(ln)), dict)])
+
+
+def _estimate_words(lines: list[PlanLine], durations: dict) -> str:
+    """Pure: what the lines took when last run here, in words."""
+    total, unknown = estimate(lines, durations)
+    if not lines:
+        return "nothing left to do"
+    if len(unknown) == len(lines):
+        return "none of them has run here yet (no time to go by)"
+    return f"{_minutes(total)} when last run here" + (f", and {len(unknown)} never run here" if unknown else "")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+class _Held:
+    """FILE's flock while one command runs (`--lock`), said when it has to be waited for."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.fd = path, -1
+
+    def __enter__(self) -> _Held:
+        if self.path is None:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"      waiting for {self.path} (other engine work holds it)", flush=True)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def summary(outcomes: list[Outcome]) -> str:
     """Pure: one line per command, then the count."""
     lines = []
@@ -218,6 +351,7 @@ def summary(outcomes: list[Outcome]) -> str:
         mark = "ok " if o.as_planned else "!! "
         lines.append(f"{mark} {o.line.pin or '-':16} {' '.join(o.line.argv):55} {o.verdict:8} "
                      f"(expected {o.line.expect}) {o.seconds:6.0f} s  load {o.load[0]:.1f} -> {o.load[1]:.1f}"
+                     + ("  (an earlier run's)" if o.earlier else "")
                      + (f"\n      {o.detail}" if o.detail else ""))
     bad = [o for o in outcomes if not o.as_planned]
     lines.append(f"{len(outcomes)} commands, {len(outcomes) - len(bad)} as planned"
@@ -241,7 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="PIN", help="only this pin's lines (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--start", type=int, default=1, metavar="N",
-                    help="begin at the machine's N-th line (resume a run that stopped; --dry-run numbers them)")
+                    help="begin at the machine's N-th line (--dry-run numbers them); a run that stopped needs no --start: "
+                         "run it again and it resumes")
+    ap.add_argument("--fresh", action="store_true",
+                    help="run every line again, forgetting what an earlier run of the same inputs finished")
+    ap.add_argument("--lock", type=Path, metavar="FILE",
+                    help="hold FILE's lock (flock) while each command runs (other engine work on the machine waits "
+                         "for that command, not for the whole refresh)")
     ap.add_argument("--plan", type=Path, default=PLAN)
     ap.add_argument("--chains", action="store_true",
                     help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
@@ -270,24 +410,73 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {a.plan}: {e}", file=sys.stderr)
             return 2
         return 0
-    if a.dry_run:
-        for i, ln in enumerate(lines, 1):
-            print(f"{i:2d}  dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()))
-        return 0
     if not 1 <= a.start <= len(lines):
         print(f"error: --start {a.start}: the {a.machine} lines are 1 to {len(lines)}", file=sys.stderr)
         return 2
     logs = work_dir() / "reports-refresh"
+    if a.dry_run:
+        return _dry_run(lines[a.start - 1:], a.start, logs, a.fresh)
     logs.mkdir(parents=True, exist_ok=True)
+    mine = os.open(logs / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"error: another refresh runs in {logs} (or a command of one that was killed still does)",
+              file=sys.stderr)
+        print("hint: let it end (its commands' logs are there), then run this again: it resumes", file=sys.stderr)
+        return 7
+    return _run(a, lines, logs, mine)
+
+
+def _dry_run(lines: list[PlanLine], start: int, logs: Path, fresh: bool) -> int:
+    """The commands a run would give, numbered, each with the time it took when last run here (or that an
+    earlier run of these inputs did it), and the sum of what is left."""
+    durations = _read_json(logs / "durations.json")
+    state = {} if fresh else _read_json(logs / "state.json")
+    fingerprint = inputs_fingerprint() if state else ""
+    left = []
+    for i, ln in enumerate(lines, start):
+        d = durations.get(line_key(ln))
+        if done_earlier(state, fingerprint, ln) is not None:
+            took = "  # done by an earlier run of these inputs"
+        else:
+            left.append(ln)
+            took = (f"  # {_minutes(float(d.get('seconds') or 0))} last (load {float((d.get('load') or [0])[0]):.1f})"
+                    if isinstance(d, dict) else "  # not run here yet")
+        print(f"{i:2d}  dsadapt " + " ".join(shlex.quote(x) for x in ln.dsadapt_args()) + took)
+    print(f"{len(left)} to run: " + _estimate_words(left, durations))
+    return 0
+
+
+def _run(a, lines: list[PlanLine], logs: Path, mine: int) -> int:
+    state_file, durations_file = logs / "state.json", logs / "durations.json"
+    fingerprint = inputs_fingerprint()
+    state = {} if a.fresh else _read_json(state_file)
+    durations = _read_json(durations_file)
+    todo = [(i, ln) for i, ln in enumerate(lines, 1) if i >= a.start]
+    earlier = {i: o for i, ln in todo if (o := done_earlier(state, fingerprint, ln)) is not None}
+    left = [ln for i, ln in todo if i not in earlier]
+    print(f"{len(left)} of {len(todo)} commands to run" + (f" ({len(earlier)} done by an earlier run of these "
+                                                            "inputs; --fresh runs them again)" if earlier else "")
+          + ": " + _estimate_words(left, durations), flush=True)
     outcomes = []
-    for i, ln in enumerate(lines, 1):
-        if i < a.start:
+    for i, ln in todo:
+        if i in earlier:
+            print(f"[{i}/{len(lines)}] done earlier: dsadapt {' '.join(ln.dsadapt_args())} ({earlier[i].verdict})")
+            outcomes.append(earlier[i])
             continue
         print(f"[{i}/{len(lines)}] dsadapt {' '.join(ln.dsadapt_args())}", flush=True)
-        o = run_line(ln, i, logs)
+        with _Held(a.lock) as held:
+            o = run_line(ln, i, logs, (mine,) + ((held.fd,) if held.fd >= 0 else ()))
         print(f"      {o.verdict}{' (as planned)' if o.as_planned else f' (planned: {ln.expect})'} in "
               f"{o.seconds:.0f} s, load {o.load[0]:.1f} -> {o.load[1]:.1f}; log {o.log}", flush=True)
         outcomes.append(o)
+        if o.verdict in ("pass", "fail"):  # a command that could not run says nothing of how long it takes
+            durations[line_key(ln)] = {"seconds": round(o.seconds, 1), "load": list(o.load)}
+            _write_json(durations_file, durations)
+        if o.as_planned:
+            state = record(state, fingerprint, o)
+            _write_json(state_file, state)
     print(summary(outcomes))
     print(f"reports published under {ROOT / 'reports'}; `dsadapt report` shows what they say")
     return exit_code(outcomes)

@@ -78,6 +78,112 @@ def test_outcomes_from_the_commands_json_and_the_exit_code_of_the_whole_run():
     assert "2 commands, 1 as planned, 1 not: vllm@v0.32.0 check --model v3 --unpatched: pass" in text
 
 
+def test_a_finished_command_is_recorded_for_its_inputs_and_skipped_while_they_hold(tmp_path):
+    line, control = rr.parse_plan("cpu vllm@v0.32.0 check --model v3\ncpu vllm@v0.32.0 check --unpatched => fail")
+    report = tmp_path / "reports" / "v3.json"
+    report.parent.mkdir()
+    report.write_text("{}")
+    ok = rr.Outcome(line, 0, 900.0, "pass", "float32 pass", [str(report)], (9.0, 24.0))
+    state = rr.record({}, "inputs-1", ok, root=tmp_path)
+    assert state["done"][rr.line_key(line)]["reports"] == ["reports/v3.json"]  # relative: the checkout may move
+    again = rr.done_earlier(state, "inputs-1", line, root=tmp_path)
+    assert again is not None and again.earlier and (again.verdict, again.seconds, again.load) == ("pass", 900.0, (9.0, 24.0))
+    assert rr.done_earlier(state, "inputs-2", line, root=tmp_path) is None      # the code or a stack changed
+    assert rr.done_earlier(state, "inputs-1", control, root=tmp_path) is None   # never recorded
+    report.unlink()
+    assert rr.done_earlier(state, "inputs-1", line, root=tmp_path) is None      # its report is gone
+    # a verdict other than planned is never taken for done; a record of other inputs starts again
+    wrong = rr.record(state, "inputs-1", rr.Outcome(control, 0, 5.0, "pass"), root=tmp_path)
+    assert rr.done_earlier(wrong, "inputs-1", control, root=tmp_path) is None
+    assert list(rr.record(state, "inputs-2", rr.Outcome(control, 1, 5.0, "fail"), root=tmp_path)["done"]) == \
+        [rr.line_key(control)]
+    # the estimate: what the lines took last, and which never ran
+    durations = {rr.line_key(line): {"seconds": 900.0, "load": [9.0, 24.0]}}
+    assert rr.estimate([line, control], durations) == (900.0, [control])
+    assert rr.line_key(line) == "cpu vllm@v0.32.0 check --model v3 => pass"
+    # the fingerprint follows the code, not the reports
+    fp = rr.inputs_fingerprint()
+    assert fp == rr.inputs_fingerprint() and len(fp) == 64
+
+
+_STANDIN = """import json, os, sys, time
+args = sys.argv[1:]
+model = args[args.index("--model") + 1]
+out = os.path.join(os.environ["STANDIN_DIR"], "reports", model + ".json")
+with open(os.path.join(os.environ["STANDIN_DIR"], "calls.txt"), "a") as f:
+    f.write(f"{model} {os.getpid()}\\n")
+if model == "slow" and not os.path.exists(os.path.join(os.environ["STANDIN_DIR"], "slow-once")):
+    open(os.path.join(os.environ["STANDIN_DIR"], "slow-once"), "w").close()
+    time.sleep(120)  # killed by the test
+os.makedirs(os.path.dirname(out), exist_ok=True)
+with open(out, "w") as f:
+    f.write("{}")
+print(json.dumps({"schema": "dsadapt.check-report/1", "verdict": "pass", "report_path": out}))
+"""
+
+
+def test_a_killed_refresh_resumes_where_it_stopped_and_never_runs_beside_its_own_command(tmp_path):
+    """kill -9 of the refresh while its second command runs: the command outlives it and keeps the
+    refresh's lock (a second refresh is refused, exit 7) and --lock's FILE; once the
+    command is gone, running the refresh again does the second and third commands, not the first."""
+    import signal
+    import time
+
+    plan = tmp_path / "plan.txt"
+    plan.write_text("cpu vllm@v0.32.0 check --model a\ncpu vllm@v0.32.0 check --model slow\n"
+                    "cpu vllm@v0.32.0 check --model c\n")
+    standin = tmp_path / "standin.py"
+    standin.write_text(_STANDIN)
+    driver = (f"import sys; sys.path.insert(0, {str(TOOLS)!r}); import refresh_reports as rr; "
+              f"rr.DSADAPT = (sys.executable, {str(standin)!r}); sys.exit(rr.main(sys.argv[1:]))")
+    env = {**os.environ, "DSADAPT_WORKDIR": str(tmp_path / "work"), "STANDIN_DIR": str(tmp_path)}
+    shared_lock = tmp_path / "engine.lock"
+    argv = [sys.executable, "-c", driver, "--plan", str(plan), "--lock", str(shared_lock)]
+    calls = tmp_path / "calls.txt"
+
+    def called() -> list[str]:
+        return calls.read_text().split() if calls.exists() else []
+
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while "slow" not in called() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "slow" in called(), called()
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    slow_pid = int(called()[called().index("slow") + 1])
+    try:
+        second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 7 and "another refresh runs" in second.stderr, second
+        import fcntl
+
+        with open(shared_lock) as held, pytest.raises(BlockingIOError):  # --lock's FILE stays with it too
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.kill(slow_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(slow_pid, 0)
+            time.sleep(0.1)
+        except ProcessLookupError:
+            break
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert called()[::2] == ["a", "slow", "slow", "c"], called()  # a once; slow again from its start; then c
+    assert "2 of 3 commands to run (1 done by an earlier run" in again.stdout
+    assert "[1/3] done earlier" in again.stdout and "3 commands, 3 as planned" in again.stdout
+    # everything done: a further run runs nothing, --fresh everything, and --dry-run says which is which
+    calls.unlink()
+    assert subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60).returncode == 0
+    assert called() == []
+    dry = subprocess.run([*argv, "--dry-run", "--fresh"], env=env, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and dry.stdout.count("last (load") == 3 and "3 to run: 0 min when last run here" in \
+        dry.stdout, dry.stdout
+    dry = subprocess.run([*argv, "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+    assert dry.stdout.count("done by an earlier run") == 3 and "0 to run: nothing left to do" in dry.stdout, dry.stdout
+
+
 def test_the_h200_lines_become_chains_and_made_model_commands():
     lines = [ln for ln in rr.load_plan() if ln.machine == "h200"]
     pin, variant, chains = rr.chains(lines)
