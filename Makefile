@@ -95,7 +95,9 @@ REPORTS_BUNDLE ?= .carry/reports
 gpu-reports: setup
 	DSADAPT=$(BIN)/dsadapt bash tools/device/reports_h200.sh prepare $(REPORTS_BUNDLE)
 	@echo "on the GPU machine, from this checkout: run command 'bash tools/device/reports_h200.sh device $(REPORTS_BUNDLE)'," \
-	  "carry ['$(REPORTS_BUNDLE)'], timeout_s 480 (FP8=0 ...: about 4 minutes; knobs: the script's header)"
+	  "carry ['$(REPORTS_BUNDLE)'], timeout_s 480 (with the FP8 slice: about 6 minutes); or" \
+	  "'DEADLINE=270 bash tools/device/reports_h200.sh device $(REPORTS_BUNDLE)', timeout_s 300 (the built-in models" \
+	  "only: about 4 minutes); knobs: the script's header"
 	@echo "then, here: bash tools/device/reports_h200.sh unpack OUT && $(BIN)/dsadapt report"
 
 ## The LMDeploy gate on a GPU machine without network (an H200 without network): the offline

@@ -181,6 +181,28 @@ def chains(lines: list[PlanLine]) -> tuple[str, str, list[str]]:
     return pins.pop(), variants.pop(), out
 
 
+def more_chains(mine: list[str], more: str) -> tuple[list[str], list[str]]:
+    """Pure: another device chains file's lines (`MORE_CHAINS`, e.g. another measurement sharing the
+    call) after the plan's: a line that runs what one of the plan's lines runs (the same command on
+    the bundle's own stack) is left out, that report is the plan's and serves both; a chain whose
+    name the plan's chains use is renamed NAME-more. Returns (lines, the lines left out)."""
+    ours = {tuple(c.split()[1:]) for c in mine}
+    names = {c.split()[0] for c in mine}
+    out, reused = list(mine), []
+    for raw in more.splitlines():
+        words = raw.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) < 3:
+            raise PlanError(f"chains line {raw.strip()!r}: CHAIN STACK COMMAND [ARGS...] expected")
+        if tuple(words[1:]) in ours:
+            reused.append(raw.strip())
+            continue
+        name = f"{words[0]}-more" if words[0] in names and words[0] != "first" else words[0]
+        out.append(" ".join([name, *words[1:]]))
+    return out, reused
+
+
 def made_commands(lines: list[PlanLine], models_dir: str) -> list[list[str]]:
     """Pure: the lines that make a model and those that check one, in order, as dsadapt arguments,
     a made model's name put under `models_dir`."""
@@ -385,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", type=Path, default=PLAN)
     ap.add_argument("--chains", action="store_true",
                     help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
+    ap.add_argument("--more", type=Path, metavar="FILE",
+                    help="with --chains: another chains file's lines after the plan's (a line the plan runs too is left "
+                         "out, a chain name the plan's use is renamed NAME-more)")
     ap.add_argument("--made", metavar="DIR", help="print the commands that make a model under DIR and check it, "
                                                   "one shell-quoted dsadapt command line each")
     a = ap.parse_args(argv)
@@ -401,12 +426,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.chains:
                 pin, variant, out = chains(lines)
+                reused: list[str] = []
+                if a.more:
+                    out, reused = more_chains(out, a.more.read_text(encoding="utf-8"))
                 print(f"{pin} {variant}")
-                print("\n".join(out))
+                print("\n".join(out + [f"# run once, by the plan's line: {r}" for r in reused]))
             else:
                 for args in made_commands(lines, a.made):
                     print(" ".join(shlex.quote(x) for x in args))
-        except PlanError as e:
+        except (OSError, PlanError) as e:
             print(f"error: {a.plan}: {e}", file=sys.stderr)
             return 2
         return 0

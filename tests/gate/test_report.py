@@ -124,7 +124,7 @@ def test_a_failure_of_the_current_stack_is_never_hidden_by_a_newer_pass_of_anoth
     assert rows(proj)[PIN]["verdict"] == "pass"
     # the table says it too, on stdout, one line per configuration
     rc, out, err = proj.run("report")
-    assert rc == 0 and "cpu v2 transformers float16" in out and "newest per configuration" in out
+    assert rc == 0 and "cpu v2 transformers float16" in out and "newest verdict per configuration" in out
 
 
 def _perf(proj: Proj, name: str, verdict: str, date: str, rounds: int) -> None:
@@ -305,3 +305,21 @@ def test_a_planted_copy_of_the_stack_never_stands_for_the_pin(proj):
     r = rows(proj)[PIN]
     assert r["verdict"] == "pass" and "stack changed since" in r["check"] and not r["current"], r
     assert [c["file"].endswith("/v0.32.0/v3-transformers-float32.json") for c in r["checks"]] == [True]
+
+
+def test_the_configuration_table_marks_a_verdict_of_an_earlier_stack(proj, monkeypatch):
+    """Where the current stack has no verdict yet, the per-configuration table shows its earlier
+    version's, and says so on the row, beside one of the current stack."""
+    names = [e.name for e in load_stack(REPO_ROOT / "patches", PinRef("vllm", "v0.32.0")).entries]
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="pass",
+                date="2026-11-01T00:00:00Z", stack_hash="older", patches=names[:1])
+    monkeypatch.setenv("COLUMNS", "300")
+    rc, out, _ = proj.run("report")
+    row = next(ln for ln in out.splitlines() if "v3-transformers-float32.json" in ln)
+    assert rc == 0 and "check: pass (earlier stack)" in row, out
+    assert "of the current stack (of an earlier version where it has none)" in out, out
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="pass",
+                date="2026-12-01T00:00:00Z")
+    rc, out, _ = proj.run("report")
+    row = next(ln for ln in out.splitlines() if "v3-transformers-float32.json" in ln)
+    assert rc == 0 and "check: pass" in row and "earlier stack" not in out, out

@@ -196,6 +196,23 @@ def test_the_h200_lines_become_chains_and_made_model_commands():
     assert not any("deepseek-v3-slice4" in c for c in chains)
 
 
+def test_another_measurement_s_chains_share_the_call_and_reuse_the_plan_s_lines():
+    """MORE_CHAINS: e.g. an FP8 measurement whose LMDeploy control cells are the plan's own checks."""
+    lines = [ln for ln in rr.load_plan() if ln.machine == "h200"]
+    _pin, _variant, mine = rr.chains(lines)
+    control = " ".join(mine[0].split()[1:])
+    more = (f"# a comment\nc1 {control}\nc1 fp8-scale check --model v3 --dtype bfloat16\n"
+            "first main check --model v2 --dtype float16 --prompt-seed 2\nz main check --model v2 --dtype float16 --prompt-seed 1\n")
+    out, reused = rr.more_chains(mine, more)
+    assert reused == [f"c1 {control}"]                      # run once, by the plan's line
+    assert out[:len(mine)] == mine and out[len(mine):] == [
+        "c1-more fp8-scale check --model v3 --dtype bfloat16",  # renamed: c1 is the plan's chain
+        "first main check --model v2 --dtype float16 --prompt-seed 2",  # `first` keeps its meaning
+        "z main check --model v2 --dtype float16 --prompt-seed 1"]
+    with pytest.raises(rr.PlanError, match="CHAIN STACK COMMAND"):
+        rr.more_chains(mine, "c9 main\n")
+
+
 def test_the_made_step_runs_each_made_line_through_the_bundle_s_dsadapt_until_the_deadline(tmp_path):
     """reports_h200.sh `made` (lmdeploy_h200.sh's EXTRA) with a stand-in for the bundle's dsadapt."""
     calls = tmp_path / "calls.txt"
@@ -300,8 +317,11 @@ def test_the_device_call_publishes_the_plan_s_reports_and_unpack_puts_them_in_pl
                     f"h200 {PIN} check --variant cpu --model v2-lite --config-style deepseek --prompt-seed 1\n"
                     "none vllm@v0.33.0  # not this machine's\n")
     out = tmp_path / "OUT"
+    more = tmp_path / "more.chains"  # another measurement's control cell: the plan's first line, run once
+    more.write_text("k main check --model v2-lite --config-style deepseek\n")
     env = {**offline_env, "PYTHONPATH": str(toy_fixture()), "DSADAPT_SOURCES": "mirror", "DSADAPT_MIRRORS": "",
-           "OUT": str(out), "PLAN": str(plan), "PYTHON": sys.executable, "DEADLINE": "1500", "CMD_S": "600"}
+           "OUT": str(out), "PLAN": str(plan), "PYTHON": sys.executable, "DEADLINE": "1500", "CMD_S": "600",
+           "MORE_CHAINS": str(more)}
     r = subprocess.run(["bash", str(DEVICE / "reports_h200.sh"), "device", str(bundle)], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-2000:])

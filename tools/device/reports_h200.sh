@@ -18,9 +18,14 @@
 # 255 s, so the whole call takes about 340 s; with FP8=0 about 220 s.
 #
 # Knobs (environment): DEADLINE (seconds from the start by which every command has ended; default
-# 420, FP8=0: 280), FP8 (1; 0 leaves the made models out), WORKERS (model make, 8), MADE_DIR
-# (default BUNDLE/../made), PLAN (default reports/plan.txt), PYTHON (the host's, default python3),
-# OUT (default /tmp/out).
+# 420, FP8=0: 280), FP8 (1 where DEADLINE is 380 or more, else 0; 0 leaves the made models out),
+# WORKERS (model make, 8), MADE_DIR (default BUNDLE/../made), PLAN (default reports/plan.txt),
+# PYTHON (the host's, default python3), OUT (default /tmp/out).
+# Sharing the call with another measurement: MORE_CHAINS (a chains file, lmdeploy_h200.sh's format:
+# its lines run after the plan's, a line that runs what a plan line runs is left out and the plan's
+# report serves both, a chain name the plan uses becomes NAME-more), MORE_EXTRA (a command run
+# beside the made models, as lmdeploy_h200.sh's EXTRA), and at `prepare` PLANTED / EXTRA_PLANTED
+# (prepare_bundle.sh's: the extra stacks those chains run on; default none).
 # Results in $OUT (lmdeploy_h200.sh's six files): reports.tgz (every published report with its
 # recorded inputs and bisect report, each command's --json output and log), summary.txt,
 # summary.json, log.txt, install.json, host-pip-list.json.
@@ -32,21 +37,29 @@ PY=${PYTHON:-python3}
 
 plan() { "$PY" "$ROOT/tools/refresh_reports.py" --plan "$PLAN" --machine h200 "$@"; }
 
-prepare() {
+prepare() {  # the pin's stack only, unless PLANTED / EXTRA_PLANTED name stacks MORE_CHAINS runs on
   local pin
   pin=$(plan --chains | head -1 | cut -d' ' -f1) || exit 2
-  PIN=$pin VARIANT=$(plan --chains | head -1 | cut -d' ' -f2) PLANTED="" EXTRA_PLANTED="" \
+  PIN=$pin VARIANT=$(plan --chains | head -1 | cut -d' ' -f2) PLANTED="${PLANTED:-}" EXTRA_PLANTED="${EXTRA_PLANTED:-}" \
     bash "$ROOT/tools/device/prepare_bundle.sh" "${1:-$ROOT/.carry/reports}"
 }
 
 device() {
-  local B=${1:-$ROOT/.carry/reports} head
-  head=$(plan --chains | head -1) || exit 2
+  local B=${1:-$ROOT/.carry/reports} head made="" all
+  all=$(plan --chains ${MORE_CHAINS:+--more "$MORE_CHAINS"}) || exit 2
+  head=$(printf '%s\n' "$all" | head -1)
   PIN=${head% *}; VARIANT=${head#* }
-  CHAINS=$(plan --chains | tail -n +2)
+  CHAINS=$(printf '%s\n' "$all" | tail -n +2)
   START_EPOCH=$(date +%s)
-  if [ "${FP8:-1}" = 1 ]; then DEADLINE=${DEADLINE:-420}; EXTRA="bash $ROOT/tools/device/reports_h200.sh made"
-  else DEADLINE=${DEADLINE:-280}; EXTRA=""; fi
+  # the made models (the FP8 slice: about 340 s of the call) only where the deadline leaves room
+  if [ -z "${FP8:-}" ]; then if [ "${DEADLINE:-420}" -ge 380 ]; then FP8=1; else FP8=0
+    echo "FP8=0: the made models need about 340 s and DEADLINE is ${DEADLINE}s (FP8=1 runs them anyway)"; fi; fi
+  if [ "$FP8" = 1 ]; then DEADLINE=${DEADLINE:-420}; made="bash $ROOT/tools/device/reports_h200.sh made"
+  else DEADLINE=${DEADLINE:-280}; fi
+  # MORE_EXTRA: another EXTRA sharing the call (e.g. an FP8 measurement's), beside the made models
+  EXTRA=""
+  [ -n "$made" ] && EXTRA="$made"
+  [ -n "${MORE_EXTRA:-}" ] && EXTRA="${EXTRA:+($EXTRA) & }(${MORE_EXTRA}); wait"
   export PIN VARIANT CHAINS START_EPOCH DEADLINE EXTRA PLAN PYTHON=$PY CMD_S=${CMD_S:-240}
   exec bash "$ROOT/tools/device/lmdeploy_h200.sh" "$B"
 }

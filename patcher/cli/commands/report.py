@@ -39,17 +39,22 @@ def report_cmd(ctx: Context, configs: bool, as_json: bool) -> None:
            for r in rows])
     if not configs:
         return
-    lines = [[r.pin, c["config"], "check: " + c["verdict"] + (" (stale)" if c.get("stale") else ""), c["date"][:10],
-              c["machine"], Path(c["file"]).name] for r in rows for c in r.checks]
-    lines += [[r.pin, c["config"], "perf: " + c["verdict"] + ("" if c["workload"] == "calibrated" else " (quick run)"),
-               c["date"][:10], c["machine"], Path(c["file"]).name] for r in rows for c in r.perfs]
+    lines = [[r.pin, c["config"], "check: " + c["verdict"] + (" (stale)" if c.get("stale") else "") + _earlier(r, c),
+              c["date"][:10], c["machine"], Path(c["file"]).name] for r in rows for c in r.checks]
+    lines += [[r.pin, c["config"], "perf: " + c["verdict"] + ("" if c["workload"] == "calibrated" else " (quick run)")
+               + _earlier(r, c), c["date"][:10], c["machine"], Path(c["file"]).name] for r in rows for c in r.perfs]
     if lines:
-        table("verdicts of the current stacks, newest per configuration",
+        table("newest verdict per configuration, of the current stack (of an earlier version where it has none)",
               ["pin", "configuration", "gate: verdict", "date", "machine", "report"], lines)
     for r in rows:
         for c in r.checks:
             if c.get("stale"):
                 out(f"  {r.pin} {c['config']}: {c['stale']}")
+
+
+def _earlier(r, c: dict) -> str:
+    """' (earlier stack)' for a verdict of another version of the pin's stack than the one in patches/."""
+    return " (earlier stack)" if r.stack_hash and c.get("stack_hash") != r.stack_hash else ""
 
 
 COMMANDS = [report_cmd]
