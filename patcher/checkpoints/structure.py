@@ -14,8 +14,9 @@ here have them through the forward pass, by construction:
   shares (`common`) and its down projection writes them into the outlier channels. No later
   layer writes there (the rows of every ``o_proj`` / ``down_proj`` at the structural channels are
   zero), so they stay; RMSNorm weights keep them (1) while the other channels get the factor
-  that undoes the outliers' share of the norm. A block-FP8 checkpoint's norms keep them much
-  larger in the FP8 GEMMs' inputs (`FP8_OUTLIER_RATIO`): what per-1x128 activation scales exist for.
+  that undoes the outliers' share of the norm. A block-FP8 checkpoint's input norms keep them much
+  larger in the attention projections' FP8 inputs (`FP8_OUTLIER_RATIO`; the MLPs read them at the
+  residual's ratio): what per-1x128 activation scales exist for.
 - **Attention sinks.** The first token's embedding points along its own channels (`bos`);
   ``kv_a_proj_with_mqa`` maps them onto one latent direction, ``kv_b_proj`` maps that onto a
   "sink" key per head and nothing onto the value (the sink contributes no content); the common

