@@ -342,3 +342,17 @@ def test_a_second_report_read_from_its_memo_says_exactly_what_the_first_did(proj
     write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="fail",
                 date="2026-12-02T00:00:00Z", patches=names)
     assert rows(proj)[PIN]["verdict"] == "fail"
+
+
+def test_a_damaged_memo_entry_is_read_again_never_an_error(proj):
+    """A memo entry whose fields are not a verdict's (a damaged cache) is a miss: the report is
+    parsed again and says the same."""
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="fail",
+                date="2026-11-01T00:00:00Z")
+    first = rows(proj)
+    cache = proj.work / "cache" / "report-rejudged.json"
+    doc = json.loads(cache.read_text())
+    for entry in doc["verdicts"]["check"].values():
+        entry[1] = {**entry[1], "no_such_field": 1, "verdict": "pass"}
+    cache.write_text(json.dumps(doc))
+    assert rows(proj) == first
