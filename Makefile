@@ -13,7 +13,7 @@ export DSADAPT_TORCH_INDEX
 TRANSFORMERS ?= transformers==5.24.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint lock-envs check-env-locks build-all bench reports gpu-check gpu-perf calibrate-speed gpu-reports docs clean
+.PHONY: setup demo test test-long test-fast lint lock-envs check-env-locks build-all bench reports gpu-check gpu-perf calibrate-speed gpu-reports docs clean
 
 setup: $(BIN)/.installed
 
@@ -36,9 +36,15 @@ demo: setup
 	$(BIN)/dsadapt install vllm@v0.32.0 --variant cpu
 	$(BIN)/dsadapt check vllm@v0.32.0 --model v3 --config-style transformers
 
-## Every test, including the slow ones that install and run vLLM on CPU (CI runs this).
+## The test suite but its long tier: fast tests, network tests on release artifacts, and the slow
+## ones that install and run vLLM on CPU -- one engine check of each kind (about 20 minutes on 2 cores).
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not long" $(PYTEST_ARGS)
+
+## The long tier (tests/conftest.py LONG: a minute or more each -- real shapes, TP 2, the speed gate,
+## Triton, the other planted bugs and dtypes). CI (.ci/run) runs `make test` and then this.
+test-long: setup
+	$(BIN)/python -m pytest -m long $(PYTEST_ARGS)
 
 ## Lint, types and architecture (CI's first job): ruff (E,F,W,I,B,UP,SIM) over the project, mypy
 ## over patcher/, the import contracts in pyproject.toml [tool.importlinter] (engines never

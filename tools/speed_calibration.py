@@ -2,6 +2,7 @@
 slowdown the gate detects at each concurrency.
 
     python3 tools/speed_calibration.py REPORT_OR_DIR... [--out summary.md] [--json summary.json]
+    python3 tools/speed_calibration.py size REPORT --target 0.10 (--product-us US | --sizing-matmuls N0)
 
 Reads `dsadapt perf` reports (dsadapt.perf-report/1): A/A runs (`--aa`, the build against
 itself) and planted runs (patched vs unpatched with a known slowdown planted into the patched
@@ -18,6 +19,15 @@ build, tools/plant_decode_work.py; the report's provenance says how strong). Pri
   the interval's upper-end factor (hi / estimate, from the A/A runs) is below the threshold;
   with the 90th percentile of that factor over the A/A runs, r < threshold / factor is flagged
   in at least 9 runs of 10.
+
+`size` prints the planted strength for a `target` slowdown at every concurrency level of REPORT,
+as tools/plant_decode_work.py reads it ("1:N1,16:N16": N products per layer at a step of that
+many tokens -- a decode step at concurrency c has c): from an A/A report's TPOT per level and the
+measured cost of one product (`--product-us`, plant_decode_work.py --product-cost: the GPU, where
+the product's cost does not depend on the batch), or from a sizing run planted with N0 products
+per step at every level (`--sizing-matmuls`: its TPOT ratio per level; the CPU, where it does).
+A constant number of products per step is a smaller fraction of a step of 16 sequences than of
+one; a strength per level makes the plant cost about the same fraction at each.
 
 Needs only the standard library and patcher.rules.speed (run from the repository, or with
 dsadapt installed).
@@ -237,7 +247,55 @@ def _planted_section(planted: list[tuple[Path, dict]], conc: list[int], threshol
     return lines + [""]
 
 
+def plant_for(d: dict, target: float, *, product_us: float | None = None, sizing_matmuls: int | None = None,
+              layers: int | None = None) -> str:
+    """The planted strength per level ("c:n,...", by concurrency = a decode step's token count) for a
+    `target` slowdown of TPOT, from a report (see the module's `size`); `layers` defaults to the
+    report's model config. ValueError when the report cannot size it."""
+    want = 1 / (1 - target) - 1  # extra time per step, as a fraction of the step, for a ratio 1 - target
+    out = []
+    for p in sorted(d["points"], key=lambda p: p["concurrency"]):
+        c = int(p["concurrency"])
+        if product_us is not None:
+            if layers is None:
+                layers = json.loads((Path(d["provenance"]["model_dir"]) / "config.json").read_text())["num_hidden_layers"]
+            tpot_ms = p["sides"][d["sides"][0]]["tpot_mean"]
+            n = tpot_ms * 1000 * want / (layers * product_us)
+        elif sizing_matmuls is not None:
+            est = p["ratios"]["tpot_mean"].get("estimate")
+            cost = 1 / est - 1 if est else 0.0  # what n0 products added to a step, as a fraction of it
+            if cost <= 0:
+                raise ValueError(f"concurrency {c}: {sizing_matmuls} products did not slow TPOT (ratio {est}); "
+                                 "size with more")
+            n = sizing_matmuls * want / cost
+        else:
+            raise ValueError("give product_us or sizing_matmuls")
+        out.append((c, max(1, round(n))))
+    if not out:
+        raise ValueError("the report has no concurrency level")
+    return str(out[0][1]) if len(out) == 1 else ",".join(f"{c}:{n}" for c, n in out)
+
+
+def _size_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="speed_calibration.py size", description="the planted strength per level")
+    p.add_argument("report", type=Path)
+    p.add_argument("--target", type=float, default=0.10)
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--product-us", type=float)
+    how.add_argument("--sizing-matmuls", type=int)
+    args = p.parse_args(argv)
+    try:
+        print(plant_for(json.loads(args.report.read_text()), args.target, product_us=args.product_us,
+                        sizing_matmuls=args.sizing_matmuls))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot size the plant from {args.report}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["size"]:
+        return _size_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")

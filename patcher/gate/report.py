@@ -33,7 +33,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from patcher.base.config import Config
 from patcher.base.errors import DsadaptError, UsageError
@@ -257,9 +257,8 @@ def read_verdicts(*reports_roots: Path, of=None, memo: dict | None = None) -> di
     for f in files:
         key = _stamps(f) if memo is not None else None
         hit = memo.get(str(f)) if memo is not None else None
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and isinstance(hit[1], (dict, type(None))):
-            v = Verdict(**hit[1]) if hit[1] is not None else None
-        else:
+        found, v = _remembered(hit, key)
+        if not found:
             data = _report_doc(f)
             if data is None:
                 continue
@@ -269,6 +268,23 @@ def read_verdicts(*reports_roots: Path, of=None, memo: dict | None = None) -> di
         if v is not None:
             out.setdefault(v.pin, []).append(v)
     return out
+
+
+def _remembered(hit, key: list | None) -> tuple[bool, Verdict | None]:
+    """(True, the verdict or None) from a memo entry ([stamps, fields or None]) whose stamps are
+    `key`; (False, None) otherwise -- an entry of another shape or of other fields (a damaged
+    cache) is a miss, never an error. Lists come back as the tuples they were (JSON has none)."""
+    if not (isinstance(hit, list) and len(hit) == 2 and hit[0] == key):
+        return False, None
+    if hit[1] is None:
+        return True, None
+    if not isinstance(hit[1], dict):
+        return False, None
+    fields: dict[str, Any] = {k: tuple(x) if isinstance(x, list) else x for k, x in hit[1].items()}
+    try:
+        return True, Verdict(**fields)
+    except TypeError:
+        return False, None
 
 
 def _stamps(f: Path) -> list:

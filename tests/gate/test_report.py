@@ -323,3 +323,36 @@ def test_the_configuration_table_marks_a_verdict_of_an_earlier_stack(proj, monke
     rc, out, _ = proj.run("report")
     row = next(ln for ln in out.splitlines() if "v3-transformers-float32.json" in ln)
     assert rc == 0 and "check: pass" in row and "earlier stack" not in out, out
+
+
+def test_a_second_report_read_from_its_memo_says_exactly_what_the_first_did(proj):
+    """`report` remembers each unchanged report's verdict in the work dir's cache: the second run,
+    read from that memory (JSON: the verdict's tuples stored as lists), gives the same rows, the
+    stack versions told apart by their patch names as before; a changed report is read again."""
+    names = [e.name for e in load_stack(REPO_ROOT / "patches", PinRef("vllm", "v0.32.0")).entries]
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="pass",
+                date="2026-11-01T00:00:00Z", stack_hash="older", patches=names[:1])
+    planted = write_check(proj, "planted/v3-transformers-float32.json", model="v3", dtype="float32",
+                          verdict="fail", date="2026-12-01T00:00:00Z", stack_hash="planted",
+                          patches=[*names, "0003-planted-bug.patch"])
+    first = rows(proj)
+    memo = json.loads((proj.work / "cache" / "report-rejudged.json").read_text())
+    assert str(planted) in memo["verdicts"]["check"]
+    assert rows(proj) == first
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="fail",
+                date="2026-12-02T00:00:00Z", patches=names)
+    assert rows(proj)[PIN]["verdict"] == "fail"
+
+
+def test_a_damaged_memo_entry_is_read_again_never_an_error(proj):
+    """A memo entry whose fields are not a verdict's (a damaged cache) is a miss: the report is
+    parsed again and says the same."""
+    write_check(proj, "v3-transformers-float32.json", model="v3", dtype="float32", verdict="fail",
+                date="2026-11-01T00:00:00Z")
+    first = rows(proj)
+    cache = proj.work / "cache" / "report-rejudged.json"
+    doc = json.loads(cache.read_text())
+    for entry in doc["verdicts"]["check"].values():
+        entry[1] = {**entry[1], "no_such_field": 1, "verdict": "pass"}
+    cache.write_text(json.dumps(doc))
+    assert rows(proj) == first

@@ -142,3 +142,36 @@ def test_lmdeploy_server_command_fixes_the_kv_cache_and_binds_loopback(tmp_path)
     assert opts["--backend"] == "pytorch" and opts["--dtype"] == "bfloat16" and opts["--max-batch-size"] == "16"
     assert int(opts["--num-gpu-blocks"]) == gpu_blocks(s) >= 2 * 16 * 256 // 64
     assert cmd.ready_path == "/health"
+
+
+def test_the_closed_loop_keeps_c_in_flight_and_sends_the_first_burst_together():
+    """Every request is sent once, never more than `concurrency` at a time; the first burst waits at
+    one barrier (its sends lie within a few ms although the workers start one after the other) and
+    the send times count from the burst; the records come back in request order."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stream_load_under_test", STREAM_LOAD)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+
+    def send(r, ready, t_run):
+        time.sleep(0.01 * (r["i"] % 4))  # workers get ready at different times
+        if ready is not None:
+            ready.wait(5)
+        t0 = time.perf_counter()
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.005)
+        with lock:
+            state["now"] -= 1
+        return {"i": r["i"], "sent_s": t0 - t_run}
+
+    records, elapsed = mod.closed_loop([{"i": i} for i in range(20)], 4, send)
+    assert [r["i"] for r in records] == list(range(20))
+    assert state["most"] <= 4 and elapsed > 0
+    burst = sorted(r["sent_s"] for r in records[:4])
+    assert burst[0] == 0 and burst[-1] < 0.02, burst  # without the barrier: 30 ms apart
+    assert all(r["sent_s"] >= 0 for r in records)

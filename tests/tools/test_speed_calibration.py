@@ -151,3 +151,37 @@ def test_the_summary_counts_coverage_detections_and_the_smallest_slowdown(tmp_pa
     assert 0.05 < min(small.values()) < 0.1  # threshold 0.95 and a few % of noise: 6-8 %
     assert "**4 of 4** A/A runs" in text and "**4 of 4** planted runs" in text
     assert "- concurrency 4: flagged in **4 of 4** planted runs" in text
+
+
+def _sizing_report(tpot: dict[int, float], ratio: dict[int, float]) -> dict:
+    """A report with, per level, the first side's TPOT (ms) and the TPOT ratio's estimate."""
+    return {"sides": ["patched", "unpatched"],
+            "points": [{"concurrency": c, "sides": {"patched": {"tpot_mean": tpot[c]}},
+                        "ratios": {"tpot_mean": {"estimate": ratio[c]}}} for c in tpot]}
+
+
+def test_the_plant_is_sized_per_level_from_tpot_and_a_products_cost_or_from_a_sizing_run():
+    """GPU: n = TPOT x (1/(1-t) - 1) / (layers x product cost) at each level (10 ms, 10 %, 4 layers,
+    2 us: 139 products at c=1; a 16 ms step at 16: 222). CPU: a sizing run of 32 products that
+    slowed TPOT to 0.8 at c=1 (25 % more per step) and 0.9 at 4 gives 32 x 0.111/0.25 = 14 and
+    32 x 0.111/0.111 = 32. One level: a plain number, as the knob's older form."""
+    cal = _tool("speed_calibration")
+    d = _sizing_report({1: 10.0, 16: 16.0}, {1: 1.0, 16: 1.0})
+    assert cal.plant_for(d, 0.10, product_us=2.0, layers=4) == "1:139,16:222"
+    d = _sizing_report({4: 1.0, 1: 1.0}, {1: 0.8, 4: 0.9})
+    assert cal.plant_for(d, 0.10, sizing_matmuls=32) == "1:14,4:32"
+    assert cal.plant_for(_sizing_report({1: 1.0}, {1: 0.8}), 0.10, sizing_matmuls=32) == "14"
+    with pytest.raises(ValueError, match="did not slow TPOT"):
+        cal.plant_for(_sizing_report({1: 1.0}, {1: 1.02}), 0.10, sizing_matmuls=32)
+
+
+def test_the_size_command_prints_the_table_and_fails_in_one_line(tmp_path, capsys):
+    cal = _tool("speed_calibration")
+    f = tmp_path / "sizing.json"
+    f.write_text(json.dumps(_sizing_report({1: 1.0, 16: 1.0}, {1: 0.8, 16: 0.9})))
+    assert cal.main(["size", str(f), "--sizing-matmuls", "32", "--target", "0.1"]) == 0
+    assert capsys.readouterr().out.strip() == "1:14,16:32"
+    f.write_text("{}")
+    assert cal.main(["size", str(f), "--sizing-matmuls", "32"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot size the plant")

@@ -14,10 +14,11 @@
 # Device knobs (environment):
 #   CHAINS     parallel chains (default 5); the CPUs are split between them (--cpus), the GPU is shared
 #   RUNS       A/A runs and planted runs, each (default 10); chain k runs aa-k, planted-k, aa-(k+CHAINS), ...
-#   MATMULS    planted strength (64x64 products per layer and step); "auto" (default): from the first A/A
-#              run's TPOT at concurrency 1 and the measured cost of one product in a CUDA graph, for TARGET
+#   MATMULS    planted strength (64x64 products per layer and step: "N", or by the step's token count
+#              "1:N1,16:N16"); "auto" (default): per level, from the first A/A run's TPOT at that level and
+#              the measured cost of one product in a CUDA graph, for TARGET at every level
 #   TARGET     planted slowdown to size for (default 0.10)
-#   PERF_ARGS  default "--concurrency 1,16 --rounds 8 --requests 16 --warmup 1"
+#   PERF_ARGS  default "--concurrency 1,16 --rounds 8 --requests 16,64 --warmup 1" (4 requests per stream at 16)
 #   END        seconds after the start by which every run has ended (default 560, inside the device's 600):
 #              a run gets --time-limit min(RUN_S, what is left), and none starts with less than MIN_RUN_S left
 #   RUN_S, MIN_RUN_S   default 240 and 100
@@ -60,7 +61,7 @@ device() {
   OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   CHAINS=${CHAINS:-5}; RUNS=${RUNS:-10}; MATMULS=${MATMULS:-auto}; TARGET=${TARGET:-0.10}
   END=${END:-560}; RUN_S=${RUN_S:-240}; MIN_RUN_S=${MIN_RUN_S:-100}
-  PERF_ARGS=${PERF_ARGS:-"--concurrency 1,16 --rounds 8 --requests 16 --warmup 1"}
+  PERF_ARGS=${PERF_ARGS:-"--concurrency 1,16 --rounds 8 --requests 16,64 --warmup 1"}
   local PY=${PYTHON:-python3}
   local W=$B/perf-calibration; rm -rf "$W"; mkdir -p "$W/reports"
   cd "$B" || exit 9
@@ -98,7 +99,7 @@ device() {
       if [ "${name%%-*}" = planted ]; then
         while [ ! -s "$W/matmuls.txt" ] && [ $(( END - (SECONDS - T0) - 15 )) -ge "$MIN_RUN_S" ]; do sleep 2; done
         n=$(cat "$W/matmuls.txt" 2>/dev/null || echo 0)
-        [ "$n" -gt 0 ] || { echo "=== chain $k: no planted strength; skipping $name"; continue; }
+        [ -n "$n" ] && [ "$n" != 0 ] || { echo "=== chain $k: no planted strength; skipping $name"; continue; }
       fi
       # shellcheck disable=SC2086
       DSADAPT_PLANTED_MATMULS=$n DSADAPT_WORKDIR=$B/.w$k "$D" --report-dir "$W/r-$name" perf "$PIN" \
@@ -109,7 +110,7 @@ device() {
       if [ -n "$f" ]; then
         "$PY" - "$f" "$n" "$W/reports/$name.json" <<'EOF'
 import json, sys
-src, n, dst = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+src, n, dst = sys.argv[1], sys.argv[2], sys.argv[3]  # "N", or per token count "1:N1,16:N16"
 d = json.load(open(src))
 d["provenance"]["planted"] = {"matmuls": n, "by": "tools/plant_decode_work.py", "knob": "DSADAPT_PLANTED_MATMULS"}
 json.dump(d, open(dst, "w"), indent=1, sort_keys=True)
@@ -120,18 +121,11 @@ EOF
       if [ "$name" = aa-01 ] && [ "$MATMULS" = auto ] && [ -n "$f" ]; then size "$f"; fi
     done
   }
-  size() {  # the planted strength for TARGET from an A/A report: TPOT at concurrency 1 / (layers x product)
+  size() {  # the planted strength for TARGET at each level from an A/A report: TPOT per level / (layers x product)
     local us
     us=$("${DSADAPT_VENVS:-$B/.dsadapt/venvs}/$ENGINE-$TAG-$VARIANT/bin/python" "$ROOT/tools/plant_decode_work.py" --product-cost 2>/dev/null \
          || "$PY" "$ROOT/tools/plant_decode_work.py" --product-cost)
-    "$PY" - "$1" "$us" "$TARGET" > "$W/matmuls.tmp" <<'EOF'
-import json, sys
-d, us, target = json.load(open(sys.argv[1])), float(sys.argv[2]), float(sys.argv[3])
-p = min(d["points"], key=lambda p: p["concurrency"])
-tpot_us = p["sides"][d["sides"][0]]["tpot_mean"] * 1000
-layers = json.load(open(d["provenance"]["model_dir"] + "/config.json"))["num_hidden_layers"]
-print(max(1, round(tpot_us * target / (1 - target) / (layers * us))))
-EOF
+    "$PY" "$ROOT/tools/speed_calibration.py" size "$1" --product-us "$us" --target "$TARGET" > "$W/matmuls.tmp" || return
     mv "$W/matmuls.tmp" "$W/matmuls.txt"
     stamp "sizing: one product ${us} us on the device, TPOT from aa-01; planted strength $(cat "$W/matmuls.txt")"
   }
