@@ -353,6 +353,29 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- making a model
 
 
+def construction() -> str:
+    """A digest of the code that makes the built-in models (this module and the weights' structure,
+    `patcher.checkpoints.structure`), recorded in each model's dsadapt.json: a folder that other
+    code made (an earlier dsadapt) is not the model this dsadapt checks with (`is_current`)."""
+    import sys
+
+    from patcher.checkpoints import structure
+
+    h = hashlib.sha256()
+    for module in (sys.modules[__name__], structure):
+        h.update(Path(str(module.__file__)).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def is_current(out: Path) -> bool:
+    """Whether `out` holds a built-in model made by this dsadapt's code (its dsadapt.json says so)."""
+    try:
+        info = json.loads((Path(out) / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("construction") == construction()
+
+
 def make_model(out: Path, variant: str = "v3", config_style: str = "deepseek", seed: int = 0) -> ModelInfo:
     """Write a tiny DeepSeek checkpoint into `out` (created; existing files overwritten)."""
     _check_variant(variant)
@@ -379,6 +402,7 @@ def make_model(out: Path, variant: str = "v3", config_style: str = "deepseek", s
     params = sum(t.numel() for t in tensors.values())
     info = {
         "config_style": config_style,
+        "construction": construction(),
         "fingerprint": model_fingerprint(out),
         "params": params,
         "seed": seed,

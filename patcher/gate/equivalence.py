@@ -75,8 +75,7 @@ def resolve_model(cfg: Config, model: str, config_style: str | None, progress=No
         if style not in tiny.CONFIG_STYLES:
             raise UsageError(f"unknown config style {style!r}", hint=f"one of {', '.join(tiny.CONFIG_STYLES)}")
         out = cfg.workdir / "models" / f"{model}-{style}-seed0"
-        meta = out / "dsadapt.json"
-        if not meta.is_file():
+        if not tiny.is_current(out):  # absent, or made by other code (an earlier dsadapt): made now
             if progress:
                 progress(f"making the built-in {model} model ({style} config) in {out}")
             tiny.make_model(out, variant=model, config_style=style, seed=0)

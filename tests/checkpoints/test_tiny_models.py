@@ -119,6 +119,7 @@ def test_info_file_and_model_info(made):
     info = made[("v2-lite", "transformers")]
     data = json.loads((info.path / "dsadapt.json").read_text())
     assert data == {"variant": "v2-lite", "config_style": "transformers", "seed": 0, "params": info.params,
+                    "construction": tm.construction(),
                     "weights_sha256": info.weights_sha256, "fingerprint": tm.model_fingerprint(info.path)}
     assert 12_000_000 < info.params < 15_000_000
     assert info.config == json.loads((info.path / "config.json").read_text())

@@ -111,8 +111,8 @@ def test_resolve_model_builtin_makes_it_once(proj, monkeypatch):
 
     def fake_make(out, variant, config_style, seed):
         made.append((variant, config_style, seed))
-        out.mkdir(parents=True)
-        (out / "dsadapt.json").write_text("{}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dsadapt.json").write_text(json.dumps({"construction": tiny.construction()}))
 
     monkeypatch.setattr(tiny, "make_model", fake_make)
     cfg = proj.cfg
@@ -122,6 +122,10 @@ def test_resolve_model_builtin_makes_it_once(proj, monkeypatch):
     assert (d2.name, label2, style2) == ("v2-lite-deepseek-seed0", "v2-lite", "deepseek")
     assert check_mod.resolve_model(cfg, "v3", "transformers")[0] == d
     assert made == [("v3", "transformers", 0), ("v2-lite", "deepseek", 0)]  # the second v3 call reused it
+    # a model another dsadapt made (its construction differs: the weights' code changed) is made again
+    (d / "dsadapt.json").write_text(json.dumps({"construction": "earlier"}))
+    assert check_mod.resolve_model(cfg, "v3", "transformers")[0] == d
+    assert made[-1] == ("v3", "transformers", 0) and len(made) == 3
 
 
 def test_resolve_model_directory(proj, model_dir, monkeypatch):
