@@ -502,6 +502,12 @@ def _either_build(req, locked: str) -> bool:
     return False
 
 
+#: dsadapt's requirements a bundle leaves out of dsadapt's part: uv makes hash locks from PyPI
+#: (`dsadapt lock`, a new pin), which a machine without network cannot do (there `dsadapt lock` says
+#: uv is missing and how to get it); it would be 17 MB carried for nothing.
+NOT_OFFLINE = {"uv": "makes hash locks from PyPI: no use without network"}
+
+
 def root_requirements(lines: list[str], extras: tuple[str, ...], target: Target) -> list[str]:
     """A wheel's requirements that apply on the target with `extras` asked for, markers dropped."""
     from packaging.requirements import Requirement
@@ -804,7 +810,7 @@ def _dsadapt_part(b: _Bundling, engine_res: Resolution, locked: dict[str, tuple[
             return torch_build, locked["torch"][1]
         return d_lock.get(n)
 
-    res = resolve(roots, b.target, b.host, versions, fetcher, dict(b.excluded), "dsadapt's environment")
+    res = resolve(roots, b.target, b.host, versions, fetcher, {**NOT_OFFLINE, **b.excluded}, "dsadapt's environment")
     return res, _write_part(b.work, "dsadapt", res, d_lock.name, own=(wheel, "dsadapt", _dsadapt_version()))
 
 
