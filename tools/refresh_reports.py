@@ -21,7 +21,8 @@ there; the command that was running when the run stopped starts again from its b
 reports are each written whole). `--fresh` forgets the record. Every command's seconds are kept
 too (`reports-refresh/durations.json`, across fingerprints): `--dry-run` lists the commands with
 the time each took last, and a run says at its start how long the remaining ones took then.
-`--lock FILE` holds FILE's lock (flock) while each command runs, so that on a shared machine other
+The reports a command published are rewritten with every path inside the checkout written from its
+root (`--relativize` does it alone, to everything under reports/). `--lock FILE` holds FILE's lock (flock) while each command runs, so that on a shared machine other
 engine work waits for the command running and not for the whole refresh.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gzip
 import hashlib
 import json
 import os
@@ -366,6 +368,32 @@ class _Held:
             self.fd = -1
 
 
+def relative_text(text: str, root: Path = ROOT) -> str:
+    """Pure: a report's JSON with every path inside the checkout written from its root
+    ("reports/vllm/...", ".dsadapt/venvs/..."): committed reports name no machine's folders."""
+    return text.replace(json.dumps(str(root) + "/")[:-1], '"')
+
+
+def relativize(folder: Path, since: float = 0.0, root: Path = ROOT) -> list[Path]:
+    """Rewrite (whole: written beside, then moved) the JSON reports under `folder` changed since
+    `since` (their recorded inputs, .json.gz, too) with `relative_text`; returns those it changed."""
+    changed = []
+    for f in sorted(folder.rglob("*.json")) + sorted(folder.rglob("*.json.gz")):
+        if f.stat().st_mtime < since:
+            continue
+        gz = f.suffix == ".gz"
+        raw = f.read_bytes()
+        text = (gzip.decompress(raw) if gz else raw).decode("utf-8")
+        new = relative_text(text, root)
+        if new == text:
+            continue
+        tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(gzip.compress(new.encode("utf-8"), mtime=0) if gz else new.encode("utf-8"))
+        os.replace(tmp, f)
+        changed.append(f)
+    return changed
+
+
 def summary(outcomes: list[Outcome]) -> str:
     """Pure: one line per command, then the count."""
     lines = []
@@ -404,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", type=Path, metavar="FILE",
                     help="hold FILE's lock (flock) while each command runs (other engine work on the machine waits "
                          "for that command, not for the whole refresh)")
+    ap.add_argument("--relativize", action="store_true",
+                    help="only write the paths inside this checkout of every report under reports/ from its root "
+                         "(what a run does to the reports it publishes)")
     ap.add_argument("--plan", type=Path, default=PLAN)
     ap.add_argument("--chains", action="store_true",
                     help="print the machine's checks of built-in models as device chains (PIN VARIANT on the first line)")
@@ -413,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--made", metavar="DIR", help="print the commands that make a model under DIR and check it, "
                                                   "one shell-quoted dsadapt command line each")
     a = ap.parse_args(argv)
+    if a.relativize:
+        for f in relativize(ROOT / "reports"):
+            print(f.relative_to(ROOT))
+        return 0
     try:
         lines = [ln for ln in load_plan(a.plan) if ln.machine == a.machine and (not a.only or ln.pin in a.only)]
     except (OSError, PlanError) as e:
@@ -494,8 +529,10 @@ def _run(a, lines: list[PlanLine], logs: Path, mine: int) -> int:
             outcomes.append(earlier[i])
             continue
         print(f"[{i}/{len(lines)}] dsadapt {' '.join(ln.dsadapt_args())}", flush=True)
+        started = time.time()
         with _Held(a.lock) as held:
             o = run_line(ln, i, logs, (mine,) + ((held.fd,) if held.fd >= 0 else ()))
+        relativize(ROOT / "reports", since=started)
         print(f"      {o.verdict}{' (as planned)' if o.as_planned else f' (planned: {ln.expect})'} in "
               f"{o.seconds:.0f} s, load {o.load[0]:.1f} -> {o.load[1]:.1f}; log {o.log}", flush=True)
         outcomes.append(o)

@@ -106,6 +106,28 @@ def test_a_finished_command_is_recorded_for_its_inputs_and_skipped_while_they_ho
     assert fp == rr.inputs_fingerprint() and len(fp) == 64
 
 
+def test_published_reports_name_paths_inside_the_checkout_from_its_root(tmp_path):
+    import gzip
+
+    root = tmp_path / "checkout"
+    folder = root / "reports" / "vllm" / "v0.32.0"
+    folder.mkdir(parents=True)
+    doc = {"report_path": f"{root}/reports/vllm/v0.32.0/v3.json", "model_dir": f"{root}/.dsadapt/models/v3",
+           "venv": "/elsewhere/venvs/vllm", "note": f"{root}-other/x"}
+    (folder / "v3.json").write_text(json.dumps(doc))
+    (folder / "v3.inputs.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    (folder / "old.json").write_text(json.dumps(doc))
+    os.utime(folder / "old.json", (1, 1))
+    changed = rr.relativize(root / "reports", since=100, root=root)
+    assert sorted(p.name for p in changed) == ["v3.inputs.json.gz", "v3.json"]  # not what the run did not write
+    for got in (json.loads((folder / "v3.json").read_text()),
+                json.loads(gzip.decompress((folder / "v3.inputs.json.gz").read_bytes()))):
+        assert got == {"report_path": "reports/vllm/v0.32.0/v3.json", "model_dir": ".dsadapt/models/v3",
+                       "venv": "/elsewhere/venvs/vllm", "note": f"{root}-other/x"}
+    assert rr.relativize(root / "reports", root=root) == [folder / "old.json"]  # everything, once
+    assert rr.relativize(root / "reports", root=root) == []
+
+
 _STANDIN = """import json, os, sys, time
 args = sys.argv[1:]
 model = args[args.index("--model") + 1]
