@@ -273,7 +273,10 @@ def _archive(tmp_path: Path, device_bundle: str) -> Path:
     buf = tmp_path / "reports.tgz"
     with tarfile.open(buf, "w:gz") as tar:
         for name in ("v3-deepseek-bfloat16.json", "v3-deepseek-bfloat16-bisect.json", "v2-deepseek-float16.json"):
-            text = (src / name).read_text().replace("<bundle>", device_bundle)
+            # as the device wrote them: its bundle's absolute path where the committed ones say <bundle>,
+            # and before the report's own paths (committed reports name them from the checkout's root)
+            text = (src / name).read_text().replace("<bundle>", device_bundle) \
+                .replace('"reports/lmdeploy/', f'"{device_bundle}/reports/lmdeploy/')
             data = text.encode()
             info = tarfile.TarInfo(f"reports/lmdeploy/v0.18.0/{name}")
             info.size = len(data)
