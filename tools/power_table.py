@@ -99,6 +99,12 @@ def publish(report: Path, dest: Path) -> Path:
     """Copy a power report and its twins into `dest` (the committed reports/<engine>/<tag>/), its
     `report_path` / `plot_path` rewritten to where they now are, relative to the project."""
     d = json.loads(report.read_text(encoding="utf-8"))
+    bundle = (d.get("provenance") or {}).get("bundle")
+    if bundle:  # made on a machine through a bundle: its folder reads <bundle>, as unpacked check reports do
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "device"))
+        from unpack_reports import relocate
+
+        d = relocate(d, str(bundle))
     dest.mkdir(parents=True, exist_ok=True)
     for suffix in (".md", ".png"):
         if report.with_suffix(suffix).is_file():

@@ -92,6 +92,14 @@ def test_power_table_rows_and_publishing(tmp_path):
     assert published["report_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.json"
     assert published["plot_path"] == "reports/vllm/v0.32.0/power-v3-transformers-bfloat16.png"
     assert published["cells"] == doc["cells"] and out.with_suffix(".png").read_bytes() == b"png"
+    # a report made through a bundle on another machine names that machine's folder as <bundle>
+    device = {**doc, "command": "dsadapt --project /tmp/run/.carry/reports power lmdeploy@v0.18.0",
+              "provenance": {**doc["provenance"], "bundle": "/tmp/run/.carry/reports",
+                             "model_dir": "/tmp/run/.carry/reports/.w1/models/v3"}}
+    src.write_text(json.dumps(device))
+    published = json.loads(tool.publish(src, project / "reports" / "vllm" / "v0.32.0").read_text())
+    assert "/tmp/run" not in json.dumps(published)
+    assert published["provenance"]["model_dir"] == "<bundle>/.w1/models/v3"
 
 
 def test_publishing_a_json_only_report_makes_its_markdown_and_plot(tmp_path):
