@@ -52,10 +52,8 @@ def _tiny(variant: str, style: str) -> Path:
     return d
 
 
-def tiny_model(dest: Path, variant: str = "v3", style: str = "deepseek") -> Path:
-    """A real built-in tiny checkpoint at `dest` (hard links to one made per test session): what a
-    test needs where `--model DIR` must be a checkpoint but nothing runs it."""
-    src = _tiny(variant, style)
+def _linked_copy(src: Path, dest: Path) -> Path:
+    """`src`'s files at a new `dest`: hard links (a copy across file systems)."""
     dest.mkdir(parents=True)
     for p in src.iterdir():
         try:
@@ -63,6 +61,13 @@ def tiny_model(dest: Path, variant: str = "v3", style: str = "deepseek") -> Path
         except OSError:
             shutil.copy2(p, dest / p.name)
     return dest
+
+
+def tiny_model(dest: Path, variant: str = "v3", style: str = "deepseek") -> Path:
+    """A real built-in tiny checkpoint at `dest` (hard links to one made per test session): what a
+    test needs where `--model DIR` must be a checkpoint but nothing runs it."""
+    src = _tiny(variant, style)
+    return _linked_copy(src, dest)
 
 
 @cache
@@ -101,10 +106,4 @@ def _small_v3_template() -> Path:
 def small_v3(dest: Path) -> Path:
     """A hard-linked copy of the small V3-shaped block-FP8 checkpoint, made once per test session."""
     src = _small_v3_template()
-    dest.mkdir(parents=True)
-    for p in src.iterdir():
-        try:
-            os.link(p, dest / p.name)
-        except OSError:
-            shutil.copy2(p, dest / p.name)
-    return dest
+    return _linked_copy(src, dest)
