@@ -26,14 +26,20 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import UsageError, size_words
 from patcher.checkpoints import structure, tiny
 from patcher.checkpoints.fingerprint import publish_folder
-from patcher.checkpoints.folder import require_disk, require_new_folder, temporary_folder, write_index
+from patcher.checkpoints.folder import (
+    WrittenFolder,
+    require_disk,
+    require_new_folder,
+    temporary_folder,
+    write_index,
+)
 from patcher.checkpoints.layout import TensorSpec, expected_tensors, fp8_scheme, mtp_layers
 from patcher.checkpoints.model_dir import CONFIG_FILE
 from patcher.checkpoints.released import REPOS, released_config
@@ -45,17 +51,14 @@ CHUNK_VALUES = 32 * 1024 * 1024
 GENERATOR = "dsadapt-like/2"
 
 
-@dataclass
-class MadeModel:
-    path: Path
+@dataclass(kw_only=True)
+class MadeModel(WrittenFolder):
+    """`model make`'s result: the folder, and what it was made like, from which seed."""
+
     like: str | None
-    layers: int
     mtp: int
     seed: int
     params: int
-    bytes: int
-    files: dict[str, str] = field(default_factory=dict)   # shard -> sha256
-    seconds: float = 0.0
     workers: int = 1
 
     def to_json(self) -> dict[str, Any]:
@@ -298,9 +301,9 @@ def write_checkpoint(out: Path, config: dict[str, Any], seed: int = 0, mtp: int 
                         sum(h[-1].end for h in files.headers if h))
         _write_small_files(tmp, config, chat_variant)
         params = sum(math.prod(t.shape) for t in specs if not t.name.endswith("_scale_inv"))
-        made = MadeModel(out, like, int(config["num_hidden_layers"]), mtp_layers(config) if mtp is None else mtp,
-                         seed, params, sum((tmp / n).stat().st_size for n in files.names),
-                         dict(zip(files.names, digests)), workers=workers)
+        made = MadeModel(out, int(config["num_hidden_layers"]), sum((tmp / n).stat().st_size for n in files.names),
+                         dict(zip(files.names, digests)), like=like, mtp=mtp_layers(config) if mtp is None else mtp,
+                         seed=seed, params=params, workers=workers)
         info = {"generator": GENERATOR, "like": like, "released_as": REPOS.get(like or ""), "layers": made.layers,
                 "mtp_layers": made.mtp, "seed": seed, "params": params,
                 "structure": structure.plan(config, seed).to_json(), "files": made.files}

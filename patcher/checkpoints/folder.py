@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.base.errors import MachineError, UsageError, show, size_words
@@ -19,6 +20,18 @@ from patcher.checkpoints.model_dir import INDEX_FILE
 
 #: Disk kept free beyond the checkpoint's own bytes.
 DISK_SLACK = 1 << 28
+
+
+@dataclass
+class WrittenFolder:
+    """A checkpoint folder `model make` or `model slice` wrote: where, its decoder layers, its bytes,
+    each tensor file's sha256, and how long it took (what each command adds: its own fields)."""
+
+    path: Path
+    layers: int
+    bytes: int
+    files: dict[str, str]   # tensor file -> sha256
+    seconds: float = 0.0
 
 
 def require_new_folder(out: Path, what: str) -> None:

@@ -21,13 +21,19 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import UsageError, show, size_words
 from patcher.checkpoints.fingerprint import INFO_FILE, publish_folder
-from patcher.checkpoints.folder import require_disk, require_new_folder, temporary_folder, write_index
+from patcher.checkpoints.folder import (
+    WrittenFolder,
+    require_disk,
+    require_new_folder,
+    temporary_folder,
+    write_index,
+)
 from patcher.checkpoints.layout import layer_of
 from patcher.checkpoints.model_dir import (
     CONFIG_FILE,
@@ -42,18 +48,15 @@ from patcher.checkpoints.safetensors_io import COPY_CHUNK, TensorEntry, copy_ten
 SMALL_FILE = 256 * 1024 * 1024  # other files up to this size are copied into the slice
 
 
-@dataclass
-class SliceResult:
-    path: Path
+@dataclass(kw_only=True)
+class SliceResult(WrittenFolder):
+    """`model slice`'s result: the folder, and what it was cut from."""
+
     source: Path
-    layers: int
     source_layers: int
     dropped_mtp: int
     tensors: int
-    bytes: int
     read_files: int
-    files: dict[str, str] = field(default_factory=dict)   # shard -> sha256
-    seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"path": str(self.path), "source": str(self.source), "layers": self.layers,
@@ -161,5 +164,5 @@ def slice_checkpoint(src: Path, k: int, out: Path, cache: Path | None = None,
         if source_info is not None:
             info["source_info"] = source_info
         publish_folder(tmp, out, info, digests, cache)
-    return SliceResult(out, src, k, ckpt.layers, dropped_mtp, len(names), total, len(plan), digests,
-                       time.monotonic() - t0)
+    return SliceResult(out, k, total, digests, time.monotonic() - t0, source=src, source_layers=ckpt.layers,
+                       dropped_mtp=dropped_mtp, tensors=len(names), read_files=len(plan))

@@ -27,6 +27,9 @@ from patcher.formats.pinref import PinRef
 #: A served engine runs until it is stopped; the guard's own backstop is far away (a week).
 SERVE_DEADLINE_S = 7 * 24 * 3600.0
 READY_S = 900.0
+#: what `dsadapt serve` asks of the server: the longest sequence and the most sequences at once
+SERVE_MAX_MODEL_LEN = 256
+SERVE_MAX_NUM_SEQS = 16
 
 
 def served_name(ref: PinRef, label: str, unpatched: bool = False) -> str:
@@ -51,7 +54,8 @@ def recipe_for(lock: Lock, ref: PinRef, variant: str | None):
 class ServeRequest:
     """What `dsadapt serve` serves through an engine's speed-gate recipe: the pin (patched, or its
     unpatched release), the model folder (`label` names it in the run's work dir), the dtype (None:
-    the recipe's first), the variant, the port (None: a free one) and the server's limits."""
+    the recipe's first), the variant and the port (None: a free one). The server's limits are
+    SERVE_MAX_MODEL_LEN and SERVE_MAX_NUM_SEQS."""
 
     ref: PinRef
     model_dir: Path
@@ -60,8 +64,6 @@ class ServeRequest:
     variant: str | None = None
     port: int | None = None
     unpatched: bool = False
-    max_model_len: int = 256
-    max_num_seqs: int = 16
 
 
 @contextlib.contextmanager
@@ -79,8 +81,8 @@ def serve_recipe(cfg: Config, lock: Lock, req: ServeRequest, *, progress=None, h
     eng = engine(ref.engine)
     host = host or RunHost(cfg, lock, progress, locked=True)
     env = host.environment(eng.env_plan(entry, spec, lock), unpatched=unpatched)
-    settings = ServeSettings(model_dir=req.model_dir, dtype=dtype, max_model_len=req.max_model_len,
-                             max_num_seqs=req.max_num_seqs, device=spec.device,
+    settings = ServeSettings(model_dir=req.model_dir, dtype=dtype, max_model_len=SERVE_MAX_MODEL_LEN,
+                             max_num_seqs=SERVE_MAX_NUM_SEQS, device=spec.device,
                              served_name=served_name(ref, label, unpatched))
     port = port or free_port()
     cmd = recipe.server_command(env.python, port, settings)

@@ -39,7 +39,9 @@ names the rank.
 from __future__ import annotations
 
 import math
+import tomllib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from patcher.base.errors import DsadaptError, plural
@@ -78,53 +80,13 @@ class PointDef:
     per_layer: bool = True
 
 
-POINTS: tuple[PointDef, ...] = (
-    PointDef("embed", "embed", "embedding", "model.embed_tokens",
-             "the token embedding: embed_tokens weight loading, vocabulary or padding", per_layer=False),
-    PointDef("input_norm", "in_norm", "norm", "model.layers.{i}.input_layernorm",
-             "the input RMSNorm: eps (rms_norm_eps), weight, or the fused add-norm's residual input"),
-    PointDef("attn.q_a_norm", "q_a_norm", "attention", "model.layers.{i}.self_attn.q_a_layernorm",
-             "MLA's q latent: q_a_proj and q_a_layernorm (its eps: DeepSeek uses rms_norm_eps)"),
-    PointDef("attn.kv_a_norm", "kv_a_norm", "attention", "model.layers.{i}.self_attn.kv_a_layernorm",
-             "MLA's compressed kv: kv_a_proj_with_mqa, the kv_lora_rank/rope split, kv_a_layernorm "
-             "(its eps: DeepSeek uses rms_norm_eps)"),
-    PointDef("attn.q_rope", "q_rope", "attention", "model.layers.{i}.self_attn (q after RoPE)",
-             "RoPE on q: layout (interleaved pairs vs halves), YaRN frequencies (factor, "
-             "original_max_position_embeddings, beta_fast/beta_slow), cos/sin mscale (mscale vs "
-             "mscale_all_dim), or the q projection"),
-    PointDef("attn.k_rope", "k_rope", "attention", "model.layers.{i}.self_attn (k after RoPE)",
-             "RoPE on the shared k: layout (interleaved pairs vs halves), YaRN frequencies, cos/sin "
-             "mscale, or the rope slice of kv_a_proj_with_mqa"),
-    PointDef("attn.kv_b", "kv_b", "attention", "model.layers.{i}.self_attn.kv_b_proj",
-             "kv_b_proj: the latent-to-(k_nope, v) expansion (weights, head layout)"),
-    PointDef("attn.core", "attn_core", "attention", "model.layers.{i}.self_attn.o_proj (input)",
-             "the attention core: softmax scale (YaRN mscale_all_dim -> mscale²), causal mask, the "
-             "k_nope/v split of kv_b_proj, the MLA prefill/decode kernel"),
-    PointDef("attn.out", "attn_out", "attention", "model.layers.{i}.self_attn",
-             "o_proj (the attention output projection)"),
-    PointDef("post_norm", "post_norm", "norm", "model.layers.{i}.post_attention_layernorm",
-             "the post-attention RMSNorm: eps, weight, or the residual add before it"),
-    PointDef("router.logits", "router_logits", "moe", "model.layers.{i}.mlp.gate (logits)",
-             "the router gate: weight loading, or its dtype (HF computes it in float32)"),
-    PointDef("router.experts", "experts_sel", "moe", "model.layers.{i}.mlp.gate (selected experts)",
-             "expert selection: scoring_func (sigmoid vs softmax), topk_method and group limiting "
-             "(n_group/topk_group, how dropped groups are masked), e_score_correction_bias"),
-    PointDef("router.weights", "experts_w", "moe", "model.layers.{i}.mlp.gate (expert weights)",
-             "expert weights: norm_topk_prob (renormalization), routed_scaling_factor, the scoring "
-             "function"),
-    PointDef("routed", "routed", "moe", "model.layers.{i}.mlp.experts",
-             "the routed experts: expert MLP weights (gate/up/down), activation, how weights are applied"),
-    PointDef("shared", "shared", "moe", "model.layers.{i}.mlp.shared_experts",
-             "the shared experts: their weights (gate/up/down mapping), intermediate size, input"),
-    PointDef("mlp", "mlp", "mlp", "model.layers.{i}.mlp",
-             "the MLP block (dense layers) / the MoE combine (routed + shared, routed_scaling_factor)"),
-    PointDef("out", "layer_out", "residual", "model.layers.{i} (output: residual stream)",
-             "the residual adds of the decoder layer (vLLM/LMDeploy fuse them into the norms)"),
-    PointDef("final_norm", "final_norm", "norm", "model.norm",
-             "the final RMSNorm", per_layer=False),
-    PointDef("logits", "logits", "lm_head", "lm_head",
-             "lm_head / logits processing (scale, soft cap, vocabulary padding)", per_layer=False),
-)
+def _load_points() -> tuple[PointDef, ...]:
+    """patcher/data/points.toml: the points, in the order of a decoder layer's forward."""
+    with (Path(__file__).resolve().parents[1] / "data" / "points.toml").open("rb") as f:
+        return tuple(PointDef(**p) for p in tomllib.load(f)["point"])
+
+
+POINTS: tuple[PointDef, ...] = _load_points()
 POINT = {p.name: p for p in POINTS}
 LAYER_POINTS = tuple(p.name for p in POINTS if p.per_layer)
 
