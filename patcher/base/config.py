@@ -118,7 +118,7 @@ def parse_mirrors(text: str, base: Path) -> dict[str, tuple[Path, ...]]:
         if not part:
             continue
         engine, sep, paths = part.partition("=")
-        if not sep or not engine.strip():
+        if not sep or not engine.strip() or not paths.strip(" ,"):
             raise ConfigError(f"DSADAPT_MIRRORS: {show(part, 60)!r} is not ENGINE=PATH",
                               hint="write DSADAPT_MIRRORS='triton=/srv/mirrors/vllm_backend.git;vllm=/srv/vllm.bundle'")
         out[engine.strip()] = out.get(engine.strip(), ()) + tuple(
@@ -165,10 +165,19 @@ def _toml_line(text: str, key: str) -> str:
     return ""
 
 
+def _config_text(cfg_path: Path) -> str:
+    """dsadapt.toml's text; a directory or a symbolic link to nothing of that name is a ConfigError."""
+    try:
+        return read_text(cfg_path, ConfigError, where=str(cfg_path))
+    except FileNotFoundError:  # a symbolic link to nothing
+        raise ConfigError(f"{cfg_path}: a symbolic link to nothing ({show(os.readlink(cfg_path), 120)})",
+                          hint=f"point it at the real {cfg_path.name}, or remove it") from None
+
+
 def load_file_config(cfg_path: Path) -> dict:
     """dsadapt.toml, validated: known keys with the documented types."""
     where = str(cfg_path)
-    text = read_text(cfg_path, ConfigError, where=where)
+    text = _config_text(cfg_path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -222,7 +231,7 @@ def load_config(project: Path | None = None, env: dict[str, str] | None = None,
     project = project.resolve()
     file_cfg: dict = {}
     cfg_path = project / CONFIG_FILE
-    if cfg_path.is_file():
+    if os.path.lexists(cfg_path):  # a directory or a link loop of that name is an error, not "no file"
         file_cfg = load_file_config(cfg_path)
 
     def setting(var: str, key: str) -> tuple[str | None, str]:

@@ -40,6 +40,18 @@ def read_json(path: Path, where: str, hint: str, error: type[DsadaptError] = Usa
     """The file's JSON value, or `error` (`where`: not valid JSON, with `hint`) when its bytes are
     not UTF-8 JSON. A missing or unreadable file is the caller's (OSError)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
         raise error(f"{where}: not valid JSON ({show(e, 80)})", hint=hint) from None
+    return loads_json(text, where, hint, error)
+
+
+def loads_json(text: str, where: str, hint: str, error: type[DsadaptError] = UsageError) -> Any:
+    """`text`'s JSON value, or `error` naming `where` (its line) when it is not JSON, or nests
+    deeper than Python's parser goes (a file of 100,000 `[`: bad input, not a crash)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}:{e.lineno}: not valid JSON ({e.msg})", hint=hint) from None
+    except RecursionError:
+        raise error(f"{where}: not valid JSON (nested too deeply to read)", hint=hint) from None

@@ -105,17 +105,13 @@ def _fail(path: Path, what: str, hint: str) -> CheckpointError:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    from patcher.base.textfile import read_text
+    from patcher.base.textfile import loads_json, read_text
 
     f = Path(path) / CONFIG_FILE
     if not f.is_file():
         raise _fail(path, "not a checkpoint: no config.json",
                     "point --model at a model folder (config.json, *.safetensors, tokenizer), or use a built-in model")
-    try:
-        data = json.loads(read_text(f, CheckpointError))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{show(f, 120)}:{e.lineno}: not valid JSON ({e.msg})",
-                              hint="fix the model's config.json") from None
+    data = loads_json(read_text(f, CheckpointError), show(f, 120), "fix the model's config.json", CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{show(f, 120)}: not a JSON object", hint="fix the model's config.json")
     return data
@@ -126,7 +122,7 @@ def _weight_map(path: Path) -> tuple[bool, dict[str, str]]:
     if index.is_file():
         try:
             doc = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise _fail(path, f"{INDEX_FILE} is not readable JSON ({e})",
                         "restore the index the checkpoint was released with") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None

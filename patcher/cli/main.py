@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from patcher.base.errors import UsageError
-from patcher.cli.options import add_output_options, output_options
+from patcher.cli.options import add_output_options, output_options, refuse_empty_paths
 
 #: click's completion protocol: `_DSADAPT_COMPLETE=bash_source dsadapt` prints the bash script
 #: (zsh_source, fish_source likewise); docs/user-guide.md#shell-completion
@@ -226,6 +226,7 @@ def cli(click_ctx: click.Context, project: Path | None, as_json: bool, report_di
 
 cli.commands = LazyCommands()
 cli.params += output_options()
+refuse_empty_paths(cli)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,8 +88,27 @@ def output_options() -> list[click.Option]:
     ]
 
 
+class NonEmptyPath(click.Path):
+    """click.Path that refuses an empty value: `--out ''` is a mistake (an unset variable in a
+    script), never "the current directory", which click would make of it."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path (pass a path, or leave the option out)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def refuse_empty_paths(cmd: click.Command) -> None:
+    """Every path option and argument of `cmd` refuses an empty value (NonEmptyPath)."""
+    for p in cmd.params:
+        if type(p.type) is click.Path:
+            p.type.__class__ = NonEmptyPath
+
+
 def add_output_options(cmd: click.Command) -> click.Command:
-    """Give `cmd` (and, for a group, its commands) the options of `output_options` it lacks."""
+    """Give `cmd` (and, for a group, its commands) the options of `output_options` it lacks, and
+    make its path parameters refuse an empty value."""
+    refuse_empty_paths(cmd)
     have = {o for p in cmd.params for o in getattr(p, "opts", [])}
     for opt in output_options():
         if not set(opt.opts) & have:

@@ -85,6 +85,8 @@ def os_error(e: OSError) -> DsadaptError:
     if code == errno.EFBIG:
         return MachineError(f"file too large for this process or file system{at}",
                             hint="raise the file-size limit (`ulimit -f unlimited`) or use another file system")
+    if code == errno.ELOOP:  # a path of the user's that loops: bad input, not the machine
+        return UsageError(f"a symbolic link loop{at}", hint="point the link at a real file or folder, or remove it")
     if code in (errno.EMFILE, errno.ENFILE):
         return MachineError("too many open files", hint="raise the limit (`ulimit -n 4096`) and rerun")
     if code == errno.ENOMEM:
@@ -97,6 +99,21 @@ def os_error(e: OSError) -> DsadaptError:
     what = e.strerror or e.__class__.__name__
     return MachineError(f"{what.lower() if what[:1].isupper() and what[1:2].islower() else what}{at}",
                         hint="fix the file-system problem named above and rerun")
+
+
+def _input_loop(e: BaseException) -> UsageError | None:
+    """Inputs that loop or nest without end, read where no caller named the file: a symbolic link
+    loop (pathlib's RuntimeError) or JSON nested deeper than the parser goes. Bad input (exit 2),
+    never a bug."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and not isinstance(e, RecursionError) and text.startswith("Symlink loop from"):
+        where = text.removeprefix("Symlink loop from").strip().strip("'")
+        return UsageError(f"a symbolic link loop: {show(where, 160)}",
+                          hint="point the link at a real file or folder, or remove it")
+    if isinstance(e, RecursionError) and "JSON" in text:
+        return UsageError("an input is not valid JSON (nested too deeply to read)",
+                          hint="pass the file dsadapt or the tool named in the option's help wrote")
+    return None
 
 
 def to_error(e: BaseException, args: list[str] | None = None) -> DsadaptError:
@@ -115,6 +132,9 @@ def to_error(e: BaseException, args: list[str] | None = None) -> DsadaptError:
                           f"{e.start})", hint="save the file as UTF-8")
     if isinstance(e, OSError):
         return os_error(e)
+    loop = _input_loop(e)
+    if loop is not None:
+        return loop
     sp = sys.modules.get("subprocess")  # (not imported here: a timeout can only come from code that did)
     if sp is not None and isinstance(e, sp.TimeoutExpired):
         cmd = e.cmd if isinstance(e.cmd, str) else " ".join(str(x) for x in (e.cmd or [])[:3])

@@ -52,6 +52,8 @@ class ModelChoice:
 def choose_model(model: str, parallel: Parallel = SINGLE) -> ModelChoice:
     """--model: a built-in name or a checkpoint folder whose config.json and weights agree, and that
     splits over `parallel`'s ranks; else a one-line UsageError (exit 2) before anything runs."""
+    if not model.strip():  # Path("") would be the current directory
+        raise UsageError("--model is empty", hint="use --model v3, --model v2-lite, --model v2, or a local HF model directory")
     if model in BUILTIN_MODELS:
         from patcher.checkpoints.tiny import deepseek_config
 

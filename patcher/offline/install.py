@@ -54,6 +54,22 @@ class OfflineResult:
         return asdict(self)
 
 
+def precheck_bundle(path: Path) -> None:
+    """What --offline BUNDLE can be told before the work-dir lock and any unpacking: it exists, a
+    file is a tar archive, a folder holds a bundle's manifest (bad input changes nothing)."""
+    import tarfile
+
+    from patcher.formats.bundle import read_manifest
+
+    if not path.exists():
+        raise UsageError(f"--offline {show(path, 120)}: no such file or folder",
+                         hint="pass the folder (or .tar) `dsadapt bundle` wrote")
+    if path.is_file() and not tarfile.is_tarfile(path):
+        raise UsageError(f"{show(path, 120)}: not a readable tar", hint="pass the .tar `dsadapt bundle --tar` wrote")
+    if path.is_dir():
+        read_manifest(path)
+
+
 def open_bundle(cfg: Config, path: Path, progress=None) -> Path:
     """The bundle directory for `path` (a folder, or a .tar unpacked into the work dir)."""
     if path.is_file():

@@ -132,14 +132,14 @@ class Target:
 
 
 def parse_python(text: str | None, default: str) -> str:
-    value = text or default
+    value = default if text is None else text
     if not re.fullmatch(r"3\.\d{1,2}", value):
         raise UsageError(f"--python {show(value, 20)}: not a Python version X.Y", hint="e.g. --python 3.12")
     return value
 
 
 def parse_platform(text: str | None) -> str:
-    value = text or DEFAULT_PLATFORM
+    value = DEFAULT_PLATFORM if text is None else text
     m = _PLATFORM_RE.match(value)
     if not m:
         raise UsageError(f"--platform {show(value, 40)}: not a manylinux platform tag",
@@ -154,7 +154,23 @@ def parse_size(text: str | None) -> int | None:
     m = _SIZE_RE.match(text)
     if not m:
         raise UsageError(f"--max-size {show(text, 20)}: not a size", hint="e.g. --max-size 60MiB")
-    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()])
+    n = int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()])
+    if n <= 0:
+        raise UsageError(f"--max-size {show(text, 20)}: must be above 0", hint="e.g. --max-size 60MiB")
+    return n
+
+
+def check_request(req: BundleRequest) -> None:
+    """The checks of a bundle request that need nothing but its text (--python, --platform, --have,
+    --exclude): made before the work-dir lock is taken, so that bad input changes nothing."""
+    if req.python is not None:
+        parse_python(req.python, "")
+    if req.platform is not None:
+        parse_platform(req.platform)
+    parse_have(req.have)
+    for name in req.exclude:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise UsageError(f"--exclude {show(name, 60)!r}: not a distribution name", hint="e.g. --exclude triton")
 
 
 # ---------------------------------------------------------------- what the host has

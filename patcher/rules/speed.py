@@ -132,9 +132,12 @@ class Workload:
 
 def parse_int_list(text: str | None, option: str, *, zero: bool = False) -> tuple[int, ...] | None:
     """'1,4,16' -> (1, 4, 16); positive integers only (`zero`: 0 too, for a caller that says
-    itself why 0 is wrong); None/'' -> None."""
-    if text is None or not str(text).strip():
+    itself why 0 is wrong); None (the option not given) -> None. An empty value given on the
+    command line (`--concurrency ''`) is refused: it never silently means the default."""
+    if text is None:
         return None
+    if not str(text).strip():
+        raise UsageError(f"{option} is empty", hint=f"give a comma list, e.g. {option} 1,4,16, or leave the option out")
     out = []
     for part in str(text).split(","):
         part = part.strip()

@@ -32,29 +32,18 @@ from patcher.cli.commands.common import Context, emit_json, json_option, pass_ct
 @json_option
 @pass_ctx
 def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool, only: str | None, sizes: str,
-              stack_pin: str, rebase_to: str, as_json: bool) -> None:
+              stack_pin: str | None, rebase_to: str | None, as_json: bool) -> None:
     """Time builds next to the alternative and stack operations next to raw git; write docs/benchmarks.md."""
-    from patcher.base.errors import UsageError
     from patcher.base.workdir import workdir_lock
     from patcher.bench.driver import run_bench
     from patcher.bench.page import BUILD_COLUMNS, CHECK_COLUMNS, build_table, check_table, format_markdown
 
-    try:
-        ns = tuple(sorted({int(x) for x in sizes.split(",") if x.strip()}))
-    except ValueError:
-        raise UsageError(f"--sizes {sizes!r} is not a comma list of numbers", hint="e.g. --sizes 1,10,100") from None
-    if not ns or min(ns) < 1 or max(ns) > 5000:
-        raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
-    if stack_pin is None:
-        from patcher.bench.stack_ops import default_stack_pin
-
-        stack_pin, default_to = default_stack_pin(ctx.lock)
-        rebase_to = default_to if rebase_to is None else rebase_to
-    stack_ops = None if only in ("builds", "start-up", "reports") else {"pin": stack_pin, "sizes": ns,
+    ns, pin, rebase_to = _stack_ops_args(ctx, sizes, stack_pin, rebase_to)
+    stack_ops = None if only in ("builds", "start-up", "reports") else {"pin": pin, "sizes": ns,
                                                                        "repeat": repeat,
                                                                        "rebase_to": rebase_to or None}
     startup = None if only in ("builds", "stack-ops", "reports") else {"repeat": max(5, 3 * repeat),
-                                                                      "build_pin": stack_pin}
+                                                                      "build_pin": pin}
     with workdir_lock(ctx.cfg):
         report = run_bench(ctx.cfg, ctx.lock, repeat, not no_alternative, progress=progress_printer(),
                            builds_too=only is None or only == "builds", stack_ops=stack_ops, startup=startup)
@@ -82,6 +71,29 @@ def bench_cmd(ctx: Context, repeat: int, out: Path | None, no_alternative: bool,
     if report.checks:
         table("check wall time", CHECK_COLUMNS, check_table(report))
     common.out(f"wrote {path}")
+
+
+def _stack_ops_args(ctx: Context, sizes: str, stack_pin: str | None, rebase_to: str | None
+                    ) -> tuple[tuple[int, ...], str, str | None]:
+    """--sizes, --stack-pin and --rebase-to checked before anything is measured (a bad one would
+    otherwise be found only after the builds were timed): the sizes, the pin, the tag."""
+    from patcher.base.errors import UsageError
+    from patcher.formats.pinref import parse_pinref
+    from patcher.rules.speed import parse_int_list
+
+    ns = tuple(sorted(set(parse_int_list(sizes, "--sizes") or ())))
+    if max(ns) > 5000:
+        raise UsageError(f"--sizes {sizes!r}: sizes go from 1 to 5000", hint="e.g. --sizes 1,10,100")
+    if stack_pin is None:
+        from patcher.bench.stack_ops import default_stack_pin
+
+        stack_pin, default_to = default_stack_pin(ctx.lock)
+        rebase_to = default_to if rebase_to is None else rebase_to
+    else:
+        ctx.lock.pin(parse_pinref(stack_pin))
+    if rebase_to:
+        parse_pinref(f"{stack_pin.partition('@')[0]}@{rebase_to}")  # a tag name (pinned or not: the rebase pins it)
+    return ns, stack_pin, rebase_to
 
 
 COMMANDS = [bench_cmd]

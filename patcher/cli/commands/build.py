@@ -101,8 +101,9 @@ def install_cmd(ctx: common.Context, pin: str | None, variant: str | None, offli
 def _install_offline(ctx: common.Context, pin: str | None, variant: str | None, bundle: Path,
                      system_site_packages: bool, as_json: bool) -> None:
     from patcher.formats.bundle import read_manifest
-    from patcher.offline.install import install_offline, open_bundle
+    from patcher.offline.install import install_offline, open_bundle, precheck_bundle
 
+    precheck_bundle(bundle)
     progress = common.progress_printer()
     with workdir_lock(ctx.cfg):
         directory = open_bundle(ctx.cfg, bundle, progress)

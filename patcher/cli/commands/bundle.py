@@ -18,7 +18,7 @@ from patcher.cli.commands.common import (
     ref_of,
 )
 from patcher.engines.registry import engine
-from patcher.offline.pack import BundleRequest, make_bundle, parse_size, parse_stacks
+from patcher.offline.pack import BundleRequest, check_request, make_bundle, parse_size, parse_stacks
 
 
 @click.command("bundle", short_help="One folder (or .tar) with everything an offline machine needs to run `dsadapt check PIN` there.")
@@ -59,11 +59,11 @@ def bundle_cmd(ctx: Context, pin: str, variant: str | None, python: str | None, 
         engine(ref.engine).variant(variant)
     limit = parse_size(max_size)
     extra = parse_stacks(stacks)
+    req = BundleRequest(ref, variant=variant, python=python, platform=platform, out=out, tar=tar, have=have,
+                        exclude=exclude, unpatched=not no_unpatched, max_size=limit, stacks=extra)
+    check_request(req)
     with workdir_lock(ctx.cfg):
-        res = make_bundle(ctx.cfg, ctx.lock, BundleRequest(ref, variant=variant, python=python, platform=platform,
-                                                           out=out, tar=tar, have=have, exclude=exclude,
-                                                           unpatched=not no_unpatched, max_size=limit, stacks=extra),
-                          progress=progress_printer())
+        res = make_bundle(ctx.cfg, ctx.lock, req, progress=progress_printer())
     if as_json:
         emit_json(res.to_json(), schema="dsadapt.bundle-result/1")
         return

@@ -42,6 +42,11 @@ def _size(text: str) -> int:
     return n
 
 
+def _given(name: str) -> bool:
+    """Whether the option `name` was given on the command line (not its default)."""
+    return click.get_current_context().get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+
+
 @click.group("model")
 def model() -> None:
     """Checkpoints for the equivalence gate: built-in tiny models, DeepSeek's released layouts, slices."""
@@ -73,8 +78,12 @@ def make_cmd(variant: str | None, like: str | None, layers: int | None, mtp: int
     from patcher.base.errors import UsageError
 
     if like is None:
-        if layers is not None or mtp is not None:
-            raise UsageError("--layers and --mtp go with --like", hint="e.g. dsadapt model make --like deepseek-v3 --layers 4 --out DIR")
+        given = [o for o, v in (("--layers", layers), ("--mtp", mtp), ("--workers", workers)) if v is not None]
+        if _given("shard_size"):
+            given.append("--shard-size")
+        if given:
+            raise UsageError(f"{given[0]} goes with --like (--layers, --mtp, --shard-size and --workers shape a "
+                             "released layout)", hint="e.g. dsadapt model make --like deepseek-v3 --layers 4 --out DIR")
         info = tiny.make_model(out, variant=variant or "v3", config_style=config_style, seed=seed)
         data = info.to_json()
         if as_json:

@@ -143,7 +143,7 @@ def perf_request(ctx: Context, pin, *, variant, model, config_style, dtype, conc
     assert ref is not None
     choice = choose_model(model)
     check_threshold(threshold)
-    if time_limit <= 0:
+    if not time_limit > 0:  # nan too
         raise UsageError(f"--time-limit {time_limit:g} must be positive", hint="seconds, e.g. --time-limit 1800")
     reqs = parse_int_list(requests, "--requests", zero=True)  # 0: the workload says why not
     req = PerfRequest(ref, model=model, config_style=config_style, dtype=dtype, variant=variant,

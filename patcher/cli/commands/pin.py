@@ -23,6 +23,7 @@ def pin_cmd(ctx: common.Context, pin: str, update: bool, no_lock: bool, as_json:
     A new pin also gets the hash lock of each of its environments (`dsadapt lock`), unless
     --no-lock; where that cannot be done, one line says why and what to run."""
     ref = common.ref_of(pin)
+    ctx.lock.engine(ref.engine)  # an engine upstream.lock does not declare: said before the work-dir lock
     with workdir_lock(ctx.cfg):
         entry, notes = resolve_pin(ctx.cfg, ctx.lock, ref, update=update, progress=common.progress_printer())
         old = ctx.lock.pins.get(str(ref))

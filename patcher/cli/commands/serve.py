@@ -27,7 +27,7 @@ from patcher.engines.base import GateRun
 from patcher.engines.registry import engine
 from patcher.gate.equivalence import resolve_model
 from patcher.gate.hosts import RunHost
-from patcher.gate.plan import served_engine_of
+from patcher.gate.plan import choose_model, served_engine_of
 
 
 @click.command("serve")
@@ -68,6 +68,7 @@ def serve_cmd(ctx: Context, pin: str, model: str, config_style: str | None, dtyp
         raise UsageError(f"{ref.engine} serves the patched backend; --unpatched-engine serves the pristine engine "
                          "behind it", hint=f"dsadapt serve {ref} --unpatched-engine")
     spec = eng.variant_for(entry, variant)
+    choose_model(model)  # a --model that is none: said before the work-dir lock is taken
     progress = progress_printer()
     style_default = eng.model_config_style if own else "deepseek"
     with workdir_lock(ctx.cfg):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from patcher.base.errors import UsageError
 from patcher.cli.commands.common import Context, emit_json, json_option, note, out, pass_ctx, plural, table, warn
 
 
@@ -150,6 +151,9 @@ def gc_cmd(ctx: Context, dry_run: bool, runs: bool, leftovers_only: bool, as_jso
     from patcher.base import leftovers
     from patcher.base.workdir import workdir_lock
 
+    if runs and leftovers_only:  # --runs removes what is merely unused, which --leftovers-only keeps
+        raise UsageError("pass --runs or --leftovers-only, not both",
+                         hint="--leftovers-only keeps runs/; `dsadapt gc --runs` also removes it")
     lock = ctx.lock  # a broken project (malformed lock) is refused before anything is removed
     with workdir_lock(ctx.cfg):
         found = leftovers.find(ctx.cfg)
