@@ -72,6 +72,7 @@ def precheck_bundle(path: Path) -> None:
 
 def open_bundle(cfg: Config, path: Path, progress=None) -> Path:
     """The bundle directory for `path` (a folder, or a .tar unpacked into the work dir)."""
+    precheck_bundle(path)
     if path.is_file():
         dest = cfg.workdir / "bundles" / path.name.removesuffix(".tar")
         if dest.exists():
@@ -81,9 +82,6 @@ def open_bundle(cfg: Config, path: Path, progress=None) -> Path:
         if progress:
             progress(f"unpacking {path.name} into {dest}")
         return unpack_tar(path, dest)
-    if not path.exists():
-        raise UsageError(f"--offline {show(path, 120)}: no such file or folder",
-                         hint="pass the folder (or .tar) `dsadapt bundle` wrote")
     return path
 
 
